@@ -1,0 +1,254 @@
+"""Helpers shared by the drawing back ends: reading the trace graph, scopes, statuses, shapes.
+
+The graph schema (see DESIGN.md, "The graph"): node attributes ``kind``, ``label``, ``op``,
+``scope``, ``status``, ``root_cause``, ``message``, ``order`` and, for kernel nodes, ``kernel``,
+``backend``, ``grid``, ``threadgroup``, ``template``, ``source_hash``, ``source``,
+``generated_name``; edges keyed by array name with ``shape``, ``dtype`` and ``index``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping
+
+import networkx as nx
+
+UPSTREAM_FAILED = 10
+
+#: Status code -> name; filled from graphkern.nodes.Status (falls back to the numbers).
+_STATUS_NAMES: dict[int, str] | None = None
+
+
+def status_names() -> dict[int, str]:
+    """Status code -> name, from ``graphkern.nodes.Status``.
+
+    >>> status_names()[0]
+    'OK'
+    """
+    global _STATUS_NAMES
+    if _STATUS_NAMES is None:
+        try:
+            from graphkern.nodes import Status
+
+            _STATUS_NAMES = {int(s): s.name for s in Status}
+        except Exception:  # pragma: no cover - graphkern.nodes always exists in the package
+            _STATUS_NAMES = {0: "OK", UPSTREAM_FAILED: "UPSTREAM_FAILED"}
+    return _STATUS_NAMES
+
+
+def status_name(code: Any) -> str:
+    """``8`` -> ``"COMPILE_ERROR"``; unknown codes print as their number.
+
+    >>> status_name(0), status_name(10), status_name(999)
+    ('OK', 'UPSTREAM_FAILED', '999')
+    """
+    try:
+        return status_names().get(int(code), str(int(code)))
+    except (TypeError, ValueError):
+        return str(code)
+
+
+def as_nx(graph: Any) -> nx.MultiDiGraph:
+    """The ``networkx.MultiDiGraph`` behind ``graph`` (a ``gk.Graph``, anything with ``.nx``, or the
+    networkx graph itself).
+
+    >>> as_nx(nx.MultiDiGraph()).number_of_nodes()
+    0
+    """
+    if isinstance(graph, nx.Graph):
+        return graph  # type: ignore[return-value]
+    inner = getattr(graph, "nx", None)
+    if isinstance(inner, nx.Graph):
+        return inner  # type: ignore[return-value]
+    raise TypeError(
+        f"expected a graphkern Graph (with a networkx .nx attribute), got {type(graph).__name__}"
+    )
+
+
+def graph_name(g: nx.MultiDiGraph) -> str:
+    return str(g.graph.get("name") or "graph")
+
+
+def node_status(data: Mapping[str, Any]) -> int:
+    try:
+        return int(data.get("status") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def is_root_failure(data: Mapping[str, Any]) -> bool:
+    s = node_status(data)
+    return s != 0 and s != UPSTREAM_FAILED
+
+
+def ordered_nodes(g: nx.MultiDiGraph) -> list[Any]:
+    """Node ids in topological position: by the ``order`` attribute, else a topological sort."""
+    nodes = list(g.nodes)
+    if nodes and all(isinstance(g.nodes[n].get("order"), int) for n in nodes):
+        return sorted(nodes, key=lambda n: g.nodes[n]["order"])
+    try:
+        return list(nx.lexicographical_topological_sort(g, key=str))
+    except (nx.NetworkXUnfeasible, TypeError):
+        return nodes
+
+
+def in_edges_sorted(g: nx.MultiDiGraph, node: Any) -> list[tuple[Any, Any, Any, dict[str, Any]]]:
+    """Incoming edges ``(u, v, key, data)`` ordered by argument position."""
+    edges = list(g.in_edges(node, keys=True, data=True))
+    edges.sort(key=lambda e: (_int(e[3].get("index"), 0), str(e[2])))
+    return edges
+
+
+def _int(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def format_shape(shape: Any) -> str:
+    """``(4, 8)`` -> ``"4,8"``, ``()`` -> ``""``, ``None`` -> ``"?"``.
+
+    >>> format_shape((4, 8)), format_shape(()), format_shape(None)
+    ('4,8', '', '?')
+    """
+    if shape is None:
+        return "?"
+    if isinstance(shape, (list, tuple)):
+        return ",".join(str(d) for d in shape)
+    return str(shape)
+
+
+def format_tensor(shape: Any, dtype: Any) -> str:
+    """``float32[4,8]``: the dtype and the shape of one array.
+
+    >>> format_tensor((4, 8), "float32"), format_tensor((), "int32")
+    ('float32[4,8]', 'int32[]')
+    """
+    return f"{dtype or '?'}[{format_shape(shape)}]"
+
+
+_NUM_PART = re.compile(r"^\d+$")
+
+
+def scope_parts(scope: Any) -> list[str]:
+    """The nesting levels of a module scope; list indices stay with their list.
+
+    ``"layers.0.self_attn.q_proj"`` is three levels: ``layers.0``, ``self_attn``, ``q_proj``.
+
+    >>> scope_parts("layers.0.self_attn.q_proj")
+    ['layers.0', 'self_attn', 'q_proj']
+    >>> scope_parts(""), scope_parts(None)
+    ([], [])
+    """
+    if not scope:
+        return []
+    parts: list[str] = []
+    for piece in str(scope).split("."):
+        if not piece:
+            continue
+        if _NUM_PART.match(piece) and parts:
+            parts[-1] = f"{parts[-1]}.{piece}"
+        else:
+            parts.append(piece)
+    return parts
+
+
+def scope_paths(scope: Any) -> list[str]:
+    """Every enclosing group path of a scope, outermost first.
+
+    >>> scope_paths("layers.0.mlp.up")
+    ['layers.0', 'layers.0.mlp', 'layers.0.mlp.up']
+    """
+    parts = scope_parts(scope)
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+@dataclass(frozen=True)
+class FailureSummary:
+    """One root failure and how far it reached."""
+
+    node: Any
+    status: int
+    message: str
+    affected: int  # descendants marked UPSTREAM_FAILED (or failed) because of it
+
+
+def failures(g: nx.MultiDiGraph) -> list[FailureSummary]:
+    """Root failures in topological order with the number of nodes each one affects."""
+    roots = [n for n in ordered_nodes(g) if is_root_failure(g.nodes[n])]
+    affected: dict[Any, int] = {r: 0 for r in roots}
+    for n, data in g.nodes(data=True):
+        if node_status(data) == UPSTREAM_FAILED and data.get("root_cause") in affected:
+            affected[data["root_cause"]] += 1
+    return [
+        FailureSummary(r, node_status(g.nodes[r]), str(g.nodes[r].get("message") or ""), affected[r])
+        for r in roots
+    ]
+
+
+def node_text(value: Any) -> str:
+    """Attribute values as display text (lists of pairs for templates, tuples for grids)."""
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, (list, tuple)) and len(v) == 2 for v in value):
+            return ", ".join(f"{a}={b}" for a, b in value)
+        return "(" + ", ".join(str(v) for v in value) + ")"
+    return str(value)
+
+
+def group_tree(scopes: Iterable[Any]) -> list[tuple[str, str, int, int]]:
+    """Groups for a set of scopes: ``(path, label, parent index, depth)``, parents first.
+
+    >>> group_tree(["a.b", "a"])
+    [('a', 'a', -1, 0), ('a.b', 'b', 0, 1)]
+    """
+    index: dict[str, int] = {}
+    out: list[tuple[str, str, int, int]] = []
+    for scope in sorted({str(s) for s in scopes if s}):
+        parts = scope_parts(scope)
+        for depth in range(len(parts)):
+            path = ".".join(parts[: depth + 1])
+            if path in index:
+                continue
+            parent = index[".".join(parts[:depth])] if depth else -1
+            index[path] = len(out)
+            out.append((path, parts[depth], parent, depth))
+    return out
+
+
+def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename, so a
+    reader never sees half a file and a failure leaves nothing behind.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "x.txt"
+    >>> atomic_write(p, "hi"); p.read_text()
+    'hi'
+    """
+    target = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(target))
+    fd, tmp = tempfile.mkstemp(prefix=".gk-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def iter_kernel_fields(data: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    """``(name, text)`` of the kernel attributes worth showing, in a fixed order."""
+    for key in ("kernel", "backend", "grid", "threadgroup", "template", "source_hash",
+                "generated_name"):
+        value = data.get(key)
+        if value not in (None, "", []):
+            yield key, node_text(value)

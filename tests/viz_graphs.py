@@ -1,0 +1,267 @@
+"""Hand-built trace graphs in graphkern's schema, for the drawing tests and benchmarks.
+
+They follow DESIGN.md's "The graph" exactly (node kinds, attributes, one edge per array keyed by
+its name), so the viewers can be tested without tracing, at any size, with failures placed where
+a test wants them. ``FakeGraph`` stands in for ``gk.Graph``: it has ``.nx`` and ``.status``.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import networkx as nx
+
+OK = 0
+COMPILE_ERROR = 8
+INVALID_LAUNCH = 2
+UPSTREAM_FAILED = 10
+
+
+@dataclass(frozen=True)
+class Ref:
+    """One array: the node that made it, its name, shape and dtype."""
+
+    node: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+
+class FakeGraph:
+    """What the viewers need of ``gk.Graph``: ``.nx`` and ``.status``."""
+
+    def __init__(self, g: nx.MultiDiGraph):
+        self.nx = g
+
+    @property
+    def status(self) -> int:
+        for n in sorted(self.nx.nodes, key=lambda n: self.nx.nodes[n]["order"]):
+            s = self.nx.nodes[n]["status"]
+            if s not in (OK, UPSTREAM_FAILED):
+                return s
+        return OK
+
+    def failures(self) -> list[str]:
+        return [n for n, d in self.nx.nodes(data=True) if d["status"] not in (OK, UPSTREAM_FAILED)]
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+class Builder:
+    """Builds a graph node by node, in topological order, with torch.fx-like ids."""
+
+    def __init__(self, name: str = "forward", backend: str = "reference"):
+        self.g = nx.MultiDiGraph()
+        # (not as constructor keywords: networkx takes ``backend=`` for itself)
+        self.g.graph.update(name=name, backend=backend, mlx_version="0.32.4")
+        self._ids: Counter[str] = Counter()
+        self._arrays = 0
+        self._order = 0
+
+    def _id(self, base: str) -> str:
+        n = self._ids[base]
+        self._ids[base] += 1
+        return base if n == 0 else f"{base}_{n}"
+
+    def _node(self, base: str, kind: str, *, label: str | None = None, op: str = "",
+              scope: str = "", **attrs: Any) -> str:
+        node = self._id(base)
+        self.g.add_node(node, kind=kind, label=label or node, op=op, scope=scope, status=OK,
+                        root_cause=None, message="", order=self._order, **attrs)
+        self._order += 1
+        return node
+
+    def _array(self, node: str, shape: Sequence[int], dtype: str) -> Ref:
+        self._arrays += 1
+        return Ref(node, f"a{self._arrays}", tuple(shape), dtype)
+
+    def _connect(self, inputs: Iterable[Ref], node: str) -> None:
+        for i, ref in enumerate(inputs):
+            self.g.add_edge(ref.node, node, key=ref.name, shape=ref.shape, dtype=ref.dtype, index=i)
+
+    def input(self, name: str, shape: Sequence[int], dtype: str = "float32") -> Ref:
+        node = self._node(name, "input")
+        return Ref(node, name, tuple(shape), dtype)
+
+    def const(self, shape: Sequence[int], value: str = "0.5", scope: str = "",
+              dtype: str = "float32") -> Ref:
+        node = self._node("constant", "constant", scope=scope, value=value)
+        return self._array(node, shape, dtype)
+
+    def op(self, op: str, inputs: Sequence[Ref], shape: Sequence[int] | None = None, *,
+           scope: str = "", dtype: str | None = None, arguments: str = "") -> Ref:
+        node = self._node(_snake(op), "op", label=op, op=op, scope=scope, arguments=arguments)
+        self._connect(inputs, node)
+        return self._array(node, inputs[0].shape if shape is None else shape,
+                           dtype or inputs[0].dtype)
+
+    def kernel(self, name: str, inputs: Sequence[Ref], shape: Sequence[int] | None = None, *,
+               scope: str = "", backend: str = "metal", source: str | None = None) -> Ref:
+        out_shape = tuple(inputs[0].shape if shape is None else shape)
+        size = 1
+        for d in out_shape:
+            size *= d
+        node = self._node(
+            name, "kernel", label=name, op=name, scope=scope, kernel=name, backend=backend,
+            grid=[size, 1, 1], threadgroup=[256, 1, 1], template=[["T", "float32"]],
+            source_hash="3f2a9c41d0be",
+            source=source if source is not None else (
+                "uint i = thread_position_in_grid.x;\nout[i] = x[i] * T(2) + y[i];"),
+            generated_name=f"custom_kernel_{name}_3f2a9c41",
+        )
+        self._connect(inputs, node)
+        return self._array(node, out_shape, inputs[0].dtype)
+
+    def output(self, ref: Ref) -> str:
+        n = self._ids["output"]
+        node = self._node(f"output_{n}", "output")
+        self._ids["output"] += 1
+        self._connect([ref], node)
+        return node
+
+    def done(self) -> FakeGraph:
+        return FakeGraph(self.g)
+
+
+def fail(graph: FakeGraph | nx.MultiDiGraph, node: str, status: int = COMPILE_ERROR,
+         message: str = "error: use of undeclared identifier 'q'") -> list[str]:
+    """Mark ``node`` failed and everything downstream UPSTREAM_FAILED; returns the descendants."""
+    g = graph.nx if isinstance(graph, FakeGraph) else graph
+    g.nodes[node].update(status=status, root_cause=node, message=message)
+    down = sorted(nx.descendants(g, node), key=lambda n: g.nodes[n]["order"])
+    for d in down:
+        if g.nodes[d]["status"] == OK:
+            g.nodes[d].update(status=UPSTREAM_FAILED, root_cause=node)
+    return down
+
+
+def small(*, failed: bool = False) -> FakeGraph:
+    """Nine nodes: an input, a weight, a scoped MLP with a kernel, a residual add, one output.
+
+    With ``failed``, the kernel ``scale_add`` has COMPILE_ERROR and its descendants are marked.
+    """
+    b = Builder("small_model")
+    x = b.input("x", (4, 8))
+    w = b.const((8, 8), "[[0.1, ...]]", scope="mlp.up")
+    h = b.op("Matmul", [x, w], (4, 8), scope="mlp.up")
+    y = b.kernel("scale_add", [h, x], scope="mlp")
+    a = b.op("Sigmoid", [y], scope="mlp.act")
+    m = b.op("Multiply", [a, y], scope="mlp.act")
+    r = b.op("Add", [m, x], arguments="")
+    s = b.op("Sum", [r], (4,), arguments="axes=[1], keepdims=false")
+    b.output(s)
+    g = b.done()
+    if failed:
+        fail(g, "scale_add")
+    return g
+
+
+def transformer(layers: int = 2, *, d: int = 64, seq: int = 16, failed_layer: int | None = None,
+                kernel_norm: bool = True) -> FakeGraph:
+    """A decoder-like trace: embedding, ``layers`` blocks (attention, MLP, norms), head.
+
+    About 60 nodes per block. With ``kernel_norm`` each block's first norm is the kernel
+    ``rms_norm``; otherwise it is the six ops it stands for (``patch`` turns one into the other).
+    ``failed_layer`` gives that block's ``rms_norm`` a COMPILE_ERROR.
+    """
+    b = Builder("decoder_forward")
+    tokens = b.input("tokens", (1, seq), "int32")
+    table = b.const((1000, d), "<embedding 1000x64>", scope="embed_tokens")
+    h = b.op("Gather", [table, tokens], (1, seq, d), scope="embed_tokens", dtype="float32")
+    for i in range(layers):
+        p = f"layers.{i}"
+        norm_scope = f"{p}.input_layernorm"
+        if kernel_norm:
+            wn = b.const((d,), "<weight>", scope=norm_scope)
+            n1 = b.kernel("rms_norm", [h, wn], scope=norm_scope)
+        else:
+            n1 = _norm_ops(b, h, norm_scope, d)
+        heads: list[Ref] = []
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            sc = f"{p}.self_attn.{proj}"
+            w = b.const((d, d), "<weight>", scope=sc)
+            t = b.op("Transpose", [w], (d, d), scope=sc, arguments="axes=[1, 0]")
+            mm = b.op("Matmul", [n1, t], (1, seq, d), scope=sc)
+            heads.append(b.op("Reshape", [mm], (1, seq, 4, d // 4), scope=f"{p}.self_attn"))
+        q, k, v = (b.op("Transpose", [hh], (1, 4, seq, d // 4), scope=f"{p}.self_attn",
+                        arguments="axes=[0, 2, 1, 3]") for hh in heads)
+        rope = f"{p}.self_attn.rope"
+        q = b.op("RoPE", [q], scope=rope, arguments="dims=16, base=10000")
+        k = b.op("RoPE", [k], scope=rope, arguments="dims=16, base=10000")
+        kt = b.op("Transpose", [k], (1, 4, d // 4, seq), scope=f"{p}.self_attn")
+        sc_ = b.op("Matmul", [q, kt], (1, 4, seq, seq), scope=f"{p}.self_attn")
+        scale = b.const((), "0.25", scope=f"{p}.self_attn")
+        sc_ = b.op("Multiply", [sc_, scale], scope=f"{p}.self_attn")
+        sm = b.op("Softmax", [sc_], scope=f"{p}.self_attn", arguments="axes=[-1]")
+        att = b.op("Matmul", [sm, v], (1, 4, seq, d // 4), scope=f"{p}.self_attn")
+        att = b.op("Transpose", [att], (1, seq, 4, d // 4), scope=f"{p}.self_attn")
+        att = b.op("Reshape", [att], (1, seq, d), scope=f"{p}.self_attn")
+        wo = b.const((d, d), "<weight>", scope=f"{p}.self_attn.o_proj")
+        att = b.op("Matmul", [att, wo], (1, seq, d), scope=f"{p}.self_attn.o_proj")
+        h = b.op("Add", [h, att], scope=p)
+        n2 = _norm_ops(b, h, f"{p}.post_attention_layernorm", d)
+        ups = []
+        for proj in ("gate_proj", "up_proj"):
+            w = b.const((d, 4 * d), "<weight>", scope=f"{p}.mlp.{proj}")
+            ups.append(b.op("Matmul", [n2, w], (1, seq, 4 * d), scope=f"{p}.mlp.{proj}"))
+        sg = b.op("Sigmoid", [ups[0]], scope=f"{p}.mlp")
+        act = b.op("Multiply", [ups[0], sg], scope=f"{p}.mlp")
+        act = b.op("Multiply", [act, ups[1]], scope=f"{p}.mlp")
+        wd = b.const((4 * d, d), "<weight>", scope=f"{p}.mlp.down_proj")
+        down = b.op("Matmul", [act, wd], (1, seq, d), scope=f"{p}.mlp.down_proj")
+        h = b.op("Add", [h, down], scope=p)
+    h = _norm_ops(b, h, "norm", d)
+    wh = b.const((d, 1000), "<weight>", scope="lm_head")
+    logits = b.op("Matmul", [h, wh], (1, seq, 1000), scope="lm_head")
+    b.output(logits)
+    g = b.done()
+    if failed_layer is not None:
+        kernels = [n for n, data in g.nx.nodes(data=True)
+                   if data["kind"] == "kernel" and data["scope"].startswith(f"layers.{failed_layer}.")]
+        fail(g, kernels[0])
+    return g
+
+
+def _norm_ops(b: Builder, h: Ref, scope: str, d: int) -> Ref:
+    sq = b.op("Square", [h], scope=scope)
+    mean = b.op("Mean", [sq], (1, 16, 1), scope=scope, arguments="axes=[-1], keepdims=true")
+    eps = b.const((), "1e-05", scope=scope)
+    var = b.op("Add", [mean, eps], scope=scope)
+    inv = b.op("Rsqrt", [var], scope=scope)
+    y = b.op("Multiply", [h, inv], (1, 16, d), scope=scope)
+    w = b.const((d,), "<weight>", scope=scope)
+    return b.op("Multiply", [y, w], scope=scope)
+
+
+def big(nodes: int = 10_000, *, failed: bool = True) -> FakeGraph:
+    """A transformer-like trace of at least ``nodes`` nodes (the 10,000-node benchmark graph).
+
+    With ``failed`` a kernel in the middle has COMPILE_ERROR, so about half the graph is marked
+    UPSTREAM_FAILED.
+    """
+    per_layer = transformer(1).nx.number_of_nodes() - transformer(0).nx.number_of_nodes()
+    base = transformer(0).nx.number_of_nodes()
+    layers = max(1, -(-(nodes - base) // per_layer))
+    return transformer(layers, failed_layer=layers // 2 if failed else None)
+
+
+def random_dag(nodes: int = 200, *, seed: int = 0, scopes: int = 6) -> FakeGraph:
+    """A random layered DAG with random scopes, for robustness tests of the layout."""
+    rng = random.Random(seed)
+    b = Builder(f"random_{seed}")
+    refs = [b.input(f"in{i}", (rng.randint(1, 9),)) for i in range(3)]
+    scope_names = [""] + [f"block{j}" + ("" if rng.random() < 0.5 else f".sub{rng.randint(0, 2)}")
+                          for j in range(scopes)]
+    while b.g.number_of_nodes() < nodes - 2:
+        k = rng.randint(1, 3)
+        ins = [refs[max(0, len(refs) - 1 - int(rng.expovariate(0.2)))] for _ in range(k)]
+        refs.append(b.op(rng.choice(["Add", "Multiply", "Exp", "Matmul"]), ins,
+                         scope=rng.choice(scope_names)))
+    b.output(refs[-1])
+    return b.done()
