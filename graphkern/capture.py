@@ -1,0 +1,327 @@
+"""Build a networkx graph from MLX's own capture (``mx.export_function``'s callback).
+
+MLX reports inputs, outputs, constants and one event per primitive. graphkern's tracer tags each
+kernel call and module call with ``mx.depends(outputs, inputs + [tag])``, where ``tag`` is a small
+uint32 constant ``[MAGIC, record id, nonce]``; here each tagged ``Depends`` is found again, the
+primitives between a kernel record's inputs and outputs fold into one ``kernel`` node, module
+records give their primitives a scope, and the tags themselves disappear.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import mlx.core as mx
+import networkx as nx
+
+from .nodes import KernelError, NodeKind, Status, dtype_name
+
+MAGIC = 0x676B7472  # "gktr"
+_INNER_KINDS = (str(NodeKind.OP), str(NodeKind.KERNEL))
+_ARGUMENT_CHARS = 120
+
+
+@dataclass
+class Record:
+    """One graphkern call seen while tracing: a kernel launch or a module call."""
+
+    id: int
+    kind: str  # "kernel" or "module"
+    name: str  # kernel name, or the module's class name
+    scope: str  # module path the call ran in (for modules: their own path)
+    n_outputs: int
+    call_index: int = 0
+    error: KernelError | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+class EventLog:
+    """The callback given to ``mx.export_function``: it only keeps the events, cheaply."""
+
+    def __init__(self) -> None:
+        self.inputs: list[tuple[str, tuple[int, ...], mx.Dtype]] = []
+        self.outputs: list[tuple[str, tuple[int, ...], mx.Dtype]] = []
+        self.constants: list[tuple[str, mx.array]] = []
+        self.primitives: list[dict[str, Any]] = []
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        kind = event["type"]
+        if kind == "primitive":
+            self.primitives.append(event)
+        elif kind == "inputs":
+            self.inputs = event["inputs"]
+        elif kind == "keyword_inputs":
+            self.inputs = self.inputs + [(name, shape, dt) for _, name, shape, dt in
+                                         _keyword_triples(event["keywords"])]
+        elif kind == "outputs":
+            self.outputs = event["outputs"]
+        elif kind == "constants":
+            self.constants = event["constants"]
+
+
+def _keyword_triples(keywords: Iterable[Any]) -> list[tuple[str, str, tuple[int, ...], mx.Dtype]]:
+    triples = []
+    for item in keywords:
+        key, (name, shape, dt) = item
+        triples.append((key, name, shape, dt))
+    return triples
+
+
+_SNAKE = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+
+
+class _Names:
+    """torch.fx-style unique node names: ``add``, ``add_1``, ..."""
+
+    def __init__(self) -> None:
+        self.used: dict[str, int] = {}
+
+    def __call__(self, base: str) -> str:
+        base = base or "node"
+        count = self.used.get(base)
+        if count is None:
+            self.used[base] = 0
+            return base
+        while True:
+            count += 1
+            name = f"{base}_{count}"
+            if name not in self.used:
+                self.used[base] = count
+                self.used[name] = 0
+                return name
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _ARGUMENT_CHARS else text[: _ARGUMENT_CHARS - 3] + "..."
+
+
+def _constant_text(value: mx.array) -> str:
+    if value.size <= 8:
+        return _short(value.tolist())
+    return f"<{dtype_name(value.dtype)}{list(value.shape)}>"
+
+
+def _tag_id(value: mx.array, nonce: int) -> int | None:
+    if value.dtype != mx.uint32 or value.shape != (3,):
+        return None
+    magic, rid, seen_nonce = value.tolist()
+    return rid if magic == MAGIC and seen_nonce == nonce else None
+
+
+def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record],
+                nonce: int, attrs: dict[str, Any]) -> nx.MultiDiGraph:
+    """Turn the captured events into graphkern's MultiDiGraph (see DESIGN: The graph)."""
+    g = nx.MultiDiGraph()
+    g.graph.update(attrs)
+    names = _Names()
+    producer: dict[str, tuple[str, int]] = {}
+    info: dict[str, tuple[tuple[int, ...], str]] = {}
+
+    for (array, shape, dt), label in zip(log.inputs, input_names):
+        node = names(label)
+        g.add_node(node, kind=str(NodeKind.INPUT), label=label, op="", scope=_param_scope(label))
+        producer[array] = (node, 0)
+        info[array] = (tuple(shape), dtype_name(dt))
+
+    tags: dict[str, int] = {}
+    for array, value in log.constants:
+        rid = _tag_id(value, nonce)
+        if rid is not None:
+            tags[array] = rid
+            continue
+        node = names("const")
+        g.add_node(node, kind=str(NodeKind.CONSTANT), label=node, op="", scope="",
+                   value=_constant_text(value))
+        producer[array] = (node, 0)
+        info[array] = (tuple(value.shape), dtype_name(value.dtype))
+
+    depends_of: dict[int, str] = {}
+    node_args: dict[str, list[str]] = {}
+    node_outputs: dict[str, list[str]] = {}
+    for event in log.primitives:
+        op = event["name"]
+        node = names(_SNAKE.sub("_", op).lower())
+        arguments = event["arguments"]
+        attrs_ = {"kind": str(NodeKind.OP), "label": node, "op": op, "scope": ""}
+        if op == "CustomKernel":
+            attrs_["generated_name"] = arguments[0] if arguments else None
+            attrs_["arguments"] = _short(arguments[2:8])
+        else:
+            attrs_["arguments"] = _short(arguments) if arguments else ""
+        g.add_node(node, **attrs_)
+        ins = [name for name, _, _ in event["inputs"]]
+        node_args[node] = ins
+        node_outputs[node] = [name for name, _, _ in event["outputs"]]
+        for index, (array, shape, dt) in enumerate(event["outputs"]):
+            producer[array] = (node, index)
+            info[array] = (tuple(shape), dtype_name(dt))
+        if op == "Depends" and ins and ins[-1] in tags:
+            depends_of[tags[ins[-1]]] = node
+
+    edges = []
+    for node, ins in node_args.items():
+        for index, array in enumerate(ins):
+            if array in producer:
+                shape, dt = info[array]
+                edges.append((producer[array][0], node, array,
+                              {"shape": shape, "dtype": dt, "index": index}))
+    for index, (array, shape, dt) in enumerate(log.outputs):
+        node = names(f"output_{index}")
+        g.add_node(node, kind=str(NodeKind.OUTPUT), label=node, op="", scope="")
+        if array in producer:
+            edges.append((producer[array][0], node, array,
+                          {"shape": tuple(shape), "dtype": dtype_name(dt), "index": 0}))
+    g.add_edges_from(edges)
+
+    folder = _Folder(g, node_args, node_outputs, producer, names)
+    for rid in sorted(records, key=lambda r: (records[r].kind != "kernel", len(records[r].scope))):
+        record = records[rid]
+        depends = depends_of.get(rid)
+        if record.kind == "kernel" or record.error is not None:
+            folder.fold(record, depends)
+        elif depends is not None:
+            folder.scope_module(record, depends)
+    folder.assign_scopes()
+    return g
+
+
+def innermost_common_scope(scopes: set[str]) -> str:
+    """The common ancestor of the innermost scopes in ``scopes``.
+
+    >>> innermost_common_scope({"a", "a.b", "a.b.c"})
+    'a.b.c'
+    >>> innermost_common_scope({"layers", "layers.0.norm", "layers.1.norm"})
+    'layers'
+    """
+    parts = [s.split(".") for s in scopes]
+    leaves = [p for p in parts if not any(len(q) > len(p) and q[: len(p)] == p for q in parts)]
+    common: list[str] = []
+    for segment in zip(*leaves):
+        if len(set(segment)) > 1:
+            break
+        common.append(segment[0])
+    return ".".join(common)
+
+
+def _param_scope(label: str) -> str:
+    """``layers.0.weight`` -> ``layers.0``: parameters sit in their module's scope."""
+    return label.rsplit(".", 1)[0] if "." in label and not label.startswith("args") else ""
+
+
+class _Folder:
+    """Folds tagged records into the graph built from MLX's events."""
+
+    def __init__(self, g: nx.MultiDiGraph, node_args: dict[str, list[str]],
+                 node_outputs: dict[str, list[str]], producer: dict[str, tuple[str, int]],
+                 names: _Names):
+        self.g = g
+        self.node_args = node_args
+        self.node_outputs = node_outputs
+        self.scopes: dict[str, set[str]] = {}
+        self.producer = producer
+        self.names = names
+
+    def _record_arrays(self, record: Record, depends: str) -> tuple[list[str], list[str]]:
+        ins = self.node_args[depends]
+        return ins[: record.n_outputs], ins[record.n_outputs: -1]
+
+    def _body(self, outputs: list[str], stop_arrays: set[str], depends: str,
+              exclusive: bool = False) -> set[str]:
+        """Nodes between a record's inputs and its raw outputs, found walking back from the outputs.
+
+        With ``exclusive``, only nodes whose every consumer is inside too: MLX merges identical
+        primitives across calls (two references scaling by 2 share one Broadcast), and a shared
+        node must stay in the graph for the other call.
+        """
+        g = self.g
+        body: set[str] = set()
+        seeds = [self.producer[a][0] for a in outputs if a not in stop_arrays and a in self.producer]
+        queue = deque(seeds)
+        while queue:
+            node = queue.popleft()
+            if node in body or g.nodes[node]["kind"] not in _INNER_KINDS:
+                continue
+            body.add(node)
+            for array in self.node_args.get(node, ()):
+                if array not in stop_arrays and array in self.producer:
+                    queue.append(self.producer[array][0])
+        candidates = {pred for node in body for pred in g.predecessors(node)}.union(seeds)
+        body.update(n for n in candidates if g.nodes[n]["kind"] == str(NodeKind.CONSTANT))
+        if exclusive:
+            changed = True
+            while changed:
+                shared = {n for n in body if any(s not in body and s != depends for s in g.successors(n))}
+                body -= shared
+                changed = bool(shared)
+        else:
+            body = {n for n in body if g.nodes[n]["kind"] in _INNER_KINDS or all(
+                s in body or s == depends for s in g.successors(n))}
+        return body
+
+    def fold(self, record: Record, depends: str | None) -> None:
+        """Replace a kernel record's primitives (or a failed module's placeholders) by one node."""
+        g = self.g
+        node = self.names(record.name)
+        attrs = dict(record.attrs)
+        attrs.update(kind=str(NodeKind.KERNEL) if record.kind == "kernel" else str(NodeKind.OP),
+                     label=node, op=record.name, scope=record.scope, call_index=record.call_index)
+        if record.error is not None:
+            attrs.update(status=int(record.error.status), message=str(record.error))
+        if depends is None:  # its outputs are unused: keep it visible, unconnected
+            g.add_node(node, **attrs)
+            return
+        raw_outputs, inputs = self._record_arrays(record, depends)
+        body = self._body(raw_outputs, set(inputs), depends, exclusive=True)
+        generated = [g.nodes[n].get("generated_name") for n in body if g.nodes[n]["op"] == "CustomKernel"]
+        if generated and generated[0]:
+            attrs["generated_name"] = generated[0]
+        g.add_node(node, **attrs)
+        # inputs: the record's own, in order, then whatever else the body reads (shared nodes)
+        in_edges = [(u, k, d) for u, _, k, d in g.in_edges(depends, keys=True, data=True)
+                    if k in inputs]
+        in_edges.sort(key=lambda e: inputs.index(e[1]))
+        in_edges += [(u, k, d) for member in body for u, _, k, d in
+                     g.in_edges(member, keys=True, data=True) if u not in body and k not in inputs]
+        for index, (src, key, data) in enumerate(in_edges):
+            if not g.has_edge(src, node, key=key):
+                g.add_edge(src, node, key=key, **{**data, "index": index})
+        self.node_args[node] = [key for _, key, _ in in_edges]
+        for _, dst, key, data in list(g.out_edges(depends, keys=True, data=True)):
+            g.add_edge(node, dst, key=key, **data)
+        g.remove_nodes_from(body | {depends})
+        for index, (raw, tagged) in enumerate(zip(raw_outputs, self.node_outputs[depends])):
+            self.producer[raw] = self.producer[tagged] = (node, index)
+
+    def assign_scopes(self) -> None:
+        """Each op's scope: its innermost module, or the common ancestor of the innermost modules
+        when MLX merged identical primitives of several calls into one node."""
+        for node, scopes in self.scopes.items():
+            if node in self.g:
+                self.g.nodes[node]["scope"] = innermost_common_scope(scopes)
+
+    def _edge_data(self, src: str, array: str) -> dict[str, Any]:
+        for _, _, key, data in self.g.out_edges(src, keys=True, data=True):
+            if key == array:
+                return dict(data)
+        return {}
+
+    def scope_module(self, record: Record, depends: str) -> None:
+        """Give the primitives of one module call its path; then drop its tag."""
+        g = self.g
+        raw_outputs, inputs = self._record_arrays(record, depends)
+        for member in self._body(raw_outputs, set(inputs), depends):
+            if g.nodes[member]["kind"] == str(NodeKind.OP):
+                self.scopes.setdefault(member, set()).add(record.scope)
+        tagged_outputs = self.node_outputs[depends]
+        for _, dst, key, data in list(g.out_edges(depends, keys=True, data=True)):
+            raw = raw_outputs[tagged_outputs.index(key)]
+            if raw in self.producer:
+                g.add_edge(self.producer[raw][0], dst, key=raw, **data)
+        for raw, tagged in zip(raw_outputs, tagged_outputs):
+            if raw in self.producer:
+                self.producer[tagged] = self.producer[raw]
+        g.remove_node(depends)

@@ -1,0 +1,369 @@
+"""``Graph``: one traced function as a networkx MultiDiGraph, with status codes and inspection.
+
+Node attributes: ``kind`` (input, constant, op, kernel, output), ``label``, ``op``, ``scope``,
+``status``, ``root_cause``, ``message``, ``order``; kernel nodes add ``kernel``, ``backend``,
+``grid``, ``threadgroup``, ``template``, ``source_hash``, ``source``, ``generated_name``.
+Edges are keyed by array name and carry ``shape``, ``dtype`` and ``index`` (argument position).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import networkx as nx
+
+from .nodes import KernelError, NodeKind, Status
+
+__all__ = ["Failure", "Graph", "GraphError", "SCHEMA", "SCHEMA_VERSION", "propagate_status"]
+
+SCHEMA = "graphkern.graph"
+SCHEMA_VERSION = 1
+MAX_JSON_BYTES = 512 * 1024 * 1024
+_LOAD = "load a graphkern graph from JSON"
+_ROOT_FAILURES = frozenset(s for s in Status if s not in (Status.OK, Status.UPSTREAM_FAILED))
+
+
+def propagate_status(g: nx.MultiDiGraph) -> list[str]:
+    """Mark every descendant of a failed node ``UPSTREAM_FAILED`` with its root cause.
+
+    A node's root cause is the earliest (in topological order) failed root among its ancestors.
+    Also writes each node's ``order``. Returns the failed roots in topological order.
+
+    >>> g = nx.MultiDiGraph()
+    >>> g.add_edges_from([("a", "b"), ("b", "c"), ("x", "c")])
+    [0, 0, 0]
+    >>> nx.set_node_attributes(g, 0, "status"); g.nodes["a"]["status"] = int(Status.INVALID_LAUNCH)
+    >>> propagate_status(g), g.nodes["c"]["status"], g.nodes["c"]["root_cause"]
+    (['a'], 10, 'a')
+    """
+    roots: list[str] = []
+    rank: dict[str, int] = {}
+    earliest: dict[str, str] = {}  # the earliest failed root among a node's ancestors and itself
+    for order, node in enumerate(nx.lexicographical_topological_sort(g, key=_order_key(g))):
+        data = g.nodes[node]
+        data["order"] = order
+        causes = [earliest[p] for p in g.predecessors(node) if p in earliest]
+        if data.get("status", 0) in _ROOT_FAILURES:
+            data["root_cause"] = node
+            rank[node] = len(roots)
+            roots.append(node)
+            causes.append(node)
+        elif causes:
+            data["status"] = int(Status.UPSTREAM_FAILED)
+            data.setdefault("message", "")
+        else:
+            data["status"] = int(Status.OK)
+            data["root_cause"] = None
+        if causes:
+            earliest[node] = min(causes, key=rank.__getitem__)
+            if data["status"] == Status.UPSTREAM_FAILED:
+                data["root_cause"] = earliest[node]
+    return roots
+
+
+def _order_key(g: nx.MultiDiGraph) -> Any:
+    previous = {n: d.get("order", i) for i, (n, d) in enumerate(g.nodes(data=True))}
+    return lambda node: previous[node]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failed root node: what failed, with which code and message, and which outputs it reaches."""
+
+    node: str
+    status: Status
+    message: str
+    affected_outputs: tuple[str, ...]
+
+    def __str__(self) -> str:
+        outs = ", ".join(self.affected_outputs) or "no outputs"
+        return f"{self.node}: {self.status.name} ({self.message}) -> {outs}"
+
+
+class GraphError(KernelError):
+    """A compiled graph with a failed node was called: names the root node, code, message and
+    the outputs it affects."""
+
+    def __init__(self, failure: Failure):
+        super().__init__("run a graphkern compiled graph",
+                         f"node {failure.node!r} failed with {failure.status.name}: "
+                         f"{failure.message}; affected outputs: {list(failure.affected_outputs)}",
+                         failure.status)
+        self.failure = failure
+        self.node = failure.node
+        self.affected_outputs = failure.affected_outputs
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (GraphError, (self.failure,))
+
+
+class Graph:
+    """One traced function: ``.nx`` is the networkx MultiDiGraph, the rest inspects it.
+
+    >>> import mlx.core as mx, graphkern as gk
+    >>> g = gk.trace(lambda x: mx.exp(x) + 1, mx.ones((2, 2)))
+    >>> [g.nx.nodes[n]["op"] for n in g.nodes("op")]
+    ['Exp', 'Broadcast', 'Add']
+    >>> g.status
+    <Status.OK: 0>
+    """
+
+    def __init__(self, graph: nx.MultiDiGraph):
+        self.nx = graph
+        self._roots = propagate_status(graph)
+
+    # ------------------------------------------------------------------ status
+
+    def refresh(self) -> None:
+        """Re-run status propagation after node statuses were changed by hand or by a run."""
+        for _, data in self.nx.nodes(data=True):
+            if data.get("status") == Status.UPSTREAM_FAILED:
+                data["status"] = int(Status.OK)
+        self._roots = propagate_status(self.nx)
+
+    @property
+    def status(self) -> Status:
+        """The status of the first failed root in topological order, or OK."""
+        return Status(self.nx.nodes[self._roots[0]]["status"]) if self._roots else Status.OK
+
+    @property
+    def ok(self) -> bool:
+        return not self._roots
+
+    def failures(self) -> list[Failure]:
+        """Every failed root, in topological order, with the outputs it affects."""
+        return [self._failure(root) for root in self._roots]
+
+    def _failure(self, root: str) -> Failure:
+        data = self.nx.nodes[root]
+        reached = nx.descendants(self.nx, root)
+        outputs = tuple(n for n in self.nodes("output") if n in reached)
+        return Failure(root, Status(data["status"]), data.get("message", ""), outputs)
+
+    def affected_outputs(self) -> list[str]:
+        """Output nodes reached by any failure."""
+        return [n for n in self.nodes("output") if self.nx.nodes[n]["status"] != Status.OK]
+
+    def error(self) -> GraphError | None:
+        """The ``GraphError`` a call of this graph raises, or None when it is OK."""
+        return GraphError(self._failure(self._roots[0])) if self._roots else None
+
+    # ------------------------------------------------------------------ inspection
+
+    def nodes(self, kind: str | NodeKind | None = None) -> list[str]:
+        """Node names in topological order, optionally of one kind."""
+        order = self.topological_order()
+        if kind is None:
+            return order
+        return [n for n in order if self.nx.nodes[n]["kind"] == str(kind)]
+
+    def topological_order(self) -> list[str]:
+        return sorted(self.nx.nodes, key=lambda n: self.nx.nodes[n]["order"])
+
+    def kernels(self) -> list[str]:
+        """Names of the kernel nodes, in topological order."""
+        return self.nodes(NodeKind.KERNEL)
+
+    def node(self, name: str) -> dict[str, Any]:
+        """The attributes of one node."""
+        return self.nx.nodes[name]
+
+    def inputs_of(self, name: str) -> list[str]:
+        edges = sorted(self.nx.in_edges(name, data=True), key=lambda e: e[2].get("index", 0))
+        return [src for src, _, _ in edges]
+
+    def output_types(self, name: str) -> list[str]:
+        """``float32[2, 3]`` for each distinct array leaving ``name``."""
+        seen: dict[str, str] = {}
+        for _, _, key, data in self.nx.out_edges(name, keys=True, data=True):
+            seen.setdefault(key, f"{data['dtype']}{list(data['shape'])}")
+        return list(seen.values())
+
+    def summary(self) -> str:
+        """A table of every node, in the spirit of torch.fx's ``print_tabular``."""
+        from tabulate import tabulate
+
+        rows = []
+        for n in self.topological_order():
+            d = self.nx.nodes[n]
+            status = Status(d["status"]).name
+            if d.get("root_cause") not in (None, n):
+                status += f" <- {d['root_cause']}"
+            rows.append([d["kind"], n, d["op"], d["scope"], ", ".join(self.inputs_of(n)),
+                         ", ".join(self.output_types(n)), status])
+        table = tabulate(rows, headers=["kind", "name", "op", "scope", "inputs", "outputs",
+                                        "status"])
+        name = self.nx.graph.get("name", "graph")
+        counts = {k: len(self.nodes(k)) for k in ("op", "kernel")}
+        head = (f"graph {name}: {counts['op']} ops, {counts['kernel']} kernels, "
+                f"backend {self.nx.graph.get('backend', '?')}, status {self.status.name}")
+        return head + "\n" + table
+
+    def print_tabular(self) -> None:
+        print(self.summary())
+
+    def __repr__(self) -> str:
+        return (f"<Graph {self.nx.graph.get('name', '')!r}: {self.nx.number_of_nodes()} nodes, "
+                f"{len(self.kernels())} kernels, status {self.status.name}>")
+
+    def collapse(self, depth: int) -> nx.MultiDiGraph:
+        """Group nodes by the first ``depth`` parts of their module scope.
+
+        Each group becomes one node (attributes: ``scope``, ``members``, ``status`` — the worst
+        in the group, root failures over UPSTREAM_FAILED); edges between groups keep their
+        arrays' shapes and dtypes.
+        """
+        def group(n: str) -> str:
+            d = self.nx.nodes[n]
+            if d["kind"] in ("input", "output", "constant") or not d["scope"]:
+                return n
+            return ".".join(d["scope"].split(".")[:depth]) if depth > 0 else d["scope"]
+
+        out = nx.MultiDiGraph()
+        out.graph.update(self.nx.graph)
+        for n, d in self.nx.nodes(data=True):
+            key = group(n)
+            if key not in out:
+                out.add_node(key, scope=key if key != n else d["scope"], members=[],
+                             status=int(Status.OK), kind=d["kind"] if key == n else "group")
+            g = out.nodes[key]
+            g["members"].append(n)
+            g["status"] = _worse(g["status"], d["status"])
+        for u, v, k, d in self.nx.edges(keys=True, data=True):
+            gu, gv = group(u), group(v)
+            if gu != gv and not out.has_edge(gu, gv, key=k):
+                out.add_edge(gu, gv, key=k, **d)
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Graph):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        nodes = [{"id": n, **self.nx.nodes[n]} for n in self.topological_order()]
+        order = {n: d["order"] for n, d in self.nx.nodes(data=True)}
+        edges = [{"source": u, "target": v, "key": k, **{**d, "shape": list(d["shape"])}}
+                 for u, v, k, d in sorted(self.nx.edges(keys=True, data=True),
+                                          key=lambda e: (order[e[0]], order[e[1]], e[2]))]
+        return {"schema": SCHEMA, "version": SCHEMA_VERSION, "graph": dict(self.nx.graph),
+                "nodes": nodes, "edges": edges}
+
+    def to_json(self, indent: int | None = None) -> str:
+        """The versioned JSON form; ``Graph.from_json`` reads it back exactly.
+
+        >>> import mlx.core as mx, graphkern as gk
+        >>> g = gk.trace(lambda x: x * 2, mx.ones((3,)))
+        >>> gk.Graph.from_json(g.to_json()) == g
+        True
+        """
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Graph:
+        """Load a graph written by ``to_json`` (plain JSON, never pickle); raises ``KernelError``
+        naming what is wrong with a corrupt, truncated, oversized or wrong-version document."""
+        if isinstance(text, (bytes, bytearray)):
+            if len(text) > MAX_JSON_BYTES:
+                raise _load_error(f"document is {len(text)} bytes, over {MAX_JSON_BYTES}")
+            text = text.decode("utf-8", errors="strict")
+        if not isinstance(text, str):
+            raise _load_error(f"expected str or bytes, got {type(text).__name__}")
+        if len(text) > MAX_JSON_BYTES:
+            raise _load_error(f"document is {len(text)} characters, over {MAX_JSON_BYTES}")
+        try:
+            doc = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise _load_error(f"not valid JSON ({exc}); the file may be truncated or corrupt") from exc
+        return cls.from_dict(doc)
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> Graph:
+        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+            raise _load_error(f"not a graphkern graph (expected schema {SCHEMA!r})")
+        if doc.get("version") != SCHEMA_VERSION:
+            raise _load_error(f"unsupported schema version {doc.get('version')!r}; "
+                              f"this graphkern reads version {SCHEMA_VERSION}")
+        nodes, edges = doc.get("nodes"), doc.get("edges")
+        if not isinstance(nodes, list) or not isinstance(edges, list) or not isinstance(
+                doc.get("graph"), dict):
+            raise _load_error("'graph', 'nodes' and 'edges' must be an object and two lists")
+        g = nx.MultiDiGraph()
+        g.graph.update(doc["graph"])
+        for item in nodes:
+            _require(item, ("id", "kind", "status", "order"), "node")
+            if item["kind"] not in {k.value for k in NodeKind}:
+                raise _load_error(f"node {item['id']!r} has unknown kind {item['kind']!r}")
+            if item["status"] not in {int(s) for s in Status}:
+                raise _load_error(f"node {item['id']!r} has unknown status {item['status']!r}")
+            g.add_node(item["id"], **{k: v for k, v in item.items() if k != "id"})
+        for item in edges:
+            _require(item, ("source", "target", "key", "shape", "dtype"), "edge")
+            if item["source"] not in g or item["target"] not in g:
+                raise _load_error(f"edge {item['source']!r} -> {item['target']!r} names a missing node")
+            data = {k: v for k, v in item.items() if k not in ("source", "target", "key")}
+            data["shape"] = tuple(data["shape"])
+            g.add_edge(item["source"], item["target"], key=item["key"], **data)
+        if not nx.is_directed_acyclic_graph(g):
+            raise _load_error("the edges form a cycle")
+        graph = cls.__new__(cls)
+        graph.nx = g
+        graph._roots = [n for n in sorted(g.nodes, key=lambda n: g.nodes[n]["order"])
+                        if g.nodes[n]["status"] in _ROOT_FAILURES]
+        return graph
+
+    # ------------------------------------------------------------------ pictures (graphkern.viz)
+
+    def to_dot(self, **options: Any) -> str:
+        """Graphviz DOT source: scopes as clusters, kernels styled apart, failures in red."""
+        from .viz.dot import to_dot
+
+        return to_dot(self, **options)
+
+    def render(self, path: str, format: str = "svg") -> str:
+        """Render through Graphviz to ``path`` (svg or png); returns the written path."""
+        from .viz.dot import render
+
+        return render(self, path, format)
+
+    def to_html(self, **options: Any) -> str:
+        """A self-contained interactive HTML viewer (works offline)."""
+        from .viz.html import to_html
+
+        return to_html(self, **options)
+
+    def to_model_explorer(self) -> dict[str, Any]:
+        """The graph in Model Explorer's graph JSON format."""
+        from .viz.model_explorer import to_model_explorer
+
+        return to_model_explorer(self)
+
+    def _repr_html_(self) -> str:
+        from .viz.html import repr_html
+
+        return repr_html(self)
+
+
+_SEVERITY = {int(Status.OK): 0, int(Status.UPSTREAM_FAILED): 1}
+
+
+def _worse(a: int, b: int) -> int:
+    return max(a, b, key=lambda s: (_SEVERITY.get(s, 2), s))
+
+
+def _load_error(description: str) -> KernelError:
+    return KernelError(_LOAD, description, Status.INVALID_INPUT)
+
+
+def _require(item: Any, keys: Iterable[str], what: str) -> None:
+    if not isinstance(item, dict):
+        raise _load_error(f"each {what} must be an object, got {type(item).__name__}")
+    missing = [k for k in keys if k not in item]
+    if missing:
+        raise _load_error(f"{what} {item.get('id', item.get('source', '?'))!r} lacks {missing}")

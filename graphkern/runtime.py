@@ -1,0 +1,555 @@
+"""Backends, the kernel cache, launch validation, ``apply`` and ``apply_in_graph``.
+
+``apply`` mirrors the seed's ``apply_metal_kernel`` (raises ``KernelError``); ``apply_in_graph``
+mirrors ``apply_metal_kernel_in_graph`` (returns a ``KernelResult`` with a status, never raises).
+Both validate what MLX does not: a zero threadgroup divides by zero in MLX's CUDA backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import mlx.core as mx
+
+from .nodes import Kernel, KernelError, KernelResult, OutputSpec, Status, TemplateArg, TemplateLike
+
+__all__ = [
+    "BACKENDS",
+    "KernelCache",
+    "Launch",
+    "active_backend",
+    "apply",
+    "apply_in_graph",
+    "kernel_cache",
+    "launch",
+    "resolve_backend",
+]
+
+BACKENDS = ("metal", "cuda", "reference")
+APPLY = "apply a graphkern kernel"
+MAX_THREADS_PER_GROUP = 1024
+_INT32_MAX = 2**31 - 1
+_CUDA_MAX_BLOCKS_YZ = 65535
+_CUDA_MAX_BLOCK_Z = 64
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+@functools.cache
+def _detected_backend() -> str:
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return "reference"
+
+
+def active_backend() -> str:
+    """The backend kernels run on: ``GRAPHKERN_BACKEND`` if set, else metal, cuda or reference.
+
+    >>> active_backend() in BACKENDS
+    True
+    """
+    forced = os.environ.get("GRAPHKERN_BACKEND")
+    if not forced:
+        return _detected_backend()
+    if forced not in BACKENDS:
+        raise KernelError("choose a graphkern backend",
+                          f"GRAPHKERN_BACKEND={forced!r} is not one of {list(BACKENDS)}",
+                          Status.BACKEND_UNAVAILABLE)
+    return forced
+
+
+def resolve_backend(kernel: Kernel, backend: str | None = None) -> str:
+    """The backend ``kernel`` actually runs on: the active GPU backend if it has a source for it,
+    else its reference. Raises ``KernelError(BACKEND_UNAVAILABLE)`` when it has neither."""
+    wanted = backend or active_backend()
+    if wanted not in BACKENDS:
+        raise KernelError(APPLY, f"unknown backend {wanted!r}; use one of {list(BACKENDS)}",
+                          Status.BACKEND_UNAVAILABLE)
+    if kernel.has_source(wanted):
+        return wanted
+    if kernel.reference is not None:
+        return "reference"
+    raise KernelError(APPLY, f"kernel {kernel.name!r} has no {wanted} source and no reference",
+                      Status.BACKEND_UNAVAILABLE)
+
+
+def mlx_kernel_name(kernel: Kernel) -> str:
+    """The name graphkern gives MLX: the kernel's name plus its source hash, so that two kernels
+    with one name and different sources never share MLX's own per-name library cache."""
+    return f"{kernel.name}_{kernel.source_hash}"
+
+
+def generated_name(kernel: Kernel) -> str:
+    """The prefix of the function name MLX generates for ``kernel`` (it appears in MLX's errors)."""
+    return f"custom_kernel_{mlx_kernel_name(kernel)}"
+
+
+# ----------------------------------------------------------------------------- kernel cache
+
+
+class KernelCache:
+    """A thread-safe cache of MLX kernel objects, one per (backend, name, source, header, options).
+
+    The role of ``get_jit_module`` in MLX's CUDA backend: build once, count hits and misses.
+
+    >>> cache = KernelCache()
+    >>> cache.stats()
+    {'hits': 0, 'misses': 0, 'size': 0}
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._objects: dict[tuple[Any, ...], Any] = {}
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(backend: str, kernel: Kernel) -> tuple[Any, ...]:
+        options = (kernel.input_names, kernel.output_names, kernel.ensure_row_contiguous,
+                   kernel.atomic_outputs, kernel.shared_memory)
+        source = kernel.source_for(backend) if backend != "cuda" or kernel.cuda else kernel.cuda_binary
+        return (backend, kernel.name, source, kernel.header, options)
+
+    def get(self, backend: str, kernel: Kernel) -> Any:
+        """The MLX kernel object for ``kernel`` on ``backend``, built on first use."""
+        key = self.key(backend, kernel)
+        with self._lock:
+            found = self._objects.get(key)
+            if found is not None:
+                self.hits += 1
+                return found
+            self.misses += 1
+            built = _build_mlx_kernel(backend, kernel)
+            self._objects[key] = built
+            return built
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"hits": self.hits, "misses": self.misses, "size": len(self._objects)}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._objects.clear()
+            self.hits = self.misses = 0
+
+
+kernel_cache = KernelCache()
+
+
+def _build_mlx_kernel(backend: str, kernel: Kernel) -> Any:
+    name = mlx_kernel_name(kernel)
+    try:
+        if backend == "metal":
+            return mx.fast.metal_kernel(
+                name=name, input_names=list(kernel.input_names),
+                output_names=list(kernel.output_names), source=kernel.metal, header=kernel.header,
+                ensure_row_contiguous=kernel.ensure_row_contiguous,
+                atomic_outputs=kernel.atomic_outputs)
+        if kernel.cuda is not None:
+            return mx.fast.cuda_kernel(
+                name=name, input_names=list(kernel.input_names),
+                output_names=list(kernel.output_names), source=kernel.cuda, header=kernel.header,
+                ensure_row_contiguous=kernel.ensure_row_contiguous,
+                shared_memory=kernel.shared_memory)
+        return _PrecompiledCuda(kernel)
+    except (RuntimeError, ValueError) as exc:
+        raise KernelError(f"build the {backend} kernel {kernel.name!r}", str(exc),
+                          status_of_mlx_error(str(exc))) from exc
+
+
+class _PrecompiledCuda:
+    """Calls ``mx.fast.precompiled_cuda_kernel`` with the kernel's PTX or cubin, in the same
+    calling convention as the objects ``mx.fast.cuda_kernel`` returns. Template ints and bools
+    become the kernel's scalar arguments, in order."""
+
+    def __init__(self, kernel: Kernel):
+        self.kernel = kernel
+        self.name = kernel.name
+
+    def __call__(self, *, inputs: list[Any], output_shapes: list[Any], output_dtypes: list[Any],
+                 grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+                 template: list[tuple[str, Any]], init_value: float | None = None) -> Any:
+        scalars = [value for _, value in template]
+        return mx.fast.precompiled_cuda_kernel(
+            name=self.name, compiled_source=bytes(self.kernel.cuda_binary or b""), inputs=inputs,
+            output_shapes=output_shapes, output_dtypes=output_dtypes, scalars=scalars, grid=grid,
+            threadgroup=threadgroup, shared_memory=self.kernel.shared_memory,
+            init_value=init_value, ensure_row_contiguous=self.kernel.ensure_row_contiguous)
+
+
+_COMPILE_ERROR = re.compile(r"compile|nvrtc|error:|syntax", re.IGNORECASE)
+_NO_BACKEND = re.compile(r"no (metal|cuda) back-?end", re.IGNORECASE)
+
+
+def status_of_mlx_error(message: str) -> Status:
+    """Map an MLX error message to a status code."""
+    if _NO_BACKEND.search(message):
+        return Status.BACKEND_UNAVAILABLE
+    if _COMPILE_ERROR.search(message):
+        return Status.COMPILE_ERROR
+    return Status.RUNTIME_ERROR
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A validated launch: everything needed to run a kernel once, and to describe it on a node."""
+
+    kernel: Kernel
+    backend: str
+    output_specs: tuple[OutputSpec, ...]
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    template: tuple[TemplateArg, ...]
+    init_value: float | None
+
+
+def _fail(status: Status, description: str) -> KernelError:
+    return KernelError(APPLY, description, status)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_dims(value: object, what: str) -> tuple[int, int, int]:
+    if not isinstance(value, (tuple, list)) or len(value) != 3:
+        raise _fail(Status.INVALID_LAUNCH, f"{what} must be a tuple of 3 ints, got {value!r}")
+    if not all(_is_int(v) for v in value):
+        raise _fail(Status.INVALID_LAUNCH, f"{what} entries must be ints, got {value!r}")
+    if any(v <= 0 for v in value):
+        raise _fail(Status.INVALID_LAUNCH, f"{what} entries must be positive, got {tuple(value)}")
+    if any(v > _INT32_MAX for v in value):
+        raise _fail(Status.INVALID_LAUNCH, f"{what} entries must fit in int32, got {tuple(value)}")
+    return (value[0], value[1], value[2])
+
+
+def _check_launch_dims(grid: object, threadgroup: object, backend: str) -> tuple[Any, Any]:
+    g = _check_dims(grid, "grid")
+    t = _check_dims(threadgroup, "threadgroup")
+    threads = t[0] * t[1] * t[2]
+    if threads > MAX_THREADS_PER_GROUP:
+        raise _fail(Status.INVALID_LAUNCH,
+                    f"threadgroup {t} has {threads} threads; the limit is {MAX_THREADS_PER_GROUP}")
+    if backend == "cuda":
+        if t[2] > _CUDA_MAX_BLOCK_Z:
+            raise _fail(Status.INVALID_LAUNCH,
+                        f"threadgroup z is {t[2]}; CUDA allows at most {_CUDA_MAX_BLOCK_Z}")
+        blocks = [math.ceil(gi / ti) for gi, ti in zip(g, t)]
+        if blocks[1] > _CUDA_MAX_BLOCKS_YZ or blocks[2] > _CUDA_MAX_BLOCKS_YZ:
+            raise _fail(Status.INVALID_LAUNCH,
+                        f"grid {g} over threadgroup {t} needs {tuple(blocks)} blocks; CUDA allows "
+                        f"at most {_CUDA_MAX_BLOCKS_YZ} in y and z")
+    return g, t
+
+
+def _check_output_specs(kernel: Kernel, specs: object) -> tuple[OutputSpec, ...]:
+    if not isinstance(specs, (list, tuple)):
+        raise _fail(Status.INVALID_OUTPUT_SPEC,
+                    f"output specs must be a list of OutputSpec, got {type(specs).__name__}")
+    if len(specs) != len(kernel.output_names):
+        raise _fail(Status.INVALID_OUTPUT_SPEC,
+                    f"kernel {kernel.name!r} has {len(kernel.output_names)} outputs "
+                    f"{list(kernel.output_names)} but {len(specs)} output specs were given")
+    checked = []
+    for name, spec in zip(kernel.output_names, specs):
+        if isinstance(spec, tuple) and len(spec) == 2 and not isinstance(spec, OutputSpec):
+            spec = OutputSpec(*spec)
+        if not isinstance(spec, OutputSpec):
+            raise _fail(Status.INVALID_OUTPUT_SPEC,
+                        f"output {name!r}: expected OutputSpec(shape, dtype), got {spec!r}")
+        shape = spec.shape
+        if not isinstance(shape, tuple) or not all(_is_int(d) for d in shape):
+            raise _fail(Status.INVALID_OUTPUT_SPEC,
+                        f"output {name!r}: shape must be a tuple of ints, got {shape!r}")
+        if any(d < 0 for d in shape):
+            raise _fail(Status.INVALID_OUTPUT_SPEC,
+                        f"output {name!r}: shape {shape} has a negative dimension")
+        if any(d > _INT32_MAX for d in shape):
+            raise _fail(Status.INVALID_OUTPUT_SPEC,
+                        f"output {name!r}: shape {shape} has a dimension over int32")
+        if not isinstance(spec.dtype, mx.Dtype):
+            raise _fail(Status.INVALID_OUTPUT_SPEC,
+                        f"output {name!r}: dtype must be an mlx dtype, got {spec.dtype!r}")
+        checked.append(spec)
+    return tuple(checked)
+
+
+def _check_inputs(kernel: Kernel, inputs: object) -> list[Any]:
+    if not isinstance(inputs, (list, tuple)):
+        raise _fail(Status.INVALID_INPUT, f"inputs must be a list, got {type(inputs).__name__}")
+    if len(inputs) != len(kernel.input_names):
+        raise _fail(Status.INVALID_INPUT,
+                    f"kernel {kernel.name!r} takes {len(kernel.input_names)} inputs "
+                    f"{list(kernel.input_names)} but {len(inputs)} were given")
+    for name, value in zip(kernel.input_names, inputs):
+        if not isinstance(value, (mx.array, bool, int, float)):
+            raise _fail(Status.INVALID_INPUT,
+                        f"input {name!r} must be an mlx array or a Python scalar, "
+                        f"got {type(value).__name__}")
+    return list(inputs)
+
+
+def _check_template(template: object) -> tuple[TemplateArg, ...]:
+    if template is None:
+        return ()
+    if not isinstance(template, (list, tuple)):
+        raise _fail(Status.INVALID_TEMPLATE,
+                    f"template must be a list of TemplateArg or (name, value), got {template!r}")
+    args: list[TemplateArg] = []
+    for item in template:
+        if isinstance(item, tuple) and len(item) == 2:
+            item = TemplateArg(*item)
+        if not isinstance(item, TemplateArg):
+            raise _fail(Status.INVALID_TEMPLATE,
+                        f"template entries must be TemplateArg or (name, value), got {item!r}")
+        if not isinstance(item.name, str) or not item.name.isidentifier() or "\x00" in item.name:
+            raise _fail(Status.INVALID_TEMPLATE,
+                        f"template name {item.name!r} is not a valid identifier")
+        if item.kind == "invalid":
+            raise _fail(Status.INVALID_TEMPLATE,
+                        f"template {item.name!r}: value must be an mlx dtype, int or bool, "
+                        f"got {type(item.value).__name__}")
+        if item.kind == "int" and not -(2**31) <= int(item.value) <= _INT32_MAX:
+            raise _fail(Status.INVALID_TEMPLATE,
+                        f"template {item.name!r}: value {item.value} does not fit in int32")
+        args.append(item)
+    names = [a.name for a in args]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise _fail(Status.INVALID_TEMPLATE, f"template names must be used once, repeated: {repeated}")
+    return tuple(args)
+
+
+def _check_init_value(init_value: object) -> float | None:
+    if init_value is None:
+        return None
+    if isinstance(init_value, bool) or not isinstance(init_value, (int, float)):
+        raise _fail(Status.INVALID_OUTPUT_SPEC,
+                    f"init_value must be a float or None, got {type(init_value).__name__}")
+    return float(init_value)
+
+
+def validate(kernel: Kernel, inputs: object, output_specs: object, grid: object,
+             threadgroup: object, template: object = (), init_value: object = None,
+             backend: str | None = None) -> tuple[Launch, list[Any]]:
+    """Check one launch; returns the normalised launch and inputs, or raises ``KernelError``."""
+    if not isinstance(kernel, Kernel):
+        raise KernelError(APPLY, f"expected a graphkern Kernel, got {type(kernel).__name__}",
+                          Status.INVALID_KERNEL)
+    checked_inputs = _check_inputs(kernel, inputs)
+    specs = _check_output_specs(kernel, output_specs)
+    resolved = resolve_backend(kernel, backend)
+    g, t = _check_launch_dims(grid, threadgroup, resolved)
+    args = _check_template(template)
+    if resolved == "cuda" and kernel.cuda is None and any(a.kind == "dtype" for a in args):
+        raise _fail(Status.INVALID_TEMPLATE,
+                    "precompiled CUDA kernels take int and bool scalars, not dtype templates")
+    launch = Launch(kernel, resolved, specs, g, t, args, _check_init_value(init_value))
+    return launch, checked_inputs
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@functools.lru_cache(maxsize=1024)
+def _reference_keywords(reference: Callable[..., Any]) -> tuple[frozenset[str], bool]:
+    try:
+        params = inspect.signature(reference).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset(), False
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    named = frozenset(p.name for p in params
+                      if p.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                    inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    return named, takes_any
+
+
+def run_reference(launch: Launch, inputs: list[Any]) -> list[mx.array]:
+    """Run the kernel's pure-MLX reference and hold it to the declared output specs."""
+    kernel = launch.kernel
+    assert kernel.reference is not None
+    named, takes_any = _reference_keywords(kernel.reference)
+    keywords = {a.name: a.value for a in launch.template if takes_any or a.name in named}
+    operation = f"run the reference of kernel {kernel.name!r}"
+    try:
+        result = kernel.reference(*inputs, **keywords)
+    except Exception as exc:  # the user's code: any failure becomes a status
+        raise KernelError(operation, f"{type(exc).__name__}: {exc}", Status.REFERENCE_ERROR) from exc
+    outputs = [result] if isinstance(result, mx.array) else result
+    if not isinstance(outputs, (list, tuple)) or not all(isinstance(o, mx.array) for o in outputs):
+        raise KernelError(operation, f"must return a list of mlx arrays, got {type(result).__name__}",
+                          Status.REFERENCE_ERROR)
+    if len(outputs) != len(launch.output_specs):
+        raise KernelError(operation, f"returned {len(outputs)} outputs but "
+                          f"{len(launch.output_specs)} were declared", Status.REFERENCE_ERROR)
+    checked = []
+    for name, out, spec in zip(kernel.output_names, outputs, launch.output_specs):
+        if tuple(out.shape) != spec.shape:
+            raise KernelError(operation, f"output {name!r} has shape {tuple(out.shape)} but "
+                              f"{spec.shape} was declared", Status.REFERENCE_ERROR)
+        checked.append(out if out.dtype == spec.dtype else out.astype(spec.dtype))
+    return checked
+
+
+def run_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
+    """Run a validated launch on its backend; raises ``KernelError``."""
+    if launch.backend == "reference":
+        return run_reference(launch, inputs)
+    mlx_kernel = kernel_cache.get(launch.backend, launch.kernel)
+    try:
+        outputs = mlx_kernel(
+            inputs=inputs,
+            output_shapes=[s.shape for s in launch.output_specs],
+            output_dtypes=[s.dtype for s in launch.output_specs],
+            grid=launch.grid,
+            threadgroup=launch.threadgroup,
+            template=[a.as_mlx() for a in launch.template],
+            init_value=launch.init_value,
+        )
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise KernelError(f"launch the {launch.backend} kernel {launch.kernel.name!r}", str(exc),
+                          status_of_mlx_error(str(exc))) from exc
+    return list(outputs)
+
+
+def apply(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence[OutputSpec], *,
+          grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+          template: Sequence[TemplateLike] = (), init_value: float | None = None,
+          backend: str | None = None) -> list[mx.array]:
+    """Run ``kernel`` once, eagerly (outputs are lazy MLX arrays); raises ``KernelError``.
+
+    Mirrors the seed's ``apply_metal_kernel`` and, with ``init_value``,
+    ``apply_metal_kernel_with_output_initialization``.
+
+    >>> k = Kernel("twice", ["x"], ["out"], reference=lambda x: [x * 2])
+    >>> x = mx.arange(4, dtype=mx.float32)
+    >>> apply(k, [x], [OutputSpec(x.shape, x.dtype)], grid=(4, 1, 1), threadgroup=(4, 1, 1))[0]
+    array([0, 2, 4, 6], dtype=float32)
+    """
+    launch, checked = validate(kernel, inputs, output_specs, grid, threadgroup, template,
+                               init_value, backend)
+    return run_launch(launch, checked)
+
+
+# ----------------------------------------------------------------------------- in-graph calls
+
+
+class Recorder(Protocol):
+    """What a tracer installs to see kernel calls (see ``graphkern.trace``)."""
+
+    def kernel_call(self, launch: Launch | None, kernel: Any, inputs: list[Any],
+                    outputs: list[mx.array], error: KernelError | None) -> list[mx.array]:
+        """Record one call; returns the outputs the caller continues with."""
+        ...
+
+
+_local = threading.local()
+
+
+def current_recorder() -> Recorder | None:
+    """The recorder of the trace running on this thread, if any."""
+    return getattr(_local, "recorder", None)
+
+
+@contextlib.contextmanager
+def recording(recorder: Recorder) -> Iterator[Recorder]:
+    """Route this thread's ``apply_in_graph`` calls to ``recorder`` for the duration."""
+    previous = current_recorder()
+    _local.recorder = recorder
+    try:
+        yield recorder
+    finally:
+        _local.recorder = previous
+
+
+def placeholders(kernel: Any, output_specs: object) -> list[mx.array]:
+    """Zeros of the declared output specs (made valid where they are not), so a trace goes on."""
+    specs = output_specs if isinstance(output_specs, (list, tuple)) else []
+    count = len(kernel.output_names) if isinstance(kernel, Kernel) else len(specs) or 1
+    outputs = []
+    for i in range(count):
+        spec = specs[i] if i < len(specs) else None
+        shape = getattr(spec, "shape", None)
+        if isinstance(spec, tuple) and len(spec) == 2:
+            shape = spec[0]
+        dtype = getattr(spec, "dtype", None)
+        if isinstance(spec, tuple) and len(spec) == 2:
+            dtype = spec[1]
+        try:
+            dims = tuple(max(0, min(int(d), 1 << 16)) for d in shape)  # type: ignore[union-attr]
+        except (TypeError, ValueError):
+            dims = (0,)
+        outputs.append(mx.zeros(dims, dtype if isinstance(dtype, mx.Dtype) else mx.float32))
+    return outputs
+
+
+def apply_in_graph(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence[OutputSpec], *,
+                   grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+                   template: Sequence[TemplateLike] = (), init_value: float | None = None,
+                   backend: str | None = None) -> KernelResult:
+    """Run ``kernel`` as one node of a traced graph; never raises.
+
+    The Python mirror of the seed's ``apply_metal_kernel_in_graph``: a valid launch gives its
+    outputs with status OK; an invalid one gives zeros of the declared specs and a non-zero
+    status, so tracing continues and the graph shows what failed and what it affects.
+
+    >>> k = Kernel("twice", ["x"], ["out"], reference=lambda x: [x * 2])
+    >>> x = mx.ones((4,))
+    >>> bad = apply_in_graph(k, [x], [OutputSpec((4,), mx.float32)], grid=(0, 1, 1),
+    ...                      threadgroup=(4, 1, 1))
+    >>> bad.ok, bad.status.name
+    (False, 'INVALID_LAUNCH')
+    """
+    launch: Launch | None = None
+    error: KernelError | None = None
+    try:
+        launch, checked = validate(kernel, inputs, output_specs, grid, threadgroup, template,
+                                   init_value, backend)
+        outputs = run_launch(launch, checked)
+    except KernelError as exc:
+        error = exc
+    except Exception as exc:  # never raise from inside a graph: anything else is a runtime error
+        error = KernelError(APPLY, f"{type(exc).__name__}: {exc}", Status.RUNTIME_ERROR)
+    if error is not None:
+        outputs = placeholders(kernel, output_specs)
+    recorder = current_recorder()
+    record = None
+    if recorder is not None:
+        arrays = [a for a in inputs if isinstance(a, mx.array)] if isinstance(inputs, (list, tuple)) else []
+        outputs = recorder.kernel_call(launch, kernel, arrays, outputs, error)
+        record = getattr(recorder, "last_record", None)
+    status = error.status if error is not None else Status.OK
+    return KernelResult(outputs, status, error, record)
+
+
+def launch(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence[OutputSpec], *,
+           grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+           template: Sequence[TemplateLike] = (), init_value: float | None = None) -> list[mx.array]:
+    """Call ``kernel`` the way layer code should: inside a trace or a compiled graph it is
+    ``apply_in_graph`` (failures become node statuses, tracing goes on), outside it is ``apply``
+    (failures raise). Library layers use this.
+
+    >>> k = Kernel("twice", ["x"], ["out"], reference=lambda x: [x * 2])
+    >>> launch(k, [mx.ones((2,))], [OutputSpec((2,), mx.float32)], grid=(2, 1, 1),
+    ...        threadgroup=(2, 1, 1))[0]
+    array([2, 2], dtype=float32)
+    """
+    if current_recorder() is not None:
+        return apply_in_graph(kernel, inputs, output_specs, grid=grid, threadgroup=threadgroup,
+                              template=template, init_value=init_value).outputs
+    return apply(kernel, inputs, output_specs, grid=grid, threadgroup=threadgroup,
+                 template=template, init_value=init_value)

@@ -1,0 +1,252 @@
+"""Arguments and state as flat lists of arrays.
+
+``mx.export_function`` and ``mx.compile`` take arrays; users pass trees of arrays and scalars and
+functions that close over weights. ``Flat`` turns a call's arguments into arrays plus a way back;
+``State`` finds the arrays a function reads without taking them as arguments (the parameters of
+an ``nn.Module``, arrays in closure cells) and swaps them for tracer arrays while tracing, so a
+trace never bakes a weight in as a constant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .nodes import dtype_name
+
+__all__ = ["Flat", "State", "flatten_outputs", "signature"]
+
+
+class _Leaf:
+    """Marks where an array sat in a flattened tree."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _flatten(tree: Any, path: str, arrays: list[mx.array], names: list[str]) -> Any:
+    if isinstance(tree, mx.array):
+        arrays.append(tree)
+        names.append(path)
+        return _Leaf(len(arrays) - 1)
+    if isinstance(tree, (list, tuple)):
+        items = [_flatten(v, f"{path}[{i}]", arrays, names) for i, v in enumerate(tree)]
+        return type(tree)(items) if not hasattr(tree, "_fields") else type(tree)(*items)
+    if isinstance(tree, dict) and not isinstance(tree, nn.Module):
+        return {k: _flatten(v, f"{path}.{k}" if path else str(k), arrays, names)
+                for k, v in tree.items()}
+    return tree
+
+
+def _unflatten(spec: Any, arrays: list[mx.array] | tuple[mx.array, ...]) -> Any:
+    if isinstance(spec, _Leaf):
+        return arrays[spec.index]
+    if isinstance(spec, (list, tuple)):
+        items = [_unflatten(v, arrays) for v in spec]
+        return type(spec)(items) if not hasattr(spec, "_fields") else type(spec)(*items)
+    if isinstance(spec, dict):
+        return {k: _unflatten(v, arrays) for k, v in spec.items()}
+    return spec
+
+
+def _spec_key(spec: Any) -> Any:
+    """A hashable description of a tree's structure and its non-array leaves."""
+    if isinstance(spec, _Leaf):
+        return ("leaf",)
+    if isinstance(spec, (list, tuple)):
+        return (type(spec).__name__, tuple(_spec_key(v) for v in spec))
+    if isinstance(spec, dict):
+        return ("dict", tuple((k, _spec_key(v)) for k, v in spec.items()))
+    try:
+        hash(spec)
+        return spec
+    except TypeError:
+        return ("id", id(spec))
+
+
+@dataclass
+class Flat:
+    """A call's ``args``/``kwargs`` as a flat list of arrays, with names and a way back.
+
+    >>> flat = Flat.of((mx.ones(2), [mx.zeros(1), 3]), {"y": mx.ones(1)}, ["x", "z"])
+    >>> flat.names
+    ['x', 'z[0]', 'y']
+    >>> args, kwargs = flat.rebuild(flat.arrays)
+    >>> args[1][1], sorted(kwargs)
+    (3, ['y'])
+    """
+
+    arrays: list[mx.array]
+    names: list[str]
+    spec: Any
+
+    @classmethod
+    def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any], arg_names: list[str]) -> Flat:
+        arrays: list[mx.array] = []
+        names: list[str] = []
+        spec_args = [_flatten(a, arg_names[i] if i < len(arg_names) else f"args[{i}]", arrays, names)
+                     for i, a in enumerate(args)]
+        spec_kwargs = {k: _flatten(v, k, arrays, names) for k, v in kwargs.items()}
+        return cls(arrays, names, (spec_args, spec_kwargs))
+
+    def rebuild(self, arrays: list[mx.array] | tuple[mx.array, ...]) -> tuple[list[Any], dict[str, Any]]:
+        spec_args, spec_kwargs = self.spec
+        return _unflatten(spec_args, arrays), _unflatten(spec_kwargs, arrays)
+
+    def key(self) -> Any:
+        """Structure, static values, shapes and dtypes: what forces a new trace when it changes."""
+        return (_spec_key(self.spec), tuple((a.shape, a.dtype) for a in self.arrays))
+
+
+def flatten_outputs(out: Any) -> tuple[list[mx.array], Any]:
+    """``fn``'s result as a list of arrays plus the tree to rebuild it with."""
+    arrays: list[mx.array] = []
+    spec = _flatten(out, "out", arrays, [])
+    return arrays, spec
+
+
+def unflatten_outputs(spec: Any, arrays: list[mx.array]) -> Any:
+    return _unflatten(spec, arrays)
+
+
+def signature(arrays: list[mx.array]) -> str:
+    return ", ".join(f"{dtype_name(a.dtype)}{list(a.shape)}" for a in arrays)
+
+
+def argument_names(fn: Callable[..., Any]) -> list[str]:
+    """Positional parameter names of ``fn`` (``x``, ``mask``...), for naming input nodes."""
+    target = fn.__call__ if isinstance(fn, nn.Module) else fn
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+
+
+class _Cell:
+    """A closure cell holding an array, addressed like a container slot."""
+
+    def __init__(self, cell: Any):
+        self.cell = cell
+
+    def __getitem__(self, _: Any) -> Any:
+        return self.cell.cell_contents
+
+    def __setitem__(self, _: Any, value: Any) -> None:
+        self.cell.cell_contents = value
+
+
+class State:
+    """The arrays ``fn`` reads besides its arguments: module parameters and closure arrays.
+
+    ``containers`` are what ``mx.compile(inputs=...)`` should capture (modules, dicts, lists and
+    a list mirroring the closure cells); ``slots`` address every array for swapping by hand.
+
+    >>> w = mx.ones((2,))
+    >>> State.of(lambda x: x * w).names
+    ['w']
+    """
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.slots: list[tuple[Any, Any]] = []
+        self.modules: dict[int, tuple[str, nn.Module]] = {}
+        self.roots: list[Any] = []
+        self.cells: list[_Cell] = []
+        self.cell_values: list[Any] = []
+        self._seen: set[int] = set()
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], extra: Any = None) -> State:
+        state = cls()
+        if isinstance(fn, nn.Module):
+            state._add_root("", fn)
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, nn.Module):
+            state._add_root("", owner)
+        func = getattr(fn, "__func__", fn)
+        code = getattr(func, "__code__", None)
+        closure = getattr(func, "__closure__", None) or ()
+        for name, cell in zip(code.co_freevars if code else (), closure):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, mx.array):
+                state._add_cell(name, cell)
+            elif isinstance(value, (dict, list)):
+                state._add_root(name, value)
+        if extra is not None:
+            state._add_root("state", extra)
+        return state
+
+    def _add_cell(self, name: str, cell: Any) -> None:
+        self.cells.append(_Cell(cell))
+        self.cell_values.append(cell.cell_contents)
+        self.names.append(name)
+        self.slots.append((self.cells[-1], None))
+
+    def _add_root(self, prefix: str, root: Any) -> None:
+        if id(root) in self._seen:
+            return
+        self._seen.add(id(root))
+        self.roots.append(root)
+        self._walk(prefix, root)
+
+    def _walk(self, path: str, tree: Any) -> None:
+        if isinstance(tree, nn.Module):
+            if id(tree) not in self.modules:
+                self.modules[id(tree)] = (path, tree)
+        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+        for key, value in items:
+            child = f"{path}.{key}" if path else str(key)
+            if isinstance(value, mx.array):
+                self.names.append(child)
+                self.slots.append((tree, key))
+            elif isinstance(value, (dict, list)):
+                self._walk(child, value)
+
+    @property
+    def containers(self) -> list[Any]:
+        """For ``mx.compile(inputs=...)``: MLX fills these with tracers while it traces."""
+        return [*self.roots, self.cell_values]
+
+    def arrays(self) -> list[mx.array]:
+        return [container[key] for container, key in self.slots]
+
+    def refresh_cells(self) -> None:
+        """Copy the closure cells' current arrays into the list ``mx.compile`` captures."""
+        for i, cell in enumerate(self.cells):
+            self.cell_values[i] = cell[None]
+
+    @contextlib.contextmanager
+    def cells_from_captured(self) -> Iterator[None]:
+        """Inside a compiled trace: point the closure cells at the tracers MLX put in the list."""
+        saved = [cell[None] for cell in self.cells]
+        for cell, value in zip(self.cells, self.cell_values):
+            cell[None] = value
+        try:
+            yield
+        finally:
+            for cell, value in zip(self.cells, saved):
+                cell[None] = value
+
+    @contextlib.contextmanager
+    def swapped(self, arrays: list[mx.array] | tuple[mx.array, ...]) -> Iterator[None]:
+        """Put ``arrays`` in every slot for the duration, then restore the originals."""
+        saved = self.arrays()
+        for (container, key), value in zip(self.slots, arrays):
+            container[key] = value
+        try:
+            yield
+        finally:
+            for (container, key), value in zip(self.slots, saved):
+                container[key] = value

@@ -1,0 +1,393 @@
+"""Trace a function into a ``Graph`` with MLX's own capture, and compile it with ``mx.compile``.
+
+``trace`` runs ``fn`` once inside ``mx.export_function`` with a recorder installed: every
+``apply_in_graph`` call and every ``nn.Module`` call is tagged, then ``graphkern.capture`` turns
+MLX's events into the graph. ``compile`` keeps the ``mx.compile``d function free of tags and
+refuses to run a graph whose trace found a failed node.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any, Callable, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import runtime
+from .capture import MAGIC, EventLog, Record, build_graph
+from .graph import Failure, Graph, GraphError
+from .nodes import Kernel, KernelError, Status, dtype_name
+from .runtime import Launch, current_recorder, recording
+from .state import Flat, State, argument_names, flatten_outputs, unflatten_outputs
+
+__all__ = ["CompiledGraph", "Graph", "GraphError", "compile", "trace"]
+
+_TRACE = "trace a function with graphkern"
+
+
+class TraceRecorder:
+    """Collects the kernel and module calls of one trace and tags their outputs."""
+
+    def __init__(self, modules: dict[int, str] | None = None, tag: bool = True):
+        self.records: dict[int, Record] = {}
+        self.modules = modules or {}
+        self.stack: list[tuple[int, str]] = []
+        self.tag = tag
+        self.nonce = random.getrandbits(31)
+        self.calls = 0
+        self.last_record: int | None = None
+
+    @property
+    def scope(self) -> str:
+        return self.stack[-1][1] if self.stack else ""
+
+    def _tagged(self, record: Record, inputs: list[mx.array], outputs: list[mx.array]) -> list[mx.array]:
+        self.records[record.id] = record
+        self.last_record = record.id
+        if not self.tag:
+            return outputs
+        tag = mx.array([MAGIC, record.id, self.nonce], dtype=mx.uint32)
+        return list(mx.depends(outputs, [*inputs, tag]))
+
+    def kernel_call(self, launch: Launch | None, kernel: Any, inputs: list[mx.array],
+                    outputs: list[mx.array], error: KernelError | None) -> list[mx.array]:
+        name = kernel.name if isinstance(kernel, Kernel) else "invalid_kernel"
+        record = Record(len(self.records), "kernel", name, self.scope, len(outputs),
+                        call_index=self.calls, error=error, attrs=_kernel_attrs(launch, kernel))
+        self.calls += 1
+        return self._tagged(record, inputs, outputs)
+
+    def module_call(self, path: str, module: nn.Module, inputs: list[mx.array],
+                    outputs: list[mx.array], error: KernelError | None) -> list[mx.array]:
+        record = Record(len(self.records), "module", type(module).__name__, path, len(outputs),
+                        error=error)
+        return self._tagged(record, inputs, outputs)
+
+
+def _kernel_attrs(launch: Launch | None, kernel: Any) -> dict[str, Any]:
+    if not isinstance(kernel, Kernel):
+        return {"kernel": repr(kernel)[:80], "backend": "", "source": None}
+    attrs: dict[str, Any] = {"kernel": kernel.name, "source_hash": kernel.source_hash,
+                             "source": None, "backend": "", "generated_name": None,
+                             "grid": None, "threadgroup": None, "template": []}
+    if launch is not None:
+        attrs.update(backend=launch.backend, grid=list(launch.grid),
+                     threadgroup=list(launch.threadgroup),
+                     template=[[a.name, dtype_name(a.value) if isinstance(a.value, mx.Dtype)
+                                else repr(a.value)] for a in launch.template],
+                     source=kernel.source_for(launch.backend))
+        if launch.backend != "reference":
+            attrs["generated_name"] = runtime.generated_name(kernel)
+    return attrs
+
+
+# ----------------------------------------------------------------------------- module scopes
+
+
+class _ModuleHooks:
+    """Wraps ``__call__`` of the module classes in use so calls can be tagged with their path.
+
+    Patches are reference-counted and thread-safe; a wrapper does nothing unless the calling
+    thread is tracing and the module belongs to that trace.
+    """
+
+    _lock = threading.Lock()
+    _patched: dict[type, tuple[Callable[..., Any], int]] = {}
+
+    @classmethod
+    def _owner(cls, module: nn.Module) -> type | None:
+        for klass in type(module).__mro__:
+            if "__call__" in klass.__dict__ and klass is not object:
+                return klass
+        return None
+
+    @classmethod
+    def install(cls, modules: list[nn.Module]) -> list[type]:
+        owners = {o for o in map(cls._owner, modules) if o is not None and o is not nn.Module}
+        with cls._lock:
+            for owner in owners:
+                original, count = cls._patched.get(owner, (owner.__dict__["__call__"], 0))
+                if count == 0:
+                    setattr(owner, "__call__", _hooked(original))
+                cls._patched[owner] = (original, count + 1)
+        return list(owners)
+
+    @classmethod
+    def remove(cls, owners: list[type]) -> None:
+        with cls._lock:
+            for owner in owners:
+                original, count = cls._patched[owner]
+                if count == 1:
+                    setattr(owner, "__call__", original)
+                    del cls._patched[owner]
+                else:
+                    cls._patched[owner] = (original, count - 1)
+
+
+def _hooked(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        recorder = current_recorder()
+        path = recorder.modules.get(id(self)) if isinstance(recorder, TraceRecorder) else None
+        if path is None or (recorder.stack and recorder.stack[-1][0] == id(self)):
+            return original(self, *args, **kwargs)
+        inputs = Flat.of(args, kwargs, []).arrays
+        recorder.stack.append((id(self), path))
+        error = None
+        try:
+            out = original(self, *args, **kwargs)
+        except Exception as exc:  # a failing module becomes a failed node, the trace goes on
+            error = KernelError(f"call module {path!r} ({type(self).__name__})",
+                                f"{type(exc).__name__}: {exc}", Status.MODULE_ERROR)
+            out = mx.zeros_like(inputs[0]) if inputs else mx.zeros(())
+        finally:
+            recorder.stack.pop()
+        arrays, spec = flatten_outputs(out)
+        tagged = recorder.module_call(path, self, inputs, arrays, error)
+        return unflatten_outputs(spec, tagged)
+
+    __call__.__wrapped__ = original  # type: ignore[attr-defined]
+    return __call__
+
+
+# ----------------------------------------------------------------------------- tracing
+
+
+class _Traceable:
+    """``fn`` with its arguments and state flattened to arrays, ready for MLX's transforms."""
+
+    def __init__(self, fn: Callable[..., Any], state: Any = None):
+        self.fn = fn
+        self.state = State.of(fn, state)
+        self.arg_names = argument_names(fn)
+        self.name = getattr(fn, "__name__", type(fn).__name__)
+
+    def module_paths(self) -> dict[int, str]:
+        return {mid: path for mid, (path, _) in self.state.modules.items() if path}
+
+    def call_flat(self, flat: Flat, arrays: tuple[mx.array, ...], out: dict[str, Any]) -> list[mx.array]:
+        args, kwargs = flat.rebuild(arrays)
+        result = self.fn(*args, **kwargs)
+        outputs, out["spec"] = flatten_outputs(result)
+        if not outputs:
+            raise KernelError(_TRACE, f"{self.name} returned no arrays", Status.INVALID_INPUT)
+        return outputs
+
+    def trace(self, flat: Flat, backend: str | None = None) -> tuple[Graph, Any]:
+        """Capture one call as a ``Graph``; returns it with the output tree spec."""
+        n_args = len(flat.arrays)
+        state_arrays = self.state.arrays()
+        recorder = TraceRecorder(self.module_paths())
+        out: dict[str, Any] = {}
+
+        def flat_fn(*arrays: mx.array) -> list[mx.array]:
+            with self.state.swapped(arrays[n_args:]):
+                return self.call_flat(flat, arrays[:n_args], out)
+
+        log = EventLog()
+        owners = _ModuleHooks.install([m for _, m in self.state.modules.values()])
+        try:
+            with recording(recorder), _forced_backend(backend):
+                mx.export_function(log, flat_fn, *flat.arrays, *state_arrays)
+        except KernelError:
+            raise
+        except Exception as exc:
+            raise KernelError(_TRACE, f"{self.name} raised {type(exc).__name__}: {exc}",
+                              Status.MODULE_ERROR) from exc
+        finally:
+            _ModuleHooks.remove(owners)
+        attrs = {"name": self.name, "backend": backend or runtime.active_backend(),
+                 "mlx_version": mx.__version__}
+        g = build_graph(log, flat.names + self.state.names, recorder.records, recorder.nonce, attrs)
+        return Graph(g), out.get("spec")
+
+
+class _forced_backend:
+    """Temporarily run kernels on one backend (e.g. ``metal`` to see Metal kernels on Linux)."""
+
+    def __init__(self, backend: str | None):
+        self.backend = backend
+        self.previous: str | None = None
+
+    def __enter__(self) -> None:
+        if self.backend is not None:
+            import os
+
+            self.previous = os.environ.get("GRAPHKERN_BACKEND")
+            os.environ["GRAPHKERN_BACKEND"] = self.backend
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.backend is not None:
+            import os
+
+            if self.previous is None:
+                os.environ.pop("GRAPHKERN_BACKEND", None)
+            else:
+                os.environ["GRAPHKERN_BACKEND"] = self.previous
+
+
+def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
+    """Record one call of ``fn`` into a ``Graph`` built from MLX's own capture.
+
+    Every MLX primitive becomes an ``op`` node, every ``apply_in_graph`` call one ``kernel`` node,
+    and when ``fn`` is (or closes over) an ``nn.Module`` every node carries its module path.
+    Trace-time kernel failures are statuses on their nodes, propagated downstream.
+
+    >>> import mlx.core as mx, graphkern as gk
+    >>> g = gk.trace(lambda x, y: x @ y, mx.ones((2, 3)), mx.ones((3, 4)))
+    >>> g.nodes("op"), g.nx.nodes["output_0"]["kind"]
+    (['matmul'], 'output')
+    """
+    traceable = _Traceable(fn)
+    graph, _ = traceable.trace(Flat.of(args, kwargs, traceable.arg_names))
+    return graph
+
+
+# ----------------------------------------------------------------------------- compile
+
+
+class _PassThrough:
+    """Recorder for the compiled path: no tags, but ``launch`` behaves as inside a graph, and
+    the first failing call is remembered (by call index) so it can be blamed on its node.
+    With ``probe`` it also evaluates each call's outputs at once, to find evaluation failures."""
+
+    last_record = None
+
+    def __init__(self, probe: bool = False) -> None:
+        self.probe = probe
+        self.calls = 0
+        self.failed: tuple[int, Exception] | None = None
+
+    def kernel_call(self, launch: Launch | None, kernel: Any, inputs: list[mx.array],
+                    outputs: list[mx.array], error: KernelError | None) -> list[mx.array]:
+        index, self.calls = self.calls, self.calls + 1
+        if self.failed is None and error is not None:
+            self.failed = (index, error)
+        elif self.failed is None and self.probe:
+            try:
+                mx.eval(outputs)
+            except Exception as exc:
+                self.failed = (index, exc)
+        return outputs
+
+
+class CompiledGraph:
+    """``fn`` compiled with ``mx.compile``, guarded by a graphkern trace per input signature.
+
+    The first call with a new signature traces ``fn`` (``.graph``); if a node failed, the call
+    raises ``GraphError`` and nothing runs. Otherwise the ``mx.compile``d function runs, with no
+    tags and the state (module parameters, closure arrays) passed as inputs, so weight updates
+    are always seen. Evaluation failures (a kernel that does not compile) are attributed to
+    their kernel node.
+
+    >>> import mlx.core as mx, graphkern as gk
+    >>> cf = gk.compile(lambda x: mx.exp(x) * 2)
+    >>> cf(mx.zeros((2,)))
+    array([2, 2], dtype=float32)
+    >>> cf.graph.status
+    <Status.OK: 0>
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, state: Any = None, backend: str | None = None):
+        self.fn = fn
+        self.backend = backend
+        self._traceable = _Traceable(fn, state)
+        self._graphs: dict[Any, tuple[Graph, Any]] = {}
+        self._last: Graph | None = None
+        self._flat: Flat | None = None
+        self._recorder = _PassThrough()
+        self._compiled = mx.compile(self._run_flat, inputs=self._traceable.state.containers)
+
+    def _run_flat(self, *arrays: mx.array) -> list[mx.array]:
+        assert self._flat is not None
+        with self._traceable.state.cells_from_captured(), recording(self._recorder):  # type: ignore[arg-type]
+            return self._traceable.call_flat(self._flat, arrays, {})
+
+    @property
+    def graph(self) -> Graph | None:
+        """The graph of the last traced signature."""
+        return self._last
+
+    def trace(self, *args: Any, **kwargs: Any) -> Graph:
+        """The graph for these arguments (traced on first sight of their signature)."""
+        return self._entry(Flat.of(args, kwargs, self._traceable.arg_names))[0]
+
+    def _entry(self, flat: Flat) -> tuple[Graph, Any]:
+        key = flat.key()
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._traceable.trace(flat, self.backend)
+            self._graphs[key] = entry
+        self._last = entry[0]
+        return entry
+
+    def call_with_status(self, *args: Any, **kwargs: Any) -> tuple[Any, Status]:
+        """``(outputs, Status.OK)`` or ``(None, status of the root failure)``; never raises for
+        a failed node (the seed's ``Result<_, i32>``)."""
+        try:
+            return self(*args, **kwargs), Status.OK
+        except GraphError as exc:
+            return None, exc.status
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat = Flat.of(args, kwargs, self._traceable.arg_names)
+        graph, spec = self._entry(flat)
+        if not graph.ok:
+            raise graph.error()  # type: ignore[misc]
+        self._flat = flat
+        self._recorder = _PassThrough()
+        self._traceable.state.refresh_cells()
+        with _forced_backend(self.backend):
+            try:
+                outputs = self._compiled(*flat.arrays)
+                if self._recorder.failed is not None:  # a launch failed while MLX traced
+                    raise self._recorder.failed[1]
+                mx.eval(outputs)
+            except Exception as exc:
+                raise self._attribute(graph, flat, exc, self._recorder) from exc
+        return unflatten_outputs(spec, outputs)
+
+    def _attribute(self, graph: Graph, flat: Flat, exc: Exception,
+                   recorder: _PassThrough) -> GraphError:
+        """Find the kernel node behind a run failure, mark it, and build the error."""
+        message, found = str(exc), exc
+        kernels = graph.kernels()
+        culprit = next((n for n in kernels if graph.node(n).get("generated_name")
+                        and graph.node(n)["generated_name"] in message), None)
+        if culprit is None and recorder.failed is None:
+            recorder = _PassThrough(probe=True)
+            try:
+                with recording(recorder):  # type: ignore[arg-type]
+                    self._traceable.call_flat(flat, tuple(flat.arrays), {})
+            except Exception:  # the eager re-run may fail the same way; the first error stands
+                pass
+        if culprit is None and recorder.failed is not None:
+            index, found = recorder.failed
+            message = str(found)
+            culprit = next((n for n in kernels if graph.node(n).get("call_index") == index), None)
+        status = found.status if isinstance(found, KernelError) else runtime.status_of_mlx_error(message)
+        if culprit is None:
+            outputs = tuple(graph.nodes("output"))
+            return GraphError(Failure("<eval>", status, message, outputs))
+        data = graph.node(culprit)
+        data["status"], data["message"] = int(status), message
+        graph.refresh()
+        return graph.error() or GraphError(Failure(culprit, status, message, ()))
+
+    def clear(self) -> None:
+        """Forget every trace (the next call re-traces)."""
+        self._graphs.clear()
+        self._last = None
+
+    def traces(self) -> Iterator[Graph]:
+        return (g for g, _ in self._graphs.values())
+
+
+def compile(fn: Callable[..., Any], *, state: Any = None, backend: str | None = None) -> CompiledGraph:
+    """Compile ``fn`` into a ``CompiledGraph`` (see there).
+
+    ``state``: extra arrays, lists, dicts or modules ``fn`` reads without taking them as
+    arguments; modules ``fn`` is bound to or closes over, and closure arrays, are found alone.
+    """
+    return CompiledGraph(fn, state=state, backend=backend)
