@@ -34,6 +34,14 @@ __all__ = [
 ]
 
 BACKENDS = ("metal", "cuda", "reference")
+class _ThreadState(threading.local):
+    """This thread's trace recorder and backend override (class defaults make reads cheap)."""
+
+    recorder: Any = None
+    backend: str | None = None
+
+
+_local = _ThreadState()
 APPLY = "apply a graphkern kernel"
 MAX_THREADS_PER_GROUP = 1024
 _INT32_MAX = 2**31 - 1
@@ -53,13 +61,47 @@ def _detected_backend() -> str:
     return "reference"
 
 
+_ENVIRON = getattr(os.environ, "_data", None)  # CPython's raw dict: a read costs 40 ns, not 400
+
+
+def _backend_variable() -> str | None:
+    """``GRAPHKERN_BACKEND`` (or a thread's ``using_backend`` override), read on every launch."""
+    override = _local.backend
+    if override is not None:
+        return override
+    if _ENVIRON is not None and os.name == "posix":
+        raw = _ENVIRON.get(b"GRAPHKERN_BACKEND")
+        return raw.decode() if raw else None
+    return os.environ.get("GRAPHKERN_BACKEND") or None
+
+
+@contextlib.contextmanager
+def using_backend(backend: str | None) -> Iterator[None]:
+    """Run this thread's kernels on ``backend`` for the duration (None: no change).
+
+    >>> with using_backend("reference"):
+    ...     active_backend()
+    'reference'
+    """
+    previous = _local.backend
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise KernelError("choose a graphkern backend",
+                              f"{backend!r} is not one of {list(BACKENDS)}", Status.BACKEND_UNAVAILABLE)
+        _local.backend = backend
+    try:
+        yield
+    finally:
+        _local.backend = previous
+
+
 def active_backend() -> str:
     """The backend kernels run on: ``GRAPHKERN_BACKEND`` if set, else metal, cuda or reference.
 
     >>> active_backend() in BACKENDS
     True
     """
-    forced = os.environ.get("GRAPHKERN_BACKEND")
+    forced = _backend_variable()
     if not forced:
         return _detected_backend()
     if forced not in BACKENDS:
@@ -216,6 +258,18 @@ class Launch:
     template: tuple[TemplateArg, ...]
     init_value: float | None
 
+    @functools.cached_property
+    def reference_keywords(self) -> dict[str, Any]:
+        """The template values the kernel's reference accepts as keyword arguments."""
+        if self.kernel.reference is None:
+            return {}
+        named, takes_any = _reference_keywords(self.kernel.reference)
+        return {a.name: a.value for a in self.template if takes_any or a.name in named}
+
+    @functools.cached_property
+    def mlx_template(self) -> list[tuple[str, Any]]:
+        return [a.as_mlx() for a in self.template]
+
 
 def _fail(status: Status, description: str) -> KernelError:
     return KernelError(APPLY, description, status)
@@ -296,7 +350,7 @@ def _check_inputs(kernel: Kernel, inputs: object) -> list[Any]:
                     f"kernel {kernel.name!r} takes {len(kernel.input_names)} inputs "
                     f"{list(kernel.input_names)} but {len(inputs)} were given")
     for name, value in zip(kernel.input_names, inputs):
-        if not isinstance(value, (mx.array, bool, int, float)):
+        if value.__class__ is not mx.array and not isinstance(value, (mx.array, bool, int, float)):
             raise _fail(Status.INVALID_INPUT,
                         f"input {name!r} must be an mlx array or a Python scalar, "
                         f"got {type(value).__name__}")
@@ -343,14 +397,68 @@ def _check_init_value(init_value: object) -> float | None:
     return float(init_value)
 
 
+_VALIDATED: dict[tuple[Any, ...], Launch] = {}
+_VALIDATED_MAX = 4096
+
+
+def _exact(values: Any, kind: type) -> bool:
+    for value in values:
+        if value.__class__ is not kind:
+            return False
+    return True
+
+
+def _launch_key(kernel: Kernel, output_specs: Any, grid: Any, threadgroup: Any, template: Any,
+                init_value: Any, backend: str | None) -> tuple[Any, ...] | None:
+    """A key under which a validated launch can be reused, or None when the arguments are not
+    of the plain exact types (ints, not floats or bools, that compare equal to them)."""
+    if grid.__class__ is not tuple or threadgroup.__class__ is not tuple or not (
+            _exact(grid + threadgroup, int)):
+        return None
+    if output_specs.__class__ not in (list, tuple) or template.__class__ not in (list, tuple):
+        return None
+    for spec in output_specs:
+        if spec.__class__ is not OutputSpec or not _exact(spec.shape, int):
+            return None
+    typed_template = []
+    for arg in template:
+        if arg.__class__ is TemplateArg:
+            typed_template.append((arg.name, arg.value, arg.value.__class__))
+        else:
+            typed_template.append((arg[0], arg[1], arg[1].__class__))
+    return (kernel, backend or _backend_variable(), grid, threadgroup, tuple(typed_template),
+            tuple(output_specs), init_value, init_value.__class__)
+
+
 def validate(kernel: Kernel, inputs: object, output_specs: object, grid: object,
              threadgroup: object, template: object = (), init_value: object = None,
              backend: str | None = None) -> tuple[Launch, list[Any]]:
-    """Check one launch; returns the normalised launch and inputs, or raises ``KernelError``."""
+    """Check one launch; returns the normalised launch and inputs, or raises ``KernelError``.
+
+    Launch configurations that passed once are remembered (keyed by exact types, so ``8.0``
+    never reuses the check of ``8``); the inputs are checked on every call.
+    """
     if not isinstance(kernel, Kernel):
         raise KernelError(APPLY, f"expected a graphkern Kernel, got {type(kernel).__name__}",
                           Status.INVALID_KERNEL)
     checked_inputs = _check_inputs(kernel, inputs)
+    try:
+        key = _launch_key(kernel, output_specs, grid, threadgroup, template, init_value, backend)
+        known = _VALIDATED.get(key) if key is not None else None
+    except (TypeError, ValueError, AttributeError, LookupError):  # malformed: take the slow path
+        key = known = None
+    if known is not None:
+        return known, checked_inputs
+    launch = _validate_launch(kernel, output_specs, grid, threadgroup, template, init_value, backend)
+    if key is not None:
+        if len(_VALIDATED) >= _VALIDATED_MAX:
+            _VALIDATED.clear()
+        _VALIDATED[key] = launch
+    return launch, checked_inputs
+
+
+def _validate_launch(kernel: Kernel, output_specs: object, grid: object, threadgroup: object,
+                     template: object, init_value: object, backend: str | None) -> Launch:
     specs = _check_output_specs(kernel, output_specs)
     resolved = resolve_backend(kernel, backend)
     g, t = _check_launch_dims(grid, threadgroup, resolved)
@@ -358,8 +466,7 @@ def validate(kernel: Kernel, inputs: object, output_specs: object, grid: object,
     if resolved == "cuda" and kernel.cuda is None and any(a.kind == "dtype" for a in args):
         raise _fail(Status.INVALID_TEMPLATE,
                     "precompiled CUDA kernels take int and bool scalars, not dtype templates")
-    launch = Launch(kernel, resolved, specs, g, t, args, _check_init_value(init_value))
-    return launch, checked_inputs
+    return Launch(kernel, resolved, specs, g, t, args, _check_init_value(init_value))
 
 
 # ----------------------------------------------------------------------------- running
@@ -382,14 +489,24 @@ def run_reference(launch: Launch, inputs: list[Any]) -> list[mx.array]:
     """Run the kernel's pure-MLX reference and hold it to the declared output specs."""
     kernel = launch.kernel
     assert kernel.reference is not None
-    named, takes_any = _reference_keywords(kernel.reference)
-    keywords = {a.name: a.value for a in launch.template if takes_any or a.name in named}
-    operation = f"run the reference of kernel {kernel.name!r}"
     try:
-        result = kernel.reference(*inputs, **keywords)
+        result = kernel.reference(*inputs, **launch.reference_keywords)
     except Exception as exc:  # the user's code: any failure becomes a status
-        raise KernelError(operation, f"{type(exc).__name__}: {exc}", Status.REFERENCE_ERROR) from exc
+        raise KernelError(f"run the reference of kernel {kernel.name!r}",
+                          f"{type(exc).__name__}: {exc}", Status.REFERENCE_ERROR) from exc
     outputs = [result] if isinstance(result, mx.array) else result
+    if outputs.__class__ is list and len(outputs) == len(launch.output_specs):
+        for out, spec in zip(outputs, launch.output_specs):
+            if out.__class__ is not mx.array or out.shape != spec.shape or out.dtype != spec.dtype:
+                break
+        else:  # the common case: exactly what was declared
+            return outputs
+    return _conform_reference_outputs(launch, result, outputs)
+
+
+def _conform_reference_outputs(launch: Launch, result: Any, outputs: Any) -> list[mx.array]:
+    kernel = launch.kernel
+    operation = f"run the reference of kernel {kernel.name!r}"
     if not isinstance(outputs, (list, tuple)) or not all(isinstance(o, mx.array) for o in outputs):
         raise KernelError(operation, f"must return a list of mlx arrays, got {type(result).__name__}",
                           Status.REFERENCE_ERROR)
@@ -417,7 +534,7 @@ def run_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
             output_dtypes=[s.dtype for s in launch.output_specs],
             grid=launch.grid,
             threadgroup=launch.threadgroup,
-            template=[a.as_mlx() for a in launch.template],
+            template=launch.mlx_template,
             init_value=launch.init_value,
         )
     except (RuntimeError, ValueError, TypeError) as exc:
@@ -457,12 +574,9 @@ class Recorder(Protocol):
         ...
 
 
-_local = threading.local()
-
-
 def current_recorder() -> Recorder | None:
     """The recorder of the trace running on this thread, if any."""
-    return getattr(_local, "recorder", None)
+    return _local.recorder  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager

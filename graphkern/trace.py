@@ -188,7 +188,7 @@ class _Traceable:
         log = EventLog()
         owners = _ModuleHooks.install([m for _, m in self.state.modules.values()])
         try:
-            with recording(recorder), _forced_backend(backend):
+            with recording(recorder), runtime.using_backend(backend):
                 mx.export_function(log, flat_fn, *flat.arrays, *state_arrays)
         except KernelError:
             raise
@@ -201,30 +201,6 @@ class _Traceable:
                  "mlx_version": mx.__version__}
         g = build_graph(log, flat.names + self.state.names, recorder.records, recorder.nonce, attrs)
         return Graph(g), out.get("spec")
-
-
-class _forced_backend:
-    """Temporarily run kernels on one backend (e.g. ``metal`` to see Metal kernels on Linux)."""
-
-    def __init__(self, backend: str | None):
-        self.backend = backend
-        self.previous: str | None = None
-
-    def __enter__(self) -> None:
-        if self.backend is not None:
-            import os
-
-            self.previous = os.environ.get("GRAPHKERN_BACKEND")
-            os.environ["GRAPHKERN_BACKEND"] = self.backend
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.backend is not None:
-            import os
-
-            if self.previous is None:
-                os.environ.pop("GRAPHKERN_BACKEND", None)
-            else:
-                os.environ["GRAPHKERN_BACKEND"] = self.previous
 
 
 def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
@@ -338,7 +314,7 @@ class CompiledGraph:
         self._flat = flat
         self._recorder = _PassThrough()
         self._traceable.state.refresh_cells()
-        with _forced_backend(self.backend):
+        with runtime.using_backend(self.backend):
             try:
                 outputs = self._compiled(*flat.arrays)
                 if self._recorder.failed is not None:  # a launch failed while MLX traced
