@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import mlx.core as mx
 
+from .autodiff import with_vjp
 from .nodes import Kernel, KernelError, KernelResult, OutputSpec, Status, TemplateArg, TemplateLike
 
 __all__ = [
@@ -523,9 +524,36 @@ def _conform_reference_outputs(launch: Launch, result: Any, outputs: Any) -> lis
 
 
 def run_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
-    """Run a validated launch on its backend; raises ``KernelError``."""
-    if launch.backend == "reference":
-        return run_reference(launch, inputs)
+    """Run a validated launch on its backend; raises ``KernelError``. Differentiable (see
+    ``differentiable_launch``)."""
+    if launch.backend == "reference" and launch.kernel.vjp is None:
+        return run_reference(launch, inputs)  # plain MLX: gradients flow through it as it is
+    return differentiable_launch(launch, inputs)
+
+
+def _inside_inspection_trace() -> bool:
+    from .trace import TraceRecorder  # imported here: trace depends on runtime, not the reverse
+
+    return isinstance(current_recorder(), TraceRecorder)
+
+
+def differentiable_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
+    """Run ``launch`` inside ``mx.custom_function`` so ``mx.grad`` works through it: the backward
+    is ``Kernel.vjp`` when given, else the vjp of the reference (MLX's CustomKernel has none).
+
+    Inside graphkern's inspection traces the launch runs plain: ``mx.export_function`` cannot
+    export a custom function with a vjp, and a trace only records.
+    """
+    forward = run_reference if launch.backend == "reference" else _run_native
+    kernel = launch.kernel
+    if _inside_inspection_trace() or (kernel.vjp is None and kernel.reference is None):
+        return forward(launch, inputs)
+    reference = functools.partial(run_reference, launch) if kernel.reference is not None else None
+    return with_vjp(functools.partial(forward, launch), inputs, reference=reference, vjp=kernel.vjp,
+                    name=f"kernel {kernel.name!r}")
+
+
+def _run_native(launch: Launch, inputs: list[Any]) -> list[mx.array]:
     mlx_kernel = kernel_cache.get(launch.backend, launch.kernel)
     try:
         outputs = mlx_kernel(

@@ -1,0 +1,107 @@
+"""Gradients through kernels: a forward MLX cannot differentiate, with a backward it can.
+
+MLX's ``CustomKernel`` primitive has no vjp, so ``mx.grad`` through a GPU kernel fails. ``with_vjp``
+runs a kernel's forward inside ``mx.custom_function`` whose vjp is the kernel's own backward
+(``Kernel.vjp``) when the user gave one, else the vjp of its pure-MLX reference. The runtime uses it
+for every GPU launch (see ``runtime.differentiable_launch``); graphkern's inspection traces skip it,
+because ``mx.export_function`` cannot export a custom function with a vjp.
+
+This module imports only ``graphkern.nodes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from .nodes import KernelError, Status
+
+__all__ = ["with_vjp"]
+
+Forward = Callable[[list[Any]], list[mx.array]]
+#: ``vjp(primals, cotangents, outputs) -> one cotangent (or None) per input``, as ``Kernel.vjp``.
+Backward = Callable[[list[Any], list[mx.array], list[mx.array]], Sequence[Any]]
+
+_VJP = "differentiate a graphkern kernel"
+
+
+def _merge(inputs: Sequence[Any], positions: list[int], arrays: Sequence[mx.array]) -> list[Any]:
+    """``inputs`` with the arrays at ``positions`` replaced by ``arrays`` (scalars stay)."""
+    merged = list(inputs)
+    for position, array in zip(positions, arrays):
+        merged[position] = array
+    return merged
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _conform(grads: Sequence[Any], primals: Sequence[mx.array], name: str) -> list[mx.array]:
+    """One cotangent per array primal, of its shape and dtype (None means zero)."""
+    if len(grads) != len(primals):
+        raise KernelError(_VJP, f"the vjp of {name} returned {len(grads)} cotangents for "
+                          f"{len(primals)} array inputs", Status.REFERENCE_ERROR)
+    out = []
+    for grad, primal in zip(grads, primals):
+        if grad is None:
+            out.append(mx.zeros_like(primal))
+            continue
+        if not isinstance(grad, mx.array) or tuple(grad.shape) != tuple(primal.shape):
+            shape = tuple(grad.shape) if isinstance(grad, mx.array) else type(grad).__name__
+            raise KernelError(_VJP, f"the vjp of {name} returned a cotangent of {shape} for an "
+                              f"input of shape {tuple(primal.shape)}", Status.REFERENCE_ERROR)
+        out.append(grad if grad.dtype == primal.dtype else grad.astype(primal.dtype))
+    return out
+
+
+def with_vjp(forward: Forward, inputs: Sequence[Any], *, reference: Forward | None = None,
+             vjp: Backward | None = None, name: str = "kernel") -> list[mx.array]:
+    """``forward(inputs)``, differentiable: its vjp is ``vjp`` if given, else that of ``reference``.
+
+    ``inputs`` may mix arrays and Python scalars; only arrays get cotangents. ``vjp`` receives all
+    inputs (scalars included), the output cotangents and the outputs, and returns one cotangent per
+    input (None for zero); its cotangents for scalar inputs are ignored.
+
+    >>> double = lambda xs: [xs[0] * 2]          # stands in for a GPU launch
+    >>> f = lambda x: with_vjp(double, [x], reference=double)[0].sum()
+    >>> mx.grad(f)(mx.ones((2,))).tolist()
+    [2.0, 2.0]
+    >>> custom = lambda primals, cots, outs: [cots[0] * 10]
+    >>> g = lambda x: with_vjp(double, [x], vjp=custom)[0].sum()
+    >>> mx.grad(g)(mx.ones((2,))).tolist()
+    [10.0, 10.0]
+    """
+    if vjp is None and reference is None:
+        raise KernelError(_VJP, f"{name} has neither a vjp nor a reference to differentiate",
+                          Status.BACKEND_UNAVAILABLE)
+    positions = [i for i, value in enumerate(inputs) if isinstance(value, mx.array)]
+
+    def primal(*arrays: mx.array) -> list[mx.array]:
+        return forward(_merge(inputs, positions, arrays))
+
+    fn = mx.custom_function(primal)
+
+    @fn.vjp
+    def backward(primals: Any, cotangents: Any, outputs: Any) -> Any:
+        single = isinstance(primals, mx.array)  # MLX passes one primal bare, several as a tuple
+        arrays = [primals] if single else list(primals)
+        cots, outs = _as_list(cotangents), _as_list(outputs)
+        if vjp is not None:
+            grads = list(vjp(_merge(inputs, positions, arrays), cots, outs))
+            if len(grads) == len(inputs) and len(positions) != len(inputs):
+                grads = [grads[i] for i in positions]
+        else:
+            assert reference is not None
+
+            def through_reference(*primal_arrays: mx.array) -> list[mx.array]:
+                return reference(_merge(inputs, positions, primal_arrays))
+
+            _, grads = mx.vjp(through_reference, arrays, cots)
+        conformed = _conform(grads, arrays, name)
+        return conformed[0] if single else tuple(conformed)
+
+    outputs: Any = fn(*(inputs[i] for i in positions))
+    return list(outputs)
