@@ -1,0 +1,288 @@
+"""Compare two traces — for instance before and after patching a module with a kernel.
+
+Node ids are not stable across traces (``multiply_3`` becomes ``multiply_1`` when two multiplies
+before it are replaced), so nodes are matched by what they are: within each (kind, module scope,
+op or kernel name) bucket, the two topologically ordered lists are aligned with difflib on each
+node's local signature (input shapes and dtypes, output shapes and dtypes). Matched pairs whose
+attributes differ are "changed"; the rest are "added" or "removed".
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphkern.viz._common import (
+    as_nx,
+    format_tensor,
+    graph_name,
+    in_edges_sorted,
+    node_status,
+    node_text,
+    ordered_nodes,
+    status_name,
+)
+
+__all__ = ["diff", "GraphDiff", "NodeChange"]
+
+_COMPARED = ("status", "root_cause", "message", "arguments", "value", "backend", "grid",
+             "threadgroup", "template", "source_hash")
+
+
+@dataclass(frozen=True)
+class NodeChange:
+    """A node present in both graphs whose attributes, inputs or outputs differ."""
+
+    before: str
+    after: str
+    kind: str
+    scope: str
+    changes: tuple[tuple[str, str, str], ...]  # (field, before, after)
+
+    def describe(self) -> str:
+        return "; ".join(f"{f}: {a} -> {b}" for f, a, b in self.changes)
+
+
+@dataclass
+class GraphDiff:
+    """What changed between two traces. ``str(d)`` is a text report, ``d.to_html()`` the second
+    graph in the viewer with added nodes green, changed amber and the removed ones listed.
+
+    >>> d = diff(before, after)                           # doctest: +SKIP
+    >>> print(d)                                          # doctest: +SKIP
+    >>> bool(d), d.kernels_added                          # doctest: +SKIP
+    (True, ['rms_norm'])
+    """
+
+    before: Any
+    after: Any
+    added: list[str] = field(default_factory=list)        # node ids in ``after``
+    removed: list[str] = field(default_factory=list)      # node ids in ``before``
+    changed: list[NodeChange] = field(default_factory=list)
+    matched: dict[str, str] = field(default_factory=dict)  # before id -> after id
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.changed)
+
+    def _kind(self, graph: Any, n: str) -> str:
+        return str(as_nx(graph).nodes[n].get("kind") or "op")
+
+    @property
+    def kernels_added(self) -> list[str]:
+        return [n for n in self.added if self._kind(self.after, n) == "kernel"]
+
+    @property
+    def kernels_removed(self) -> list[str]:
+        return [n for n in self.removed if self._kind(self.before, n) == "kernel"]
+
+    @property
+    def kernels_changed(self) -> list[NodeChange]:
+        return [c for c in self.changed if c.kind == "kernel"]
+
+    @property
+    def status_before(self) -> int:
+        return _graph_status(self.before)
+
+    @property
+    def status_after(self) -> int:
+        return _graph_status(self.after)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary."""
+        return {
+            "before": graph_name(as_nx(self.before)),
+            "after": graph_name(as_nx(self.after)),
+            "added": list(self.added),
+            "removed": list(self.removed),
+            "changed": [{"before": c.before, "after": c.after, "kind": c.kind, "scope": c.scope,
+                         "changes": [list(x) for x in c.changes]} for c in self.changed],
+            "kernels": {"added": self.kernels_added, "removed": self.kernels_removed,
+                        "changed": [c.after for c in self.kernels_changed]},
+            "status": {"before": status_name(self.status_before),
+                       "after": status_name(self.status_after)},
+        }
+
+    def __str__(self) -> str:
+        a, b = as_nx(self.before), as_nx(self.after)
+        lines = [f"diff {graph_name(a)} ({a.number_of_nodes()} nodes) -> "
+                 f"{graph_name(b)} ({b.number_of_nodes()} nodes)"]
+        if not self:
+            lines.append("  no differences")
+            return "\n".join(lines)
+        lines.append(f"  kernels: +{len(self.kernels_added)} added, "
+                     f"-{len(self.kernels_removed)} removed, ~{len(self.kernels_changed)} changed")
+        lines.append(f"  nodes:   +{len(self.added)} added, -{len(self.removed)} removed, "
+                     f"~{len(self.changed)} changed")
+        sa, sb = self.status_before, self.status_after
+        if sa != sb:
+            lines.append(f"  status:  {status_name(sa)} -> {status_name(sb)}")
+        rows: list[tuple[str, str, str]] = []  # (scope, sort key, text)
+        for n in self.added:
+            d = b.nodes[n]
+            rows.append((str(d.get("scope") or ""), f"{d.get('order', 0):09d}+",
+                         f"+ {_describe(b, n)}"))
+        for n in self.removed:
+            d = a.nodes[n]
+            rows.append((str(d.get("scope") or ""), f"{d.get('order', 0):09d}-",
+                         f"- {_describe(a, n)}"))
+        cascades: dict[tuple[str, str], int] = {}
+        for c in self.changed:
+            if _is_cascade(c):
+                key = (c.changes[0][1], c.changes[0][2])
+                root = next((x[2] for x in c.changes if x[0] == "root_cause"), "")
+                cascades[(f"{key[0]} -> {key[1]}", root)] = cascades.get(
+                    (f"{key[0]} -> {key[1]}", root), 0) + 1
+                continue
+            d = b.nodes[c.after]
+            name = c.after if c.after == c.before else f"{c.before} -> {c.after}"
+            rows.append((c.scope, f"{d.get('order', 0):09d}~",
+                         f"~ {c.kind} {name}: {c.describe()}"))
+        for (what, root), count in cascades.items():
+            because = f" (root cause {root})" if root and root != "-" else ""
+            lines.append(f"  ~ {count} node{'s' if count != 1 else ''} downstream: "
+                         f"status {what}{because}")
+        current = None
+        for scope, _, text in sorted(rows, key=lambda r: (r[0], r[1])):
+            if scope != current:
+                current = scope
+                lines.append(f"[{scope or 'top level'}]")
+            lines.append("  " + text)
+        return "\n".join(lines)
+
+    def to_html(self, **kw: Any) -> str:
+        """The ``after`` graph in the HTML viewer with the differences marked and listed."""
+        from graphkern.viz.html import to_html
+
+        b = as_nx(self.after)
+        a = as_nx(self.before)
+        index = {n: i for i, n in enumerate(ordered_nodes(b))}
+        doc = {
+            "title": f"diff {graph_name(a)} -> {graph_name(b)}",
+            "added": [index[n] for n in self.added],
+            "removed": [[n, str(a.nodes[n].get("op") or a.nodes[n].get("kind")),
+                         str(a.nodes[n].get("scope") or "")] for n in self.removed],
+            "changed": {str(index[c.after]): [list(x) for x in c.changes] for c in self.changed},
+        }
+        kw.setdefault("title", doc["title"])
+        return to_html(self.after, diff=doc, **kw)
+
+
+def _is_cascade(c: NodeChange) -> bool:
+    """A change that only says "now (or no longer) downstream of a failure"."""
+    fields = {f for f, _, _ in c.changes}
+    return (fields <= {"status", "root_cause"} and "status" in fields
+            and "UPSTREAM_FAILED" in (c.changes[0][1], c.changes[0][2]))
+
+
+def _graph_status(graph: Any) -> int:
+    g = as_nx(graph)
+    for n in ordered_nodes(g):
+        s = node_status(g.nodes[n])
+        if s and s != 10:
+            return s
+    return 0
+
+
+def _describe(g: Any, n: str) -> str:
+    d = g.nodes[n]
+    kind = str(d.get("kind") or "op")
+    what = str(d.get("kernel") or d.get("op") or "")
+    outs = sorted({format_tensor(e[3].get("shape"), e[3].get("dtype"))
+                   for e in g.out_edges(n, keys=True, data=True)})
+    text = f"{kind} {n}"
+    if what and what != n:
+        text += f" ({what})"
+    if outs:
+        text += " -> " + ", ".join(outs)
+    return text
+
+
+def _bucket(d: dict[str, Any]) -> tuple[str, str, str]:
+    kind = str(d.get("kind") or "op")
+    what = str(d.get("kernel") or d.get("op") or "")
+    return (kind, str(d.get("scope") or ""), what)
+
+
+def _signature(g: Any, n: str) -> tuple[Any, ...]:
+    ins = tuple(format_tensor(e[3].get("shape"), e[3].get("dtype")) for e in in_edges_sorted(g, n))
+    outs = tuple(sorted({format_tensor(e[3].get("shape"), e[3].get("dtype"))
+                         for e in g.out_edges(n, keys=True, data=True)}))
+    return ins, outs
+
+
+def diff(before: Any, after: Any) -> GraphDiff:
+    """Compare two traces: nodes and kernels added, removed or changed.
+
+    Nodes are matched by kind, module scope and op (or kernel) name, in topological order, and
+    aligned by their input and output shapes; ids may differ between the two. Inputs, outputs
+    and constants are matched the same way. Compared on matched nodes: status, root cause,
+    message, arguments, constant value, kernel backend, grid, threadgroup, template, source hash,
+    the shapes/dtypes of inputs and outputs, and which (matched) node feeds each input.
+
+    >>> d = diff(gk.trace(model, x), gk.trace(patched, x))  # doctest: +SKIP
+    >>> print(d)                                            # doctest: +SKIP
+    """
+    a, b = as_nx(before), as_nx(after)
+    order_a, order_b = ordered_nodes(a), ordered_nodes(b)
+    buckets_a: dict[tuple[str, str, str], list[str]] = {}
+    buckets_b: dict[tuple[str, str, str], list[str]] = {}
+    for n in order_a:
+        buckets_a.setdefault(_bucket(a.nodes[n]), []).append(n)
+    for n in order_b:
+        buckets_b.setdefault(_bucket(b.nodes[n]), []).append(n)
+    matched: dict[str, str] = {}
+    result = GraphDiff(before, after)
+    for key in list(buckets_a) + [k for k in buckets_b if k not in buckets_a]:
+        la, lb = buckets_a.get(key, []), buckets_b.get(key, [])
+        if not la or not lb:
+            continue
+        sa = [_signature(a, n) for n in la]
+        sb = [_signature(b, n) for n in lb]
+        sm = difflib.SequenceMatcher(a=sa, b=sb, autojunk=False)
+        for tag, i1, i2, j1, j2 in sm.get_opcodes():
+            if tag == "equal" or tag == "replace":
+                for i, j in zip(range(i1, i2), range(j1, j2)):
+                    matched[la[i]] = lb[j]
+    back = {v: k for k, v in matched.items()}
+    result.matched = matched
+    result.removed = [n for n in order_a if n not in matched]
+    result.added = [n for n in order_b if n not in back]
+    for n in order_a:
+        if n not in matched:
+            continue
+        m = matched[n]
+        da, db = a.nodes[n], b.nodes[m]
+        changes: list[tuple[str, str, str]] = []
+        for f in _COMPARED:
+            va, vb = da.get(f), db.get(f)
+            if f == "root_cause":
+                if va is not None and matched.get(va, va) == vb:
+                    continue
+                if va == n and vb == m:
+                    continue
+            if f == "status":
+                va, vb = status_name(node_status(da)), status_name(node_status(db))
+            if _norm(va) != _norm(vb):
+                changes.append((f, node_text(va) or "-", node_text(vb) or "-"))
+        ins_a = [(int(e[3].get("index") or 0), e[0], format_tensor(e[3].get("shape"), e[3].get("dtype")))
+                 for e in in_edges_sorted(a, n)]
+        ins_b = [(int(e[3].get("index") or 0), e[0], format_tensor(e[3].get("shape"), e[3].get("dtype")))
+                 for e in in_edges_sorted(b, m)]
+        if [(i, matched.get(s, "?" + s), t) for i, s, t in ins_a] != ins_b:
+            changes.append(("inputs",
+                            ", ".join(f"{s}:{t}" for _, s, t in ins_a) or "-",
+                            ", ".join(f"{s}:{t}" for _, s, t in ins_b) or "-"))
+        outs_a, outs_b = _signature(a, n)[1], _signature(b, m)[1]
+        if outs_a != outs_b:
+            changes.append(("outputs", ", ".join(outs_a) or "-", ", ".join(outs_b) or "-"))
+        if changes:
+            result.changed.append(NodeChange(n, m, str(db.get("kind") or "op"),
+                                             str(db.get("scope") or ""), tuple(changes)))
+    return result
+
+
+def _norm(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return tuple(_norm(x) for x in v)
+    return v

@@ -1,0 +1,244 @@
+"""Export to Google's Model Explorer (``ai-edge-model-explorer``, an optional extra).
+
+``to_model_explorer`` gives a graph collection in Model Explorer's graph JSON — the format its
+built-in JSON adapter loads from a ``.json`` file (``{"label", "graphs": [{"id", "nodes"}]}``, each
+node with ``id``, ``label``, ``namespace``, ``attrs``, ``incomingEdges``, ``outputsMetadata``,
+``inputsMetadata`` and ``style``). Module scopes become namespaces (``layers.0.self_attn`` ->
+``layers.0/self_attn``), so Model Explorer shows them as collapsible layers.
+``to_model_explorer_node_data`` gives node-data overlays (status, backend, and timings when the
+graph was profiled) in its node data JSON (``{"results": {node: {"value", "bgColor"}}}``).
+``view`` writes both and starts Model Explorer when it is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from typing import Any, Mapping
+
+from graphkern.viz._common import (
+    UPSTREAM_FAILED,
+    as_nx,
+    format_tensor,
+    graph_name,
+    in_edges_sorted,
+    iter_kernel_fields,
+    node_status,
+    ordered_nodes,
+    scope_parts,
+    status_name,
+)
+
+__all__ = ["to_model_explorer", "to_model_explorer_node_data", "view", "ModelExplorerMissing"]
+
+INSTALL_HINT = ("Model Explorer is not installed; install the optional extra: "
+                "pip install 'graphkern[model-explorer]' (or pip install ai-edge-model-explorer)")
+
+_KERNEL_STYLE = {"backgroundColor": "#ede9fe", "borderColor": "#6d28d9",
+                 "hoveredBorderColor": "#4c1d95"}
+_FAILED_STYLE = {"backgroundColor": "#fecaca", "borderColor": "#dc2626",
+                 "hoveredBorderColor": "#7f1d1d"}
+_UPSTREAM_STYLE = {"backgroundColor": "#fff1f2", "borderColor": "#ef4444",
+                   "hoveredBorderColor": "#991b1b"}
+
+
+class ModelExplorerMissing(RuntimeError):
+    """``ai-edge-model-explorer`` is not installed."""
+
+
+def _kv(key: str, value: Any) -> dict[str, str]:
+    return {"key": key, "value": str(value)}
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def _natural(name: str) -> tuple[Any, ...]:
+    return tuple(int(p) if p.isdigit() else p for p in _DIGITS.split(name))
+
+
+def to_model_explorer(graph: Any) -> dict[str, Any]:
+    """The graph as a Model Explorer graph collection (a JSON-ready dict).
+
+    Save it as ``something.json`` and open it in Model Explorer (its JSON adapter), or use
+    ``graphkern view --model-explorer FILE.json``.
+
+    >>> doc = to_model_explorer(graph)                     # doctest: +SKIP
+    >>> doc["graphs"][0]["nodes"][0]["namespace"]          # doctest: +SKIP
+    'layers.0/self_attn/q_proj'
+    """
+    g = as_nx(graph)
+    name = graph_name(g)
+    order = ordered_nodes(g)
+    outs: dict[Any, dict[str, dict[str, Any]]] = {n: {} for n in order}
+    for u, _, key, data in g.edges(keys=True, data=True):
+        outs[u].setdefault(str(key), data)
+    out_ids = {n: {k: str(i) for i, k in enumerate(sorted(outs[n], key=_natural))} for n in order}
+    nodes: list[dict[str, Any]] = []
+    groups: dict[str, dict[str, Any]] = {}
+    for n in order:
+        d = g.nodes[n]
+        kind = str(d.get("kind") or "op")
+        status = node_status(d)
+        namespace = "/".join(scope_parts(d.get("scope")))
+        attrs = [_kv("kind", kind)]
+        if d.get("op"):
+            attrs.append(_kv("op", d["op"]))
+        if d.get("scope"):
+            attrs.append(_kv("scope", d["scope"]))
+        attrs.append(_kv("status", f"{status_name(status)} ({status})"))
+        root = d.get("root_cause")
+        if status and root is not None and root != n:
+            attrs.append({"key": "root_cause", "value": {"type": "node_ids", "nodeIds": [str(root)]}})
+        if d.get("message"):
+            attrs.append(_kv("message", d["message"]))
+        for key in ("value", "arguments"):
+            if d.get(key):
+                attrs.append(_kv(key, d[key]))
+        if kind == "kernel":
+            attrs += [_kv(k, v) for k, v in iter_kernel_fields(d)]
+            if d.get("source"):
+                attrs.append(_kv("source", d["source"]))
+        incoming = []
+        inputs_meta = []
+        for u, _, key, data in in_edges_sorted(g, n):
+            target_input = str(int(data.get("index") or 0))
+            incoming.append({"sourceNodeId": str(u),
+                             "sourceNodeOutputId": out_ids[u].get(str(key), "0"),
+                             "targetNodeInputId": target_input})
+            inputs_meta.append({"id": target_input, "attrs": [_kv("__tensor_tag", key)]})
+        outputs_meta = []
+        for key, oid in out_ids[n].items():
+            data = outs[n][key]
+            shape = data.get("shape")
+            outputs_meta.append({"id": oid, "attrs": [
+                _kv("tensor_shape", format_tensor(shape, data.get("dtype"))),
+                _kv("__tensor_tag", key),
+                _kv("shape", "[" + ", ".join(str(x) for x in shape or ()) + "]"),
+                _kv("dtype", data.get("dtype"))]})
+        node: dict[str, Any] = {
+            "id": str(n),
+            "label": str(d.get("op") if kind == "op" and d.get("op") else d.get("label") or n),
+            "namespace": namespace,
+            "subgraphIds": [],
+            "attrs": attrs,
+            "incomingEdges": incoming,
+            "outputsMetadata": outputs_meta,
+            "inputsMetadata": inputs_meta,
+        }
+        if status == UPSTREAM_FAILED:
+            node["style"] = dict(_UPSTREAM_STYLE)
+        elif status:
+            node["style"] = dict(_FAILED_STYLE)
+        elif kind == "kernel":
+            node["style"] = dict(_KERNEL_STYLE)
+        nodes.append(node)
+        parts = scope_parts(d.get("scope"))
+        for depth in range(len(parts)):
+            path = "/".join(parts[: depth + 1])
+            info = groups.setdefault(path, {"nodes": 0, "kernels": 0, "failed": 0,
+                                            "scope": ".".join(parts[: depth + 1])})
+            info["nodes"] += 1
+            info["kernels"] += kind == "kernel"
+            info["failed"] += status != 0
+    group_attrs: dict[str, dict[str, str]] = {
+        "": {"name": name, "backend": str(g.graph.get("backend") or ""),
+             "mlx_version": str(g.graph.get("mlx_version") or ""),
+             "nodes": str(len(order)), "status": _graph_status(g, order)},
+    }
+    for path, info in groups.items():
+        group_attrs[path] = {k: str(v) for k, v in info.items()}
+    return {
+        "label": name,
+        "graphs": [{"id": name, "nodes": nodes, "groupNodeAttributes": group_attrs}],
+    }
+
+
+def _graph_status(g: Any, order: list[Any]) -> str:
+    for n in order:
+        s = node_status(g.nodes[n])
+        if s and s != UPSTREAM_FAILED:
+            return f"{status_name(s)} at {n}"
+    return "OK"
+
+
+_STATUS_COLORS = {0: "#dcfce7", UPSTREAM_FAILED: "#fee2e2"}
+_BACKEND_COLORS = {"metal": "#dbeafe", "cuda": "#dcfce7", "reference": "#fef9c3"}
+
+
+def to_model_explorer_node_data(graph: Any, timings: Mapping[str, float] | None = None
+                                ) -> dict[str, dict[str, Any]]:
+    """Node-data overlays for Model Explorer, by name: ``status`` (the status code of every node,
+    coloured green / red / pink), ``backend`` (kernel nodes: 1 metal, 2 cuda, 3 reference) and,
+    when ``timings`` (node -> milliseconds) is given or nodes carry ``time_ms``, ``time_ms``
+    with a gradient. Each value is one ``GraphNodeData`` document; wrap it as
+    ``{graph_id: data}`` for a model with several graphs.
+
+    >>> overlays = to_model_explorer_node_data(graph)      # doctest: +SKIP
+    >>> overlays["status"]["results"]["rms_norm"]          # doctest: +SKIP
+    {'value': 8, 'bgColor': '#fecaca'}
+    """
+    g = as_nx(graph)
+    status_results: dict[str, dict[str, Any]] = {}
+    backend_results: dict[str, dict[str, Any]] = {}
+    time_results: dict[str, dict[str, Any]] = {}
+    backend_codes = {"metal": 1, "cuda": 2, "reference": 3}
+    for n in ordered_nodes(g):
+        d = g.nodes[n]
+        s = node_status(d)
+        status_results[str(n)] = {"value": s, "bgColor": _STATUS_COLORS.get(s, "#fecaca")}
+        if d.get("kind") == "kernel" and d.get("backend"):
+            b = str(d["backend"])
+            backend_results[str(n)] = {"value": backend_codes.get(b, 0),
+                                       "bgColor": _BACKEND_COLORS.get(b, "#f1f5f9")}
+        t = (timings or {}).get(str(n), d.get("time_ms"))
+        if isinstance(t, (int, float)):
+            time_results[str(n)] = {"value": float(t)}
+    out: dict[str, dict[str, Any]] = {
+        "status": {"results": status_results,
+                   "thresholds": [{"value": 0, "bgColor": "#dcfce7"},
+                                  {"value": 9, "bgColor": "#fecaca"},
+                                  {"value": 10, "bgColor": "#fee2e2"},
+                                  {"value": 99, "bgColor": "#fecaca"}]},
+        "backend": {"results": backend_results},
+    }
+    if time_results:
+        out["time_ms"] = {"results": time_results,
+                          "gradient": [{"stop": 0, "bgColor": "#f8fafc"},
+                                       {"stop": 1, "bgColor": "#f97316"}]}
+    return out
+
+
+def view(graph: Any, *, port: int = 8080, host: str = "localhost", folder: str | None = None,
+         open_browser: bool = True) -> str:
+    """Write the graph and its overlays as JSON files and open them in Model Explorer.
+
+    Raises ``ModelExplorerMissing`` (with the pip command) when ``ai-edge-model-explorer`` is
+    not installed. Returns the path of the graph JSON. Blocks while the server runs.
+
+    >>> view(graph)                                         # doctest: +SKIP
+    """
+    import json
+
+    try:
+        import model_explorer  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise ModelExplorerMissing(INSTALL_HINT) from e
+    from graphkern.viz._common import atomic_write
+
+    folder = folder or tempfile.mkdtemp(prefix="graphkern-me-")
+    name = graph_name(as_nx(graph))
+    path = os.path.join(folder, f"{name}.json")
+    atomic_write(path, json.dumps(to_model_explorer(graph)))
+    overlays = []
+    for key, data in to_model_explorer_node_data(graph).items():
+        p = os.path.join(folder, f"{name}.{key}.node_data.json")
+        atomic_write(p, json.dumps({name: data}))
+        overlays.append({"name": key, "node_data_path": p})
+    config = model_explorer.config().add_model_from_path(path)
+    for item in overlays:
+        config.add_node_data_from_path(item["node_data_path"])
+    model_explorer.visualize_from_config(config=config, host=host, port=port,
+                                         no_open_in_browser=not open_browser)
+    return path
