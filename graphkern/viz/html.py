@@ -1,8 +1,8 @@
 """A self-contained interactive HTML viewer for traced graphs.
 
-One file, no network: the page inlines its CSS, its JavaScript (``static/viewer.js``) and the few
-d3 modules it uses for pan and zoom (vendored from npm into ``static/vendor``), and the graph as
-JSON. The layout runs in the browser (so collapsing a module group re-lays the graph out): layers
+One file, no network: the page inlines its CSS, its JavaScript (``static/viewer.js``), the few d3
+modules it uses for pan and zoom (vendored from npm into ``static/`` by ``update-vendor.sh``) and
+the graph as JSON. The layout runs in the browser (so collapsing a module group re-lays the graph out): layers
 by longest path, barycentric ordering that keeps module groups together, and x positions by
 isotonic regression; it lays out 10,000 nodes in well under a second and draws on a canvas.
 """
@@ -42,8 +42,8 @@ def _static(name: str) -> str:
 
 @lru_cache(maxsize=None)
 def _vendor_js() -> str:
-    manifest = json.loads(_static("vendor/manifest.json"))
-    return "\n".join(_static("vendor/" + item["file"]) for item in manifest)
+    manifest = json.loads(_static("vendor-manifest.json"))
+    return "\n".join(_static(item["file"]) for item in manifest)
 
 
 def viewer_data(graph: Any, *, diff: Mapping[str, Any] | None = None,
