@@ -8,6 +8,9 @@ refuses to run a graph whose trace found a failed node.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import gc
 import random
 import threading
 from typing import Any, Callable, Iterator
@@ -186,21 +189,72 @@ class _Traceable:
                 return self.call_flat(flat, arrays[:n_args], out)
 
         log = EventLog()
-        owners = _ModuleHooks.install([m for _, m in self.state.modules.values()])
-        try:
+
+        def capture() -> None:
             with recording(recorder), runtime.using_backend(backend):
                 mx.export_function(log, flat_fn, *flat.arrays, *state_arrays)
-        except KernelError:
-            raise
-        except Exception as exc:
-            raise KernelError(_TRACE, f"{self.name} raised {type(exc).__name__}: {exc}",
-                              Status.MODULE_ERROR) from exc
+
+        owners = _ModuleHooks.install([m for _, m in self.state.modules.values()])
+        with _gc_paused():
+            try:
+                _on_deep_stack(capture)
+            except KernelError:
+                raise
+            except Exception as exc:
+                raise KernelError(_TRACE, f"{self.name} raised {type(exc).__name__}: {exc}",
+                                  Status.MODULE_ERROR) from exc
+            finally:
+                _ModuleHooks.remove(owners)
+            attrs = {"name": self.name, "backend": backend or runtime.active_backend(),
+                     "mlx_version": mx.__version__}
+            g = build_graph(log, flat.names + self.state.names, recorder.records,
+                            recorder.nonce, attrs)
+            return Graph(g), out.get("spec")
+
+
+_STACK_BYTES = 1 << 30
+_stack_lock = threading.Lock()
+
+
+def _on_deep_stack(work: Callable[[], None]) -> None:
+    """Run ``work`` on a thread with a 1 GiB stack (address space; pages are touched on use).
+
+    MLX walks the graph recursively in ``export_function``: a chain of ~50,000 primitives
+    overflows the default 8 MiB stack and kills the process. The caller's context variables go
+    along; an exception is re-raised here.
+    """
+    context = contextvars.copy_context()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            context.run(work)
+        except BaseException as exc:  # handed back to the calling thread
+            failure.append(exc)
+
+    with _stack_lock:
+        previous = threading.stack_size(_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="graphkern-trace")
+            thread.start()
         finally:
-            _ModuleHooks.remove(owners)
-        attrs = {"name": self.name, "backend": backend or runtime.active_backend(),
-                 "mlx_version": mx.__version__}
-        g = build_graph(log, flat.names + self.state.names, recorder.records, recorder.nonce, attrs)
-        return Graph(g), out.get("spec")
+            threading.stack_size(previous)
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a trace allocates its many small, acyclic
+    objects (it otherwise runs dozens of times and doubles the cost); restored afterwards."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:

@@ -1,0 +1,44 @@
+"""Timing helpers shared by the benchmark scripts: warm-up, repeats, medians."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from datetime import date
+from typing import Any, Callable
+
+import mlx.core as mx
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int = 7, warmup: int = 1, number: int = 1) -> float:
+    """Median over ``repeats`` of the time of ``number`` calls, divided by ``number``."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - start) / number)
+    return statistics.median(samples)
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], rounds: int = 7, number: int = 1) -> dict[str, float]:
+    """Median seconds per call of each function, timed in alternation so drift hits all alike."""
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(number):
+                fn()
+            samples[name].append((time.perf_counter() - start) / number)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def header(title: str) -> str:
+    device = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else "cpu"
+    return (f"# {title}\n# {date.today()} | mlx {mx.__version__} | device {device} | "
+            f"{platform.processor() or platform.machine()} | python {platform.python_version()}")
