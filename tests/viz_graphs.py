@@ -265,3 +265,54 @@ def random_dag(nodes: int = 200, *, seed: int = 0, scopes: int = 6) -> FakeGraph
                          scope=rng.choice(scope_names)))
     b.output(refs[-1])
     return b.done()
+
+
+SCALE_ADD_METAL = "uint i = thread_position_in_grid.x; out[i] = x[i] * T(2) + y[i];"
+SCALE_ADD_CUDA = ("auto i = blockIdx.x * blockDim.x + threadIdx.x; "
+                  "if (i < x_shape[0]) out[i] = x[i] * T(2) + y[i];")
+
+
+def traced(*, failed: bool = False, kernel: bool = True) -> Any:
+    """A real ``gk.trace`` of a two-block model with module scopes and a graphkern kernel in each
+    block; with ``failed``, block 1 launches it with threadgroup 0 (INVALID_LAUNCH). With
+    ``kernel=False`` the blocks compute the same thing with plain MLX ops (the "before patch")."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    import graphkern as gk
+
+    k = gk.Kernel("scale_add", ["x", "y"], ["out"], metal=SCALE_ADD_METAL, cuda=SCALE_ADD_CUDA,
+                  reference=lambda x, y: [x * 2 + y])
+
+    class Block(nn.Module):
+        def __init__(self, broken: bool):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.broken = broken
+
+        def __call__(self, x: mx.array) -> mx.array:
+            h = self.proj(x)
+            if kernel:
+                tg = (0, 1, 1) if self.broken else (256, 1, 1)
+                h = gk.apply_in_graph(k, [h, x], [gk.OutputSpec(h.shape, h.dtype)],
+                                      grid=(h.size, 1, 1), threadgroup=tg,
+                                      template=[("T", h.dtype)]).outputs[0]
+            else:
+                h = h * 2 + x
+            return mx.tanh(h) + x
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = [Block(False), Block(failed)]
+            self.head = nn.Linear(8, 4)
+
+        def __call__(self, x: mx.array) -> mx.array:
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x).sum(-1)
+
+    mx.random.seed(0)
+    model = Model()
+    mx.eval(model.parameters())
+    return gk.trace(model, mx.ones((4, 8)))

@@ -236,6 +236,7 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.chmod(tmp, _file_mode(target))
         os.replace(tmp, target)
     except BaseException:
         try:
@@ -243,6 +244,16 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def _file_mode(target: str) -> int:
+    """The mode a plain ``open(target, "w")`` would give: the existing file's, else 0o666 - umask."""
+    try:
+        return os.stat(target).st_mode & 0o7777
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
 
 
 def iter_kernel_fields(data: Mapping[str, Any]) -> Iterator[tuple[str, str]]:

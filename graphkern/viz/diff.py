@@ -205,7 +205,11 @@ def _bucket(d: dict[str, Any]) -> tuple[str, str, str]:
 
 
 def _signature(g: Any, n: str) -> tuple[Any, ...]:
-    ins = tuple(format_tensor(e[3].get("shape"), e[3].get("dtype")) for e in in_edges_sorted(g, n))
+    """What a node looks like locally: where its inputs come from (kind and op of the producer,
+    shape and dtype) and the shapes and dtypes it produces."""
+    ins = tuple((_bucket(g.nodes[e[0]])[0], _bucket(g.nodes[e[0]])[2],
+                 format_tensor(e[3].get("shape"), e[3].get("dtype")))
+                for e in in_edges_sorted(g, n))
     outs = tuple(sorted({format_tensor(e[3].get("shape"), e[3].get("dtype"))
                          for e in g.out_edges(n, keys=True, data=True)}))
     return ins, outs

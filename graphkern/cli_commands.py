@@ -1,0 +1,465 @@
+"""The ``trace``, ``show``, ``diff`` and ``view`` commands of the ``graphkern`` command line.
+
+``graphkern.cli`` (the click group ``main``, with ``demo``) calls ``register(main)``. Exit status:
+0 when all is well, 1 when the graph has a failed node (``trace``, ``show``), when tracing raised,
+or when ``diff`` found differences; 2 for bad input — a corrupt, truncated or unknown-version JSON
+file, a module or callable that cannot be found, a bad ``--input`` spec, an output folder that
+does not exist, a missing optional tool. Output files are all computed first and then each
+written to a temporary file and renamed, so a failure never leaves half a file behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import click
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+class BadInput(click.ClickException):
+    """A clear message and exit status 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+# ----------------------------------------------------------------------------- input specs
+
+_DIM_SPLIT = re.compile(r"[,x×\s]+")
+
+
+def parse_input_spec(spec: str) -> tuple[tuple[int, ...], str]:
+    """``"4,8:float32"`` -> ``((4, 8), "float32")``.
+
+    The shape is comma- or x-separated (``4,8``, ``4x8``, ``(4, 8)``, ``[4,8]``); ``()``,
+    ``scalar`` or nothing before the colon is a scalar; the dtype defaults to float32.
+
+    >>> parse_input_spec("4,8:float16"), parse_input_spec("2x3"), parse_input_spec("():int32")
+    (((4, 8), 'float16'), ((2, 3), 'float32'), ((), 'int32'))
+    """
+    from graphkern.nodes import dtype_from_name
+
+    text = spec.strip()
+    shape_text, _, dtype = text.partition(":")
+    dtype = dtype.strip() or "float32"
+    try:
+        dtype_from_name(dtype)
+    except KeyError:
+        raise BadInput(f"bad --input {spec!r}: unknown dtype {dtype!r} (use e.g. float32, "
+                       "float16, bfloat16, int32, uint32, bool)") from None
+    shape_text = shape_text.strip().strip("()[]").strip()
+    if shape_text.lower() in ("", "scalar"):
+        return (), dtype
+    dims = []
+    for part in _DIM_SPLIT.split(shape_text):
+        if not part:
+            continue
+        if not part.isdigit():
+            raise BadInput(f"bad --input {spec!r}: dimension {part!r} is not a non-negative "
+                           "integer (expected SHAPE:DTYPE such as 4,8:float32)")
+        dims.append(int(part))
+    return tuple(dims), dtype
+
+
+def make_input(shape: tuple[int, ...], dtype: str, key: Any) -> Any:
+    """A random array for one ``--input``: normal floats, integers in [0, 16), random bools."""
+    import mlx.core as mx
+
+    from graphkern.nodes import dtype_from_name
+
+    dt = dtype_from_name(dtype)
+    if dt == mx.bool_:
+        return mx.random.bernoulli(0.5, shape, key=key)
+    if mx.issubdtype(dt, mx.integer):
+        return mx.random.randint(0, 16, shape, key=key).astype(dt)
+    if dt == mx.complex64:
+        return mx.random.normal(shape, key=key).astype(dt)
+    return mx.random.normal(shape, key=key).astype(dt)
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+def resolve_target(target: str) -> tuple[Callable[..., Any], str]:
+    """``"package.module:Class.method"`` or ``"path/to/file.py:fn"`` -> (callable, name).
+
+    A class is instantiated with no arguments first (an ``nn.Module`` subclass, say).
+    """
+    import importlib
+    import importlib.util
+
+    module_name, sep, attr = target.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise BadInput(f"bad target {target!r}: expected MODULE:CALLABLE, e.g. mypkg.model:forward "
+                       "or path/to/model.py:forward")
+    try:
+        if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+            path = os.path.abspath(module_name)
+            if not os.path.isfile(path):
+                raise BadInput(f"cannot import {module_name!r}: no such file")
+            name = os.path.splitext(os.path.basename(path))[0]
+            spec = importlib.util.spec_from_file_location(name, path)
+            if spec is None or spec.loader is None:
+                raise BadInput(f"cannot import {module_name!r}: not a Python file")
+            module = importlib.util.module_from_spec(spec)
+            sys.path.insert(0, os.path.dirname(path))
+            try:
+                sys.modules[name] = module
+                spec.loader.exec_module(module)
+            finally:
+                sys.path.remove(os.path.dirname(path))
+        else:
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except BadInput:
+        raise
+    except ModuleNotFoundError as e:
+        raise BadInput(f"cannot import module {module_name!r}: {e}") from None
+    except Exception as e:  # the module itself raised while importing
+        raise BadInput(f"importing {module_name!r} raised {type(e).__name__}: {e}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise BadInput(f"module {module_name!r} has no callable {attr!r} "
+                           f"({type(obj).__name__} has no attribute {part!r})")
+        obj = getattr(obj, part)
+    if isinstance(obj, type):
+        try:
+            obj = obj()
+        except Exception as e:
+            raise BadInput(f"{attr!r} is a class and calling it with no arguments raised "
+                           f"{type(e).__name__}: {e}") from None
+    if not callable(obj):
+        raise BadInput(f"{module_name}:{attr} is a {type(obj).__name__}, not a callable")
+    return obj, attr
+
+
+# ----------------------------------------------------------------------------- graphs and files
+
+
+def load_graph(path: str) -> Any:
+    """A ``gk.Graph`` from a JSON file written by ``Graph.to_json``; bad files exit with 2."""
+    from graphkern import Graph, KernelError
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise BadInput(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        return Graph.from_json(data)
+    except KernelError as e:
+        raise BadInput(f"cannot load {path}: {e.description}") from None
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+        raise BadInput(f"cannot load {path}: {type(e).__name__}: {e}") from None
+
+
+def _check_outputs(paths: dict[str, str | None]) -> None:
+    for option, path in paths.items():
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise BadInput(f"{option} {path}: folder {folder} does not exist")
+        if os.path.isdir(path):
+            raise BadInput(f"{option} {path} is a folder")
+
+
+def render_outputs(graph: Any, outputs: dict[str, str | None],
+                   progress: Callable[[str], None] | None = None) -> dict[str, bytes]:
+    """Every requested file's content, computed before anything is written."""
+    import json
+
+    files: dict[str, bytes] = {}
+    for option, path in outputs.items():
+        if not path:
+            continue
+        if progress:
+            progress(f"{option.lstrip('-')} -> {path}")
+        if option == "--json":
+            files[path] = graph.to_json(indent=1).encode()
+        elif option == "--html":
+            from graphkern.viz.html import to_html
+
+            files[path] = to_html(graph).encode()
+        elif option == "--dot":
+            from graphkern.viz.dot import to_dot
+
+            files[path] = to_dot(graph).encode()
+        elif option in ("--svg", "--png"):
+            from graphkern.viz.dot import DotError, _pipe, to_dot
+
+            try:
+                files[path] = _pipe(to_dot(graph), option[2:])
+            except DotError as e:
+                raise BadInput(str(e)) from None
+        elif option == "--model-explorer":
+            from graphkern.viz.model_explorer import to_model_explorer
+
+            files[path] = json.dumps(to_model_explorer(graph)).encode()
+    return files
+
+
+def write_files(files: dict[str, bytes]) -> None:
+    from graphkern.viz._common import atomic_write
+
+    for path, data in files.items():
+        atomic_write(path, data)
+
+
+def brief_summary(graph: Any) -> str:
+    """Name, counts by kind, kernels and status in a few lines."""
+    from graphkern.viz._common import failures, status_name
+
+    g = graph.nx
+    kinds: dict[str, int] = {}
+    for _, d in g.nodes(data=True):
+        kinds[d.get("kind", "op")] = kinds.get(d.get("kind", "op"), 0) + 1
+    counts = ", ".join(f"{v} {k}{'s' if v != 1 else ''}" for k, v in sorted(kinds.items()))
+    lines = [f"graph {g.graph.get('name', 'graph')}: {g.number_of_nodes()} nodes ({counts}), "
+             f"{g.number_of_edges()} edges, backend {g.graph.get('backend', '?')}"]
+    kernels = sorted({str(d.get("kernel") or d.get("label")) for _, d in g.nodes(data=True)
+                      if d.get("kind") == "kernel"})
+    if kernels:
+        lines.append(f"kernels: {', '.join(kernels)}")
+    fails = failures(g)
+    if not fails:
+        lines.append("status: OK")
+    for f in fails:
+        lines.append(f"FAILED: {f.node}: {status_name(f.status)}"
+                     + (f": {f.message.splitlines()[0]}" if f.message else "")
+                     + f" ({f.affected} node{'s' if f.affected != 1 else ''} downstream)")
+    return "\n".join(lines)
+
+
+@contextmanager
+def _progress(enabled: bool) -> Iterator[Callable[[str], None]]:
+    """A rich spinner with elapsed time on stderr (only on a terminal); yields ``step(text)``."""
+    if not enabled:
+        yield lambda text: None
+        return
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield lambda text: None
+        return
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+        yield lambda text: bar.update(task, description=text)
+
+
+_OUTPUT_OPTIONS = [
+    click.option("--html", "html", type=click.Path(dir_okay=False), help="Write the interactive HTML viewer."),
+    click.option("--dot", "dot", type=click.Path(dir_okay=False), help="Write Graphviz DOT."),
+    click.option("--svg", "svg", type=click.Path(dir_okay=False), help="Render SVG with Graphviz."),
+    click.option("--png", "png", type=click.Path(dir_okay=False), help="Render PNG with Graphviz."),
+    click.option("--model-explorer", "me", type=click.Path(dir_okay=False),
+                 help="Write Model Explorer graph JSON."),
+]
+
+
+def _with_outputs(fn: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(_OUTPUT_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def _finish(graph: Any, files: dict[str, bytes], quiet: bool) -> None:
+    write_files(files)
+    if not quiet:
+        for path in files:
+            click.echo(f"wrote {path}", err=True)
+    if int(graph.status) != 0:
+        raise SystemExit(EXIT_FAILED)
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+@click.command("trace")
+@click.argument("target", metavar="MODULE:CALLABLE")
+@click.option("--input", "-i", "inputs", multiple=True, metavar="SHAPE:DTYPE",
+              help="One positional argument, e.g. 4,8:float32 (repeat for each argument; "
+                   "integers are drawn from [0, 16), floats from a normal distribution).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the graph as JSON.")
+@_with_outputs
+@click.option("--seed", default=0, show_default=True, help="Random seed for the inputs.")
+@click.option("--backend", type=click.Choice(["metal", "cuda", "reference"]),
+              help="Trace for this backend (default: the active one; sets GRAPHKERN_BACKEND).")
+@click.option("--table", is_flag=True, help="Print the per-node table, not just the summary.")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
+def trace_cmd(target: str, inputs: tuple[str, ...], json_path: str | None, html: str | None,
+              dot: str | None, svg: str | None, png: str | None, me: str | None, seed: int,
+              backend: str | None, table: bool, quiet: bool) -> None:
+    """Trace MODULE:CALLABLE on random inputs and write its graph.
+
+    \b
+    Examples:
+      graphkern trace mymodel.py:forward -i 1,16:int32 --html graph.html --json graph.json
+      graphkern trace mypkg.layers:RMSNorm -i 4,64:float16 --svg norm.svg
+
+    Exit status: 0 OK, 1 a node failed (or the function raised), 2 bad input.
+    """
+    specs = [parse_input_spec(s) for s in inputs]
+    outputs = {"--json": json_path, "--html": html, "--dot": dot, "--svg": svg, "--png": png,
+               "--model-explorer": me}
+    _check_outputs(outputs)
+    if backend:
+        os.environ["GRAPHKERN_BACKEND"] = backend
+    fn, name = resolve_target(target)
+    with _progress(not quiet) as step:
+        step(f"building {len(specs)} input{'s' if len(specs) != 1 else ''}")
+        import mlx.core as mx
+
+        import graphkern as gk
+
+        keys = mx.random.split(mx.random.key(seed), max(2, len(specs)))
+        args = [make_input(shape, dtype, keys[i]) for i, (shape, dtype) in enumerate(specs)]
+        step(f"tracing {name}")
+        t0 = time.perf_counter()
+        try:
+            graph = gk.trace(fn, *args)
+        except gk.KernelError as e:
+            click.echo(f"error: tracing {target} failed: {e}", err=True)
+            raise SystemExit(EXIT_FAILED) from None
+        except Exception as e:
+            click.echo(f"error: tracing {target} raised {type(e).__name__}: {e}", err=True)
+            raise SystemExit(EXIT_FAILED) from None
+        elapsed = time.perf_counter() - t0
+        files = render_outputs(graph, outputs, step)
+    if not quiet:
+        click.echo(graph.summary() if table else brief_summary(graph))
+        click.echo(f"traced in {elapsed:.2f} s", err=True)
+    _finish(graph, files, quiet)
+
+
+@click.command("show")
+@click.argument("file", metavar="FILE.json", type=click.Path(dir_okay=False))
+@_with_outputs
+@click.option("--brief", is_flag=True, help="Print the summary lines only, not the per-node table.")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
+def show_cmd(file: str, html: str | None, dot: str | None, svg: str | None, png: str | None,
+             me: str | None, brief: bool, quiet: bool) -> None:
+    """Print a saved graph (from --json or Graph.to_json) and convert it to other formats.
+
+    \b
+    Example:
+      graphkern show graph.json --html graph.html --svg graph.svg
+
+    Exit status: 0 OK, 1 the graph has a failed node, 2 the file cannot be read.
+    """
+    outputs = {"--html": html, "--dot": dot, "--svg": svg, "--png": png, "--model-explorer": me}
+    _check_outputs(outputs)
+    graph = load_graph(file)
+    with _progress(not quiet and graph.nx.number_of_nodes() > 2000) as step:
+        files = render_outputs(graph, outputs, step)
+    if not quiet:
+        click.echo(brief_summary(graph))
+        if not brief:
+            click.echo(graph.summary())
+    _finish(graph, files, quiet)
+
+
+@click.command("diff")
+@click.argument("before", metavar="A.json", type=click.Path(dir_okay=False))
+@click.argument("after", metavar="B.json", type=click.Path(dir_okay=False))
+@click.option("--html", type=click.Path(dir_okay=False),
+              help="Write B in the HTML viewer with the differences marked.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Write the differences as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing; use the exit status.")
+def diff_cmd(before: str, after: str, html: str | None, json_path: str | None, quiet: bool) -> None:
+    """Compare two saved graphs: nodes and kernels added, removed or changed.
+
+    \b
+    Example:
+      graphkern diff before.json after.json --html diff.html
+
+    Exit status: 0 no differences, 1 differences, 2 a file cannot be read.
+    """
+    import json
+
+    from graphkern.viz.diff import diff
+
+    _check_outputs({"--html": html, "--json": json_path})
+    a, b = load_graph(before), load_graph(after)
+    d = diff(a, b)
+    files: dict[str, bytes] = {}
+    if html:
+        files[html] = d.to_html().encode()
+    if json_path:
+        files[json_path] = json.dumps(d.to_dict(), indent=1).encode()
+    write_files(files)
+    if not quiet:
+        click.echo(str(d))
+        for path in files:
+            click.echo(f"wrote {path}", err=True)
+    raise SystemExit(EXIT_FAILED if d else 0)
+
+
+@click.command("view")
+@click.argument("file", metavar="FILE.json", type=click.Path(dir_okay=False))
+@click.option("--model-explorer", "model_explorer", is_flag=True,
+              help="Open in Google's Model Explorer (pip install 'graphkern[model-explorer]').")
+@click.option("--out", type=click.Path(dir_okay=False),
+              help="Where to write the HTML page (default: a temporary file).")
+@click.option("--no-browser", is_flag=True, help="Write the page (or start the server) but open no browser.")
+@click.option("--port", default=8080, show_default=True, help="Model Explorer's port.")
+def view_cmd(file: str, model_explorer: bool, out: str | None, no_browser: bool, port: int) -> None:
+    """Open a saved graph in the browser (the HTML viewer, or Model Explorer).
+
+    \b
+    Examples:
+      graphkern view graph.json
+      graphkern view graph.json --model-explorer
+    """
+    if model_explorer:
+        import importlib.util
+
+        from graphkern.viz.model_explorer import INSTALL_HINT
+
+        if importlib.util.find_spec("model_explorer") is None:
+            raise BadInput(INSTALL_HINT)
+        graph = load_graph(file)
+        from graphkern.viz.model_explorer import view
+
+        view(graph, port=port, open_browser=not no_browser)
+        return
+    import tempfile
+    import webbrowser
+
+    from graphkern.viz._common import atomic_write
+    from graphkern.viz.html import to_html
+
+    _check_outputs({"--out": out})
+    graph = load_graph(file)
+    if out is None:
+        fd, out = tempfile.mkstemp(prefix="graphkern-", suffix=".html")
+        os.close(fd)
+    atomic_write(out, to_html(graph))
+    click.echo(f"wrote {out}")
+    if not no_browser:
+        webbrowser.open("file://" + os.path.abspath(out))
+
+
+COMMANDS = [trace_cmd, show_cmd, diff_cmd, view_cmd]
+
+
+def register(group: click.Group) -> None:
+    """Add ``trace``, ``show``, ``diff`` and ``view`` to the ``graphkern`` group."""
+    for command in COMMANDS:
+        if command.name not in group.commands:
+            group.add_command(command)
