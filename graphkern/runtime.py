@@ -425,8 +425,10 @@ def _launch_key(kernel: Kernel, output_specs: Any, grid: Any, threadgroup: Any, 
     for arg in template:
         if arg.__class__ is TemplateArg:
             typed_template.append((arg.name, arg.value, arg.value.__class__))
-        else:
+        elif arg.__class__ is tuple and len(arg) == 2:
             typed_template.append((arg[0], arg[1], arg[1].__class__))
+        else:  # a list, a longer tuple...: only the full check may judge it
+            return None
     return (kernel, backend or _backend_variable(), grid, threadgroup, tuple(typed_template),
             tuple(output_specs), init_value, init_value.__class__)
 
