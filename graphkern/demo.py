@@ -34,7 +34,7 @@ class DemoBlock(nn.Module):
 
     def norm(self, x: mx.array) -> mx.array:
         from .kernels import rms_norm
-        from .kernels.rms_norm import plan_rms_norm
+        from .kernels.ops.rms_norm import plan_rms_norm
 
         if not self.broken:
             return rms_norm(x, self.norm_weight, eps=1e-5)
