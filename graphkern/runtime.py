@@ -46,6 +46,7 @@ _local = _ThreadState()
 APPLY = "apply a graphkern kernel"
 MAX_THREADS_PER_GROUP = 1024
 _INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
 _CUDA_MAX_BLOCKS_YZ = 65535
 _CUDA_MAX_BLOCK_Z = 64
 
@@ -633,12 +634,21 @@ def placeholders(kernel: Any, output_specs: object) -> list[mx.array]:
         dtype = getattr(spec, "dtype", None)
         if isinstance(spec, tuple) and len(spec) == 2:
             dtype = spec[1]
-        try:
-            dims = tuple(max(0, min(int(d), 1 << 16)) for d in shape)  # type: ignore[union-attr]
-        except (TypeError, ValueError):
-            dims = (0,)
-        outputs.append(mx.zeros(dims, dtype if isinstance(dtype, mx.Dtype) else mx.float32))
+        outputs.append(_placeholder(shape, dtype if isinstance(dtype, mx.Dtype) else mx.float32))
     return outputs
+
+
+def _placeholder(shape: Any, dtype: mx.Dtype) -> mx.array:
+    """Zeros of ``shape`` as a broadcast scalar: the declared shape, so the ops after a failed
+    launch still trace (a shape cut down to fit would fail to broadcast with its neighbours), at
+    the cost of one element however large it is."""
+    try:
+        dims = tuple(max(0, min(int(d), _INT32_MAX)) for d in shape)
+    except (TypeError, ValueError, OverflowError):  # not a shape at all, or inf/nan in it
+        dims = (0,)
+    if math.prod(dims) * dtype.size > _INT64_MAX:  # MLX's size would wrap around
+        dims = (0,)
+    return mx.broadcast_to(mx.zeros((), dtype), dims)
 
 
 def apply_in_graph(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence[OutputSpec], *,
