@@ -340,6 +340,11 @@ def _check_output_specs(kernel: Kernel, specs: object) -> tuple[OutputSpec, ...]
         if not isinstance(spec.dtype, mx.Dtype):
             raise _fail(Status.INVALID_OUTPUT_SPEC,
                         f"output {name!r}: dtype must be an mlx dtype, got {spec.dtype!r}")
+        nbytes = math.prod(shape) * spec.dtype.size
+        if nbytes > _INT64_MAX:  # MLX would wrap the size around and allocate too little
+            raise _fail(Status.INVALID_OUTPUT_SPEC,
+                        f"output {name!r}: shape {shape} needs {nbytes} bytes, which overflows "
+                        f"MLX's 64-bit array sizes")
         checked.append(spec)
     return tuple(checked)
 
