@@ -401,7 +401,11 @@ def _check_init_value(init_value: object) -> float | None:
     if isinstance(init_value, bool) or not isinstance(init_value, (int, float)):
         raise _fail(Status.INVALID_OUTPUT_SPEC,
                     f"init_value must be a float or None, got {type(init_value).__name__}")
-    return float(init_value)
+    try:
+        return float(init_value)
+    except OverflowError:
+        raise _fail(Status.INVALID_OUTPUT_SPEC,
+                    f"init_value {init_value} is too large for a float") from None
 
 
 _VALIDATED: dict[tuple[Any, ...], Launch] = {}
