@@ -485,8 +485,16 @@ def _validate_launch(kernel: Kernel, output_specs: object, grid: object, threadg
 # ----------------------------------------------------------------------------- running
 
 
-@functools.lru_cache(maxsize=1024)
 def _reference_keywords(reference: Callable[..., Any]) -> tuple[frozenset[str], bool]:
+    """The keyword names ``reference`` accepts, and whether it takes ``**kwargs``."""
+    try:
+        return _cached_reference_keywords(reference)
+    except TypeError:  # unhashable: an nn.Module is a dict, yet a fine reference
+        return _cached_reference_keywords.__wrapped__(reference)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_reference_keywords(reference: Callable[..., Any]) -> tuple[frozenset[str], bool]:
     try:
         params = inspect.signature(reference).parameters.values()
     except (TypeError, ValueError):
