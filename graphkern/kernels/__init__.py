@@ -1,0 +1,50 @@
+"""graphkern's kernel library: fused normalization, RoPE, activation and softmax kernels.
+
+Each kernel is a :class:`graphkern.Kernel` with a Metal body, a CUDA body and a pure-MLX reference,
+for float32, float16 and bfloat16 (float32 arithmetic inside), and a layer function that picks the
+launch and calls ``graphkern.runtime.launch``, so it works eagerly, in a graphkern trace and in a
+compiled graph. ``LIBRARY`` maps names to :class:`LibraryEntry` objects (kernel, layer function,
+stock MLX equivalent, ``make_inputs``) for :func:`graphkern.check`.
+
+>>> import graphkern.kernels as gkk
+>>> y = gkk.rms_norm(mx.ones((2, 8)), mx.ones((8,)))
+>>> sorted(gkk.LIBRARY)[:3]
+['add_rms_norm', 'gelu', 'gelu_approx']
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx  # noqa: F401  (doctest namespace)
+
+from graphkern.kernels._base import Case, LibraryEntry, Plan, apply_plan
+from graphkern.kernels.ops.add_rms_norm import ADD_RMS_NORM, add_rms_norm
+from graphkern.kernels.ops.gelu import GELU, gelu
+from graphkern.kernels.ops.layer_norm import LAYER_NORM, layer_norm
+from graphkern.kernels.ops.rms_norm import RMS_NORM, rms_norm
+from graphkern.kernels.ops.rope import ROPE, rope
+from graphkern.kernels.ops.softmax import SOFTMAX, softmax
+from graphkern.kernels.ops.swiglu import SWIGLU, swiglu
+from graphkern.kernels.registry import LIBRARY, entries_for
+
+__all__ = [
+    "ADD_RMS_NORM",
+    "GELU",
+    "LAYER_NORM",
+    "LIBRARY",
+    "RMS_NORM",
+    "ROPE",
+    "SOFTMAX",
+    "SWIGLU",
+    "Case",
+    "LibraryEntry",
+    "Plan",
+    "add_rms_norm",
+    "apply_plan",
+    "entries_for",
+    "gelu",
+    "layer_norm",
+    "rms_norm",
+    "rope",
+    "softmax",
+    "swiglu",
+]

@@ -1,0 +1,228 @@
+"""What every library kernel shares: launch plans, argument checks, launch sizes and registry entries.
+
+A layer function (``rms_norm`` ...) validates its arguments, builds a :class:`Plan` (kernel, inputs,
+output specs, grid, threadgroup, template) and runs it with ``graphkern.runtime.launch``. ``check()``
+and the tests build the same plan and run the reference on it, so kernel and oracle see exactly the
+same inputs and template values (``apply_plan(plan, backend="reference")``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name
+from graphkern.runtime import apply, launch
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "MAX_GRID",
+    "Case",
+    "LibraryEntry",
+    "Plan",
+    "check_dtype",
+    "check_vector",
+    "elementwise_config",
+    "row_config",
+    "apply_plan",
+    "run",
+]
+
+#: The dtypes every library kernel supports (computing in float32 inside).
+FLOAT_DTYPES: tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)
+#: MLX passes the grid as int32 threads.
+MAX_GRID = 2**31 - 1
+#: Target number of row elements one thread keeps in registers (reduction kernels).
+ITEMS_PER_THREAD = 16
+#: Largest threadgroup the row kernels use. MLX compiles without __launch_bounds__, so a 1024-thread
+#: block would need <= 64 registers a thread, which the LayerNorm kernels exceed; 512 allows 128.
+MAX_THREADS = 512
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One launch of a library kernel, fully decided: what ``launch`` gets.
+
+    ``kwargs`` are the template values as the reference receives them (keyword arguments).
+    """
+
+    kernel: Kernel
+    inputs: tuple[mx.array, ...]
+    output_specs: tuple[OutputSpec, ...]
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    template: tuple[TemplateArg, ...] = ()
+
+    @property
+    def template_values(self) -> dict[str, Any]:
+        return {t.name: t.value for t in self.template}
+
+    @property
+    def empty(self) -> bool:
+        """True when there is nothing to compute (a zero-size input): no launch is made."""
+        return any(g == 0 for g in self.grid)
+
+
+def run(plan: Plan) -> list[mx.array]:
+    """Launch ``plan`` as layer code does, with ``graphkern.runtime.launch`` (in a trace or compiled
+    graph a failure becomes the node's status; eagerly it raises ``KernelError``).
+
+    Zero-size inputs need no launch (and a zero grid is invalid): their outputs are empty arrays.
+    """
+    if plan.empty:
+        return [mx.zeros(spec.shape, spec.dtype) for spec in plan.output_specs]
+    return launch(plan.kernel, list(plan.inputs), list(plan.output_specs), grid=plan.grid,
+                  threadgroup=plan.threadgroup, template=list(plan.template))
+
+
+def apply_plan(plan: Plan, backend: str | None = None) -> list[mx.array]:
+    """Run ``plan`` eagerly on ``backend`` (None: the active one; "reference": the oracle), raising
+    ``KernelError`` on failure. check() runs each plan twice this way."""
+    if plan.empty:
+        return [mx.zeros(spec.shape, spec.dtype) for spec in plan.output_specs]
+    return apply(plan.kernel, list(plan.inputs), list(plan.output_specs), grid=plan.grid,
+                 threadgroup=plan.threadgroup, template=list(plan.template), backend=backend)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def check_dtype(op: str, x: mx.array, what: str = "x") -> None:
+    """Raise KernelError unless ``x`` is an mx.array of float32, float16 or bfloat16."""
+    if not isinstance(x, mx.array):
+        raise KernelError(op, f"{what} must be an mx.array, got {type(x).__name__}", Status.INVALID_INPUT)
+    if x.dtype not in FLOAT_DTYPES:
+        raise KernelError(op, f"{what} has dtype {dtype_name(x.dtype)}; supported: float32, float16, "
+                          "bfloat16", Status.INVALID_INPUT)
+    if x.ndim == 0:
+        raise KernelError(op, f"{what} must have at least one dimension", Status.INVALID_INPUT)
+
+
+def check_vector(op: str, v: mx.array, x: mx.array, what: str) -> None:
+    """Raise KernelError unless ``v`` is a 1-D array of x's last-dimension size and dtype."""
+    if not isinstance(v, mx.array):
+        raise KernelError(op, f"{what} must be an mx.array, got {type(v).__name__}", Status.INVALID_INPUT)
+    if v.ndim != 1 or v.shape[0] != x.shape[-1]:
+        raise KernelError(op, f"{what} has shape {tuple(v.shape)} but x's last dimension is "
+                          f"{x.shape[-1]}: expected ({x.shape[-1]},)", Status.INVALID_INPUT)
+    if v.dtype != x.dtype:
+        raise KernelError(op, f"dtype mismatch: {what} is {dtype_name(v.dtype)} but x is "
+                          f"{dtype_name(x.dtype)}", Status.INVALID_INPUT)
+
+
+def check_grid(op: str, threads: int) -> None:
+    if threads > MAX_GRID:
+        raise KernelError(op, f"input too large: {threads} threads exceed MLX's int32 grid",
+                          Status.INVALID_LAUNCH)
+
+
+# ----------------------------------------------------------------------------- launch sizes
+
+
+def vector_width(n: int, dtype: mx.Dtype) -> int:
+    """Elements per 16-byte vector access, halved until it divides ``n``."""
+    v = 16 // dtype.size
+    while v > 1 and n % v:
+        v //= 2
+    return v
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """Launch shape of a one-block-per-row kernel: NT threads, V-wide vectors, CH slots per thread."""
+
+    threads: int
+    vector: int
+    chunks: int  # 0: the row does not fit in registers and is streamed
+
+    def template(self) -> list[TemplateArg]:
+        return [TemplateArg.int("NT", self.threads), TemplateArg.int("V", self.vector),
+                TemplateArg.int("CH", self.chunks)]
+
+
+def row_config(n: int, dtype: mx.Dtype) -> RowConfig:
+    """How to reduce rows of ``n`` elements of ``dtype``: up to 16 elements per thread in registers.
+
+    Rows longer than 512 * 16 elements are streamed (``chunks == 0``).
+
+    >>> row_config(4096, mx.float32)
+    RowConfig(threads=256, vector=4, chunks=4)
+    >>> row_config(50000, mx.float16).chunks   # too long for registers: streamed
+    0
+    """
+    v = vector_width(n, dtype)
+    threads = min(MAX_THREADS, max(32, _pow2_at_least(math.ceil(n / ITEMS_PER_THREAD))))
+    chunks = math.ceil(math.ceil(n / v) / threads)
+    if chunks * v > ITEMS_PER_THREAD:
+        chunks = 0
+    return RowConfig(threads, v, chunks)
+
+
+def row_launch(op: str, x: mx.array, cfg: RowConfig) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Grid and threadgroup for one block of ``cfg.threads`` per row of ``x``."""
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    check_grid(op, rows * cfg.threads)
+    return (rows * cfg.threads, 1, 1), (cfg.threads, 1, 1)
+
+
+def elementwise_config(op: str, n: int, dtype: mx.Dtype, block: int = 256) -> tuple[int, tuple[int, int, int],
+                                                                                     tuple[int, int, int]]:
+    """(V, grid, threadgroup) for an elementwise kernel: one thread per V-element vector."""
+    v = vector_width(n, dtype)
+    threads = n // v
+    check_grid(op, threads)
+    return v, (threads, 1, 1), (block, 1, 1)
+
+
+def eps_array(eps: float, op: str) -> mx.array:
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not math.isfinite(eps) or eps < 0:
+        raise KernelError(op, f"eps must be a finite number >= 0, got {eps!r}", Status.INVALID_INPUT)
+    return mx.array(float(eps), dtype=mx.float32)
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class Case:
+    """Arguments of one call of a layer function."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LibraryEntry:
+    """A library kernel as check(), the tests and the benchmarks see it.
+
+    ``fn`` is the layer function, ``plan`` builds its launch from the same arguments, ``stock`` is
+    the MLX equivalent (``mx.fast.rms_norm`` ...) with the same signature, ``make_inputs(shape,
+    dtype, key)`` makes random arguments with ``x`` of ``shape``; ``shapes`` are check()'s defaults.
+    """
+
+    name: str
+    kernel: Kernel
+    fn: Callable[..., Any]
+    plan: Callable[..., Plan]
+    make_inputs: Callable[[Sequence[int], mx.Dtype, mx.array], Case]
+    stock: Callable[..., Any]
+    shapes: tuple[tuple[int, ...], ...]
+    min_ndim: int = 1
+    description: str = ""
+
+    def __call__(self, case: Case) -> list[mx.array]:
+        """The layer function's outputs as a list."""
+        out = self.fn(*case.args, **case.kwargs)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    def stock_outputs(self, case: Case) -> list[mx.array]:
+        out = self.stock(*case.args, **case.kwargs)
+        return list(out) if isinstance(out, (tuple, list)) else [out]

@@ -1,0 +1,111 @@
+"""GELU, exact (erf) as ``nn.gelu`` or the tanh approximation as ``nn.gelu_approx``; float32 inside."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from graphkern.kernels._base import Case, LibraryEntry, Plan, check_dtype, run
+from graphkern.kernels._elementwise import cuda_map_body, metal_map_body, plan_elementwise
+from graphkern.kernels._headers import dual_header
+from graphkern.nodes import Kernel, TemplateArg
+
+__all__ = ["GELU", "gelu", "gelu_reference", "plan_gelu"]
+
+# The same formulas as mlx.nn.gelu / gelu_approx, term for term.
+_CUDA = r"""
+namespace gk {
+template <bool APPROX>
+__device__ __forceinline__ float gelu(float x) {
+  if constexpr (APPROX) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * (x * x * x))));
+  } else {
+    return x * (1.0f + erff(x / 1.4142135623730951f)) / 2.0f;
+  }
+}
+}  // namespace gk
+"""
+
+_METAL = r"""
+namespace gk {
+template <bool APPROX>
+inline float gelu(float x) {
+  if (APPROX) {
+    return 0.5f * x * (1.0f + metal::precise::tanh(0.7978845608028654f * (x + 0.044715f * (x * x * x))));
+  }
+  return x * (1.0f + gk::erf(x / 1.4142135623730951f)) / 2.0f;
+}
+}  // namespace gk
+"""
+
+
+def gelu_reference(x: mx.array, *, APPROX: bool = False) -> list[mx.array]:
+    """Pure-MLX GELU in float32, cast back to x's dtype."""
+    xf = x.astype(mx.float32)
+    if APPROX:
+        y = 0.5 * xf * (1 + mx.tanh(math.sqrt(2 / math.pi) * (xf + 0.044715 * xf * xf * xf)))
+    else:
+        y = xf * (1 + mx.erf(xf / math.sqrt(2))) / 2
+    return [y.astype(x.dtype)]
+
+
+GELU = Kernel(
+    "gk_gelu",
+    input_names=["x"],
+    output_names=["out"],
+    metal=metal_map_body(["x"], "gk::gelu<APPROX>(x)"),
+    cuda=cuda_map_body(["x"], "gk::gelu<APPROX>(x)"),
+    header=dual_header(_CUDA, _METAL),
+    reference=gelu_reference,
+)
+
+
+def plan_gelu(x: mx.array, approx: bool = False) -> Plan:
+    """The launch :func:`gelu` makes (validated)."""
+    op = "gelu"
+    if isinstance(x, mx.array) and x.ndim == 0:
+        x = x.reshape(1)
+    check_dtype(op, x)
+    return plan_elementwise(op, GELU, [x], [TemplateArg.bool("APPROX", bool(approx))])
+
+
+def gelu(x: mx.array, approx: bool = False) -> mx.array:
+    """GELU: exact ``x * Phi(x)`` like ``nn.gelu``, or with ``approx=True`` ``nn.gelu_approx``.
+
+    >>> [round(v, 4) for v in gelu(mx.array([-1.0, 0.0, 2.0])).tolist()]
+    [-0.1587, 0.0, 1.9545]
+    """
+    shape = x.shape if isinstance(x, mx.array) else ()
+    return run(plan_gelu(x, approx))[0].reshape(shape)
+
+
+def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, approx: bool) -> Case:
+    return Case(((3.0 * mx.random.normal(tuple(shape), key=key)).astype(dtype),), {"approx": approx})
+
+
+_SHAPES = ((4, 64), (2, 3, 100), (7, 1001), (3, 4096))
+
+ENTRY = LibraryEntry(
+    name="gelu",
+    kernel=GELU,
+    fn=gelu,
+    plan=plan_gelu,
+    make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, False),
+    stock=lambda x, approx=False: nn.gelu(x),
+    shapes=_SHAPES,
+    description="GELU, exact erf form (nn.gelu)",
+)
+
+ENTRY_APPROX = LibraryEntry(
+    name="gelu_approx",
+    kernel=GELU,
+    fn=gelu,
+    plan=plan_gelu,
+    make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, True),
+    stock=lambda x, approx=True: nn.gelu_approx(x),
+    shapes=_SHAPES,
+    description="GELU, tanh approximation (nn.gelu_approx)",
+)

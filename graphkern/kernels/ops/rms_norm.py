@@ -1,0 +1,179 @@
+"""RMSNorm over the last axis: ``x * rsqrt(mean(x**2) + eps) * weight``, as ``mx.fast.rms_norm``.
+
+One block per row; the row stays in registers between the sum of squares and the output, so ``x``
+is read once. Rounding follows MLX: the normalized value is cast to the dtype, then multiplied by
+the weight in that dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from graphkern.kernels._base import (
+    Case,
+    LibraryEntry,
+    Plan,
+    check_dtype,
+    check_vector,
+    eps_array,
+    row_config,
+    row_launch,
+    run,
+)
+from graphkern.kernels._headers import dual_header
+from graphkern.nodes import Kernel, OutputSpec, TemplateArg
+
+__all__ = ["RMS_CUDA", "RMS_NORM", "plan_rms_norm", "rms_norm", "rms_norm_reference"]
+
+#: The second half of an RMSNorm row, shared with the fused residual-add kernel.
+RMS_CUDA = r"""
+namespace gk {
+
+// Given this thread's row (filled by produce) and its partial sum of squares, write the output.
+template <typename T, int NT, int V, int CH, bool HAS_W>
+__device__ __forceinline__ void rms_finish(Row<T, NT, V, CH>& row, float ss, const T* w, T* out, float eps,
+                                           int n, float* smem) {
+  const float inv = rsqrtf(block_sum<NT>(ss, smem) / n + eps);
+  row.visit([&](float (&v)[V], long long i) {
+    float o[V];
+    float wv[V];
+    if constexpr (HAS_W) {
+      load<T, V>(w, i, wv);
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      o[j] = round_to<T>(v[j] * inv);
+      if constexpr (HAS_W) {
+        o[j] *= wv[j];
+      }
+    }
+    store<T, V>(out, i, o);
+  });
+}
+
+template <typename T, int NT, int V, int CH, bool HAS_W>
+__device__ __forceinline__ void rms_norm_row(const T* x, const T* w, T* out, float eps, int n) {
+  __shared__ float smem[32];
+  Row<T, NT, V, CH> row(x, n);
+  float ss = 0.0f;
+  row.produce([&](float (&v)[V], long long i) {
+    load<T, V>(x, i, v);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      ss += v[j] * v[j];
+    }
+  });
+  rms_finish<T, NT, V, CH, HAS_W>(row, ss, w, out, eps, n, smem);
+}
+
+}  // namespace gk
+"""
+
+_CUDA_BODY = r"""
+  const long long off = static_cast<long long>(blockIdx.x) * N;
+  if (gk::aligned<V>(x) && gk::aligned<V>(out) && (!HAS_W || gk::aligned<V>(w))) {
+    gk::rms_norm_row<T, NT, V, CH, HAS_W>(x + off, w, out + off, eps[0], N);
+  } else {
+    gk::rms_norm_row<T, NT, 1, CH * V, HAS_W>(x + off, w, out + off, eps[0], N);
+  }
+"""
+
+#: Metal: sum of squares, then the output; shared with the fused residual-add kernel.
+RMS_METAL = r"""
+namespace gk {
+
+template <typename T, int NT, int N, bool HAS_W, typename PX, typename PW, typename PO>
+inline void rms_norm_row(PX x, PW w, PO out, float eps, uint tid, uint lane, uint simd,
+                         threadgroup float* smem) {
+  float ss = 0.0f;
+  for (int i = tid; i < N; i += NT) {
+    const float v = static_cast<float>(x[i]);
+    ss += v * v;
+  }
+  const float inv = metal::precise::rsqrt(block_reduce<NT>(ss, smem, lane, simd, Sum()) / N + eps);
+  for (int i = tid; i < N; i += NT) {
+    float o = round_to<T>(static_cast<float>(x[i]) * inv);
+    if (HAS_W) {
+      o *= static_cast<float>(w[i]);
+    }
+    out[i] = static_cast<T>(o);
+  }
+}
+
+}  // namespace gk
+"""
+
+_METAL_BODY = r"""
+  threadgroup float smem[32];
+  const size_t off = size_t(threadgroup_position_in_grid.x) * N;
+  gk::rms_norm_row<T, NT, N, HAS_W>(x + off, w, out + off, eps, thread_position_in_threadgroup.x,
+                                    thread_index_in_simdgroup, simdgroup_index_in_threadgroup, smem);
+"""
+
+
+def rms_norm_reference(x: mx.array, w: mx.array, eps: mx.array, *, HAS_W: bool = True) -> list[mx.array]:
+    """Pure-MLX RMSNorm with the rounding of ``mx.fast.rms_norm``'s fallback."""
+    xf = x.astype(mx.float32)
+    y = (xf * mx.rsqrt(mx.mean(mx.square(xf), axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return [y * w if HAS_W else y]
+
+
+RMS_NORM = Kernel(
+    "gk_rms_norm",
+    input_names=["x", "w", "eps"],
+    output_names=["out"],
+    metal=_METAL_BODY,
+    cuda=_CUDA_BODY,
+    header=dual_header(RMS_CUDA, RMS_METAL),
+    reference=rms_norm_reference,
+)
+
+
+def plan_rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1e-5) -> Plan:
+    """The launch :func:`rms_norm` makes (validated)."""
+    op = "rms_norm"
+    check_dtype(op, x)
+    if weight is not None:
+        check_vector(op, weight, x, "weight")
+    n = x.shape[-1]
+    cfg = row_config(n, x.dtype)
+    grid, group = row_launch(op, x, cfg)
+    w = weight if weight is not None else mx.ones((1,), dtype=x.dtype)
+    template = [TemplateArg.dtype("T", x.dtype), TemplateArg.int("N", n), *cfg.template(),
+                TemplateArg.bool("HAS_W", weight is not None)]
+    return Plan(RMS_NORM, (x, w, eps_array(eps, op)), (OutputSpec(x.shape, x.dtype),), grid, group,
+                tuple(template))
+
+
+def rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1e-5) -> mx.array:
+    """RMS-normalize ``x`` over its last axis and scale by ``weight``, like ``mx.fast.rms_norm``.
+
+    ``weight`` is 1-D of size ``x.shape[-1]`` and of x's dtype (or None); float32, float16 and
+    bfloat16, any leading dimensions.
+
+    >>> x = mx.array([[3.0, 4.0]])
+    >>> rms_norm(x, mx.array([1.0, 2.0]), eps=0.0).tolist()   # rms = sqrt(12.5)
+    [[0.8485281467437744, 2.262741804122925]]
+    """
+    return run(plan_rms_norm(x, weight, eps))[0]
+
+
+def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
+    kx, kw = mx.random.split(key)
+    x = mx.random.normal(tuple(shape), key=kx).astype(dtype)
+    w = (1.0 + 0.5 * mx.random.normal((shape[-1],), key=kw)).astype(dtype)
+    return Case((x, w), {"eps": 1e-5})
+
+
+ENTRY = LibraryEntry(
+    name="rms_norm",
+    kernel=RMS_NORM,
+    fn=rms_norm,
+    plan=plan_rms_norm,
+    make_inputs=_make_inputs,
+    stock=lambda x, weight=None, eps=1e-5: mx.fast.rms_norm(x, weight, eps),
+    shapes=((4, 64), (2, 3, 100), (7, 1000), (2, 4097)),
+    description="RMSNorm over the last axis (mx.fast.rms_norm)",
+)

@@ -1,0 +1,273 @@
+"""Rotary position embedding over the last axis, as ``mx.fast.rope`` (float32 inside).
+
+``x`` is ``(B, *, L, D)``: row ``(b, ..., l)`` sits at position ``(l + offset[b]) * scale``; the first
+``dims`` features are rotated in pairs, ``(i, i + dims/2)`` or, ``traditional``, ``(2i, 2i + 1)``,
+by ``theta = position * inv_freq[i]`` with ``inv_freq = base ** (-i / (dims/2))`` (or ``1 / freqs``);
+the rest are copied. The frequencies are computed once, with MLX's own formula, and passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from graphkern.kernels._base import MAX_GRID, Case, LibraryEntry, Plan, check_dtype, run, vector_width
+from graphkern.kernels._headers import dual_header
+from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg
+
+__all__ = ["ROPE", "plan_rope", "rope", "rope_reference"]
+
+_CUDA = r"""
+namespace gk {
+
+// Rotate pairs k .. k + V - 1 of one row (x, out point at the row).
+template <typename T, int V, int DIMS, bool TRADITIONAL>
+__device__ __forceinline__ void rope_pairs(const T* x, T* out, int k, float pos, const float* inv_freq) {
+  constexpr int HALF = DIMS / 2;
+  float a[V];
+  float b[V];
+  if constexpr (TRADITIONAL) {
+    float t[2 * V];
+    load<T, 2 * V>(x, 2 * k, t);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      a[j] = t[2 * j];
+      b[j] = t[2 * j + 1];
+    }
+  } else {
+    load<T, V>(x, k, a);
+    load<T, V>(x, k + HALF, b);
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    float s, c;
+    sincosf(pos * inv_freq[k + j], &s, &c);
+    const float r1 = a[j] * c - b[j] * s;
+    const float r2 = a[j] * s + b[j] * c;
+    a[j] = r1;
+    b[j] = r2;
+  }
+  if constexpr (TRADITIONAL) {
+    float t[2 * V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      t[2 * j] = a[j];
+      t[2 * j + 1] = b[j];
+    }
+    store<T, 2 * V>(out, 2 * k, t);
+  } else {
+    store<T, V>(out, k, a);
+    store<T, V>(out, k + HALF, b);
+  }
+}
+
+}  // namespace gk
+"""
+
+# One thread rotates V pairs of one row and copies its share of the features past DIMS.
+_CUDA_BODY = r"""
+  constexpr int P = DIMS / 2 / V;
+  const long long g = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long long rows = gk::numel(x_shape, x_ndim) / D;
+  if (g >= rows * P) {
+    return;
+  }
+  const long long row = g / P;
+  const int t = static_cast<int>(g % P);
+  const int l = static_cast<int>(row % x_shape[x_ndim - 2]);
+  const int b = PER_BATCH ? static_cast<int>(row / (rows / x_shape[0])) : 0;
+  const float pos = static_cast<float>(l + offset[b]) * scale[0];
+  const T* xr = x + row * D;
+  T* outr = out + row * D;
+  if (gk::aligned<TRADITIONAL ? 2 * V : V>(x) && gk::aligned<TRADITIONAL ? 2 * V : V>(out)) {
+    gk::rope_pairs<T, V, DIMS, TRADITIONAL>(xr, outr, t * V, pos, inv_freq);
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      gk::rope_pairs<T, 1, DIMS, TRADITIONAL>(xr, outr, t * V + j, pos, inv_freq);
+    }
+  }
+  if constexpr (DIMS < D) {
+    for (int e = DIMS + t; e < D; e += P) {
+      outr[e] = xr[e];
+    }
+  }
+"""
+
+_METAL_BODY = r"""
+  constexpr int P = DIMS / 2 / V;
+  constexpr int HALF = DIMS / 2;
+  const size_t g = thread_position_in_grid.x;
+  const size_t row = g / P;
+  const int t = int(g % P);
+  size_t rows = 1;
+  for (int d = 0; d < x_ndim - 1; ++d) {
+    rows *= x_shape[d];
+  }
+  const int l = int(row % size_t(x_shape[x_ndim - 2]));
+  const int b = PER_BATCH ? int(row / (rows / size_t(x_shape[0]))) : 0;
+  const float pos = float(l + offset[b]) * scale;
+  const size_t base = row * D;
+  for (int j = 0; j < V; ++j) {
+    const int k = t * V + j;
+    const size_t i1 = base + (TRADITIONAL ? 2 * k : k);
+    const size_t i2 = i1 + (TRADITIONAL ? 1 : HALF);
+    const float theta = pos * inv_freq[k];
+    const float c = metal::precise::cos(theta);
+    const float s = metal::precise::sin(theta);
+    const float a = static_cast<float>(x[i1]);
+    const float bb = static_cast<float>(x[i2]);
+    out[i1] = static_cast<T>(a * c - bb * s);
+    out[i2] = static_cast<T>(a * s + bb * c);
+  }
+  for (int e = DIMS + t; e < D; e += P) {
+    out[base + e] = x[base + e];
+  }
+"""
+
+
+def rope_reference(x: mx.array, offset: mx.array, inv_freq: mx.array, scale: mx.array, *, DIMS: int,
+                   TRADITIONAL: bool, PER_BATCH: bool = False) -> list[mx.array]:
+    """Pure-MLX RoPE in float32 with the given inverse frequencies, cast back to x's dtype."""
+    half = DIMS // 2
+    off = offset.astype(mx.float32)
+    if PER_BATCH:
+        off = off.reshape((-1,) + (1,) * (x.ndim - 2))
+    positions = (mx.arange(x.shape[-2], dtype=mx.float32) + off) * scale
+    theta = positions[..., None] * inv_freq
+    cos, sin = mx.cos(theta), mx.sin(theta)
+    xf = x.astype(mx.float32)
+    rot = xf[..., :DIMS]
+    if TRADITIONAL:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = mx.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(rot.shape)
+    else:
+        x1, x2 = rot[..., :half], rot[..., half:]
+        out = mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    if x.shape[-1] > DIMS:
+        out = mx.concatenate([out, xf[..., DIMS:]], axis=-1)
+    return [out.astype(x.dtype)]
+
+
+ROPE = Kernel(
+    "gk_rope",
+    input_names=["x", "offset", "inv_freq", "scale"],
+    output_names=["out"],
+    metal=_METAL_BODY,
+    cuda=_CUDA_BODY,
+    header=dual_header(_CUDA, ""),
+    reference=rope_reference,
+)
+
+
+def inverse_frequencies(dims: int, base: float | None, freqs: mx.array | None) -> mx.array:
+    """``base ** (-i / (dims/2))`` computed as mx.fast.rope's fallback does, or ``1 / freqs``."""
+    half = dims // 2
+    if freqs is not None:
+        return mx.reciprocal(freqs.astype(mx.float32))
+    assert base is not None
+    coef = np.float32(np.float32(math.log(base)) / np.float32(half))
+    return mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(float(coef), dtype=mx.float32))
+
+
+def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float | None = 10000.0,
+              scale: float = 1.0, offset: int | mx.array = 0, freqs: mx.array | None = None) -> Plan:
+    """The launch :func:`rope` makes (validated)."""
+    op = "rope"
+    check_dtype(op, x)
+    if x.ndim < 3:
+        raise KernelError(op, f"x must have at least 3 dimensions (B, *, L, D), got shape {tuple(x.shape)}",
+                          Status.INVALID_INPUT)
+    d = x.shape[-1]
+    if not isinstance(dims, int) or dims <= 0 or dims % 2 or dims > d:
+        raise KernelError(op, f"dims must be a positive even int <= x's last dimension ({d}), got {dims!r}",
+                          Status.INVALID_INPUT)
+    if (base is None) == (freqs is None):
+        raise KernelError(op, "exactly one of base and freqs must be given", Status.INVALID_INPUT)
+    if freqs is not None and (freqs.ndim != 1 or freqs.shape[0] != dims // 2):
+        raise KernelError(op, f"freqs must have shape ({dims // 2},), got {tuple(freqs.shape)}",
+                          Status.INVALID_INPUT)
+    if isinstance(offset, mx.array):
+        if offset.ndim > 1 or offset.size not in (1, x.shape[0]) or offset.dtype not in (
+                mx.int32, mx.int64, mx.uint32, mx.int16, mx.int8, mx.uint8, mx.uint16):
+            raise KernelError(op, f"offset must be an int or an integer array of 1 or {x.shape[0]} elements, "
+                              f"got shape {tuple(offset.shape)} {offset.dtype}", Status.INVALID_INPUT)
+        per_batch = offset.size > 1
+        off = offset.reshape(-1).astype(mx.int32)
+    elif isinstance(offset, int) and not isinstance(offset, bool):
+        per_batch, off = False, mx.array([offset], dtype=mx.int32)
+    else:
+        raise KernelError(op, f"offset must be an int or an mx.array, got {type(offset).__name__}",
+                          Status.INVALID_INPUT)
+    half = dims // 2
+    v = vector_width(half, x.dtype) if not traditional else min(vector_width(dims, x.dtype) // 2, half)
+    while v > 1 and (half % v or d % (2 * v if traditional else v)):
+        v //= 2
+    v = max(v, 1)
+    threads = (x.size // d) * (half // v)
+    if threads > MAX_GRID:
+        raise KernelError(op, f"input too large: {threads} threads exceed MLX's int32 grid",
+                          Status.INVALID_LAUNCH)
+    template = [TemplateArg.dtype("T", x.dtype), TemplateArg.int("D", d), TemplateArg.int("DIMS", dims),
+                TemplateArg.int("V", v), TemplateArg.bool("TRADITIONAL", bool(traditional)),
+                TemplateArg.bool("PER_BATCH", per_batch)]
+    inputs = (x, off, inverse_frequencies(dims, base, freqs), mx.array(float(scale), dtype=mx.float32))
+    return Plan(ROPE, inputs, (OutputSpec(x.shape, x.dtype),), (threads, 1, 1), (256, 1, 1), tuple(template))
+
+
+def rope(x: mx.array, dims: int, *, traditional: bool = False, base: float | None = 10000.0,
+         scale: float = 1.0, offset: int | mx.array = 0, freqs: mx.array | None = None) -> mx.array:
+    """Rotary position embedding, with ``mx.fast.rope``'s arguments and results.
+
+    ``offset`` is an int or an integer array of 1 or ``x.shape[0]`` elements (one per batch entry).
+
+    >>> x = mx.ones((1, 2, 4))
+    >>> [round(v, 4) for v in rope(x, 4, offset=1)[0, 0].tolist()]   # position 1
+    [-0.3012, 0.99, 1.3818, 1.0099]
+    """
+    return run(plan_rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset,
+                         freqs=freqs))[0]
+
+
+def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, traditional: bool) -> Case:
+    x = mx.random.normal(tuple(shape), key=key).astype(dtype)
+    d = shape[-1]
+    dims = d if d % 2 == 0 else d - 1
+    if d >= 16 and d % 4 == 0:
+        dims = d // 2  # partial rotation: the rest is copied
+    return Case((x, dims), {"traditional": traditional, "base": 10000.0, "scale": 0.5, "offset": 7})
+
+
+def _stock(x: mx.array, dims: int, *, traditional: bool = False, base: float | None = 10000.0,
+           scale: float = 1.0, offset: int | mx.array = 0, freqs: mx.array | None = None) -> mx.array:
+    return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
+
+
+_SHAPES = ((1, 4, 64), (2, 3, 5, 32), (2, 2, 7, 100), (1, 8, 3, 128))
+
+ENTRY = LibraryEntry(
+    name="rope",
+    kernel=ROPE,
+    fn=rope,
+    plan=plan_rope,
+    make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, False),
+    stock=_stock,
+    shapes=_SHAPES,
+    min_ndim=3,
+    description="RoPE, rotate-half form (mx.fast.rope traditional=False)",
+)
+
+ENTRY_TRADITIONAL = LibraryEntry(
+    name="rope_traditional",
+    kernel=ROPE,
+    fn=rope,
+    plan=plan_rope,
+    make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, True),
+    stock=_stock,
+    shapes=_SHAPES,
+    min_ndim=3,
+    description="RoPE, interleaved pairs (mx.fast.rope traditional=True)",
+)

@@ -1,0 +1,179 @@
+"""Numerically safe softmax over the last axis, as ``mx.softmax(x, axis=-1)`` (in float32 inside).
+
+One block per row. A row that fits in registers is read once: max, then ``exp(x - max)`` kept in
+registers and summed, then scaled. A longer row (a vocabulary's logits) is streamed: one pass
+computes the running max and the sum rescaled as the max grows (online softmax), a second pass
+re-reads it and writes the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from graphkern.kernels._base import Case, LibraryEntry, Plan, check_dtype, row_config, row_launch, run
+from graphkern.kernels._headers import dual_header
+from graphkern.nodes import Kernel, OutputSpec, TemplateArg
+
+__all__ = ["SOFTMAX", "plan_softmax", "softmax", "softmax_reference"]
+
+_CUDA = r"""
+namespace gk {
+
+template <typename T, int NT, int V, int CH>
+__device__ __forceinline__ void softmax_row(const T* x, T* out, int n) {
+  __shared__ float smem[32];
+  Row<T, NT, V, CH> row(x, n);
+  if constexpr (Row<T, NT, V, CH>::cached) {
+    float m = Max::identity();
+    row.produce([&](float (&v)[V], long long i) {
+      load<T, V>(x, i, v);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        m = fmaxf(m, v[j]);
+      }
+    });
+    m = block_max<NT>(m, smem);
+    float s = 0.0f;
+    row.visit([&](float (&v)[V], long long) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        v[j] = expf(v[j] - m);
+        s += v[j];
+      }
+    });
+    const float inv = 1.0f / block_sum<NT>(s, smem);
+    row.visit([&](float (&v)[V], long long i) {
+      float o[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        o[j] = v[j] * inv;
+      }
+      store<T, V>(out, i, o);
+    });
+  } else {
+    float m = Max::identity();
+    float s = 0.0f;
+    row.produce([&](float (&v)[V], long long i) {
+      load<T, V>(x, i, v);
+      float cm = v[0];
+#pragma unroll
+      for (int j = 1; j < V; ++j) {
+        cm = fmaxf(cm, v[j]);
+      }
+      if (cm > m) {
+        s *= expf(m - cm);
+        m = cm;
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        s += expf(v[j] - m);
+      }
+    });
+    const float gm = block_max<NT>(m, smem);
+    const float inv = 1.0f / block_sum<NT>(s * expf(m - gm), smem);
+    row.visit([&](float (&v)[V], long long i) {
+      float o[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        o[j] = expf(v[j] - gm) * inv;
+      }
+      store<T, V>(out, i, o);
+    });
+  }
+}
+
+}  // namespace gk
+"""
+
+_CUDA_BODY = r"""
+  const long long off = static_cast<long long>(blockIdx.x) * N;
+  if (gk::aligned<V>(x) && gk::aligned<V>(out)) {
+    gk::softmax_row<T, NT, V, CH>(x + off, out + off, N);
+  } else {
+    gk::softmax_row<T, NT, 1, CH * V>(x + off, out + off, N);
+  }
+"""
+
+_METAL = r"""
+namespace gk {
+
+template <typename T, int NT, int N, typename PX, typename PO>
+inline void softmax_row(PX x, PO out, uint tid, uint lane, uint simd, threadgroup float* smem) {
+  float m = Max::identity();
+  for (int i = tid; i < N; i += NT) {
+    m = metal::max(m, static_cast<float>(x[i]));
+  }
+  m = block_reduce<NT>(m, smem, lane, simd, Max());
+  float s = 0.0f;
+  for (int i = tid; i < N; i += NT) {
+    s += metal::precise::exp(static_cast<float>(x[i]) - m);
+  }
+  const float inv = 1.0f / block_reduce<NT>(s, smem, lane, simd, Sum());
+  for (int i = tid; i < N; i += NT) {
+    out[i] = static_cast<T>(metal::precise::exp(static_cast<float>(x[i]) - m) * inv);
+  }
+}
+
+}  // namespace gk
+"""
+
+_METAL_BODY = r"""
+  threadgroup float smem[32];
+  const size_t off = size_t(threadgroup_position_in_grid.x) * N;
+  gk::softmax_row<T, NT, N>(x + off, out + off, thread_position_in_threadgroup.x, thread_index_in_simdgroup,
+                            simdgroup_index_in_threadgroup, smem);
+"""
+
+
+def softmax_reference(x: mx.array) -> list[mx.array]:
+    """Pure-MLX softmax over the last axis, computed in float32."""
+    return [mx.softmax(x.astype(mx.float32), axis=-1).astype(x.dtype)]
+
+
+SOFTMAX = Kernel(
+    "gk_softmax",
+    input_names=["x"],
+    output_names=["out"],
+    metal=_METAL_BODY,
+    cuda=_CUDA_BODY,
+    header=dual_header(_CUDA, _METAL),
+    reference=softmax_reference,
+)
+
+
+def plan_softmax(x: mx.array) -> Plan:
+    """The launch :func:`softmax` makes (validated)."""
+    op = "softmax"
+    check_dtype(op, x)
+    n = x.shape[-1]
+    cfg = row_config(n, x.dtype)
+    grid, group = row_launch(op, x, cfg)
+    template = [TemplateArg.dtype("T", x.dtype), TemplateArg.int("N", n), *cfg.template()]
+    return Plan(SOFTMAX, (x,), (OutputSpec(x.shape, x.dtype),), grid, group, tuple(template))
+
+
+def softmax(x: mx.array) -> mx.array:
+    """Softmax over the last axis, like ``mx.softmax(x, axis=-1)``; safe for large logits.
+
+    >>> [round(v, 4) for v in softmax(mx.array([[1000.0, 1000.0, 999.0]]))[0].tolist()]
+    [0.4223, 0.4223, 0.1554]
+    """
+    return run(plan_softmax(x))[0]
+
+
+def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
+    return Case(((4.0 * mx.random.normal(tuple(shape), key=key)).astype(dtype),))
+
+
+ENTRY = LibraryEntry(
+    name="softmax",
+    kernel=SOFTMAX,
+    fn=softmax,
+    plan=plan_softmax,
+    make_inputs=_make_inputs,
+    stock=lambda x: mx.softmax(x, axis=-1, precise=True),
+    shapes=((4, 64), (2, 3, 100), (7, 1000), (2, 4097), (2, 20000)),
+    description="softmax over the last axis (mx.softmax, precise=True)",
+)
