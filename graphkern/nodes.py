@@ -202,6 +202,10 @@ def _check_text(value: object, what: str, *, optional: bool) -> None:
         raise _kernel_error(f"{what} must be a string, got {type(value).__name__}")
     if "\x00" in value:
         raise _kernel_error(f"{what} contains an interior NUL byte at position {value.index(chr(0))}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate: MLX and the source hash need UTF-8
+        raise _kernel_error(f"{what} is not valid UTF-8 (lone surrogate at position {exc.start})") from None
 
 
 def _check_identifier(value: object, what: str) -> None:
