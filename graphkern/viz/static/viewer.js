@@ -348,7 +348,7 @@
     cssW = Math.max(1, r.width); cssH = Math.max(1, r.height);
     dpr = window.devicePixelRatio || 1;
     canvas.width = Math.round(cssW * dpr); canvas.height = Math.round(cssH * dpr);
-    requestDraw();
+    draw();   // now: setting the size cleared the canvas
   }
   var pending = false;
   function requestDraw() {
@@ -624,8 +624,10 @@
   });
   canvas.addEventListener("dblclick", function (ev) {
     var p = eventPoint(ev), u = unitAt(p[0], p[1]);
-    if (u >= 0 && L.keys[u] < 0) { var g = -L.keys[u] - 1; setCollapsed(g, false); select(-1); }
-    else if (u >= 0 && nGroup[L.keys[u]] >= 0) { setCollapsed(nGroup[L.keys[u]], true); select(-nGroup[L.keys[u]] - 1); }
+    if (u < 0) return;
+    var key = L.keys[u];
+    if (key < 0) { setCollapsed(-key - 1, false); select(-1); }
+    else if (nGroup[key] >= 0) { var g = nGroup[key]; setCollapsed(g, true); select(-g - 1); }
   });
   var tip = document.getElementById("gk-tip");
   function hideTip() { tip.style.display = "none"; }
@@ -703,7 +705,7 @@
     resizeSoon();
     requestDraw();
   }
-  function resizeSoon() { requestAnimationFrame(resize); }
+  function resizeSoon() { resize(); }   // the panel changed the canvas size: follow it now
   function badges(n) {
     var b = '<span class="gk-badge ' + (nKind[n] === "kernel" ? "kernel" : "") + '">' + esc(nKind[n]) + "</span>";
     if (nStatus[n] === 10) b += '<span class="gk-badge upstream">UPSTREAM_FAILED</span>';
@@ -773,9 +775,9 @@
   });
   function focusNode(n, ms) {
     reveal(n);
+    select(n);   // first, so the view is centred in the canvas that the open panel leaves
     var u = L.unitOfNode[n];
     centerOn(L.x[u], L.y[u], Math.max(transform.k, 0.9), ms === undefined ? 350 : ms);
-    select(n);
   }
 
   // ------------------------------------------------------------------ search
@@ -786,8 +788,10 @@
     var dd = details[i] || {};
     hay[i] = (nId[i] + "\u0001" + nLabel[i] + "\u0001" + nOp[i] + "\u0001" + (nGroup[i] >= 0 ? gPath[nGroup[i]] : "") + "\u0001" + (dd.kernel || "")).toLowerCase();
   }
+  var lastQuery = null;
   function runSearch(q) {
     q = q.trim().toLowerCase();
+    lastQuery = q;
     matches = new Uint8Array(N); matchList = []; matchCursor = -1;
     if (q) {
       var exact = [];
@@ -817,7 +821,8 @@
   search.addEventListener("input", function () { clearTimeout(searchTimer); searchTimer = setTimeout(function () { runSearch(search.value); }, 80); });
   search.addEventListener("keydown", function (ev) {
     if (ev.key === "Enter") {
-      clearTimeout(searchTimer); if (!matchList.length) runSearch(search.value);
+      clearTimeout(searchTimer);
+      if (search.value.trim().toLowerCase() !== lastQuery) runSearch(search.value);
       if (!matchList.length) return;
       matchCursor = (matchCursor + (ev.shiftKey ? matchList.length - 1 : 1)) % matchList.length;
       focusNode(matchList[matchCursor]);

@@ -1,0 +1,89 @@
+"""The HTML viewer as a document: self-contained, safe embedding, the data it carries, notebooks.
+(What it does in a browser is tests/test_viz_browser.py.)"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+
+import viz_graphs as vg
+from graphkern.viz.html import repr_html, to_html, viewer_data
+
+
+def _data(page: str) -> dict:
+    m = re.search(r'<script id="gk-data" type="application/json">(.*?)</script>', page, re.S)
+    assert m, "no data block"
+    return json.loads(m.group(1))
+
+
+def test_page_is_self_contained() -> None:
+    page = to_html(vg.small(failed=True))
+    assert page.startswith("<!DOCTYPE html>")
+    # nothing is fetched: no external scripts, stylesheets, images or fonts
+    assert not re.search(r'<script[^>]+src=', page)
+    assert not re.search(r'<link[^>]+href=', page)
+    assert not re.search(r'(src|href)=["\']?(https?:)?//', page)
+    assert "@import" not in page and "url(http" not in page
+    # the vendored d3-zoom is inlined
+    assert "d3-zoom" in page and "zoomIdentity" in page
+
+
+def test_embedded_data_cannot_break_out_of_its_script() -> None:
+    b = vg.Builder("evil")
+    x = b.input("x", (2,))
+    c = b.const((), "</script><script>alert(1)</script><!--")
+    b.output(b.op("Add", [x, c], scope="a</script>"))
+    page = to_html(b.done())
+    body = page.split('<script id="gk-data" type="application/json">', 1)[1].split("</script>", 1)[0]
+    assert "<" not in body
+    data = _data(page)
+    assert data["details"]["1"]["value"] == "</script><script>alert(1)</script><!--"
+    assert data["groups"][0][0] == "a</script>"
+
+
+def test_viewer_data_schema() -> None:
+    g = vg.small(failed=True)
+    d = viewer_data(g)
+    ids = [n[0] for n in d["nodes"]]
+    assert ids[0] == "x" and len(ids) == 9
+    kinds = d["kinds"]
+    row = d["nodes"][ids.index("scale_add")]
+    assert kinds[row[1]] == "kernel" and row[5] == 8 and row[6] == ids.index("scale_add")
+    down = d["nodes"][ids.index("sum")]
+    assert down[5] == 10 and down[6] == ids.index("scale_add")
+    assert [gr[0] for gr in d["groups"]] == ["mlp", "mlp.act", "mlp.up"]
+    assert d["groups"][row[4]][0] == "mlp"
+    edge = next(e for e in d["edges"] if ids[e[0]] == "matmul")
+    assert edge[3:5] == ["4,8", "float32"] and ids[edge[1]] == "scale_add"
+    det = d["details"][str(ids.index("scale_add"))]
+    assert det["grid"] == "(32, 1, 1)" and det["template"] == "T=float32"
+    assert "thread_position_in_grid" in det["source"] and "undeclared" in det["message"]
+    assert d["meta"]["status"] == 8 and d["statusNames"]["10"] == "UPSTREAM_FAILED"
+
+
+def test_real_trace_html_and_title() -> None:
+    g = vg.traced(failed=True)
+    page = g.to_html()
+    assert "<title>Model — graphkern</title>" in page
+    assert "FAILED (INVALID_LAUNCH)" in page
+    d = _data(page)
+    assert {gr[0] for gr in d["groups"]} >= {"layers.0", "layers.1", "layers.0.proj", "head"}
+
+
+def test_collapse_depth_option_reaches_the_page() -> None:
+    assert _data(to_html(vg.transformer(1), collapse_depth=1))["options"]["collapse_depth"] == 1
+
+
+def test_notebook_repr_is_a_sandboxed_iframe() -> None:
+    g = vg.traced()
+    out = g._repr_html_()
+    assert out.startswith("<iframe srcdoc=") and 'sandbox="allow-scripts"' in out
+    inner = html.unescape(re.search(r'srcdoc="(.*?)" style=', out, re.S).group(1))
+    assert inner == to_html(g)
+    assert repr_html(g, height=300).count("height:300px") == 1
+
+
+def test_big_graph_page_size() -> None:
+    page = to_html(vg.big())
+    assert len(page) < 6_000_000  # compact rows keep 10,000 nodes at a few MB
