@@ -1,0 +1,271 @@
+"""graphkern's core on an NVIDIA GPU (MLX's CUDA backend): what graphkern costs over plain MLX.
+
+1. Compiled graph: ``gk.compile(fn)`` against a hand-written ``mx.compile`` of the same function
+   calling the bare ``mx.fast.cuda_kernel`` objects (same sources, same launches). Both evaluate
+   their outputs on every call and are timed in alternation. Target: ratio <= 1.02 where the GPU
+   work is not negligible; the small sizes show the fixed per-call cost.
+2. Eager overhead: ``gk.apply`` against calling the very MLX kernel object graphkern caches for the
+   kernel (``gk.kernel_cache.get``), many calls without evaluation (graphkern's Python cost alone),
+   and with ``mx.eval`` after each call. Target: <= 2 us a call.
+
+Prints raw figures and ratios, stamped with date, GPU and MLX version; ``--markdown PATH`` writes
+them as the table kept in benchmarks/RESULTS_gpu.md, ``--json PATH`` as data.
+Without CUDA it runs the kernels' references instead, to check the script, and says so.
+Run: python benchmarks/gpu_core.py [--quick] [--markdown benchmarks/RESULTS_gpu.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, if not installed
+import graphkern as gk  # noqa: E402
+
+CUDA = mx.cuda.is_available()
+BACKEND = "cuda" if CUDA else "reference"
+TG = 256
+ELEM = "int64_t elem = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;\nif (elem >= N) return;\n"
+
+SCALE_ADD = gk.Kernel(
+    "bench_scale_add", ["x", "y"], ["out"],
+    cuda=ELEM + "out[elem] = x[elem] * 2.0f + y[elem];",
+    reference=lambda x, y: [x * 2.0 + y],
+)
+SILU = gk.Kernel(
+    "bench_silu", ["x"], ["out"],
+    cuda=ELEM + "float v = x[elem]; out[elem] = v / (1.0f + expf(-v));",
+    reference=lambda x: [x * mx.sigmoid(x)],
+)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, number: int) -> dict[str, dict[str, float]]:
+    """Seconds per call of each function: median, min and max over ``rounds`` rounds of ``number``
+    calls, the functions taking turns within each round so that drift hits all alike."""
+    for fn in fns.values():  # warm-up: builds, compiles, NVRTC, caches
+        for _ in range(3):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(number):
+                fn()
+            samples[name].append((time.perf_counter() - start) / number)
+    return {name: {"median": statistics.median(v), "min": min(v), "max": max(v)}
+            for name, v in samples.items()}
+
+
+def stamp() -> dict[str, str]:
+    try:
+        device = str(mx.device_info().get("device_name", "?"))
+    except Exception:  # only a label
+        device = "?"
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "gpu": device if CUDA else f"none ({device}; kernels ran their references)",
+            "mlx": mx.__version__, "graphkern": gk.__version__, "backend": BACKEND,
+            "python": platform.python_version(), "host": platform.machine()}
+
+
+# ----------------------------------------------------------------------------- 1. compiled graph
+
+
+def _spec(x: mx.array) -> list[gk.OutputSpec]:
+    return [gk.OutputSpec(x.shape, x.dtype)]
+
+
+def graphkern_block(depth: int) -> Callable[[mx.array, mx.array], mx.array]:
+    """``depth`` blocks of kernel -> MLX ops -> kernel, through ``gk.apply_in_graph``."""
+    def fn(x: mx.array, y: mx.array) -> mx.array:
+        n = x.size
+        kw = dict(grid=(n, 1, 1), threadgroup=(TG, 1, 1), template=[("N", n)])
+        h = x
+        for _ in range(depth):
+            a = gk.apply_in_graph(SCALE_ADD, [h, y], _spec(h), **kw).outputs[0]
+            b = mx.tanh(a) * y
+            h = gk.apply_in_graph(SILU, [b], _spec(b), **kw).outputs[0] + h
+        return h
+    return fn
+
+
+def hand_block(depth: int) -> Callable[[mx.array, mx.array], mx.array]:
+    """The same function written against MLX alone: bare ``mx.fast.cuda_kernel`` objects with the
+    same sources (built here, under their own names), or the references without CUDA."""
+    if CUDA:
+        objs = {k.name: mx.fast.cuda_kernel(name=f"hand_{k.name}", input_names=list(k.input_names),
+                                            output_names=list(k.output_names), source=k.cuda)
+                for k in (SCALE_ADD, SILU)}
+
+        def call(k: gk.Kernel, inputs: list[mx.array]) -> mx.array:
+            n = inputs[0].size
+            return objs[k.name](inputs=inputs, output_shapes=[inputs[0].shape],
+                                output_dtypes=[inputs[0].dtype], grid=(n, 1, 1),
+                                threadgroup=(TG, 1, 1), template=[("N", n)])[0]
+    else:
+        def call(k: gk.Kernel, inputs: list[mx.array]) -> mx.array:
+            return k.reference(*inputs)[0]
+
+    def fn(x: mx.array, y: mx.array) -> mx.array:
+        h = x
+        for _ in range(depth):
+            a = call(SCALE_ADD, [h, y])
+            b = mx.tanh(a) * y
+            h = call(SILU, [b]) + h
+        return h
+    return fn
+
+
+def bench_compiled(sizes: list[int], depths: list[int], rounds: int, budget_s: float) -> list[dict[str, Any]]:
+    rows = []
+    for depth in depths:
+        for n in sizes:
+            mx.random.seed(0)
+            x, y = mx.random.normal((n,)), mx.random.normal((n,))
+            cf = gk.compile(graphkern_block(depth))
+            hand = mx.compile(hand_block(depth))
+            got, want = cf(x, y), hand(x, y)
+            err = (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-30)).item()
+            assert err < 1e-5, f"gk.compile and mx.compile disagree: {err}"
+            assert cf.graph is not None and len(cf.graph.kernels()) == 2 * depth
+            start = time.perf_counter()
+            mx.eval(hand(x, y))
+            one = max(time.perf_counter() - start, 1e-6)
+            number = max(3, min(2000, int(budget_s / rounds / 2 / one)))
+            t = interleaved({"mx.compile": lambda hand=hand, x=x, y=y: mx.eval(hand(x, y)),
+                             "gk.compile": lambda cf=cf, x=x, y=y: cf(x, y)}, rounds, number)
+            g, h = t["gk.compile"]["median"], t["mx.compile"]["median"]
+            rows.append({"elements": n, "depth": depth, "kernels": 2 * depth, "calls": number * rounds,
+                         "gk_us": g * 1e6, "mx_us": h * 1e6, "ratio": g / h,
+                         "gk_spread_us": [t["gk.compile"]["min"] * 1e6, t["gk.compile"]["max"] * 1e6],
+                         "mx_spread_us": [t["mx.compile"]["min"] * 1e6, t["mx.compile"]["max"] * 1e6],
+                         "max_rel_diff": err})
+            r = rows[-1]
+            print(f"compiled  n={n:>9} depth={depth} kernels={2 * depth:>2}: gk.compile "
+                  f"{r['gk_us']:9.1f} us  mx.compile {r['mx_us']:9.1f} us  ratio {r['ratio']:.4f}  "
+                  f"(over {r['calls']} calls each)", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------- 2. eager overhead
+
+
+def bench_eager(rounds: int, number_lazy: int, number_eval: int) -> list[dict[str, Any]]:
+    n = 1024
+    mx.random.seed(1)
+    x, y = mx.random.normal((n,)), mx.random.normal((n,))
+    mx.eval(x, y)
+    spec = _spec(x)
+    template = [("N", n)]
+    kw = dict(grid=(n, 1, 1), threadgroup=(TG, 1, 1), template=template)
+    if CUDA:
+        obj = gk.kernel_cache.get("cuda", SCALE_ADD)  # the very object gk.apply calls
+
+        def bare() -> Any:
+            return obj(inputs=[x, y], output_shapes=[x.shape], output_dtypes=[x.dtype],
+                       grid=(n, 1, 1), threadgroup=(TG, 1, 1), template=template)
+    else:
+        def bare() -> Any:
+            return SCALE_ADD.reference(x, y)
+
+    def gk_apply() -> Any:
+        return gk.apply(SCALE_ADD, [x, y], spec, **kw)
+
+    def gk_in_graph() -> Any:
+        return gk.apply_in_graph(SCALE_ADD, [x, y], spec, **kw).outputs
+
+    assert mx.allclose(gk_apply()[0], bare()[0]).item()
+    rows = []
+    for label, number, wrap in (("lazy (no eval)", number_lazy, lambda f: f),
+                                ("with mx.eval", number_eval, lambda f: (lambda: mx.eval(f())))):
+        t = interleaved({"bare": wrap(bare), "gk.apply": wrap(gk_apply),
+                         "gk.apply_in_graph": wrap(gk_in_graph)}, rounds, number)
+        b, a, ig = (t[k]["median"] * 1e6 for k in ("bare", "gk.apply", "gk.apply_in_graph"))
+        rows.append({"mode": label, "calls": number * rounds, "bare_us": b, "gk_apply_us": a,
+                     "overhead_us": a - b, "gk_apply_in_graph_us": ig, "in_graph_overhead_us": ig - b,
+                     "bare_spread_us": [t["bare"]["min"] * 1e6, t["bare"]["max"] * 1e6],
+                     "gk_spread_us": [t["gk.apply"]["min"] * 1e6, t["gk.apply"]["max"] * 1e6]})
+        print(f"eager {label:>15}: bare {b:7.2f} us  gk.apply {a:7.2f} us  overhead {a - b:+6.2f} us  "
+              f"apply_in_graph {ig:7.2f} us ({ig - b:+6.2f})  (over {number * rounds} calls each)",
+              flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def markdown(meta: dict[str, str], compiled: list[dict[str, Any]], eager: list[dict[str, Any]]) -> str:
+    lines = [
+        "# graphkern on an NVIDIA GPU: core benchmarks",
+        "",
+        f"Produced by `python benchmarks/gpu_core.py` on {meta['date']}: GPU **{meta['gpu']}**, "
+        f"MLX {meta['mlx']} (backend {meta['backend']}), graphkern {meta['graphkern']}, "
+        f"Python {meta['python']}. Medians of interleaved rounds; each call evaluates its outputs "
+        "unless marked lazy. Raw figures in microseconds per call.",
+        "",
+        "## Compiled graph vs hand-written mx.compile (target: ratio <= 1.02)",
+        "",
+        "`gk.compile(fn)` against `mx.compile` of the same function calling the bare "
+        "`mx.fast.cuda_kernel` objects. Each block: custom kernel, `tanh`, multiply, custom kernel, "
+        "add; float32 vectors of the given length.",
+        "",
+        "| elements | blocks | kernels | gk.compile (us) | mx.compile (us) | ratio | gap (us) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in compiled:
+        lines.append(f"| {r['elements']:,} | {r['depth']} | {r['kernels']} | {r['gk_us']:.1f} | "
+                     f"{r['mx_us']:.1f} | {r['ratio']:.4f} | {r['gk_us'] - r['mx_us']:+.1f} |")
+    lines += [
+        "",
+        "## Eager gk.apply overhead over the bare kernel object (target: <= 2 us a call)",
+        "",
+        "1024-element float32 kernel; `bare` calls the MLX kernel object graphkern caches for it.",
+        "",
+        "| mode | bare (us) | gk.apply (us) | overhead (us) | gk.apply_in_graph (us) | its overhead (us) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in eager:
+        lines.append(f"| {r['mode']} | {r['bare_us']:.2f} | {r['gk_apply_us']:.2f} | "
+                     f"{r['overhead_us']:+.2f} | {r['gk_apply_in_graph_us']:.2f} | "
+                     f"{r['in_graph_overhead_us']:+.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and calls (a smoke run)")
+    parser.add_argument("--markdown", help="write the results table here")
+    parser.add_argument("--json", help="write the raw figures here")
+    args = parser.parse_args()
+    meta = stamp()
+    print(f"graphkern gpu_core: {meta}", flush=True)
+    if args.quick:
+        compiled = bench_compiled([1 << 12, 1 << 20], [1], rounds=3, budget_s=0.5)
+        eager = bench_eager(rounds=3, number_lazy=2000, number_eval=200)
+    else:
+        compiled = bench_compiled([1 << 12, 1 << 20, 1 << 24, 1 << 26], [1, 4], rounds=9, budget_s=4.0)
+        eager = bench_eager(rounds=15, number_lazy=20000, number_eval=2000)
+    text = markdown(meta, compiled, eager)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "compiled": compiled, "eager": eager}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
