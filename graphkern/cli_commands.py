@@ -14,8 +14,9 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import click
 
@@ -262,7 +263,8 @@ def _progress(enabled: bool) -> Iterator[Callable[[str], None]]:
 
 
 _OUTPUT_OPTIONS = [
-    click.option("--html", "html", type=click.Path(dir_okay=False), help="Write the interactive HTML viewer."),
+    click.option("--html", "html", type=click.Path(dir_okay=False),
+                 help="Write the interactive HTML viewer."),
     click.option("--dot", "dot", type=click.Path(dir_okay=False), help="Write Graphviz DOT."),
     click.option("--svg", "svg", type=click.Path(dir_okay=False), help="Render SVG with Graphviz."),
     click.option("--png", "png", type=click.Path(dir_okay=False), help="Render PNG with Graphviz."),

@@ -11,9 +11,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import viz_graphs as vg
 from click.testing import CliRunner
 
-import viz_graphs as vg
 from graphkern.cli import main
 
 MODEL = textwrap.dedent('''

@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 import viz_graphs as vg
+
 from graphkern.viz.diff import diff
 from graphkern.viz.html import to_html
 
@@ -78,7 +79,8 @@ class Viewer:
         return tuple(self.js("""([x, y]) => {
             const c = document.getElementById('gk-canvas'), r = c.getBoundingClientRect();
             const s = c.width / r.width;
-            const d = c.getContext('2d').getImageData(Math.round((x - r.left) * s), Math.round((y - r.top) * s), 1, 1).data;
+            const d = c.getContext('2d').getImageData(
+                Math.round((x - r.left) * s), Math.round((y - r.top) * s), 1, 1).data;
             return [d[0], d[1], d[2]]; }""", [x, y]))
 
     def fill(self, node: str) -> tuple[int, int, int]:

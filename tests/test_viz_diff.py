@@ -7,6 +7,7 @@ import json
 import re
 
 import viz_graphs as vg
+
 from graphkern.viz.diff import diff
 
 

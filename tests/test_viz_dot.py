@@ -6,10 +6,11 @@ from __future__ import annotations
 import re
 import shutil
 import time
+from pathlib import Path
 
 import pytest
-
 import viz_graphs as vg
+
 from graphkern.viz.dot import render, to_dot, to_svg
 
 
@@ -119,7 +120,7 @@ def test_render_via_graph_method(tmp_path) -> None:
         pytest.skip("Graphviz's dot is not installed")
     g = vg.traced()
     out = g.render(str(tmp_path / "t.svg"))
-    assert "<svg" in open(out).read()
+    assert "<svg" in Path(out).read_text()
 
 
 def test_render_rejects_unknown_format(tmp_path) -> None:

@@ -8,6 +8,7 @@ import json
 import re
 
 import viz_graphs as vg
+
 from graphkern.viz.html import repr_html, to_html, viewer_data
 
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import pytest
-
 import viz_graphs as vg
+
 from graphkern.viz.model_explorer import (
     ModelExplorerMissing,
     to_model_explorer,
@@ -125,7 +126,7 @@ def test_view_starts_model_explorer_with_graph_and_overlays(monkeypatch, tmp_pat
     seen = {}
     monkeypatch.setattr(me, "visualize_from_config", lambda **kw: seen.update(kw))
     path = view(vg.small(failed=True), folder=str(tmp_path), open_browser=False)
-    assert json.loads(open(path).read())["label"] == "small_model"
+    assert json.loads(Path(path).read_text())["label"] == "small_model"
     cfg = seen["config"]
     assert cfg.model_sources == [{"url": path}]
     assert len(cfg.node_data_sources) == 2 and seen["no_open_in_browser"] is True

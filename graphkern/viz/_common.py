@@ -8,11 +8,13 @@ The graph schema (see DESIGN.md, "The graph"): node attributes ``kind``, ``label
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import networkx as nx
 
@@ -181,7 +183,7 @@ def failures(g: nx.MultiDiGraph) -> list[FailureSummary]:
     """Root failures in topological order with the number of nodes each one affects."""
     roots = [n for n in ordered_nodes(g) if is_root_failure(g.nodes[n])]
     affected: dict[Any, int] = {r: 0 for r in roots}
-    for n, data in g.nodes(data=True):
+    for _, data in g.nodes(data=True):
         if node_status(data) == UPSTREAM_FAILED and data.get("root_cause") in affected:
             affected[data["root_cause"]] += 1
     return [
@@ -239,10 +241,8 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
         os.chmod(tmp, _file_mode(target))
         os.replace(tmp, target)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 

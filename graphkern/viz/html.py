@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import html as _html
 import json
-from functools import lru_cache
+from collections.abc import Mapping
+from functools import cache
 from importlib import resources
-from typing import Any, Mapping
+from typing import Any
 
 from graphkern.viz._common import (
     as_nx,
+    format_shape,
     graph_name,
     group_tree,
     in_edges_sorted,
-    format_shape,
     node_status,
     node_text,
     ordered_nodes,
@@ -35,12 +36,12 @@ _DETAIL_KEYS = ("message", "value", "arguments", "kernel", "backend", "grid", "t
                 "template", "source_hash", "source", "generated_name")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _static(name: str) -> str:
     return resources.files("graphkern.viz").joinpath("static", name).read_text(encoding="utf-8")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _vendor_js() -> str:
     manifest = json.loads(_static("vendor-manifest.json"))
     return "\n".join(_static(item["file"]) for item in manifest)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from graphkern.viz._common import (
     UPSTREAM_FAILED,
@@ -82,7 +83,7 @@ def to_model_explorer(graph: Any) -> dict[str, Any]:
         kind = str(d.get("kind") or "op")
         status = node_status(d)
         namespace = "/".join(scope_parts(d.get("scope")))
-        attrs = [_kv("kind", kind)]
+        attrs: list[dict[str, Any]] = [_kv("kind", kind)]
         if d.get("op"):
             attrs.append(_kv("op", d["op"]))
         if d.get("scope"):
@@ -90,7 +91,8 @@ def to_model_explorer(graph: Any) -> dict[str, Any]:
         attrs.append(_kv("status", f"{status_name(status)} ({status})"))
         root = d.get("root_cause")
         if status and root is not None and root != n:
-            attrs.append({"key": "root_cause", "value": {"type": "node_ids", "nodeIds": [str(root)]}})
+            link: dict[str, Any] = {"type": "node_ids", "nodeIds": [str(root)]}
+            attrs.append({"key": "root_cause", "value": link})
         if d.get("message"):
             attrs.append(_kv("message", d["message"]))
         for key in ("value", "arguments"):
