@@ -1,0 +1,229 @@
+"""Concurrency: 8 threads applying, tracing and calling compiled graphs at once, 1,000 calls each.
+
+With GRAPHKERN_BACKEND=metal, traces build real ``mx.fast.metal_kernel`` objects (Linux MLX builds
+and traces them, it cannot run them), so the kernel cache sees real concurrent first uses: each
+distinct kernel must be built exactly once (misses == distinct kernels) and the hit/miss counts
+must equal the serial run's. Every result (output values, graphs, statuses) must equal the
+serial run's, the module hooks (which patch classes, reference-counted) must all be gone
+afterwards, and the garbage collector must be left as it was.
+
+MLX 0.32 evaluates an array only on the thread whose stream built it ("There is no Stream(cpu, 0)
+in current thread"), so inputs and weights are evaluated before they are handed to the threads.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+import graphkern as gk
+from graphkern import runtime
+from graphkern.trace import _ModuleHooks
+
+THREADS = 8
+CALLS = 1_000
+N = 8
+SPEC = [gk.OutputSpec((N,), mx.float32)]
+LAUNCH: dict[str, Any] = dict(grid=(N, 1, 1), threadgroup=(N, 1, 1), template=[("T", mx.float32)])
+
+
+def _metal(expr: str) -> str:
+    return f"uint i = thread_position_in_grid.x; out[i] = {expr};"
+
+
+KERNELS = [
+    gk.Kernel(f"conc_{i}", ["x", "y"], ["out"], metal=_metal(f"x[i] * T({i + 1}) + y[i]"),
+              reference=lambda x, y, i=i: [x * (i + 1) + y])
+    for i in range(6)
+]
+# same name as KERNELS[0], another source: a separate cache entry
+TWIN = gk.Kernel("conc_0", ["x", "y"], ["out"], metal=_metal("x[i] - y[i]"), reference=lambda x, y: [x - y])
+ALL_KERNELS = [*KERNELS, TWIN]
+
+
+def two_kernels(a: int, b: int) -> Callable[[mx.array, mx.array], mx.array]:
+    def fn(x: mx.array, y: mx.array) -> mx.array:
+        h = gk.apply_in_graph(ALL_KERNELS[a], [x, y], SPEC, **LAUNCH).outputs[0]
+        return gk.apply_in_graph(ALL_KERNELS[b], [mx.tanh(h), y], SPEC, **LAUNCH).outputs[0]
+    fn.__name__ = f"two_kernels_{a}_{b}"
+    return fn
+
+
+class KernelBlock(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(N)
+        self.proj = nn.Linear(N, N)
+        self.index = index
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = self.proj(self.norm(x)).reshape(-1)
+        out = gk.apply_in_graph(ALL_KERNELS[self.index], [h, x.reshape(-1)],
+                                [gk.OutputSpec(h.shape, h.dtype)], grid=(h.size, 1, 1),
+                                threadgroup=(8, 1, 1), template=[("T", h.dtype)]).outputs[0]
+        return out.reshape(x.shape)
+
+
+class Model(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        mx.random.seed(seed)
+        self.layers = [KernelBlock(seed % 7), KernelBlock((seed + 3) % 7)]
+        self.head = nn.Linear(N, 2)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def graph_digest(graph: gk.Graph) -> tuple[Any, ...]:
+    """What a trace must reproduce exactly: every node with kind, op, scope, status, kernel
+    identity, and every edge with shape and dtype."""
+    nodes = tuple(
+        (n, d["kind"], d["op"], d["scope"], d["status"], d.get("source_hash"), d.get("generated_name"),
+         d.get("backend"))
+        for n, d in sorted(graph.nx.nodes(data=True)))
+    edges = tuple(sorted((u, v, k, tuple(d["shape"]), d["dtype"]) for u, v, k, d in
+                         graph.nx.edges(keys=True, data=True)))
+    return nodes, edges
+
+
+class Worker:
+    """One thread's 1,000 calls: eager applies, failing launches, traces of functions and of
+    modules under the metal backend, and compiled calls, interleaved."""
+
+    def __init__(self, index: int, models: list[Model], compiled: gk.CompiledGraph) -> None:
+        self.index = index
+        self.x = mx.arange(N, dtype=mx.float32) * (index + 1) / 10
+        self.y = mx.full((N,), float(index))
+        mx.eval(self.x, self.y)
+        self.models = models
+        self.compiled = compiled
+        self.own = gk.compile(two_kernels(index % 7, (index + 1) % 7), backend="reference")
+
+    def run(self, calls: int) -> list[Any]:
+        out: list[Any] = []
+        for i in range(calls):
+            step, k = i % 10, (self.index + i) % len(ALL_KERNELS)
+            if step < 5:  # eager, on the reference: values
+                [r] = gk.apply(ALL_KERNELS[k], [self.x, self.y], SPEC, backend="reference", **LAUNCH)
+                out.append(r)
+            elif step == 5:  # a failing launch: a status, never an exception
+                res = gk.apply_in_graph(ALL_KERNELS[k], [self.x, self.y], SPEC, grid=(N, 1, 1),
+                                        threadgroup=(0, 1, 1))
+                out.append((res.status, str(res.error)))
+            elif step == 6:  # a traced function with two Metal kernels
+                out.append(graph_digest(gk.trace(two_kernels(k, (k + i) % 7), self.x, self.y)))
+            elif step == 7:  # a traced nn.Module (class patching is shared between threads)
+                model = self.models[(self.index + i) % len(self.models)]
+                out.append(graph_digest(gk.trace(model, self.x.reshape(1, N))))
+            elif step == 8:  # this thread's compiled graph
+                out.append(self.own(self.x, self.y))
+            else:  # one compiled graph shared by all threads
+                out.append(self.compiled(self.x, self.y))
+        mx.eval([r for r in out if isinstance(r, mx.array)])
+        return [r.tolist() if isinstance(r, mx.array) else r for r in out]
+
+
+def make_workers() -> list[Worker]:
+    models = [Model(seed) for seed in range(3)]
+    mx.eval([m.parameters() for m in models])
+    shared = gk.compile(two_kernels(2, 5), backend="reference")
+    return [Worker(i, models, shared) for i in range(THREADS)]
+
+
+def run_threads(workers: list[Worker], calls: int) -> list[list[Any]]:
+    barrier = threading.Barrier(len(workers))
+    results: list[list[Any] | None] = [None] * len(workers)
+    errors: list[BaseException] = []
+
+    def target(w: Worker) -> None:
+        try:
+            barrier.wait()
+            results[w.index] = w.run(calls)
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=target, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    if errors:
+        raise errors[0]
+    return [r for r in results if r is not None]
+
+
+def test_eight_threads_match_the_serial_run_and_build_each_kernel_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRAPHKERN_BACKEND", "metal")
+    gc_was_enabled = gc.isenabled()
+
+    serial_cache = runtime.KernelCache()
+    monkeypatch.setattr(runtime, "kernel_cache", serial_cache)
+    serial = [w.run(CALLS) for w in make_workers()]
+
+    concurrent_cache = runtime.KernelCache()
+    monkeypatch.setattr(runtime, "kernel_cache", concurrent_cache)
+    concurrent = run_threads(make_workers(), CALLS)
+
+    assert len(concurrent) == THREADS
+    for index, (mine, theirs) in enumerate(zip(concurrent, serial)):
+        assert len(mine) == CALLS
+        mismatches = [i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b]
+        assert not mismatches, f"thread {index} differs from the serial run at calls {mismatches[:5]}"
+
+    distinct = len({runtime.KernelCache.key("metal", k) for k in ALL_KERNELS})
+    assert distinct == len(ALL_KERNELS)  # the twin shares a name, not a source
+    stats = concurrent_cache.stats()
+    assert stats["misses"] == stats["size"] == distinct, stats  # each built exactly once
+    assert stats == serial_cache.stats()  # and looked up as often as serially
+    assert stats["hits"] > 1_000
+
+    # the class patches are reference-counted back to zero; the GC is as it was
+    assert not _ModuleHooks._patched
+    for cls in (Model, KernelBlock, nn.Linear, nn.RMSNorm):
+        assert not hasattr(vars(cls).get("__call__"), "__wrapped__")
+    assert gc.isenabled() == gc_was_enabled
+
+    # and everything still works afterwards
+    monkeypatch.delenv("GRAPHKERN_BACKEND")
+    [r] = gk.apply(KERNELS[1], [mx.ones(N), mx.ones(N)], SPEC, **LAUNCH)
+    assert r.tolist() == [3.0] * N
+
+
+def test_concurrent_traces_of_one_module_instance_keep_their_own_scopes() -> None:
+    """Threads tracing the same model and calling it eagerly at once: every trace has the
+    scopes of a lone trace, and eager calls (hooked classes, no recorder) are unaffected."""
+    model = Model(7)
+    x = mx.ones((1, N))
+    mx.eval(model.parameters(), x)
+    expected = graph_digest(gk.trace(model, x))
+    eager = model(x).tolist()
+    barrier = threading.Barrier(THREADS)
+    failures: list[str] = []
+
+    def work(index: int) -> None:
+        barrier.wait()
+        for _ in range(40):
+            if index % 2:
+                if graph_digest(gk.trace(model, x)) != expected:
+                    failures.append("trace")
+            elif model(x).tolist() != eager:
+                failures.append("eager")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not failures and not any(t.is_alive() for t in threads)
+    assert not _ModuleHooks._patched
