@@ -21,7 +21,7 @@ from graphkern.viz._common import (
     format_shape,
     graph_name,
     group_tree,
-    in_edges_sorted,
+    all_in_edges,
     node_status,
     node_text,
     ordered_nodes,
@@ -80,8 +80,9 @@ def viewer_data(graph: Any, *, diff: Mapping[str, Any] | None = None,
         if extra:
             details[str(i)] = extra
     edges: list[list[Any]] = []
+    ins = all_in_edges(g)
     for n in order:
-        for u, _, key, data in in_edges_sorted(g, n):
+        for u, _, key, data in ins[n]:
             edges.append([index[u], index[n], str(key), format_shape(data.get("shape")),
                           str(data.get("dtype") or "?"), int(data.get("index") or 0)])
     roots = [n for n in order if node_status(g.nodes[n]) not in (0, 10)]

@@ -23,7 +23,7 @@ from graphkern.viz._common import (
     as_nx,
     format_tensor,
     graph_name,
-    in_edges_sorted,
+    all_in_edges,
     iter_kernel_fields,
     node_status,
     ordered_nodes,
@@ -75,9 +75,11 @@ def to_model_explorer(graph: Any) -> dict[str, Any]:
     outs: dict[Any, dict[str, dict[str, Any]]] = {n: {} for n in order}
     for u, _, key, data in g.edges(keys=True, data=True):
         outs[u].setdefault(str(key), data)
-    out_ids = {n: {k: str(i) for i, k in enumerate(sorted(outs[n], key=_natural))} for n in order}
+    out_ids = {n: {k: str(i) for i, k in enumerate(sorted(outs[n], key=_natural) if len(outs[n]) > 1
+                                                    else outs[n])} for n in order}
+    ins = all_in_edges(g)
     nodes: list[dict[str, Any]] = []
-    groups: dict[str, dict[str, Any]] = {}
+    per_scope: dict[str, list[int]] = {}
     for n in order:
         d = g.nodes[n]
         kind = str(d.get("kind") or "op")
@@ -104,7 +106,7 @@ def to_model_explorer(graph: Any) -> dict[str, Any]:
                 attrs.append(_kv("source", d["source"]))
         incoming = []
         inputs_meta = []
-        for u, _, key, data in in_edges_sorted(g, n):
+        for u, _, key, data in ins[n]:
             target_input = str(int(data.get("index") or 0))
             incoming.append({"sourceNodeId": str(u),
                              "sourceNodeOutputId": out_ids[u].get(str(key), "0"),
@@ -113,12 +115,9 @@ def to_model_explorer(graph: Any) -> dict[str, Any]:
         outputs_meta = []
         for key, oid in out_ids[n].items():
             data = outs[n][key]
-            shape = data.get("shape")
             outputs_meta.append({"id": oid, "attrs": [
-                _kv("tensor_shape", format_tensor(shape, data.get("dtype"))),
-                _kv("__tensor_tag", key),
-                _kv("shape", "[" + ", ".join(str(x) for x in shape or ()) + "]"),
-                _kv("dtype", data.get("dtype"))]})
+                _kv("tensor_shape", format_tensor(data.get("shape"), data.get("dtype"))),
+                _kv("__tensor_tag", key)]})
         node: dict[str, Any] = {
             "id": str(n),
             "label": str(d.get("op") if kind == "op" and d.get("op") else d.get("label") or n),
@@ -136,14 +135,24 @@ def to_model_explorer(graph: Any) -> dict[str, Any]:
         elif kind == "kernel":
             node["style"] = dict(_KERNEL_STYLE)
         nodes.append(node)
-        parts = scope_parts(d.get("scope"))
+        counts = per_scope.get(namespace)
+        if counts is None:
+            counts = per_scope[namespace] = [0, 0, 0]
+        counts[0] += 1
+        counts[1] += kind == "kernel"
+        counts[2] += status != 0
+    groups: dict[str, dict[str, Any]] = {}
+    for namespace, (count, kernels, failed) in per_scope.items():
+        parts = namespace.split("/") if namespace else []
         for depth in range(len(parts)):
             path = "/".join(parts[: depth + 1])
-            info = groups.setdefault(path, {"nodes": 0, "kernels": 0, "failed": 0,
-                                            "scope": ".".join(parts[: depth + 1])})
-            info["nodes"] += 1
-            info["kernels"] += kind == "kernel"
-            info["failed"] += status != 0
+            info = groups.get(path)
+            if info is None:
+                info = groups[path] = {"nodes": 0, "kernels": 0, "failed": 0,
+                                       "scope": ".".join(parts[: depth + 1])}
+            info["nodes"] += count
+            info["kernels"] += kernels
+            info["failed"] += failed
     group_attrs: dict[str, dict[str, str]] = {
         "": {"name": name, "backend": str(g.graph.get("backend") or ""),
              "mlx_version": str(g.graph.get("mlx_version") or ""),
