@@ -310,3 +310,12 @@ def test_written_files_have_normal_permissions(work: Path) -> None:
     mask = os.umask(0)
     os.umask(mask)
     assert (work / "g.json").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_import_graphkern_stays_light() -> None:
+    code = ("import sys, graphkern, graphkern.cli; "
+            "print(sorted(m for m in ('graphkern.viz', 'graphkern.viz.html', 'graphviz', "
+            "'playwright', 'rich', 'model_explorer') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

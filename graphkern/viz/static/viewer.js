@@ -867,6 +867,8 @@
     diff.removed.forEach(function (r) { lines.push("<div>\u2212 <span class=\"gk-mono\">" + esc(r[0]) + "</span> " + esc(r[1]) + (r[2] ? " [" + esc(r[2]) + "]" : "") + "</div>"); });
     Object.keys(diff.changed).forEach(function (n) { lines.push('<div>~ <a data-node="' + n + '">' + esc(nId[+n]) + "</a> " + esc(diff.changed[n].map(function (c) { return c[0]; }).join(", ")) + "</div>"); });
     dl.innerHTML = lines.join("") || "<div>no differences</div>";
+    document.getElementById("gk-legend").insertAdjacentHTML("beforeend",
+      '<i style="border-color:#22c55e;border-width:2.5px"></i>added<i style="border-color:#f59e0b;border-width:2.5px"></i>changed');
     bar.classList.add("show");
     bar.addEventListener("click", function (ev) {
       if (ev.target.id === "gk-difftoggle") { dl.classList.toggle("open"); resizeSoon(); }
