@@ -261,3 +261,29 @@ def test_10000_nodes_first_render_within_budget(viewer: Any) -> None:
     v.page.wait_for_selector("#gk-panel.open")
     v.js("() => gk.collapseToDepth(1)")
     assert v.errors == []
+
+
+def _empty() -> Any:
+    return vg.Builder("empty").done()
+
+
+def _single() -> Any:
+    b = vg.Builder("single")
+    b.input("x", (3,))
+    return b.done()
+
+
+@pytest.mark.parametrize("make", [_empty, _single, lambda: vg.random_dag(300, seed=1),
+                                  lambda: vg.random_dag(120, seed=7, scopes=20)],
+                         ids=["empty", "single", "random300", "random-scopes"])
+def test_odd_graphs_load_cleanly(viewer: Any, make: Any) -> None:
+    g = make()
+    v = viewer(g)
+    assert v.js("gk.nodeCount") == g.nx.number_of_nodes()
+    if g.nx.number_of_nodes():
+        first = next(iter(g.nx.nodes))
+        v.click_node(first)
+        v.page.wait_for_selector("#gk-panel.open")
+        v.js("() => { gk.collapseToDepth(0); gk.collapseToDepth(-1); }")
+    v.page.mouse.wheel(0, 300)
+    assert v.errors == []
