@@ -368,15 +368,22 @@ class CompiledGraph:
         self._flat = flat
         self._recorder = _PassThrough()
         self._traceable.state.refresh_cells()
-        with runtime.using_backend(self.backend):
-            try:
-                outputs = self._compiled(*flat.arrays)
-                if self._recorder.failed is not None:  # a launch failed while MLX traced
-                    raise self._recorder.failed[1]
-                mx.eval(outputs)
-            except Exception as exc:
-                raise self._attribute(graph, flat, exc, self._recorder) from exc
+        try:
+            if self.backend is None:
+                outputs = self._run_compiled(flat)
+            else:
+                with runtime.using_backend(self.backend):
+                    outputs = self._run_compiled(flat)
+        except Exception as exc:
+            raise self._attribute(graph, flat, exc, self._recorder) from exc
         return unflatten_outputs(spec, outputs)
+
+    def _run_compiled(self, flat: Flat) -> list[mx.array]:
+        outputs = self._compiled(*flat.arrays)
+        if self._recorder.failed is not None:  # a launch failed while MLX traced
+            raise self._recorder.failed[1]
+        mx.eval(outputs)
+        return outputs  # type: ignore[no-any-return]
 
     def _attribute(self, graph: Graph, flat: Flat, exc: Exception,
                    recorder: _PassThrough) -> GraphError:

@@ -1,0 +1,58 @@
+"""Eager ``gk.apply`` overhead over calling the kernel's backend directly.
+
+Target (issue 2): <= 2 us a call. On a CPU the backend is the kernel's reference; on a GPU it is
+the bare ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` object graphkern caches (see
+benchmarks/gpu_core.py for the CUDA figures). Graph building only: nothing is evaluated, so the
+figure is graphkern's own Python cost.
+Run: python benchmarks/apply_overhead.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).parent))
+import graphkern as gk  # noqa: E402
+from _timing import header, interleaved  # noqa: E402
+
+KERNEL = gk.Kernel(
+    "scale_add",
+    input_names=["x", "y"],
+    output_names=["out"],
+    metal="uint i = thread_position_in_grid.x; out[i] = x[i] * T(2) + y[i];",
+    cuda="auto i = blockIdx.x * blockDim.x + threadIdx.x; if (i < x_shape[0]) out[i] = x[i] * T(2) + y[i];",
+    reference=lambda x, y: [x * 2 + y],
+)
+
+
+def main() -> None:
+    print(header("eager apply overhead"))
+    x, y = mx.ones((1024,)), mx.ones((1024,))
+    spec = [gk.OutputSpec(x.shape, x.dtype)]
+    template = [("T", mx.float32)]
+    backend = gk.active_backend()
+    if backend == "reference":
+        direct = lambda: KERNEL.reference(x, y)  # noqa: E731
+    else:
+        obj = gk.kernel_cache.get(backend, KERNEL)
+        direct = lambda: obj(inputs=[x, y], output_shapes=[x.shape], output_dtypes=[x.dtype],  # noqa: E731
+                             grid=(1024, 1, 1), threadgroup=(256, 1, 1), template=template)
+    times = interleaved({
+        "direct": direct,
+        "gk.apply": lambda: gk.apply(KERNEL, [x, y], spec, grid=(1024, 1, 1),
+                                     threadgroup=(256, 1, 1), template=template),
+        "gk.apply_in_graph": lambda: gk.apply_in_graph(KERNEL, [x, y], spec, grid=(1024, 1, 1),
+                                                       threadgroup=(256, 1, 1), template=template),
+    }, rounds=15, number=20_000)
+    print(f"backend {backend}")
+    for name, seconds in times.items():
+        print(f"{name:>18}: {seconds * 1e6:7.2f} us/call")
+    for name in ("gk.apply", "gk.apply_in_graph"):
+        print(f"{name} overhead: {(times[name] - times['direct']) * 1e6:.2f} us/call (target <= 2)")
+
+
+if __name__ == "__main__":
+    main()
