@@ -877,7 +877,10 @@
   }
 
   // ------------------------------------------------------------------ start
-  if (D.options && D.options.collapse_depth != null) for (g = 0; g < G; g++) collapsed[g] = gDepth[g] >= D.options.collapse_depth ? 1 : 0;
+  if (D.options && D.options.collapse_depth != null) {
+    for (g = 0; g < G; g++) collapsed[g] = gDepth[g] >= D.options.collapse_depth ? 1 : 0;
+    if (D.options.collapse_depth >= 1 && D.options.collapse_depth <= maxDepth) depthSel.value = String(D.options.collapse_depth);
+  }
   layout();
   resize();
   window.addEventListener("resize", resize);
