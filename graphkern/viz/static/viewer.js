@@ -846,7 +846,7 @@
   document.getElementById("gk-fit").addEventListener("click", function () { fit(300); });
   var depthSel = document.getElementById("gk-depth");
   var maxDepth = 0; for (g = 0; g < G; g++) maxDepth = Math.max(maxDepth, gDepth[g] + 1);
-  for (var dpt = 1; dpt <= maxDepth; dpt++) { var o = document.createElement("option"); o.value = dpt; o.textContent = "collapse below level " + dpt; depthSel.appendChild(o); }
+  for (var dpt = 0; dpt < maxDepth; dpt++) { var o = document.createElement("option"); o.value = dpt; o.textContent = dpt ? "collapse below level " + dpt : "collapse all groups"; depthSel.appendChild(o); }
   depthSel.addEventListener("change", function () { collapseToDepth(+depthSel.value); });
   if (!G) depthSel.style.display = "none";
   var banner = document.getElementById("gk-banner");
@@ -879,7 +879,7 @@
   // ------------------------------------------------------------------ start
   if (D.options && D.options.collapse_depth != null) {
     for (g = 0; g < G; g++) collapsed[g] = gDepth[g] >= D.options.collapse_depth ? 1 : 0;
-    if (D.options.collapse_depth >= 1 && D.options.collapse_depth <= maxDepth) depthSel.value = String(D.options.collapse_depth);
+    if (D.options.collapse_depth >= 0 && D.options.collapse_depth < maxDepth) depthSel.value = String(D.options.collapse_depth);
   }
   layout();
   resize();
