@@ -20,10 +20,10 @@ from typing import Any
 
 from graphkern.viz._common import (
     UPSTREAM_FAILED,
+    all_in_edges,
     as_nx,
     format_tensor,
     graph_name,
-    all_in_edges,
     iter_kernel_fields,
     node_status,
     ordered_nodes,
@@ -72,31 +72,44 @@ def to_model_explorer(graph: Any) -> dict[str, Any]:
     g = as_nx(graph)
     name = graph_name(g)
     order = ordered_nodes(g)
-    outs: dict[Any, dict[str, dict[str, Any]]] = {n: {} for n in order}
+    # per node: its distinct output arrays (name -> "dtype[shape]"), numbered in natural order
+    outs: dict[Any, dict[str, str]] = {n: {} for n in order}
     for u, _, key, data in g.edges(keys=True, data=True):
-        outs[u].setdefault(str(key), data)
-    out_ids = {n: {k: str(i) for i, k in enumerate(sorted(outs[n], key=_natural) if len(outs[n]) > 1
-                                                    else outs[n])} for n in order}
+        k = str(key)
+        if k not in outs[u]:
+            outs[u][k] = format_tensor(data.get("shape"), data.get("dtype"))
+    out_ids: dict[Any, dict[str, str]] = {}
+    for n, arrays in outs.items():
+        keys = sorted(arrays, key=_natural) if len(arrays) > 1 else list(arrays)
+        out_ids[n] = {k: str(i) for i, k in enumerate(keys)}
     ins = all_in_edges(g)
+    namespaces: dict[Any, str] = {}
+    status_text: dict[int, str] = {}
     nodes: list[dict[str, Any]] = []
     per_scope: dict[str, list[int]] = {}
     for n in order:
         d = g.nodes[n]
         kind = str(d.get("kind") or "op")
         status = node_status(d)
-        namespace = "/".join(scope_parts(d.get("scope")))
-        attrs: list[dict[str, Any]] = [_kv("kind", kind)]
-        if d.get("op"):
-            attrs.append(_kv("op", d["op"]))
-        if d.get("scope"):
-            attrs.append(_kv("scope", d["scope"]))
-        attrs.append(_kv("status", f"{status_name(status)} ({status})"))
-        root = d.get("root_cause")
-        if status and root is not None and root != n:
-            link: dict[str, Any] = {"type": "node_ids", "nodeIds": [str(root)]}
-            attrs.append({"key": "root_cause", "value": link})
-        if d.get("message"):
-            attrs.append(_kv("message", d["message"]))
+        scope = d.get("scope") or ""
+        namespace = namespaces.get(scope)
+        if namespace is None:
+            namespace = namespaces[scope] = "/".join(scope_parts(scope))
+        text = status_text.get(status)
+        if text is None:
+            text = status_text[status] = f"{status_name(status)} ({status})"
+        op = d.get("op") or ""
+        attrs: list[dict[str, Any]] = [{"key": "kind", "value": kind}]
+        if op:
+            attrs.append({"key": "op", "value": str(op)})
+        attrs.append({"key": "status", "value": text})
+        if status:
+            root = d.get("root_cause")
+            if root is not None and root != n:
+                link: dict[str, Any] = {"type": "node_ids", "nodeIds": [str(root)]}
+                attrs.append({"key": "root_cause", "value": link})
+            if d.get("message"):
+                attrs.append(_kv("message", d["message"]))
         for key in ("value", "arguments"):
             if d.get(key):
                 attrs.append(_kv(key, d[key]))
@@ -107,22 +120,20 @@ def to_model_explorer(graph: Any) -> dict[str, Any]:
         incoming = []
         inputs_meta = []
         for u, _, key, data in ins[n]:
-            target_input = str(int(data.get("index") or 0))
+            target_input = str(data.get("index") or 0)
             incoming.append({"sourceNodeId": str(u),
                              "sourceNodeOutputId": out_ids[u].get(str(key), "0"),
                              "targetNodeInputId": target_input})
-            inputs_meta.append({"id": target_input, "attrs": [_kv("__tensor_tag", key)]})
-        outputs_meta = []
-        for key, oid in out_ids[n].items():
-            data = outs[n][key]
-            outputs_meta.append({"id": oid, "attrs": [
-                _kv("tensor_shape", format_tensor(data.get("shape"), data.get("dtype"))),
-                _kv("__tensor_tag", key)]})
+            inputs_meta.append({"id": target_input,
+                                "attrs": [{"key": "__tensor_tag", "value": str(key)}]})
+        arrays = outs[n]
+        outputs_meta = [{"id": oid, "attrs": [{"key": "tensor_shape", "value": arrays[key]},
+                                              {"key": "__tensor_tag", "value": key}]}
+                        for key, oid in out_ids[n].items()]
         node: dict[str, Any] = {
             "id": str(n),
-            "label": str(d.get("op") if kind == "op" and d.get("op") else d.get("label") or n),
+            "label": str(op if kind == "op" and op else d.get("label") or n),
             "namespace": namespace,
-            "subgraphIds": [],
             "attrs": attrs,
             "incomingEdges": incoming,
             "outputsMetadata": outputs_meta,
