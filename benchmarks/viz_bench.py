@@ -24,8 +24,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -36,7 +37,6 @@ import graphkern as gk  # noqa: E402
 from graphkern.viz.dot import to_dot  # noqa: E402
 from graphkern.viz.html import to_html  # noqa: E402
 from graphkern.viz.model_explorer import to_model_explorer  # noqa: E402
-
 
 CPU: dict[str, list[float]] = {}
 
@@ -79,7 +79,7 @@ def browser_runs(page_path: Path, repeat: int) -> dict[str, list[float]]:
         for _ in range(repeat):
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
             t = time.perf_counter()
             page.goto(page_path.as_uri())
             page.wait_for_function("window.gk && window.gk.ready", timeout=60_000)
