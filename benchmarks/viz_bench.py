@@ -79,7 +79,11 @@ def browser_runs(page_path: Path, repeat: int) -> dict[str, list[float]]:
         for _ in range(repeat):
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             errors: list[str] = []
-            page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
+
+            def on_error(e: Any, errors: list[str] = errors) -> None:
+                errors.append(str(e))
+
+            page.on("pageerror", on_error)
             t = time.perf_counter()
             page.goto(page_path.as_uri())
             page.wait_for_function("window.gk && window.gk.ready", timeout=60_000)
