@@ -1,0 +1,35 @@
+"""Whole models on graphkern: wrap a forward pass as a compiled graph, patch layers onto kernels.
+
+>>> import mlx.core as mx, mlx.nn as nn, graphkern.models as gkm
+>>> model = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8))
+>>> [p.kernel for p in gkm.patch(model)]
+['rms_norm']
+>>> wrapped = gkm.wrap(model)
+>>> _ = wrapped(mx.ones((2, 8)))
+>>> [wrapped.graph.node(k)["scope"] for k in wrapped.graph.kernels()]
+['layers.1']
+"""
+
+from __future__ import annotations
+
+from graphkern.models.check_model import MODEL_TOLERANCES, check_model
+from graphkern.models.layers import KernelLayer
+from graphkern.models.patch import RULES, Patched, Rule, kernel_names, patch, patched_layers, unpatch
+from graphkern.models.patterns import Forward
+from graphkern.models.wrap import WrappedModel, wrap
+
+__all__ = [
+    "RULES",
+    "Forward",
+    "KernelLayer",
+    "MODEL_TOLERANCES",
+    "Patched",
+    "Rule",
+    "WrappedModel",
+    "check_model",
+    "kernel_names",
+    "patch",
+    "patched_layers",
+    "unpatch",
+    "wrap",
+]
