@@ -1,0 +1,165 @@
+"""``wrap(model)``: a model's forward pass as a graphkern compiled graph.
+
+The wrapped model runs through ``gk.compile``: traced once per input signature (``.graph`` shows it,
+layer by layer, with module scopes), refused if a node failed, and otherwise run by ``mx.compile``
+with the parameters passed as state, so weight updates are always seen. mlx-lm KV caches pass
+through as inputs and outputs (see ``graphkern.models.cache``).
+
+>>> import mlx.core as mx, mlx.nn as nn
+>>> model = nn.Sequential(nn.Linear(4, 4), nn.RMSNorm(4))
+>>> wrapped = wrap(model)
+>>> bool(mx.allclose(wrapped(mx.ones((2, 4))), model(mx.ones((2, 4)))))
+True
+>>> sorted({wrapped.graph.node(n)["scope"] for n in wrapped.graph.nodes("op")})
+['layers.0', 'layers.1']
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections import OrderedDict
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from graphkern.graph import Graph
+from graphkern.models.cache import cache_states, stand_ins, states_of, write_back
+from graphkern.nodes import Status
+from graphkern.state import Flat, argument_names
+from graphkern.trace import CompiledGraph
+
+__all__ = ["WrappedModel", "wrap"]
+
+
+def _structure(model: nn.Module) -> tuple[Any, ...]:
+    """What invalidates a wrapped model's traces: which modules it holds, its parameters' shapes
+    and dtypes (new values of the same shape are state, not structure)."""
+    found: list[Any] = []
+
+    def walk(tree: Any) -> None:
+        if isinstance(tree, nn.Module):
+            found.append(id(tree))
+        for key, value in tree.items() if isinstance(tree, dict) else enumerate(tree):
+            if isinstance(value, mx.array):
+                found.append((key, value.shape, value.dtype))
+            elif isinstance(value, (dict, list)):
+                walk(value)
+
+    walk(model)
+    return tuple(found)
+
+
+def _forward(model: nn.Module) -> Any:
+    """``model``'s call as a method bound to it (so graphkern finds its parameters and module paths
+    with no prefix), taking cache state trees instead of cache objects."""
+
+    def forward(self: nn.Module, *args: Any, cache: Any = None, **kwargs: Any) -> Any:
+        if cache is None:
+            return self(*args, **kwargs)
+        caches = stand_ins(cache)
+        out = self(*args, cache=caches, **kwargs)
+        return out, states_of(caches)
+
+    forward.__name__ = forward.__qualname__ = type(model).__name__
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter(name, positional) for name in ["self", *argument_names(model)]
+              if name != "cache"]
+    forward.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # input names
+    return types.MethodType(forward, model)
+
+
+class WrappedModel:
+    """A model whose forward pass runs as a graphkern compiled graph (see :func:`wrap`)."""
+
+    def __init__(self, model: nn.Module, *, backend: str | None = None, max_traces: int = 16):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"wrap expects an mlx.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.backend = backend
+        self.max_traces = max_traces
+        self._graphs: OrderedDict[Any, CompiledGraph] = OrderedDict()
+        self._structure: tuple[Any, ...] | None = None
+        self._last: CompiledGraph | None = None
+        self._arg_names = argument_names(model)
+
+    @property
+    def graph(self) -> Graph | None:
+        """The graph of the last call's signature."""
+        return self._last.graph if self._last is not None else None
+
+    def _compiled(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CompiledGraph:
+        """The compiled graph for these arguments' static part (tree structure, Python scalars,
+        cache offsets); array shapes and dtypes are told apart inside it."""
+        structure = _structure(self.model)
+        if structure != self._structure:  # modules swapped (patch, unpatch) or parameters reshaped
+            self.clear()
+            self._structure = structure
+        static = Flat.of(args, kwargs, self._arg_names).key()[0]
+        compiled = self._graphs.get(static)
+        if compiled is None:
+            compiled = CompiledGraph(_forward(self.model), backend=self.backend)
+            self._graphs[static] = compiled
+            while len(self._graphs) > self.max_traces:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(static)
+        self._last = compiled
+        return compiled
+
+    @staticmethod
+    def _with_cache(kwargs: dict[str, Any], cache: Any) -> dict[str, Any]:
+        return kwargs if cache is None else {**kwargs, "cache": cache_states(cache)}
+
+    def __call__(self, *args: Any, cache: Any = None, **kwargs: Any) -> Any:
+        """Run the forward pass; with ``cache`` (mlx-lm cache objects), update them as the model would."""
+        kwargs = self._with_cache(kwargs, cache)
+        out = self._compiled(args, kwargs)(*args, **kwargs)
+        if cache is None:
+            return out
+        logits, states = out
+        write_back(cache, states)
+        return logits
+
+    def call_with_status(self, *args: Any, cache: Any = None, **kwargs: Any) -> tuple[Any, Status]:
+        """``(outputs, Status.OK)``, or ``(None, status)`` when a node failed (nothing ran)."""
+        kwargs = self._with_cache(kwargs, cache)
+        out, status = self._compiled(args, kwargs).call_with_status(*args, **kwargs)
+        if out is None or cache is None:
+            return out, status
+        write_back(cache, out[1])
+        return out[0], status
+
+    def trace(self, *args: Any, cache: Any = None, **kwargs: Any) -> Graph:
+        """The graph for these arguments, traced but not run (the cache is left untouched)."""
+        kwargs = self._with_cache(kwargs, cache)
+        return self._compiled(args, kwargs).trace(*args, **kwargs)
+
+    def clear(self) -> None:
+        """Forget every trace."""
+        self._graphs.clear()
+        self._last = None
+
+    def __repr__(self) -> str:
+        return f"WrappedModel({type(self.model).__name__}, traces={len(self._graphs)})"
+
+
+def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16) -> WrappedModel:
+    """Run ``model``'s forward pass as a graphkern compiled graph.
+
+    Parameters are passed to the compiled function as state, so ``model.update(...)`` and optimizer
+    steps are seen by the next call; a new input shape or dtype re-traces; swapping modules
+    (``patch``/``unpatch``) re-traces; ``.graph`` is the last trace. mlx-lm models take their KV cache
+    as usual, ``wrapped(tokens, cache=cache)``: the cache objects are updated in place. A cache whose
+    state is not arrays and Python scalars is refused with ``KernelError``. Each new cache offset is
+    a new static signature (traced and compiled once); ``max_traces`` bounds how many are kept.
+
+    >>> import mlx.core as mx, mlx.nn as nn
+    >>> model = nn.Linear(2, 2)
+    >>> wrapped = wrap(model)
+    >>> model.weight = mx.zeros((2, 2)); model.bias = mx.ones((2,))
+    >>> wrapped(mx.ones((1, 2))).tolist()
+    [[1.0, 1.0]]
+    """
+    return WrappedModel(model, backend=backend, max_traces=max_traces)

@@ -1,0 +1,175 @@
+"""wrap(): a model's forward pass as a compiled graph: state, re-tracing, patching, KV caches."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, make_prompt_cache
+
+import graphkern as gk
+from graphkern.models import patch, unpatch, wrap
+from graphkern.models.cache import CACHE_OPERATION
+from graphkern.models.tiny import tiny_model
+
+X = mx.random.normal((3, 8), key=mx.random.key(0))
+PROMPT = mx.array([[3, 17, 42, 5, 99, 1]])
+
+
+def test_a_kernel_with_a_constant_input_inside_a_module_traces():
+    """Regression: capture folded a kernel's constant input (an eps made inside the layer) into the
+    kernel body and removed it, so module scoping met a deleted node (KeyError 'const_1')."""
+    from kernels_fixture import scale_add
+
+    class Scaled(nn.Module):
+        def __call__(self, x):
+            return scale_add(x, mx.array(3.0)).outputs[0]
+
+    graph = gk.trace(nn.Sequential(Scaled()), X)
+    assert [graph.node(k)["scope"] for k in graph.kernels()] == ["layers.0"]
+    assert len(graph.inputs_of("scale_add")) == 2  # x and the constant both feed the kernel node
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.RMSNorm(8))
+
+
+def test_wrapped_equals_eager_and_shows_the_graph():
+    model = mlp()
+    wrapped = wrap(model)
+    assert mx.allclose(wrapped(X), model(X)).item()
+    graph = wrapped.graph
+    assert graph.ok and graph.kernels() == []
+    scopes = {graph.node(n)["scope"] for n in graph.nodes("op")}
+    assert {"layers.0", "layers.1", "layers.2", "layers.3"} <= scopes
+    labels = {graph.node(n)["label"] for n in graph.nodes("input")}
+    assert {"layers.0.weight", "layers.3.weight"} <= labels  # parameters are inputs, not constants
+
+
+def test_weight_updates_between_calls_are_seen():
+    model = mlp()
+    wrapped = wrap(model)
+    first = wrapped(X)
+    model.layers[2].weight = mx.zeros_like(model.layers[2].weight)
+    model.layers[2].bias = mx.ones((8,))
+    assert mx.allclose(wrapped(X), mx.ones((3, 8)), atol=1e-5).item()  # rms_norm of ones is ones
+    model.update({"layers": [{"weight": mx.ones((16, 8)) / 8}, {}, {"weight": mx.eye(8, 16)}, {}]})
+    out = wrapped(X)
+    assert mx.allclose(out, model(X), atol=1e-6).item() and not mx.allclose(out, first).item()
+    assert len(wrapped._graphs) == 1  # new values of the same shapes: no new trace
+
+
+def test_new_shapes_and_dtypes_retrace():
+    model = mlp()
+    wrapped = wrap(model)
+    wrapped(X)
+    first = wrapped.graph
+    wrapped(X + 1)
+    assert wrapped.graph is first
+    out = wrapped(mx.ones((5, 8)))
+    assert out.shape == (5, 8) and wrapped.graph is not first
+    model.set_dtype(mx.float16)  # parameters change dtype: a new trace, in float16
+    half = wrapped(X.astype(mx.float16))
+    assert half.dtype == mx.float16
+    assert {d["dtype"] for _, _, d in wrapped.graph.nx.edges(data=True)} >= {"float16"}
+
+
+def test_patching_after_wrapping_retraces_with_kernel_nodes():
+    model = mlp()
+    wrapped = wrap(model)
+    expected = wrapped(X)
+    assert wrapped.graph.kernels() == []
+    patch(model)
+    assert mx.allclose(wrapped(X), expected, atol=1e-5).item()
+    graph = wrapped.graph
+    kernels = {graph.node(k)["kernel"]: graph.node(k)["scope"] for k in graph.kernels()}
+    assert kernels == {"gk_gelu": "layers.1", "gk_rms_norm": "layers.3"}
+    unpatch(model)
+    wrapped(X)
+    assert wrapped.graph.kernels() == []
+
+
+def test_a_failed_node_stops_the_call():
+    model = nn.Sequential(nn.ReLU(), nn.RMSNorm(8))
+    patch(model)
+    wrapped = wrap(model)
+    with pytest.raises(gk.GraphError) as info:
+        wrapped(X.astype(mx.float16))  # float16 activations into a float32-weight RMSNorm kernel
+    assert "dtype mismatch" in str(info.value)
+    assert wrapped.graph.node(info.value.node)["scope"] == "layers.1"
+    out, status = wrapped.call_with_status(X.astype(mx.float16))
+    assert out is None and status != gk.Status.OK
+    assert wrapped(X).shape == (3, 8)  # the float32 call is fine
+
+
+def _decode(call, model, caches, steps=3):
+    outs = [call(PROMPT, cache=caches)]
+    token = mx.argmax(outs[-1][:, -1:], axis=-1)
+    for _ in range(steps):
+        outs.append(call(token, cache=caches))
+        token = mx.argmax(outs[-1][:, -1:], axis=-1)
+    return outs
+
+
+@pytest.mark.parametrize("make_cache", [
+    lambda m: make_prompt_cache(m),
+    lambda m: [RotatingKVCache(max_size=8, keep=2) for _ in m.layers],
+], ids=["KVCache", "RotatingKVCache"])
+def test_kv_cache_state_flows_through_the_graph(make_cache):
+    model = tiny_model("llama")
+    patch(model)
+    wrapped = wrap(model)
+    eager_caches, graph_caches = make_cache(model), make_cache(model)
+    eager = _decode(model, model, eager_caches)
+    compiled = _decode(wrapped, model, graph_caches)
+    for e, c in zip(eager, compiled):
+        assert mx.allclose(e, c, atol=1e-5).item()
+    for e, c in zip(eager_caches, graph_caches):
+        assert c.offset == e.offset == PROMPT.shape[1] + 3
+        assert mx.array_equal(c.keys, e.keys).item() and mx.array_equal(c.values, e.values).item()
+    labels = {wrapped.graph.node(n)["label"] for n in wrapped.graph.nodes("input")}
+    assert {"cache[0].keys", "cache[1].values"} <= labels
+    assert len(wrapped.graph.kernels()) > 0
+
+
+def test_trace_does_not_touch_the_cache():
+    model = tiny_model("llama")
+    caches = make_prompt_cache(model)
+    graph = wrap(model).trace(PROMPT, cache=caches)
+    assert graph.ok and caches[0].offset == 0 and caches[0].keys is None
+
+
+class _Opaque:
+    """A cache-like object holding something graphkern cannot pass as arrays."""
+
+    def __init__(self):
+        self.keys = None
+        self.offset = 0
+        self.on_update = print
+
+    def update_and_fetch(self, keys, values):  # pragma: no cover - never reached
+        raise AssertionError
+
+
+@pytest.mark.parametrize("caches, needles", [
+    (lambda m: [CacheList(KVCache(), KVCache()) for _ in m.layers], ["cache[0] (CacheList)", "'caches'"]),
+    (lambda m: [_Opaque() for _ in m.layers], ["'on_update'", "builtin_function_or_method"]),
+    (lambda m: [None for _ in m.layers], ["cache[0] is None"]),
+    (lambda m: KVCache(), ["must be a list"]),
+], ids=["CacheList", "callable attribute", "None entries", "not a list"])
+def test_caches_that_cannot_pass_through_are_refused(caches, needles):
+    model = tiny_model("llama")
+    wrapped = wrap(model)
+    given = caches(model)
+    with pytest.raises(gk.KernelError) as info:
+        wrapped(PROMPT, cache=given)
+    assert info.value.operation == CACHE_OPERATION
+    for needle in needles:
+        assert needle in info.value.description
+    assert wrapped.graph is None  # refused before any trace or run
+
+
+def test_many_offsets_keep_a_bounded_number_of_traces():
+    model = tiny_model("llama")
+    wrapped = wrap(model, max_traces=2)
+    caches = make_prompt_cache(model)
+    _decode(wrapped, model, caches, steps=3)
+    assert len(wrapped._graphs) == 2 and caches[0].offset == PROMPT.shape[1] + 3
