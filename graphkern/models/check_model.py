@@ -1,0 +1,128 @@
+"""``check_model``: a patched model's logits against the stock model's, per dtype.
+
+For each dtype the model is cast, run stock, patched with the selected kernels and run again,
+eagerly and as a wrapped compiled graph; the worst difference against per-dtype tolerances is
+reported in a ``graphkern.check.CheckReport`` (one case per dtype and mode). The model is left as
+it was: same dtype, same parameter arrays, same patched layers. ``graphkern.check()`` hands
+``nn.Module`` targets here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from graphkern.check import CheckCase, CheckReport, compare
+from graphkern.kernels._base import FLOAT_DTYPES
+from graphkern.models.patch import patch, patched_layers, unpatch
+from graphkern.models.wrap import wrap
+from graphkern.nodes import KernelError, Status, dtype_name
+from graphkern.runtime import active_backend
+
+__all__ = ["MODEL_TOLERANCES", "check_model"]
+
+_CHECK = "check a patched model against the stock model"
+
+#: (atol, rtol) on logits per dtype: a case passes when ``|patched - stock| <= atol + rtol * |stock|``.
+#: Looser than the kernel tolerances: rounding differences of each layer (the kernels round once,
+#: in float32; stock MLX rounds between ops in the dtype) compound through the network.
+MODEL_TOLERANCES: dict[mx.Dtype, tuple[float, float]] = {
+    mx.float32: (1e-4, 1e-4),
+    mx.float16: (3e-2, 1e-2),
+    mx.bfloat16: (2e-1, 5e-2),
+}
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None) or getattr(model, "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    embeddings = [m for _, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    return embeddings[0].weight.shape[0] if embeddings else None
+
+
+def _default_inputs(model: nn.Module, seed: int) -> mx.array:
+    vocab = _vocab_size(model)
+    if vocab is None:
+        raise KernelError(_CHECK, f"{type(model).__name__} has no token embedding to draw random "
+                          "inputs for; pass inputs=", Status.INVALID_INPUT)
+    return mx.random.randint(0, vocab, (2, 16), key=mx.random.key(seed))
+
+
+def _cast(inputs: Any, dtype: mx.Dtype) -> Any:
+    if isinstance(inputs, mx.array):
+        return inputs.astype(dtype) if inputs.dtype in FLOAT_DTYPES else inputs
+    return [_cast(i, dtype) for i in inputs]
+
+
+def _call(fn: Any, inputs: Any) -> list[mx.array]:
+    out = fn(*inputs) if isinstance(inputs, (list, tuple)) else fn(inputs)
+    outputs = list(out) if isinstance(out, (list, tuple)) else [out]
+    mx.eval(outputs)
+    return outputs
+
+
+def check_model(model: nn.Module, inputs: Any = None, *, kernels: str | Sequence[str] = "all",
+                dtypes: Sequence[mx.Dtype] | None = None, seed: int = 0, compiled: bool = True,
+                tolerances: dict[mx.Dtype, tuple[float, float]] | None = None) -> CheckReport:
+    """Compare ``model`` patched with ``kernels`` against the stock model, for each dtype.
+
+    ``inputs``: the model's input (an array, or a list of positional arguments); by default random
+    tokens of shape (2, 16) when the model has a token embedding. Float inputs are cast to each
+    dtype. ``compiled`` adds a case running the patched model through ``wrap``. A dtype where no
+    layer gets patched, or where a run fails, is a failed case with the reason.
+
+    >>> import mlx.core as mx, mlx.nn as nn
+    >>> model = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8), nn.GELU())
+    >>> report = check_model(model, mx.ones((2, 8)), dtypes=[mx.float32])
+    >>> report.ok, [c.layout for c in report.cases]
+    (True, ['eager', 'compiled'])
+    """
+    tolerances = {**MODEL_TOLERANCES, **(tolerances or {})}
+    dtypes = list(dtypes) if dtypes is not None else list(FLOAT_DTYPES)
+    unknown = [dtype_name(d) for d in dtypes if d not in tolerances]
+    if unknown:
+        raise KernelError(_CHECK, f"no tolerance for {unknown}; pass tolerances=", Status.INVALID_INPUT)
+    inputs = _default_inputs(model, seed) if inputs is None else inputs
+    shape = tuple(inputs.shape) if isinstance(inputs, mx.array) else tuple(inputs[0].shape)
+    name = f"{type(model).__module__.rsplit('.', 1)[-1]}.{type(model).__name__}"
+
+    already = sorted(set(patched_layers(model).values()))
+    unpatch(model)
+    saved = model.parameters()
+    report = CheckReport()
+    try:
+        for dtype in dtypes:
+            atol, rtol = tolerances[dtype]
+            model.set_dtype(dtype)
+            x = _cast(inputs, dtype)
+            modes = ["eager", "compiled"] if compiled else ["eager"]
+            try:
+                stock = _call(model, x)
+                if not patch(model, kernels):
+                    raise KernelError(_CHECK, f"no layer of {name} matches the kernels {kernels!r}",
+                                      Status.INVALID_INPUT)
+                for mode in modes:
+                    out = _call(model if mode == "eager" else wrap(model), x)
+                    max_abs, max_rel, passed = compare(out, stock, atol, rtol)
+                    report.cases.append(CheckCase(name, shape, dtype_name(dtype), mode, active_backend(),
+                                                  max_abs, max_rel, atol, rtol, passed))
+            except Exception as exc:  # a failing run is a failed case, reported with its reason
+                message = (str(exc).splitlines() or [""])[0][:160]
+                for mode in modes[len([c for c in report.cases if c.dtype == dtype_name(dtype)]):]:
+                    report.cases.append(CheckCase(name, shape, dtype_name(dtype), mode, active_backend(),
+                                                  float("nan"), float("nan"), atol, rtol, False,
+                                                  f"{type(exc).__name__}: {message}"))
+            finally:
+                unpatch(model)
+                model.update(saved)
+    finally:
+        model.update(saved)
+        if already:
+            patch(model, already)
+    return report
+

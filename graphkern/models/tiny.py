@@ -1,0 +1,63 @@
+"""Tiny random-weight mlx-lm models, built from config dicts: no download, for tests and benchmarks.
+
+Every config has hidden size 64, two layers and a vocabulary of 128; ``tiny_model`` seeds MLX's
+random generator, so one (architecture, seed) always gives the same weights.
+
+>>> model = tiny_model("llama")                                  # doctest: +SKIP
+>>> model(mx.array([[1, 2, 3]])).shape                           # doctest: +SKIP
+(1, 3, 128)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from graphkern.nodes import KernelError, Status
+
+__all__ = ["TINY_CONFIGS", "tiny_model"]
+
+_BASE: dict[str, Any] = {
+    "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 128,
+}
+
+#: ModelArgs dicts by architecture (``model_type`` is the mlx-lm module, after its remapping).
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "llama", **_BASE, "tie_word_embeddings": False},
+    "mistral": {"model_type": "mistral", **_BASE, "rope_theta": 1e6, "tie_word_embeddings": False},
+    "qwen2": {"model_type": "qwen2", **_BASE, "tie_word_embeddings": True},
+    "qwen3": {"model_type": "qwen3", **_BASE, "head_dim": 16, "max_position_embeddings": 512,
+              "rope_theta": 1e6, "tie_word_embeddings": True},
+    "gemma": {"model_type": "gemma", **_BASE, "head_dim": 16},
+    "gemma2": {"model_type": "gemma2", **_BASE, "head_dim": 16, "query_pre_attn_scalar": 16.0},
+    "phi3": {"model_type": "phi3", **_BASE},
+    "mixtral": {"model_type": "mixtral", **_BASE, "num_local_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+def tiny_model(arch: str, dtype: mx.Dtype = mx.float32, seed: int = 0) -> nn.Module:
+    """A two-layer mlx-lm model of ``arch`` (a key of ``TINY_CONFIGS``) with random weights.
+
+    Needs mlx-lm (``pip install graphkern[models]``).
+    """
+    if arch not in TINY_CONFIGS:
+        raise KernelError("build a tiny mlx-lm model", f"unknown architecture {arch!r}; "
+                          f"known: {sorted(TINY_CONFIGS)}", Status.INVALID_INPUT)
+    try:
+        from mlx_lm.utils import _get_classes
+    except ImportError as exc:
+        raise KernelError("build a tiny mlx-lm model", "mlx-lm is not installed "
+                          "(pip install 'graphkern[models]')", Status.BACKEND_UNAVAILABLE) from exc
+    config = dict(TINY_CONFIGS[arch])
+    model_class, args_class = _get_classes(config)
+    importlib.import_module(model_class.__module__)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model

@@ -1,0 +1,157 @@
+"""Gradients through kernel nodes: the reference's vjp, a user's Kernel.vjp, and the GPU-path wrapper.
+
+On CPU kernels run their reference, which MLX differentiates as it is. A GPU launch (MLX's
+CustomKernel) has no vjp; graphkern runs it inside mx.custom_function. These tests force that path on
+CPU by making the "GPU" launch opaque to autodiff (its outputs under stop_gradient, as a CustomKernel
+is), so a gradient can only come from graphkern's wrapper.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+import graphkern as gk
+from graphkern import runtime
+from graphkern.autodiff import with_vjp
+from graphkern.models import patch, unpatch
+from graphkern.models.tiny import tiny_model
+
+TOKENS = mx.array([[3, 17, 42, 5, 99, 1, 7, 64]])
+TARGETS = mx.array([[17, 42, 5, 99, 1, 7, 64, 2]])
+
+
+def loss_fn(model, tokens, targets):
+    return nn.losses.cross_entropy(model(tokens), targets, reduction="mean")
+
+
+def value_and_grads(model):
+    loss, grads = nn.value_and_grad(model, loss_fn)(model, TOKENS, TARGETS)
+    return loss, dict(tree_flatten(grads))
+
+
+def assert_same_grads(expected, got, atol=1e-5):
+    (loss_e, grads_e), (loss_g, grads_g) = expected, got
+    assert abs(loss_e.item() - loss_g.item()) <= atol
+    assert grads_e.keys() == grads_g.keys()
+    for key in grads_e:
+        assert mx.allclose(grads_e[key], grads_g[key], atol=atol, rtol=1e-4).item(), key
+
+
+@pytest.fixture
+def opaque_gpu(monkeypatch):
+    """Launches resolve to the CUDA backend and run the reference with no gradient through it."""
+    calls = []
+
+    def run_native(launch, inputs):
+        calls.append(launch.kernel.name)
+        return [mx.stop_gradient(o) for o in runtime.run_reference(launch, inputs)]
+
+    monkeypatch.setattr(runtime, "_run_native", run_native)
+    with runtime.using_backend("cuda"):
+        yield calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma", "mixtral"])
+def test_value_and_grad_through_a_patched_model_matches_the_stock_model(arch):
+    model = tiny_model(arch)
+    expected = value_and_grads(model)
+    patch(model)
+    assert_same_grads(expected, value_and_grads(model))
+    unpatch(model)
+
+
+def test_gradients_on_the_gpu_path_come_from_the_wrapper(opaque_gpu):
+    model = tiny_model("qwen3")
+    expected = value_and_grads(model)
+    patch(model)
+    got = value_and_grads(model)
+    assert {"gk_rms_norm", "gk_add_rms_norm", "gk_rope", "gk_swiglu"} <= set(opaque_gpu)
+    assert_same_grads(expected, got)
+
+
+def test_without_the_wrapper_an_opaque_launch_has_no_gradient(opaque_gpu, monkeypatch):
+    x = mx.random.normal((4, 16), key=mx.random.key(0))
+    w = mx.ones((16,))
+
+    def loss(w):
+        return gk.kernels.rms_norm(x, w, 1e-5).sum()
+
+    assert mx.allclose(mx.grad(loss)(w), mx.grad(lambda w: mx.fast.rms_norm(x, w, 1e-5).sum())(w),
+                       atol=1e-5).item()
+    monkeypatch.setattr(runtime, "differentiable_launch", runtime._run_native)
+    assert mx.grad(loss)(w).abs().max().item() == 0.0  # what MLX alone would give (or raise, on a GPU)
+
+
+def _twice_kernel(vjp=None):
+    return gk.Kernel("twice_grad", ["x", "s"], ["out"], reference=lambda x, s: [x * 2 * s], vjp=vjp)
+
+
+def _twice(kernel, x, s=1.0):
+    return gk.launch(kernel, [x, s], [gk.OutputSpec(x.shape, x.dtype)], grid=(x.size, 1, 1),
+                     threadgroup=(32, 1, 1))[0]
+
+
+def test_a_users_backward_kernel_is_used_when_given():
+    seen = []
+
+    def backward(primals, cotangents, outputs):
+        x, s = primals
+        seen.append((s, outputs[0].shape))
+        return [cotangents[0] * 100 * s, None]  # deliberately not the true gradient
+
+    x = mx.ones((4,))
+    plain, custom = _twice_kernel(), _twice_kernel(backward)
+    assert mx.grad(lambda x: _twice(plain, x, 3.0).sum())(x).tolist() == [6.0] * 4
+    assert mx.grad(lambda x: _twice(custom, x, 3.0).sum())(x).tolist() == [300.0] * 4
+    assert seen == [(3.0, (4,))]
+    compiled = mx.compile(mx.grad(lambda x: _twice(custom, x, 3.0).sum()))
+    assert compiled(x).tolist() == [300.0] * 4
+
+
+def test_a_users_backward_kernel_on_the_gpu_path(opaque_gpu):
+    kernel = _twice_kernel(lambda primals, cots, outs: [cots[0] * 7, None])
+    kernel = gk.Kernel(kernel.name, kernel.input_names, kernel.output_names, cuda="out[0] = x[0];",
+                       reference=kernel.reference, vjp=kernel.vjp)
+    assert mx.grad(lambda x: _twice(kernel, x).sum())(mx.ones((3,))).tolist() == [7.0] * 3
+    assert opaque_gpu == ["twice_grad"]
+
+
+def test_inspection_traces_and_compiled_graphs_still_work_with_a_vjp():
+    kernel = _twice_kernel(lambda primals, cots, outs: [cots[0], None])
+    fn = lambda x: mx.tanh(_twice(kernel, x))  # noqa: E731
+    graph = gk.trace(fn, mx.ones((4,)))  # export_function cannot export a custom vjp: none is used
+    assert graph.ok and graph.kernels() == ["twice_grad"]
+    assert mx.allclose(gk.compile(fn)(mx.ones((4,))), mx.tanh(mx.full((4,), 2.0))).item()
+
+
+def test_with_vjp_uses_the_reference_for_an_opaque_forward():
+    def reference(xs):
+        x, y = xs
+        return [x * y, mx.sin(x)]
+
+    def opaque(xs):
+        return [mx.stop_gradient(o) for o in reference(xs)]
+
+    def loss(fn_outputs):
+        a, b = fn_outputs
+        return (a * a).sum() + b.sum()
+
+    x, y = mx.array([0.5, 1.0, 2.0]), mx.array([3.0, -1.0, 0.25])
+    expected = mx.grad(lambda x, y: loss(reference([x, y])), argnums=(0, 1))(x, y)
+    got = mx.grad(lambda x, y: loss(with_vjp(opaque, [x, y], reference=reference)),
+                  argnums=(0, 1))(x, y)
+    for e, g in zip(expected, got):
+        assert mx.allclose(e, g).item()
+    assert mx.grad(lambda x: loss(opaque([x, y])))(x).abs().max().item() == 0.0
+
+
+def test_with_vjp_scalars_get_no_cotangent_and_bad_backwards_are_reported():
+    scaled = lambda xs: [xs[0] * xs[1]]  # noqa: E731
+    grad = mx.grad(lambda x: with_vjp(scaled, [x, 4.0], reference=scaled)[0].sum())
+    assert grad(mx.ones((2,))).tolist() == [4.0, 4.0]
+    wrong_shape = lambda primals, cots, outs: [mx.ones((5,))]  # noqa: E731
+    with pytest.raises(gk.KernelError, match="cotangent of \\(5,\\) for an input of shape \\(2,\\)"):
+        mx.grad(lambda x: with_vjp(scaled, [x, 4.0], vjp=wrong_shape)[0].sum())(mx.ones((2,)))
+    with pytest.raises(gk.KernelError, match="neither a vjp nor a reference"):
+        with_vjp(scaled, [mx.ones((2,))])
