@@ -125,7 +125,7 @@ def main() -> None:
     results.append(row("JSON export (Graph.to_json)", times, 1000, f"{len(text) / 1e6:.1f} MB"))
     times, _ = timed(lambda: gk.Graph.from_json(text), args.repeat)
     results.append(row("JSON load (Graph.from_json)", times, None))
-    times, me = timed(lambda: json.dumps(to_model_explorer(graph)), args.repeat)
+    times, me = timed(lambda: json.dumps(to_model_explorer(graph), separators=(",", ":")), args.repeat)
     results.append(row("Model Explorer export (+ json.dumps)", times, 1000, f"{len(me) / 1e6:.1f} MB"))
     times, dot = timed(lambda: to_dot(graph), args.repeat)
     results.append(row("DOT (no Graphviz rendering)", times, 1000, f"{len(dot) / 1e6:.1f} MB"))

@@ -207,7 +207,7 @@ def render_outputs(graph: Any, outputs: dict[str, str | None],
         elif option == "--model-explorer":
             from graphkern.viz.model_explorer import to_model_explorer
 
-            files[path] = json.dumps(to_model_explorer(graph)).encode()
+            files[path] = json.dumps(to_model_explorer(graph), separators=(",", ":")).encode()
     return files
 
 

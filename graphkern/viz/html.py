@@ -17,11 +17,11 @@ from importlib import resources
 from typing import Any
 
 from graphkern.viz._common import (
+    all_in_edges,
     as_nx,
     format_shape,
     graph_name,
     group_tree,
-    all_in_edges,
     node_status,
     node_text,
     ordered_nodes,

@@ -2,9 +2,10 @@
 
 ``to_model_explorer`` gives a graph collection in Model Explorer's graph JSON — the format its
 built-in JSON adapter loads from a ``.json`` file (``{"label", "graphs": [{"id", "nodes"}]}``, each
-node with ``id``, ``label``, ``namespace``, ``attrs``, ``incomingEdges``, ``outputsMetadata``,
-``inputsMetadata`` and ``style``). Module scopes become namespaces (``layers.0.self_attn`` ->
-``layers.0/self_attn``), so Model Explorer shows them as collapsible layers.
+node with ``id``, ``label``, ``namespace``, ``attrs``, ``incomingEdges``, ``outputsMetadata``
+(the array's ``tensor_shape`` and name) and ``style``). Module scopes become namespaces
+(``layers.0.self_attn`` -> ``layers.0/self_attn``), so Model Explorer shows them as collapsible
+layers.
 ``to_model_explorer_node_data`` gives node-data overlays (status, backend, and timings when the
 graph was profiled) in its node data JSON (``{"results": {node: {"value", "bgColor"}}}``).
 ``view`` writes both and starts Model Explorer when it is installed.
@@ -117,15 +118,9 @@ def to_model_explorer(graph: Any) -> dict[str, Any]:
             attrs += [_kv(k, v) for k, v in iter_kernel_fields(d)]
             if d.get("source"):
                 attrs.append(_kv("source", d["source"]))
-        incoming = []
-        inputs_meta = []
-        for u, _, key, data in ins[n]:
-            target_input = str(data.get("index") or 0)
-            incoming.append({"sourceNodeId": str(u),
-                             "sourceNodeOutputId": out_ids[u].get(str(key), "0"),
-                             "targetNodeInputId": target_input})
-            inputs_meta.append({"id": target_input,
-                                "attrs": [{"key": "__tensor_tag", "value": str(key)}]})
+        incoming = [{"sourceNodeId": str(u), "sourceNodeOutputId": out_ids[u].get(str(key), "0"),
+                     "targetNodeInputId": str(data.get("index") or 0)}
+                    for u, _, key, data in ins[n]]
         arrays = outs[n]
         outputs_meta = [{"id": oid, "attrs": [{"key": "tensor_shape", "value": arrays[key]},
                                               {"key": "__tensor_tag", "value": key}]}
@@ -137,7 +132,6 @@ def to_model_explorer(graph: Any) -> dict[str, Any]:
             "attrs": attrs,
             "incomingEdges": incoming,
             "outputsMetadata": outputs_meta,
-            "inputsMetadata": inputs_meta,
         }
         if status == UPSTREAM_FAILED:
             node["style"] = dict(_UPSTREAM_STYLE)
@@ -252,7 +246,7 @@ def view(graph: Any, *, port: int = 8080, host: str = "localhost", folder: str |
     folder = folder or tempfile.mkdtemp(prefix="graphkern-me-")
     name = graph_name(as_nx(graph))
     path = os.path.join(folder, f"{name}.json")
-    atomic_write(path, json.dumps(to_model_explorer(graph)))
+    atomic_write(path, json.dumps(to_model_explorer(graph), separators=(",", ":")))
     overlays = []
     for key, data in to_model_explorer_node_data(graph).items():
         p = os.path.join(folder, f"{name}.{key}.node_data.json")
