@@ -5,8 +5,9 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from datetime import date
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
-import graphkern as gk  # noqa: E402
 from _timing import header, interleaved  # noqa: E402
+
+import graphkern as gk  # noqa: E402
 from graphkern.demo import DemoModel, demo_inputs  # noqa: E402
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
-import graphkern as gk  # noqa: E402
 from _timing import header, median_seconds  # noqa: E402
+
+import graphkern as gk  # noqa: E402
 
 
 def chain(steps: int):
@@ -56,8 +57,8 @@ def _main() -> None:
     for n in sizes:
         fn = chain(n // 4)
         prims = bare_export(fn, x)
-        bare = median_seconds(lambda: bare_export(fn, x), repeats=args.repeats)
-        traced = median_seconds(lambda: gk.trace(fn, x), repeats=args.repeats)
+        bare = median_seconds(lambda f=fn: bare_export(f, x), repeats=args.repeats)
+        traced = median_seconds(lambda f=fn: gk.trace(f, x), repeats=args.repeats)
         print(f"{prims:>10} {bare * 1e3:>10.1f} {traced * 1e3:>10.1f} {traced / bare:>7.2f} "
               f"{traced / prims * 1e6:>14.2f}")
 

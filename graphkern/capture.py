@@ -12,13 +12,14 @@ from __future__ import annotations
 import functools
 import re
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, cast
 
 import mlx.core as mx
 import networkx as nx
 
-from .nodes import KernelError, NodeKind, Status, dtype_name
+from .nodes import KernelError, NodeKind, dtype_name
 
 MAGIC = 0x676B7472  # "gktr"
 _INNER_KINDS = (str(NodeKind.OP), str(NodeKind.KERNEL))
@@ -76,7 +77,7 @@ _INPUT, _CONSTANT, _OP, _OUTPUT = (str(k) for k in (NodeKind.INPUT, NodeKind.CON
                                                     NodeKind.OUTPUT))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _snake(op: str) -> str:
     """``AddMM`` -> ``add_mm``, ``CustomKernel`` -> ``custom_kernel``."""
     return _SNAKE.sub("_", op).lower()
@@ -140,7 +141,7 @@ def _constant_text(value: mx.array) -> str:
 def _tag_id(value: mx.array, nonce: int) -> int | None:
     if value.dtype != mx.uint32 or value.shape != (3,):
         return None
-    magic, rid, seen_nonce = value.tolist()
+    magic, rid, seen_nonce = cast(list[int], value.tolist())
     return rid if magic == MAGIC and seen_nonce == nonce else None
 
 
@@ -154,10 +155,10 @@ def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record
     dtype_names: dict[Any, str] = {}
 
     def dtype_of(dt: Any) -> str:
-        name = dtype_names.get(dt)
-        if name is None:
-            name = dtype_names[dt] = dtype_name(dt)
-        return name
+        known = dtype_names.get(dt)
+        if known is None:
+            known = dtype_names[dt] = dtype_name(dt)
+        return known
 
     for (array, shape, dt), label in zip(log.inputs, input_names):
         node = names(label)
@@ -205,9 +206,9 @@ def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record
     for node, ins in node_args.items():
         for index, array in enumerate(ins):
             if array in producer:
-                shape, dt = info[array]
+                shape, dtype_text = info[array]
                 edges.append((producer[array][0], node, array,
-                              {"shape": shape, "dtype": dt, "index": index}))
+                              {"shape": shape, "dtype": dtype_text, "index": index}))
     for index, (array, shape, dt) in enumerate(log.outputs):
         node = names(f"output_{index}")
         nodes[node] = {"kind": _OUTPUT, "label": node, "op": "", "scope": ""}

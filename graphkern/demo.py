@@ -8,8 +8,9 @@ backend) and shows the status reaching the outputs instead of a crash.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -98,7 +99,7 @@ def run_demo(out_dir: str | None = None, echo: Callable[[str], Any] = print) -> 
     echo("\n== 2. run it as a compiled graph and compare with eager MLX")
     compiled = compile(model)
     logits = compiled(tokens)
-    error = mx.max(mx.abs(logits - model(tokens))).item()
+    error = cast(float, mx.max(mx.abs(logits - model(tokens))).item())
     echo(f"compiled logits {tuple(logits.shape)} {logits.dtype}; max |compiled - eager| = {error:.3g}")
 
     echo("\n== 3. a deliberately invalid launch: layers.1 norm with threadgroup (0, 1, 1)")

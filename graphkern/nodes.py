@@ -8,8 +8,9 @@ from __future__ import annotations
 import enum
 import hashlib
 import keyword
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Union
 
 import mlx.core as mx
 
@@ -260,7 +261,7 @@ class Kernel:
         for what, names in (("input name", self.input_names), ("output name", self.output_names)):
             for name in names:
                 _check_identifier(name, what)
-        all_names = self.input_names + self.output_names
+        all_names = [*self.input_names, *self.output_names]
         duplicates = sorted({n for n in all_names if all_names.count(n) > 1})
         if duplicates:
             raise _kernel_error(f"input and output names must be unique, repeated: {duplicates}")

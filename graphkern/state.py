@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -202,9 +203,8 @@ class State:
         self._walk(prefix, root)
 
     def _walk(self, path: str, tree: Any) -> None:
-        if isinstance(tree, nn.Module):
-            if id(tree) not in self.modules:
-                self.modules[id(tree)] = (path, tree)
+        if isinstance(tree, nn.Module) and id(tree) not in self.modules:
+            self.modules[id(tree)] = (path, tree)
         items = tree.items() if isinstance(tree, dict) else enumerate(tree)
         for key, value in items:
             child = f"{path}.{key}" if path else str(key)

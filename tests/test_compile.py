@@ -1,9 +1,9 @@
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from kernels_fixture import scale_add
 
 import graphkern as gk
-from kernels_fixture import scale_add
 
 X = mx.arange(8, dtype=mx.float32)
 Y = mx.ones((8,))

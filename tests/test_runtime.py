@@ -2,10 +2,10 @@ import threading
 
 import mlx.core as mx
 import pytest
+from kernels_fixture import SCALE_ADD, SPLIT, scale_add
 
 import graphkern as gk
 from graphkern import runtime
-from kernels_fixture import SCALE_ADD, SPLIT, scale_add
 
 X = mx.arange(8, dtype=mx.float32)
 Y = mx.ones((8,))
@@ -53,7 +53,8 @@ def test_two_outputs_and_template_tuples():
         ({"output_specs": [gk.OutputSpec((-1,), mx.float32)]}, gk.Status.INVALID_OUTPUT_SPEC, "negative"),
         ({"output_specs": [gk.OutputSpec((8,), "float32")]}, gk.Status.INVALID_OUTPUT_SPEC, "mlx dtype"),
         ({"output_specs": []}, gk.Status.INVALID_OUTPUT_SPEC, "1 outputs"),
-        ({"output_specs": [gk.OutputSpec((8.5,), mx.float32)]}, gk.Status.INVALID_OUTPUT_SPEC, "tuple of ints"),
+        ({"output_specs": [gk.OutputSpec((8.5,), mx.float32)]}, gk.Status.INVALID_OUTPUT_SPEC,
+         "tuple of ints"),
         ({"inputs": [X]}, gk.Status.INVALID_INPUT, "takes 2 inputs"),
         ({"inputs": [X, "y"]}, gk.Status.INVALID_INPUT, "got str"),
         ({"inputs": X}, gk.Status.INVALID_INPUT, "must be a list"),
@@ -116,7 +117,7 @@ def test_bad_references_give_reference_error(reference, fragment):
     result = gk.apply_in_graph(k, [X], SPEC, grid=(8, 1, 1), threadgroup=(8, 1, 1))
     assert result.status == gk.Status.REFERENCE_ERROR
     assert fragment in result.error.description
-    assert "run the reference of kernel 'bad_ref'" == result.error.operation
+    assert result.error.operation == "run the reference of kernel 'bad_ref'"
     assert_mlx_still_works()
 
 

@@ -2,9 +2,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import networkx as nx
 import pytest
+from kernels_fixture import SCALE_ADD, scale_add, split_sign
 
 import graphkern as gk
-from kernels_fixture import SCALE_ADD, scale_add, split_sign
 
 X = mx.arange(8, dtype=mx.float32)
 Y = mx.ones((8,))
