@@ -33,22 +33,22 @@ from graphkern.trace import CompiledGraph
 __all__ = ["WrappedModel", "wrap"]
 
 
-def _structure(model: nn.Module) -> tuple[Any, ...]:
+def _structure(model: nn.Module) -> list[Any]:
     """What invalidates a wrapped model's traces: which modules it holds, its parameters' shapes
-    and dtypes (new values of the same shape are state, not structure)."""
+    and dtypes (new values of the same shape are state, not structure). Runs on every call."""
     found: list[Any] = []
-
-    def walk(tree: Any) -> None:
+    stack: list[Any] = [model]
+    while stack:
+        tree = stack.pop()
         if isinstance(tree, nn.Module):
             found.append(id(tree))
-        for key, value in tree.items() if isinstance(tree, dict) else enumerate(tree):
-            if isinstance(value, mx.array):
-                found.append((key, value.shape, value.dtype))
+        for value in tree.values() if isinstance(tree, dict) else tree:
+            if value.__class__ is mx.array:
+                found.append(value.shape)
+                found.append(value.dtype)
             elif isinstance(value, (dict, list)):
-                walk(value)
-
-    walk(model)
-    return tuple(found)
+                stack.append(value)
+    return found
 
 
 def _forward(model: nn.Module) -> Any:
@@ -80,7 +80,7 @@ class WrappedModel:
         self.backend = backend
         self.max_traces = max_traces
         self._graphs: OrderedDict[Any, CompiledGraph] = OrderedDict()
-        self._structure: tuple[Any, ...] | None = None
+        self._structure: list[Any] | None = None
         self._last: CompiledGraph | None = None
         self._arg_names = argument_names(model)
 

@@ -1,0 +1,84 @@
+"""A tiny mlx-lm llama on CPU: graphkern's wrapped+compiled forward vs the stock compiled forward.
+
+Variants, all with the same weights and tokens, outputs evaluated, timed in alternation (medians):
+  stock eager      model(tokens)
+  stock compiled   mx.compile(model, inputs=model.state): how one compiles an mlx-lm model by hand
+  wrapped          graphkern.models.wrap(model): traced once, then mx.compile with parameters as state
+  wrapped+patched  wrap(patch(model)): RMSNorm, fused add+RMSNorm, RoPE and SwiGLU on library kernels
+                   (on CPU the kernels run their pure-MLX references: this measures graphkern's
+                   overhead and the references' cost, not GPU kernels)
+Run: python benchmarks/models_cpu.py [--length 32 --rounds 15 --number 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import header, interleaved  # noqa: E402
+
+from graphkern.models import patch, wrap  # noqa: E402
+from graphkern.models.tiny import TINY_CONFIGS, tiny_model  # noqa: E402
+
+#: A larger variant of the tiny config, for a second point (still CPU-friendly).
+SMALL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 4, "vocab_size": 1024}
+
+
+def _model(size: str) -> Any:
+    if size == "tiny":
+        return tiny_model("llama")
+    saved = dict(TINY_CONFIGS["llama"])
+    TINY_CONFIGS["llama"].update(SMALL)
+    try:
+        return tiny_model("llama")
+    finally:
+        TINY_CONFIGS["llama"].clear()
+        TINY_CONFIGS["llama"].update(saved)
+
+
+def bench(size: str, batch: int, length: int, rounds: int, number: int) -> dict[str, float]:
+    stock_model, patched_model = _model(size), _model(size)  # same seed: same weights
+    patch(patched_model)
+    vocab = stock_model.args.vocab_size
+    tokens = mx.random.randint(0, vocab, (batch, length), key=mx.random.key(1))
+    variants = {
+        "stock eager": stock_model,
+        "stock compiled": mx.compile(stock_model, inputs=stock_model.state),
+        "wrapped": wrap(stock_model),
+        "wrapped+patched": wrap(patched_model),
+    }
+    reference = stock_model(tokens)
+    for name, fn in variants.items():
+        assert mx.allclose(fn(tokens), reference, atol=1e-4).item(), name
+    return interleaved({name: (lambda fn=fn: mx.eval(fn(tokens))) for name, fn in variants.items()},
+                       rounds=rounds, number=number)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--length", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--number", type=int, default=20)
+    parser.add_argument("--sizes", default="tiny,small")
+    args = parser.parse_args()
+    print(header("mlx-lm llama forward on CPU: graphkern wrap (+patch) vs stock mx.compile"))
+    print(f"# tokens ({args.batch}, {args.length}); medians of {args.rounds} rounds x {args.number} calls")
+    for size in args.sizes.split(","):
+        times = bench(size, args.batch, args.length, args.rounds, args.number)
+        config = TINY_CONFIGS["llama"] if size == "tiny" else {**TINY_CONFIGS["llama"], **SMALL}
+        print(f"\n## {size}: hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
+              f"vocab {config['vocab_size']}")
+        stock = times["stock compiled"]
+        for name, seconds in times.items():
+            print(f"{name:>16}: {seconds * 1e6:9.1f} us/call   x{seconds / stock:.3f} of stock compiled")
+
+
+if __name__ == "__main__":
+    main()
