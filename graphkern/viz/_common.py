@@ -89,9 +89,10 @@ def is_root_failure(data: Mapping[str, Any]) -> bool:
 
 def ordered_nodes(g: nx.MultiDiGraph) -> list[Any]:
     """Node ids in topological position: by the ``order`` attribute, else a topological sort."""
+    data = dict(g.nodes(data="order"))
+    if data and all(isinstance(o, int) for o in data.values()):
+        return sorted(data, key=data.__getitem__)
     nodes = list(g.nodes)
-    if nodes and all(isinstance(g.nodes[n].get("order"), int) for n in nodes):
-        return sorted(nodes, key=lambda n: g.nodes[n]["order"])
     try:
         return list(nx.lexicographical_topological_sort(g, key=str))
     except (nx.NetworkXUnfeasible, TypeError):
@@ -115,8 +116,11 @@ def in_edges_sorted(g: nx.MultiDiGraph, node: Any) -> list[Edge]:
 def all_in_edges(g: nx.MultiDiGraph) -> dict[Any, list[Edge]]:
     """``in_edges_sorted`` for every node at once (one pass over the edges)."""
     out: dict[Any, list[Edge]] = {n: [] for n in g.nodes}
-    for u, v, k, d in g.edges(keys=True, data=True):
-        out[v].append((u, v, k, d))
+    for u, nbrs in g.adj.items():
+        for v, keyed in nbrs.items():
+            target = out[v]
+            for k, d in keyed.items():
+                target.append((u, v, k, d))
     for edges in out.values():
         if len(edges) > 1:
             edges.sort(key=_edge_order)

@@ -74,11 +74,14 @@ def to_model_explorer(graph: Any) -> dict[str, Any]:
     name = graph_name(g)
     order = ordered_nodes(g)
     # per node: its distinct output arrays (name -> "dtype[shape]"), numbered in natural order
-    outs: dict[Any, dict[str, str]] = {n: {} for n in order}
-    for u, _, key, data in g.edges(keys=True, data=True):
-        k = str(key)
-        if k not in outs[u]:
-            outs[u][k] = format_tensor(data.get("shape"), data.get("dtype"))
+    outs: dict[Any, dict[str, str]] = {}
+    for u, nbrs in g.adj.items():
+        arrays = outs[u] = {}
+        for keyed in nbrs.values():
+            for key, data in keyed.items():
+                k = str(key)
+                if k not in arrays:
+                    arrays[k] = format_tensor(data.get("shape"), data.get("dtype"))
     out_ids: dict[Any, dict[str, str]] = {}
     for n, arrays in outs.items():
         keys = sorted(arrays, key=_natural) if len(arrays) > 1 else list(arrays)
@@ -88,8 +91,9 @@ def to_model_explorer(graph: Any) -> dict[str, Any]:
     status_text: dict[int, str] = {}
     nodes: list[dict[str, Any]] = []
     per_scope: dict[str, list[int]] = {}
+    node_data = dict(g.nodes(data=True))
     for n in order:
-        d = g.nodes[n]
+        d = node_data[n]
         kind = str(d.get("kind") or "op")
         status = node_status(d)
         scope = d.get("scope") or ""
