@@ -151,8 +151,10 @@ class State:
     ``containers`` are what ``mx.compile(inputs=...)`` should capture (modules, dicts, lists and
     a list mirroring the closure cells); ``slots`` address every array for swapping by hand.
 
-    >>> w = mx.ones((2,))
-    >>> State.of(lambda x: x * w).names
+    >>> def scaled():
+    ...     w = mx.ones((2,))
+    ...     return lambda x: x * w
+    >>> State.of(scaled()).names
     ['w']
     """
 
