@@ -13,10 +13,12 @@ graph was profiled) in its node data JSON (``{"results": {node: {"value", "bgCol
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from graphkern.viz._common import (
@@ -70,7 +72,24 @@ def to_model_explorer(graph: Any) -> dict[str, Any]:
     >>> doc["graphs"][0]["nodes"][0]["namespace"]          # doctest: +SKIP
     'layers.0/self_attn/q_proj'
     """
-    g = as_nx(graph)
+    # The export builds a few hundred thousand small dicts and lists and no cycles: the cyclic
+    # garbage collector would only re-scan them (and a big process's heap) over and over.
+    with _no_gc():
+        return _to_model_explorer(as_nx(graph))
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _to_model_explorer(g: Any) -> dict[str, Any]:
     name = graph_name(g)
     order = ordered_nodes(g)
     # per node: its distinct output arrays (name -> "dtype[shape]"), numbered in natural order
