@@ -3,6 +3,7 @@ patched. Logits match the stock model, compiled equals eager, and every layer ha
 in the right scope."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from graphkern.models import MODEL_TOLERANCES, check_model, patch, patched_layers, unpatch, wrap
@@ -89,3 +90,11 @@ def test_check_model_reports_a_failing_run_and_restores_the_model():
     assert not any(c.passed for c in float16) and "GatherMM" in float16[0].error
     assert model.model.norm.weight is weight
     assert set(patched_layers(model).values()) == {"rope"}  # patched before, patched after
+
+
+def test_quantized_model_patches_and_matches():
+    model = tiny_model("llama")
+    nn.quantize(model, group_size=32, bits=4)
+    stock = model(TOKENS)
+    assert "model.layers.0.mlp" in {p.path for p in patch(model)}  # QuantizedLinear projections
+    assert close(model(TOKENS), stock) and close(wrap(model)(TOKENS), stock)
