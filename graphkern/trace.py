@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import gc
+import os
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import mlx.core as mx
@@ -213,7 +215,19 @@ class _Traceable:
 
 
 _STACK_BYTES = 1 << 30
+_MAX_TRACE_THREADS = 8
 _stack_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
+_worker = threading.local()
+
+
+def _trace_threads() -> ThreadPoolExecutor:
+    """The long-lived deep-stack threads traces run on (made again in a forked child, which
+    inherits the pool but not its threads)."""
+    global _pool
+    if _pool is None or _pool[0] != os.getpid():
+        _pool = (os.getpid(), ThreadPoolExecutor(_MAX_TRACE_THREADS, thread_name_prefix="graphkern-trace"))
+    return _pool[1]
 
 
 def _on_deep_stack(work: Callable[[], None]) -> None:
@@ -222,26 +236,31 @@ def _on_deep_stack(work: Callable[[], None]) -> None:
     MLX walks the graph recursively in ``export_function``: a chain of ~50,000 primitives
     overflows the default 8 MiB stack and kills the process. The caller's context variables go
     along; an exception is re-raised here.
+
+    The threads are few and reused: MLX keeps state for every thread that ever ran MLX code (its
+    per-thread streams, about 13 KiB) and never frees it, so a thread per trace leaked on every
+    trace. A trace started on one of these threads (a trace inside a trace) runs in place: it has
+    the deep stack already, and waiting for a free thread there could deadlock.
     """
+    if getattr(_worker, "active", False):
+        work()
+        return
     context = contextvars.copy_context()
-    failure: list[BaseException] = []
 
     def run() -> None:
+        _worker.active = True
         try:
             context.run(work)
-        except BaseException as exc:  # handed back to the calling thread
-            failure.append(exc)
+        finally:
+            _worker.active = False
 
-    with _stack_lock:
+    with _stack_lock:  # the pool starts its threads inside submit(): give them the big stack
         previous = threading.stack_size(_STACK_BYTES)
         try:
-            thread = threading.Thread(target=run, name="graphkern-trace")
-            thread.start()
+            future = _trace_threads().submit(run)
         finally:
             threading.stack_size(previous)
-    thread.join()
-    if failure:
-        raise failure[0]
+    future.result()
 
 
 @contextlib.contextmanager
