@@ -287,3 +287,23 @@ def test_odd_graphs_load_cleanly(viewer: Any, make: Any) -> None:
         v.js("() => { gk.collapseToDepth(0); gk.collapseToDepth(-1); }")
     v.page.mouse.wheel(0, 300)
     assert v.errors == []
+
+
+def test_notebook_iframe_renders(browser: Any, tmp_path: Path) -> None:
+    """What a notebook shows: the page inside a sandboxed srcdoc iframe (opaque origin)."""
+    from graphkern.viz.html import repr_html
+
+    page = browser.new_page(viewport={"width": 1000, "height": 800}, device_scale_factor=2)
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    (tmp_path / "nb.html").write_text("<html><body><h1>cell</h1>" + repr_html(vg.traced(failed=True))
+                                      + "</body></html>")
+    page.goto((tmp_path / "nb.html").as_uri())
+    frame = page.frame_locator("iframe")
+    frame.locator("body[data-ready='1']").wait_for(timeout=20_000)
+    assert "scale_add_1 failed" in frame.locator("#gk-banner").inner_text()
+    child = page.frames[1]
+    assert child.evaluate("gk.nodeState('tanh_1').style") == "upstream"
+    assert errors == []
+    page.close()
