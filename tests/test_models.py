@@ -130,6 +130,15 @@ def test_kv_cache_state_flows_through_the_graph(make_cache):
     assert len(wrapped.graph.kernels()) > 0
 
 
+def test_a_cache_given_positionally_is_passed_through_too():
+    model = tiny_model("llama")
+    eager_caches, graph_caches = make_prompt_cache(model), make_prompt_cache(model)
+    wrapped = wrap(model)
+    for tokens in (PROMPT, mx.array([[7]]), mx.array([[9]])):
+        assert mx.allclose(wrapped(tokens, graph_caches), model(tokens, eager_caches), atol=1e-5).item()
+    assert graph_caches[0].offset == eager_caches[0].offset == PROMPT.shape[1] + 2
+
+
 def test_trace_does_not_touch_the_cache():
     model = tiny_model("llama")
     caches = make_prompt_cache(model)

@@ -108,13 +108,23 @@ class WrappedModel:
         self._last = compiled
         return compiled
 
-    @staticmethod
-    def _with_cache(kwargs: dict[str, Any], cache: Any) -> dict[str, Any]:
-        return kwargs if cache is None else {**kwargs, "cache": cache_states(cache)}
+    def _prepare(self, args: tuple[Any, ...], cache: Any,
+                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """Take the cache out of the arguments (also when given positionally, as the model's
+        ``cache`` parameter) and put its state trees in; arguments after it become keywords."""
+        names = self._arg_names
+        if cache is None and "cache" in names and len(args) > names.index("cache"):
+            at = names.index("cache")
+            cache = args[at]
+            kwargs = {**dict(zip(names[at + 1:], args[at + 1:])), **kwargs}
+            args = args[:at]
+        if cache is not None:
+            kwargs = {**kwargs, "cache": cache_states(cache)}
+        return args, kwargs, cache
 
     def __call__(self, *args: Any, cache: Any = None, **kwargs: Any) -> Any:
         """Run the forward pass; with ``cache`` (mlx-lm cache objects), update them as the model would."""
-        kwargs = self._with_cache(kwargs, cache)
+        args, kwargs, cache = self._prepare(args, cache, kwargs)
         out = self._compiled(args, kwargs)(*args, **kwargs)
         if cache is None:
             return out
@@ -124,7 +134,7 @@ class WrappedModel:
 
     def call_with_status(self, *args: Any, cache: Any = None, **kwargs: Any) -> tuple[Any, Status]:
         """``(outputs, Status.OK)``, or ``(None, status)`` when a node failed (nothing ran)."""
-        kwargs = self._with_cache(kwargs, cache)
+        args, kwargs, cache = self._prepare(args, cache, kwargs)
         out, status = self._compiled(args, kwargs).call_with_status(*args, **kwargs)
         if out is None or cache is None:
             return out, status
@@ -133,7 +143,7 @@ class WrappedModel:
 
     def trace(self, *args: Any, cache: Any = None, **kwargs: Any) -> Graph:
         """The graph for these arguments, traced but not run (the cache is left untouched)."""
-        kwargs = self._with_cache(kwargs, cache)
+        args, kwargs, _ = self._prepare(args, cache, kwargs)
         return self._compiled(args, kwargs).trace(*args, **kwargs)
 
     def clear(self) -> None:
