@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import inspect
 import math
 import os
@@ -225,11 +226,29 @@ class _PrecompiledCuda:
                  grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
                  template: list[tuple[str, Any]], init_value: float | None = None) -> Any:
         scalars = [value for _, value in template]
+        binary = bytes(self.kernel.cuda_binary or b"")
+        if _inside_inspection_trace():
+            binary = _recordable_binary(binary)
         return mx.fast.precompiled_cuda_kernel(
-            name=self.name, compiled_source=bytes(self.kernel.cuda_binary or b""), inputs=inputs,
+            name=self.name, compiled_source=binary, inputs=inputs,
             output_shapes=output_shapes, output_dtypes=output_dtypes, scalars=scalars, grid=grid,
             threadgroup=threadgroup, shared_memory=self.kernel.shared_memory,
             init_value=init_value, ensure_row_contiguous=self.kernel.ensure_row_contiguous)
+
+
+def _recordable_binary(binary: bytes) -> bytes:
+    """What an inspection trace records as a precompiled kernel's binary.
+
+    ``mx.export_function`` hands each primitive's state to Python as ``str``, so a cubin (not
+    UTF-8) makes the whole capture raise UnicodeDecodeError. Inspection traces only record, never
+    run, so a cubin is recorded as a line of text naming it; PTX is text and is kept as it is.
+    """
+    try:
+        binary.decode("utf-8")
+    except UnicodeDecodeError:
+        digest = hashlib.sha256(binary).hexdigest()[:16]
+        return f"// graphkern: cubin, {len(binary)} bytes, sha256 {digest}".encode()
+    return binary
 
 
 _COMPILE_ERROR = re.compile(r"compile|nvrtc|error:|syntax", re.IGNORECASE)
