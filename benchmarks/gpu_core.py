@@ -145,17 +145,23 @@ def bench_compiled(sizes: list[int], depths: list[int], rounds: int, budget_s: f
             one = max(time.perf_counter() - start, 1e-6)
             number = max(3, min(2000, int(budget_s / rounds / 2 / one)))
             t = interleaved({"mx.compile": lambda hand=hand, x=x, y=y: mx.eval(hand(x, y)),
-                             "gk.compile": lambda cf=cf, x=x, y=y: cf(x, y)}, rounds, number)
+                             "gk.compile": lambda cf=cf, x=x, y=y: cf(x, y),
+                             # diagnosis: graphkern's mx.compile'd function without the
+                             # CompiledGraph.__call__ wrapper (signature lookup, state, eval)
+                             "gk graph only": lambda cf=cf, x=x, y=y: mx.eval(cf._compiled(x, y))},
+                            rounds, number)
             g, h = t["gk.compile"]["median"], t["mx.compile"]["median"]
+            inner = t["gk graph only"]["median"]
             rows.append({"elements": n, "depth": depth, "kernels": 2 * depth, "calls": number * rounds,
                          "gk_us": g * 1e6, "mx_us": h * 1e6, "ratio": g / h,
                          "gk_spread_us": [t["gk.compile"]["min"] * 1e6, t["gk.compile"]["max"] * 1e6],
                          "mx_spread_us": [t["mx.compile"]["min"] * 1e6, t["mx.compile"]["max"] * 1e6],
-                         "max_rel_diff": err})
+                         "graph_only_us": inner * 1e6, "max_rel_diff": err})
             r = rows[-1]
             print(f"compiled  n={n:>9} depth={depth} kernels={2 * depth:>2}: gk.compile "
                   f"{r['gk_us']:9.1f} us  mx.compile {r['mx_us']:9.1f} us  ratio {r['ratio']:.4f}  "
-                  f"(over {r['calls']} calls each)", flush=True)
+                  f"[gk graph without wrapper {inner * 1e6:9.1f} us]  (over {r['calls']} calls each)",
+                  flush=True)
     return rows
 
 
@@ -188,6 +194,21 @@ def bench_eager(rounds: int, number_lazy: int, number_eval: int) -> list[dict[st
 
     assert mx.allclose(gk_apply()[0], bare()[0]).item()
     rows = []
+    if CUDA:  # diagnosis: where graphkern's time goes, layer by layer (private functions)
+        from graphkern import runtime
+        try:
+            launch, checked = runtime.validate(SCALE_ADD, [x, y], spec, kw["grid"], kw["threadgroup"],
+                                               template)
+            layers = {"bare": bare,
+                      "+ cache lookup (_run_native)": lambda: runtime._run_native(launch, checked),
+                      "+ vjp wrapper (run_launch)": lambda: runtime.run_launch(launch, checked),
+                      "+ validation (gk.apply)": gk_apply}
+            t = interleaved(layers, rounds, number_lazy)
+            for name, v in t.items():
+                print(f"eager layers, lazy: {name:>30}: {v['median'] * 1e6:7.2f} us", flush=True)
+            rows.append({"mode": "layers", **{k: v["median"] * 1e6 for k, v in t.items()}})
+        except AttributeError as exc:  # the runtime was reorganised: skip the diagnosis
+            print(f"eager layers: skipped ({exc})")
     for label, number, wrap in (("lazy (no eval)", number_lazy, lambda f: f),
                                 ("with mx.eval", number_eval, lambda f: (lambda: mx.eval(f())))):
         t = interleaved({"bare": wrap(bare), "gk.apply": wrap(gk_apply),
@@ -221,12 +242,14 @@ def markdown(meta: dict[str, str], compiled: list[dict[str, Any]], eager: list[d
         "`mx.fast.cuda_kernel` objects. Each block: custom kernel, `tanh`, multiply, custom kernel, "
         "add; float32 vectors of the given length.",
         "",
-        "| elements | blocks | kernels | gk.compile (us) | mx.compile (us) | ratio | gap (us) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| elements | blocks | kernels | gk.compile (us) | mx.compile (us) | ratio | gap (us) "
+        "| gk graph without wrapper (us) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in compiled:
         lines.append(f"| {r['elements']:,} | {r['depth']} | {r['kernels']} | {r['gk_us']:.1f} | "
-                     f"{r['mx_us']:.1f} | {r['ratio']:.4f} | {r['gk_us'] - r['mx_us']:+.1f} |")
+                     f"{r['mx_us']:.1f} | {r['ratio']:.4f} | {r['gk_us'] - r['mx_us']:+.1f} | "
+                     f"{r['graph_only_us']:.1f} |")
     lines += [
         "",
         "## Eager gk.apply overhead over the bare kernel object (target: <= 2 us a call)",
@@ -236,10 +259,15 @@ def markdown(meta: dict[str, str], compiled: list[dict[str, Any]], eager: list[d
         "| mode | bare (us) | gk.apply (us) | overhead (us) | gk.apply_in_graph (us) | its overhead (us) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for r in eager:
+    layers = [r for r in eager if r["mode"] == "layers"]
+    for r in (r for r in eager if r["mode"] != "layers"):
         lines.append(f"| {r['mode']} | {r['bare_us']:.2f} | {r['gk_apply_us']:.2f} | "
                      f"{r['overhead_us']:+.2f} | {r['gk_apply_in_graph_us']:.2f} | "
                      f"{r['in_graph_overhead_us']:+.2f} |")
+    if layers:
+        lines += ["", "Where the eager time goes (lazy calls, each layer adds one step of gk.apply):", "",
+                  "| layer | us per call |", "|---|---:|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in layers[0].items() if k != "mode"]
     return "\n".join(lines) + "\n"
 
 
