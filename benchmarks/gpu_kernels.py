@@ -1,0 +1,198 @@
+"""GPU benchmark of the kernel library against stock MLX, and as a fraction of copy bandwidth.
+
+For each kernel at large sizes: median time per call of the library kernel and of its mx.fast /
+stock MLX equivalent (``mx.compile``d, so MLX fuses what it can), their ratio, and achieved GB/s
+(bytes each must read and write once) as a fraction of a device-to-device copy measured in the same
+run. Timing: build a chain of K dependent calls lazily, then time ``mx.eval`` + ``mx.synchronize``
+of the chain only (graph building and kernel compilation are outside the timed region), after warm-up;
+median over repeats, divided by K.
+
+    python benchmarks/gpu_kernels.py [--json out.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+import graphkern.kernels as gkk
+
+CHAIN = 10
+REPEATS = 9
+WARMUP = 2
+
+
+def _time_chain(step: Callable[[Any], Any], init: Any) -> float:
+    """Median seconds per call of ``step`` over a dependent chain of CHAIN calls."""
+    times = []
+    for i in range(WARMUP + REPEATS):
+        state = init
+        for _ in range(CHAIN):
+            state = step(state)
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(state)
+        mx.synchronize()
+        if i >= WARMUP:
+            times.append((time.perf_counter() - t0) / CHAIN)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> dict[str, float]:
+    """Bytes/s of a device-to-device copy (read + write counted): torch's D2D copy_ when torch has
+    CUDA, and MLX's own elementwise copy-like kernel (negation), the best of which is the ceiling."""
+    out: dict[str, float] = {}
+    x = mx.random.normal((nbytes // 4,))
+    mx.eval(x)
+    out["mlx_unary"] = 2 * nbytes / _time_chain(lambda a: -a, x)
+    del x
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            b = torch.empty_like(a)
+            for _ in range(3):
+                b.copy_(a)
+            ts = []
+            for _ in range(20):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                b.copy_(a)
+                e.record()
+                torch.cuda.synchronize()
+                ts.append(s.elapsed_time(e) / 1e3)
+            out["torch_d2d"] = 2 * nbytes / statistics.median(ts)
+            del a, b
+            torch.cuda.empty_cache()
+    except Exception as exc:  # torch is optional: MLX's figure stands alone then
+        print(f"(torch copy not measured: {exc})", file=sys.stderr)
+    return out
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    dtype: str
+    ours_us: float
+    stock_us: float
+    speedup: float  # stock time / ours
+    gbps: float
+    copy_fraction: float
+    stock_copy_fraction: float
+    stock: str
+
+
+def _bench(name: str, shape: tuple[int, ...], dtype: mx.Dtype, nbytes: int, ours: Callable[[Any], Any],
+           stock: Callable[[Any], Any], init: Any, stock_name: str, copy_bps: float) -> Row:
+    compiled_stock = mx.compile(stock)
+    t_ours = _time_chain(ours, init)
+    t_stock = _time_chain(compiled_stock, init)
+    return Row(name, "x".join(map(str, shape)), str(dtype).split(".")[-1], t_ours * 1e6, t_stock * 1e6,
+               t_stock / t_ours, nbytes / t_ours / 1e9, nbytes / t_ours / copy_bps,
+               nbytes / t_stock / copy_bps, stock_name)
+
+
+def _row_kernels(shape: tuple[int, int], dt: mx.Dtype, copy_bps: float) -> list[Row]:
+    n, size = shape[0] * shape[1], dt.size
+    x = mx.random.normal(shape, key=mx.random.key(0)).astype(dt)
+    r = mx.random.normal(shape, key=mx.random.key(1)).astype(dt)
+    w = (1 + 0.1 * mx.random.normal((shape[1],))).astype(dt)
+    b = (0.1 * mx.random.normal((shape[1],))).astype(dt)
+    mx.eval(x, r, w, b)
+
+    def add_norm_stock(s: tuple[mx.array, mx.array]) -> tuple[mx.array, mx.array]:
+        h = s[0] + s[1]
+        return h, mx.fast.rms_norm(h, w, 1e-5)
+
+    return [
+        _bench("rms_norm", shape, dt, 2 * n * size, lambda a: gkk.rms_norm(a, w, 1e-5),
+               lambda a: mx.fast.rms_norm(a, w, 1e-5), x, "mx.fast.rms_norm", copy_bps),
+        _bench("layer_norm", shape, dt, 2 * n * size, lambda a: gkk.layer_norm(a, w, b, 1e-5),
+               lambda a: mx.fast.layer_norm(a, w, b, 1e-5), x, "mx.fast.layer_norm", copy_bps),
+        _bench("add_rms_norm", shape, dt, 4 * n * size, lambda s: gkk.add_rms_norm(s[0], s[1], w, 1e-5),
+               add_norm_stock, (x, r), "x + r; mx.fast.rms_norm", copy_bps),
+        _bench("softmax", shape, dt, 2 * n * size, gkk.softmax, lambda a: mx.softmax(a, axis=-1), x,
+               "mx.softmax", copy_bps),
+        _bench("swiglu", shape, dt, 3 * n * size, lambda s: (gkk.swiglu(s[0], s[1]), s[1]),
+               lambda s: (nn.silu(s[0]) * s[1], s[1]), (x, r), "nn.silu(g) * u (compiled)", copy_bps),
+        _bench("gelu", shape, dt, 2 * n * size, gkk.gelu, nn.gelu, x, "nn.gelu (compiled)", copy_bps),
+        _bench("gelu_approx", shape, dt, 2 * n * size, lambda a: gkk.gelu(a, approx=True), nn.gelu_approx, x,
+               "nn.gelu_approx (compiled)", copy_bps),
+    ]
+
+
+def _rope_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float) -> list[Row]:
+    x = mx.random.normal(shape, key=mx.random.key(0)).astype(dt)
+    mx.eval(x)
+    rows = []
+    for trad in (False, True):
+        rows.append(_bench("rope" + ("_traditional" if trad else ""), shape, dt, 2 * x.size * dt.size,
+                           lambda a, t=trad: gkk.rope(a, 128, traditional=t, base=10000.0, offset=5),
+                           lambda a, t=trad: mx.fast.rope(a, 128, traditional=t, base=10000.0, scale=1.0,
+                                                          offset=5),
+                           x, "mx.fast.rope", copy_bps))
+    return rows
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    bw = copy_bandwidth()
+    copy_bps = max(bw.values())
+    rows: list[Row] = []
+    dtypes = (mx.float32, mx.bfloat16, mx.float16)
+    for shape in [(8192, 4096)] if quick else [(8192, 4096), (16384, 8192), (4096, 16384)]:
+        for dt in dtypes:
+            rows += _row_kernels(shape, dt, copy_bps)
+    for rshape in [(4, 32, 2048, 128)] if quick else [(4, 32, 2048, 128), (1, 32, 8192, 128)]:
+        for dt in dtypes:
+            rows += _rope_kernels(rshape, dt, copy_bps)
+    return {
+        "mlx": mx.__version__,
+        "device": mx.device_info().get("device_name", "?"),
+        "date": time.strftime("%Y-%m-%d"),
+        "copy_bandwidth_GBps": {k: v / 1e9 for k, v in bw.items()},
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [f"graphkern kernel library on {result['device']} (mlx {result['mlx']}, {result['date']})",
+             "copy bandwidth (GB/s, read+write): "
+             + ", ".join(f"{k} {v:.0f}" for k, v in result["copy_bandwidth_GBps"].items()),
+             f"{'kernel':<17}{'shape':<18}{'dtype':<10}{'ours us':>9}{'stock us':>10}{'stock/ours':>11}"
+             f"{'GB/s':>8}{'of copy':>9}{'stock of copy':>15}  stock"]
+    for r in result["rows"]:
+        lines.append(f"{r['kernel']:<17}{r['shape']:<18}{r['dtype']:<10}{r['ours_us']:>9.1f}"
+                     f"{r['stock_us']:>10.1f}{r['speedup']:>10.2f}x{r['gbps']:>8.0f}{r['copy_fraction']:>8.0%}"
+                     f"{r['stock_copy_fraction']:>14.0%}  {r['stock']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--quick", action="store_true", help="one size per kernel")
+    args = parser.parse_args(argv)
+    if not mx.cuda.is_available() and not mx.metal.is_available():
+        print("no GPU backend: the library would run its references; nothing to benchmark", file=sys.stderr)
+        return 0
+    result = run(quick=args.quick)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
