@@ -55,24 +55,26 @@ __device__ __forceinline__ void add_rms_norm_row(const T* x, const T* r, const T
 """
 
 _CUDA_BODY = r"""
-  const long long off = static_cast<long long>(blockIdx.x) * N;
+  const int n = x_shape[x_ndim - 1];
+  const long long off = static_cast<long long>(blockIdx.x) * n;
   if (gk::aligned<V>(x) && gk::aligned<V>(residual) && gk::aligned<V>(h) && gk::aligned<V>(out) &&
       (!HAS_W || gk::aligned<V>(w))) {
-    gk::add_rms_norm_row<T, NT, V, CH, HAS_W>(x + off, residual + off, w, h + off, out + off, eps[0], N);
+    gk::add_rms_norm_row<T, NT, V, CH, HAS_W>(x + off, residual + off, w, h + off, out + off, eps[0], n);
   } else {
-    gk::add_rms_norm_row<T, NT, 1, CH * V, HAS_W>(x + off, residual + off, w, h + off, out + off, eps[0], N);
+    gk::add_rms_norm_row<T, NT, 1, CH * V, HAS_W>(x + off, residual + off, w, h + off, out + off, eps[0], n);
   }
 """
 
 _METAL_BODY = r"""
   threadgroup float smem[32];
-  const size_t off = size_t(threadgroup_position_in_grid.x) * N;
+  const int n = x_shape[x_ndim - 1];
+  const size_t off = size_t(threadgroup_position_in_grid.x) * n;
   const uint tid = thread_position_in_threadgroup.x;
-  for (int i = tid; i < N; i += NT) {
+  for (int i = tid; i < n; i += NT) {
     h[off + i] = static_cast<T>(static_cast<float>(x[off + i]) + static_cast<float>(residual[off + i]));
   }
   // each thread reads back only the elements it wrote, so no barrier is needed
-  gk::rms_norm_row<T, NT, N, HAS_W>(h + off, w, out + off, eps, tid, thread_index_in_simdgroup,
+  gk::rms_norm_row<T, NT, HAS_W>(h + off, w, out + off, eps, n, tid, thread_index_in_simdgroup,
                                     simdgroup_index_in_threadgroup, smem);
 """
 
@@ -113,7 +115,7 @@ def plan_add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array | None =
     cfg = row_config(n, x.dtype)
     grid, group = row_launch(op, x, cfg)
     w = weight if weight is not None else mx.ones((1,), dtype=x.dtype)
-    template = [TemplateArg.dtype("T", x.dtype), TemplateArg.int("N", n), *cfg.template(),
+    template = [TemplateArg.dtype("T", x.dtype), *cfg.template(),
                 TemplateArg.bool("HAS_W", weight is not None)]
     spec = OutputSpec(x.shape, x.dtype)
     return Plan(ADD_RMS_NORM, (x, residual, w, eps_array(eps, op)), (spec, spec), grid, group,

@@ -80,34 +80,35 @@ __device__ __forceinline__ void layer_norm_row(const T* x, const T* w, const T* 
 """
 
 _CUDA_BODY = r"""
-  const long long off = static_cast<long long>(blockIdx.x) * N;
+  const int n = x_shape[x_ndim - 1];
+  const long long off = static_cast<long long>(blockIdx.x) * n;
   if (gk::aligned<V>(x) && gk::aligned<V>(out) && (!HAS_W || gk::aligned<V>(w)) &&
       (!HAS_B || gk::aligned<V>(b))) {
-    gk::layer_norm_row<T, NT, V, CH, HAS_W, HAS_B>(x + off, w, b, out + off, eps[0], N);
+    gk::layer_norm_row<T, NT, V, CH, HAS_W, HAS_B>(x + off, w, b, out + off, eps[0], n);
   } else {
-    gk::layer_norm_row<T, NT, 1, CH * V, HAS_W, HAS_B>(x + off, w, b, out + off, eps[0], N);
+    gk::layer_norm_row<T, NT, 1, CH * V, HAS_W, HAS_B>(x + off, w, b, out + off, eps[0], n);
   }
 """
 
 _METAL = r"""
 namespace gk {
 
-template <typename T, int NT, int N, bool HAS_W, bool HAS_B, typename PX, typename PW, typename PB,
+template <typename T, int NT, bool HAS_W, bool HAS_B, typename PX, typename PW, typename PB,
           typename PO>
-inline void layer_norm_row(PX x, PW w, PB b, PO out, float eps, uint tid, uint lane, uint simd,
+inline void layer_norm_row(PX x, PW w, PB b, PO out, float eps, int n, uint tid, uint lane, uint simd,
                            threadgroup float* smem) {
   float s = 0.0f;
-  for (int i = tid; i < N; i += NT) {
+  for (int i = tid; i < n; i += NT) {
     s += static_cast<float>(x[i]);
   }
-  const float mean = block_reduce<NT>(s, smem, lane, simd, Sum()) / N;
+  const float mean = block_reduce<NT>(s, smem, lane, simd, Sum()) / n;
   float ss = 0.0f;
-  for (int i = tid; i < N; i += NT) {
+  for (int i = tid; i < n; i += NT) {
     const float d = static_cast<float>(x[i]) - mean;
     ss += d * d;
   }
-  const float inv = metal::precise::rsqrt(block_reduce<NT>(ss, smem, lane, simd, Sum()) / N + eps);
-  for (int i = tid; i < N; i += NT) {
+  const float inv = metal::precise::rsqrt(block_reduce<NT>(ss, smem, lane, simd, Sum()) / n + eps);
+  for (int i = tid; i < n; i += NT) {
     float o = round_to<T>((static_cast<float>(x[i]) - mean) * inv);
     if (HAS_W) {
       o = round_to<T>(o * static_cast<float>(w[i]));
@@ -124,8 +125,9 @@ inline void layer_norm_row(PX x, PW w, PB b, PO out, float eps, uint tid, uint l
 
 _METAL_BODY = r"""
   threadgroup float smem[32];
-  const size_t off = size_t(threadgroup_position_in_grid.x) * N;
-  gk::layer_norm_row<T, NT, N, HAS_W, HAS_B>(x + off, w, b, out + off, eps, thread_position_in_threadgroup.x,
+  const int n = x_shape[x_ndim - 1];
+  const size_t off = size_t(threadgroup_position_in_grid.x) * n;
+  gk::layer_norm_row<T, NT, HAS_W, HAS_B>(x + off, w, b, out + off, eps, n, thread_position_in_threadgroup.x,
                                              thread_index_in_simdgroup, simdgroup_index_in_threadgroup, smem);
 """
 
@@ -167,7 +169,7 @@ def plan_layer_norm(x: mx.array, weight: mx.array | None = None, bias: mx.array 
     cfg = row_config(n, x.dtype)
     grid, group = row_launch(op, x, cfg)
     unused = mx.zeros((1,), dtype=x.dtype)
-    template = [TemplateArg.dtype("T", x.dtype), TemplateArg.int("N", n), *cfg.template(),
+    template = [TemplateArg.dtype("T", x.dtype), *cfg.template(),
                 TemplateArg.bool("HAS_W", weight is not None), TemplateArg.bool("HAS_B", bias is not None)]
     inputs = (x, weight if weight is not None else unused, bias if bias is not None else unused,
               eps_array(eps, op))

@@ -72,11 +72,12 @@ __device__ __forceinline__ void rms_norm_row(const T* x, const T* w, T* out, flo
 """
 
 _CUDA_BODY = r"""
-  const long long off = static_cast<long long>(blockIdx.x) * N;
+  const int n = x_shape[x_ndim - 1];
+  const long long off = static_cast<long long>(blockIdx.x) * n;
   if (gk::aligned<V>(x) && gk::aligned<V>(out) && (!HAS_W || gk::aligned<V>(w))) {
-    gk::rms_norm_row<T, NT, V, CH, HAS_W>(x + off, w, out + off, eps[0], N);
+    gk::rms_norm_row<T, NT, V, CH, HAS_W>(x + off, w, out + off, eps[0], n);
   } else {
-    gk::rms_norm_row<T, NT, 1, CH * V, HAS_W>(x + off, w, out + off, eps[0], N);
+    gk::rms_norm_row<T, NT, 1, CH * V, HAS_W>(x + off, w, out + off, eps[0], n);
   }
 """
 
@@ -84,16 +85,16 @@ _CUDA_BODY = r"""
 RMS_METAL = r"""
 namespace gk {
 
-template <typename T, int NT, int N, bool HAS_W, typename PX, typename PW, typename PO>
-inline void rms_norm_row(PX x, PW w, PO out, float eps, uint tid, uint lane, uint simd,
+template <typename T, int NT, bool HAS_W, typename PX, typename PW, typename PO>
+inline void rms_norm_row(PX x, PW w, PO out, float eps, int n, uint tid, uint lane, uint simd,
                          threadgroup float* smem) {
   float ss = 0.0f;
-  for (int i = tid; i < N; i += NT) {
+  for (int i = tid; i < n; i += NT) {
     const float v = static_cast<float>(x[i]);
     ss += v * v;
   }
-  const float inv = metal::precise::rsqrt(block_reduce<NT>(ss, smem, lane, simd, Sum()) / N + eps);
-  for (int i = tid; i < N; i += NT) {
+  const float inv = metal::precise::rsqrt(block_reduce<NT>(ss, smem, lane, simd, Sum()) / n + eps);
+  for (int i = tid; i < n; i += NT) {
     float o = round_to<T>(static_cast<float>(x[i]) * inv);
     if (HAS_W) {
       o *= static_cast<float>(w[i]);
@@ -107,8 +108,9 @@ inline void rms_norm_row(PX x, PW w, PO out, float eps, uint tid, uint lane, uin
 
 _METAL_BODY = r"""
   threadgroup float smem[32];
-  const size_t off = size_t(threadgroup_position_in_grid.x) * N;
-  gk::rms_norm_row<T, NT, N, HAS_W>(x + off, w, out + off, eps, thread_position_in_threadgroup.x,
+  const int n = x_shape[x_ndim - 1];
+  const size_t off = size_t(threadgroup_position_in_grid.x) * n;
+  gk::rms_norm_row<T, NT, HAS_W>(x + off, w, out + off, eps, n, thread_position_in_threadgroup.x,
                                     thread_index_in_simdgroup, simdgroup_index_in_threadgroup, smem);
 """
 
@@ -141,7 +143,7 @@ def plan_rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1e-5
     cfg = row_config(n, x.dtype)
     grid, group = row_launch(op, x, cfg)
     w = weight if weight is not None else mx.ones((1,), dtype=x.dtype)
-    template = [TemplateArg.dtype("T", x.dtype), TemplateArg.int("N", n), *cfg.template(),
+    template = [TemplateArg.dtype("T", x.dtype), *cfg.template(),
                 TemplateArg.bool("HAS_W", weight is not None)]
     return Plan(RMS_NORM, (x, w, eps_array(eps, op)), (OutputSpec(x.shape, x.dtype),), grid, group,
                 tuple(template))

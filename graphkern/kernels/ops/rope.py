@@ -23,10 +23,10 @@ __all__ = ["ROPE", "plan_rope", "rope", "rope_reference"]
 _CUDA = r"""
 namespace gk {
 
-// Rotate pairs k .. k + V - 1 of one row (x, out point at the row).
-template <typename T, int V, int DIMS, bool TRADITIONAL>
-__device__ __forceinline__ void rope_pairs(const T* x, T* out, int k, float pos, const float* inv_freq) {
-  constexpr int HALF = DIMS / 2;
+// Rotate pairs k .. k + V - 1 of one row (x, out point at the row; half = dims / 2).
+template <typename T, int V, bool TRADITIONAL>
+__device__ __forceinline__ void rope_pairs(const T* x, T* out, int k, int half, float pos,
+                                           const float* inv_freq) {
   float a[V];
   float b[V];
   if constexpr (TRADITIONAL) {
@@ -39,7 +39,7 @@ __device__ __forceinline__ void rope_pairs(const T* x, T* out, int k, float pos,
     }
   } else {
     load<T, V>(x, k, a);
-    load<T, V>(x, k + HALF, b);
+    load<T, V>(x, k + half, b);
   }
 #pragma unroll
   for (int j = 0; j < V; ++j) {
@@ -60,16 +60,19 @@ __device__ __forceinline__ void rope_pairs(const T* x, T* out, int k, float pos,
     store<T, 2 * V>(out, 2 * k, t);
   } else {
     store<T, V>(out, k, a);
-    store<T, V>(out, k + HALF, b);
+    store<T, V>(out, k + half, b);
   }
 }
 
 }  // namespace gk
 """
 
-# One thread rotates V pairs of one row and copies its share of the features past DIMS.
+# One thread rotates V pairs of one row and copies its share of the features past dims.
+# D (row length) and half (dims / 2, the length of inv_freq) come from the shapes at run time.
 _CUDA_BODY = r"""
-  constexpr int P = DIMS / 2 / V;
+  const int D = x_shape[x_ndim - 1];
+  const int half = inv_freq_shape[0];
+  const int P = half / V;
   const long long g = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long rows = gk::numel(x_shape, x_ndim) / D;
   if (g >= rows * P) {
@@ -83,23 +86,22 @@ _CUDA_BODY = r"""
   const T* xr = x + row * D;
   T* outr = out + row * D;
   if (gk::aligned<TRADITIONAL ? 2 * V : V>(x) && gk::aligned<TRADITIONAL ? 2 * V : V>(out)) {
-    gk::rope_pairs<T, V, DIMS, TRADITIONAL>(xr, outr, t * V, pos, inv_freq);
+    gk::rope_pairs<T, V, TRADITIONAL>(xr, outr, t * V, half, pos, inv_freq);
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      gk::rope_pairs<T, 1, DIMS, TRADITIONAL>(xr, outr, t * V + j, pos, inv_freq);
+      gk::rope_pairs<T, 1, TRADITIONAL>(xr, outr, t * V + j, half, pos, inv_freq);
     }
   }
-  if constexpr (DIMS < D) {
-    for (int e = DIMS + t; e < D; e += P) {
-      outr[e] = xr[e];
-    }
+  for (int e = 2 * half + t; e < D; e += P) {
+    outr[e] = xr[e];
   }
 """
 
 _METAL_BODY = r"""
-  constexpr int P = DIMS / 2 / V;
-  constexpr int HALF = DIMS / 2;
+  const int D = x_shape[x_ndim - 1];
+  const int HALF = inv_freq_shape[0];
+  const int P = HALF / V;
   const size_t g = thread_position_in_grid.x;
   const size_t row = g / P;
   const int t = int(g % P);
@@ -110,7 +112,7 @@ _METAL_BODY = r"""
   const int l = int(row % size_t(x_shape[x_ndim - 2]));
   const int b = PER_BATCH ? int(row / (rows / size_t(x_shape[0]))) : 0;
   const float pos = float(l + offset[b]) * scale;
-  const size_t base = row * D;
+  const size_t base = row * size_t(D);
   for (int j = 0; j < V; ++j) {
     const int k = t * V + j;
     const size_t i1 = base + (TRADITIONAL ? 2 * k : k);
@@ -123,16 +125,17 @@ _METAL_BODY = r"""
     out[i1] = static_cast<T>(a * c - bb * s);
     out[i2] = static_cast<T>(a * s + bb * c);
   }
-  for (int e = DIMS + t; e < D; e += P) {
+  for (int e = 2 * HALF + t; e < D; e += P) {
     out[base + e] = x[base + e];
   }
 """
 
 
-def rope_reference(x: mx.array, offset: mx.array, inv_freq: mx.array, scale: mx.array, *, DIMS: int,
+def rope_reference(x: mx.array, offset: mx.array, inv_freq: mx.array, scale: mx.array, *,
                    TRADITIONAL: bool, PER_BATCH: bool = False) -> list[mx.array]:
-    """Pure-MLX RoPE in float32 with the given inverse frequencies, cast back to x's dtype."""
-    half = DIMS // 2
+    """Pure-MLX RoPE in float32 with the given inverse frequencies (dims = 2 * their number)."""
+    half = inv_freq.shape[0]
+    dims = 2 * half
     off = offset.astype(mx.float32)
     if PER_BATCH:
         off = off.reshape((-1,) + (1,) * (x.ndim - 2))
@@ -140,15 +143,15 @@ def rope_reference(x: mx.array, offset: mx.array, inv_freq: mx.array, scale: mx.
     theta = positions[..., None] * inv_freq
     cos, sin = mx.cos(theta), mx.sin(theta)
     xf = x.astype(mx.float32)
-    rot = xf[..., :DIMS]
+    rot = xf[..., :dims]
     if TRADITIONAL:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         out = mx.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(rot.shape)
     else:
         x1, x2 = rot[..., :half], rot[..., half:]
         out = mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-    if x.shape[-1] > DIMS:
-        out = mx.concatenate([out, xf[..., DIMS:]], axis=-1)
+    if x.shape[-1] > dims:
+        out = mx.concatenate([out, xf[..., dims:]], axis=-1)
     return [out.astype(x.dtype)]
 
 
@@ -211,9 +214,8 @@ def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float 
     if threads > MAX_GRID:
         raise KernelError(op, f"input too large: {threads} threads exceed MLX's int32 grid",
                           Status.INVALID_LAUNCH)
-    template = [TemplateArg.dtype("T", x.dtype), TemplateArg.int("D", d), TemplateArg.int("DIMS", dims),
-                TemplateArg.int("V", v), TemplateArg.bool("TRADITIONAL", bool(traditional)),
-                TemplateArg.bool("PER_BATCH", per_batch)]
+    template = [TemplateArg.dtype("T", x.dtype), TemplateArg.int("V", v),
+                TemplateArg.bool("TRADITIONAL", bool(traditional)), TemplateArg.bool("PER_BATCH", per_batch)]
     inputs = (x, off, inverse_frequencies(dims, base, freqs), mx.array(float(scale), dtype=mx.float32))
     return Plan(ROPE, inputs, (OutputSpec(x.shape, x.dtype),), (threads, 1, 1), (256, 1, 1), tuple(template))
 

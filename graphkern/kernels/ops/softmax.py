@@ -88,30 +88,31 @@ __device__ __forceinline__ void softmax_row(const T* x, T* out, int n) {
 """
 
 _CUDA_BODY = r"""
-  const long long off = static_cast<long long>(blockIdx.x) * N;
+  const int n = x_shape[x_ndim - 1];
+  const long long off = static_cast<long long>(blockIdx.x) * n;
   if (gk::aligned<V>(x) && gk::aligned<V>(out)) {
-    gk::softmax_row<T, NT, V, CH>(x + off, out + off, N);
+    gk::softmax_row<T, NT, V, CH>(x + off, out + off, n);
   } else {
-    gk::softmax_row<T, NT, 1, CH * V>(x + off, out + off, N);
+    gk::softmax_row<T, NT, 1, CH * V>(x + off, out + off, n);
   }
 """
 
 _METAL = r"""
 namespace gk {
 
-template <typename T, int NT, int N, typename PX, typename PO>
-inline void softmax_row(PX x, PO out, uint tid, uint lane, uint simd, threadgroup float* smem) {
+template <typename T, int NT, typename PX, typename PO>
+inline void softmax_row(PX x, PO out, int n, uint tid, uint lane, uint simd, threadgroup float* smem) {
   float m = Max::identity();
-  for (int i = tid; i < N; i += NT) {
+  for (int i = tid; i < n; i += NT) {
     m = metal::max(m, static_cast<float>(x[i]));
   }
   m = block_reduce<NT>(m, smem, lane, simd, Max());
   float s = 0.0f;
-  for (int i = tid; i < N; i += NT) {
+  for (int i = tid; i < n; i += NT) {
     s += metal::precise::exp(static_cast<float>(x[i]) - m);
   }
   const float inv = 1.0f / block_reduce<NT>(s, smem, lane, simd, Sum());
-  for (int i = tid; i < N; i += NT) {
+  for (int i = tid; i < n; i += NT) {
     out[i] = static_cast<T>(metal::precise::exp(static_cast<float>(x[i]) - m) * inv);
   }
 }
@@ -121,8 +122,9 @@ inline void softmax_row(PX x, PO out, uint tid, uint lane, uint simd, threadgrou
 
 _METAL_BODY = r"""
   threadgroup float smem[32];
-  const size_t off = size_t(threadgroup_position_in_grid.x) * N;
-  gk::softmax_row<T, NT, N>(x + off, out + off, thread_position_in_threadgroup.x, thread_index_in_simdgroup,
+  const int n = x_shape[x_ndim - 1];
+  const size_t off = size_t(threadgroup_position_in_grid.x) * n;
+  gk::softmax_row<T, NT>(x + off, out + off, n, thread_position_in_threadgroup.x, thread_index_in_simdgroup,
                             simdgroup_index_in_threadgroup, smem);
 """
 
@@ -150,7 +152,7 @@ def plan_softmax(x: mx.array) -> Plan:
     n = x.shape[-1]
     cfg = row_config(n, x.dtype)
     grid, group = row_launch(op, x, cfg)
-    template = [TemplateArg.dtype("T", x.dtype), TemplateArg.int("N", n), *cfg.template()]
+    template = [TemplateArg.dtype("T", x.dtype), *cfg.template()]
     return Plan(SOFTMAX, (x,), (OutputSpec(x.shape, x.dtype),), grid, group, tuple(template))
 
 
