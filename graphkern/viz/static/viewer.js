@@ -69,6 +69,7 @@
 
   // ------------------------------------------------------------------ layout
   var NODE_H = 26, GROUP_H = 34, PAD = 10, LABEL_H = 16, LAYER_GAP = 30, NODE_GAP = 18;
+  var VIRTUAL_W = 4, VIRTUAL_GAP = 8, MAX_SPAN = 80;
   var measure = document.createElement("canvas").getContext("2d");
   measure.font = "12px system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif";
   var widthCache = new Map();
@@ -134,16 +135,48 @@
       for (j = 0; j < s.length; j++) if (layer[s[j]] < m) m = layer[s[j]];
       if (m - 1 > layer[u]) layer[u] = m - 1;
     }
+    // 3b. a long edge gets a virtual point in every layer it crosses (shortest edges first, within
+    // a budget), so it is ordered and placed like a node and routes around nodes, not through them
+    var npred = [], nsucc = [], vLayer = [], uePts = new Array(ueSrc.length), T = U;
+    for (u = 0; u < U; u++) { npred.push([]); nsucc.push([]); }
+    var cand = [];
+    for (j = 0; j < ueSrc.length; j++) {
+      var span = layer[ueDst[j]] - layer[ueSrc[j]];
+      if (ueSrc[j] < ueDst[j] && span > 1 && span <= MAX_SPAN) cand.push(j);
+    }
+    cand.sort(function (p, q) { return (layer[ueDst[p]] - layer[ueSrc[p]]) - (layer[ueDst[q]] - layer[ueSrc[q]]); });
+    var budget = Math.max(2000, 2 * U), routed = new Uint8Array(ueSrc.length);
+    for (j = 0; j < cand.length; j++) {
+      var ei = cand[j], ea = ueSrc[ei], eb = ueDst[ei], need = layer[eb] - layer[ea] - 1;
+      if (need > budget) continue;
+      budget -= need; routed[ei] = 1;
+      var ca = uChain[ea], cb = uChain[eb], q = 0;
+      while (q < ca.length && q < cb.length && ca[q] === cb[q]) q++;
+      var common = ca.slice(0, q), prev = ea, pts = [];
+      for (l = layer[ea] + 1; l < layer[eb]; l++) {
+        var id = T++;
+        vLayer.push(l); uChain.push(common); npred.push([prev]); nsucc.push([]);
+        nsucc[prev].push(id); pts.push(id); prev = id;
+      }
+      nsucc[prev].push(eb); npred[eb].push(prev);
+      uePts[ei] = pts;
+    }
+    for (j = 0; j < ueSrc.length; j++) {
+      if (!routed[j] && ueSrc[j] < ueDst[j]) { nsucc[ueSrc[j]].push(ueDst[j]); npred[ueDst[j]].push(ueSrc[j]); }
+    }
+    var lay = new Int32Array(T);
+    lay.set(layer);
+    for (j = 0; j < vLayer.length; j++) lay[U + j] = vLayer[j];
     var nLayers = 0;
-    for (u = 0; u < U; u++) if (layer[u] + 1 > nLayers) nLayers = layer[u] + 1;
+    for (u = 0; u < T; u++) if (lay[u] + 1 > nLayers) nLayers = lay[u] + 1;
     var layers = [];
     for (l = 0; l < nLayers; l++) layers.push([]);
-    for (u = 0; u < U; u++) layers[layer[u]].push(u);
+    for (u = 0; u < T; u++) layers[lay[u]].push(u);
     // 4. ordering: barycentre sweeps, groups kept contiguous within a layer
-    var pos = new Float64Array(U);
+    var pos = new Float64Array(T);
     function setPos(ly) { var h = (ly.length - 1) / 2; for (var q = 0; q < ly.length; q++) pos[ly[q]] = q - h; }
     layers.forEach(setPos);
-    var keyv = new Float64Array(U);
+    var keyv = new Float64Array(T);
     function sortLayer(ly, nbrs) {
       for (var q = 0; q < ly.length; q++) {
         var v = ly[q], nb = nbrs[v];
@@ -172,11 +205,12 @@
       }
     }
     for (var sweep = 0; sweep < 4; sweep++) {
-      if (sweep % 2 === 0) for (l = 1; l < nLayers; l++) sortLayer(layers[l], pred);
-      else for (l = nLayers - 2; l >= 0; l--) sortLayer(layers[l], succ);
+      if (sweep % 2 === 0) for (l = 1; l < nLayers; l++) sortLayer(layers[l], npred);
+      else for (l = nLayers - 2; l >= 0; l--) sortLayer(layers[l], nsucc);
     }
     // 5. sizes and x: isotonic regression (pool adjacent violators) towards the neighbours' mean
-    var w = new Float64Array(U), h = new Float64Array(U), x = new Float64Array(U), y = new Float64Array(U);
+    var w = new Float64Array(T), h = new Float64Array(T), x = new Float64Array(T), y = new Float64Array(T);
+    for (u = U; u < T; u++) w[u] = VIRTUAL_W;
     for (u = 0; u < U; u++) {
       key = keys[u];
       var text = unitText(key);
@@ -192,7 +226,8 @@
     var sep = layers.map(function (ly) {
       var sp = new Float64Array(Math.max(0, ly.length - 1));
       for (var q = 0; q + 1 < ly.length; q++)
-        sp[q] = (w[ly[q]] + w[ly[q + 1]]) / 2 + NODE_GAP + PAD * boundaries(ly[q], ly[q + 1]);
+        sp[q] = (w[ly[q]] + w[ly[q + 1]]) / 2 + (ly[q] >= U || ly[q + 1] >= U ? VIRTUAL_GAP : NODE_GAP) +
+          PAD * boundaries(ly[q], ly[q + 1]);
       return sp;
     });
     for (l = 0; l < nLayers; l++) {
@@ -201,7 +236,7 @@
       var cx = -tot / 2;
       for (j = 0; j < ly.length; j++) { x[ly[j]] = cx; if (j < sp.length) cx += sp[j]; }
     }
-    var desired = new Float64Array(U);
+    var desired = new Float64Array(T);
     function place(l, nbrs) {
       var ly = layers[l], sp = sep[l], n = ly.length;
       if (!n) return;
@@ -229,8 +264,8 @@
       }
     }
     for (var pass = 0; pass < 6; pass++) {
-      if (pass % 2 === 0) for (l = 1; l < nLayers; l++) place(l, pred);
-      else for (l = nLayers - 2; l >= 0; l--) place(l, succ);
+      if (pass % 2 === 0) for (l = 1; l < nLayers; l++) place(l, npred);
+      else for (l = nLayers - 2; l >= 0; l--) place(l, nsucc);
     }
     // the passes let long graphs drift sideways layer by layer; remove the slow drift (a moving
     // average of layer centres over many layers) and keep the local shape
@@ -269,7 +304,17 @@
       layerY[l] = cy + lh / 2; layerH[l] = lh;
       cy += lh;
     }
-    for (u = 0; u < U; u++) y[u] = layerY[layer[u]];
+    for (u = 0; u < T; u++) y[u] = layerY[lay[u]];
+    // each drawn edge's bounding box, for culling
+    var ueBox = new Float64Array(4 * ueSrc.length);
+    for (j = 0; j < ueSrc.length; j++) {
+      var s0 = ueSrc[j], d0 = ueDst[j];
+      var bx0 = Math.min(x[s0], x[d0]), bx1 = Math.max(x[s0], x[d0]);
+      var by0 = Math.min(y[s0], y[d0]) - NODE_H, by1 = Math.max(y[s0], y[d0]) + NODE_H;
+      var pp = uePts[j];
+      if (pp) for (q = 0; q < pp.length; q++) { bx0 = Math.min(bx0, x[pp[q]]); bx1 = Math.max(bx1, x[pp[q]]); }
+      ueBox[4 * j] = bx0; ueBox[4 * j + 1] = by0; ueBox[4 * j + 2] = bx1; ueBox[4 * j + 3] = by1;
+    }
     // 7. frames of expanded groups: per layer, the span of their members (and sub-frames), so a
     // frame hugs its nodes and never covers a node of another group in the same layer
     var spans = new Map();   // group -> Map(layer -> [x0, y0, x1, y1])
@@ -302,7 +347,7 @@
     }
     frames.sort(function (p, q) { return gDepth[p.g] - gDepth[q.g]; });
     var minX = Infinity, maxX = -Infinity, minY = Infinity, maxY = -Infinity;
-    for (u = 0; u < U; u++) {
+    for (u = 0; u < T; u++) {
       minX = Math.min(minX, x[u] - w[u] / 2); maxX = Math.max(maxX, x[u] + w[u] / 2);
       minY = Math.min(minY, y[u] - h[u] / 2); maxY = Math.max(maxY, y[u] + h[u] / 2);
     }
@@ -318,7 +363,8 @@
       if (diffMark[n] && (!uDiff[u] || diffMark[n] === 1)) uDiff[u] = diffMark[n];
     }
     L = {
-      U: U, keys: keys, unitOfNode: unitOfNode, unitOfKey: unitOfKey, layer: layer, layers: layers,
+      U: U, T: T, keys: keys, unitOfNode: unitOfNode, unitOfKey: unitOfKey, layer: lay, layers: layers,
+      uePts: uePts, ueBox: ueBox,
       layerY: layerY, layerH: layerH, x: x, y: y, w: w, h: h, ueSrc: ueSrc, ueDst: ueDst, ueEdge: ueEdge,
       ueCount: ueCount, frames: frames, bounds: [minX, minY, maxX, maxY], uStatus: uStatus,
       uFailRoot: uFailRoot, uDiff: uDiff, uMatch: uMatch, uChain: uChain, ms: performance.now() - t
@@ -365,11 +411,20 @@
     c.moveTo(x + r, y); c.arcTo(x + w, y, x + w, y + h, r); c.arcTo(x + w, y + h, x, y + h, r);
     c.arcTo(x, y + h, x, y, r); c.arcTo(x, y, x + w, y, r); c.closePath();
   }
+  // A frame is the outline of its per-layer spans; it steps sideways half-way between two layers,
+  // where only edges run, so it never cuts across a node of another group.
   function framePath(f) {
-    var rows = f.rows, q, r;
+    var rows = f.rows, n = rows.length, q, r, top, bot;
+    function cut(a, b) { return (rows[a][3] + rows[b][1]) / 2; }
     ctx.moveTo(rows[0][0], rows[0][1]);
-    for (q = 0; q < rows.length; q++) { r = rows[q]; ctx.lineTo(r[0], r[1]); ctx.lineTo(r[0], r[3]); }
-    for (q = rows.length - 1; q >= 0; q--) { r = rows[q]; ctx.lineTo(r[2], r[3]); ctx.lineTo(r[2], r[1]); }
+    for (q = 0; q < n; q++) {
+      r = rows[q]; top = q ? cut(q - 1, q) : r[1]; bot = q < n - 1 ? cut(q, q + 1) : r[3];
+      ctx.lineTo(r[0], top); ctx.lineTo(r[0], bot);
+    }
+    for (q = n - 1; q >= 0; q--) {
+      r = rows[q]; top = q ? cut(q - 1, q) : r[1]; bot = q < n - 1 ? cut(q, q + 1) : r[3];
+      ctx.lineTo(r[2], bot); ctx.lineTo(r[2], top);
+    }
     ctx.closePath();
   }
   function draw() {
@@ -400,10 +455,10 @@
     var sel = selected, selU = sel === -1 ? -1 : L.unitOfKey.get(sel);
     if (selU === undefined) selU = -1;
     var batches = { normal: [], failed: [], sel: [] };
+    var box = L.ueBox;
     for (i = 0; i < L.ueSrc.length; i++) {
       var a = L.ueSrc[i], b = L.ueDst[i];
-      var ax = L.x[a], ay = L.y[a] + L.h[a] / 2, bx = L.x[b], by = L.y[b] - L.h[b] / 2;
-      if (Math.max(ax, bx) < vx0 || Math.min(ax, bx) > vx1 || Math.max(ay, by) < vy0 || Math.min(ay, by) > vy1) continue;
+      if (box[4 * i + 2] < vx0 || box[4 * i] > vx1 || box[4 * i + 3] < vy0 || box[4 * i + 1] > vy1) continue;
       if (a === selU || b === selU) batches.sel.push(i);
       else if (L.uStatus[a]) batches.failed.push(i);
       else batches.normal.push(i);
@@ -415,8 +470,17 @@
         var e = list[q], a = L.ueSrc[e], b = L.ueDst[e];
         var ax = L.x[a], ay = L.y[a] + L.h[a] / 2, bx = L.x[b], by = L.y[b] - L.h[b] / 2;
         ctx.moveTo(ax, ay);
+        var pts = L.uePts[e];
         if (by <= ay) { // drawn against the flow (only with collapsed groups): a gentle loop
           ctx.bezierCurveTo(ax + 60, ay + 40, bx + 60, by - 40, bx, by);
+        } else if (pts) {  // through its virtual points, vertical at each
+          var px = ax, py = ay;
+          for (var z = 0; z <= pts.length; z++) {
+            var qx = z < pts.length ? L.x[pts[z]] : bx, qy = z < pts.length ? L.y[pts[z]] : by;
+            if (k < 0.12) ctx.lineTo(qx, qy);
+            else { var hy = (qy - py) * 0.5; ctx.bezierCurveTo(px, py + hy, qx, qy - hy, qx, qy); }
+            px = qx; py = qy;
+          }
         } else if (k < 0.12) ctx.lineTo(bx, by);
         else { var my = (by - ay) * 0.5; ctx.bezierCurveTo(ax, ay + my, bx, by - my, bx, by); }
       }
@@ -440,10 +504,11 @@
       var shown = 0, lists = [batches.sel, batches.failed, batches.normal], placed = [];
       for (var li = 0; li < lists.length && shown < 400; li++) {
         for (var q = 0; q < lists[li].length && shown < 400; q++) {
-          var ue = lists[li][q], s = L.ueSrc[ue], t = L.ueDst[ue];
-          if (L.layer[t] - L.layer[s] > 1 && li > 0) continue;
+          var ue = lists[li][q], s = L.ueSrc[ue], t = L.ueDst[ue], pt = L.uePts[ue];
+          if (L.layer[t] - L.layer[s] > 1 && li > 0 && !pt) continue;
           var ed = D.edges[L.ueEdge[ue]], lab = ed[4] + "[" + ed[3] + "]";
-          var mx = (L.x[s] + L.x[t]) / 2 + 4, my = (L.y[s] + L.h[s] / 2 + L.y[t] - L.h[t] / 2) / 2 + 3;
+          var tx = pt ? L.x[pt[0]] : L.x[t], ty = pt ? L.y[pt[0]] : L.y[t] - L.h[t] / 2;
+          var mx = (L.x[s] + tx) / 2 + 4, my = (L.y[s] + L.h[s] / 2 + ty) / 2 + 3;
           if (mx < vx0 || mx > vx1 || my < vy0 || my > vy1) continue;
           var lw = textWidth(lab) * 0.86 + 2, clash = false;
           for (var z = 0; z < placed.length && !clash; z++) {
@@ -600,6 +665,7 @@
       var row = L.layers[l];
       for (var q = 0; q < row.length; q++) {
         var u = row[q];
+        if (u >= L.U) continue;  // a virtual point of a long edge
         if (Math.abs(L.x[u] - wx) <= L.w[u] / 2 + 2 && Math.abs(L.y[u] - wy) <= L.h[u] / 2 + 2) return u;
       }
     }
@@ -918,6 +984,10 @@
       };
     },
     transform: function () { return { x: transform.x, y: transform.y, k: transform.k }; },
+    fitAll: function () {  // everything in view, however small
+      var b = L.bounds, k = Math.min(cssW / (b[2] - b[0] + 40), cssH / (b[3] - b[1] + 40));
+      centerOn((b[0] + b[2]) / 2, (b[1] + b[3]) / 2, k, 0);
+    },
     redraw: draw
   };
   document.body.setAttribute("data-ready", "1");
