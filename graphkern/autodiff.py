@@ -4,27 +4,58 @@ MLX's ``CustomKernel`` primitive has no vjp, so ``mx.grad`` through a GPU kernel
 runs a kernel's forward inside ``mx.custom_function`` whose vjp is the kernel's own backward
 (``Kernel.vjp``) when the user gave one, else the vjp of its pure-MLX reference. The runtime uses it
 for every GPU launch (see ``runtime.differentiable_launch``); graphkern's inspection traces skip it,
-because ``mx.export_function`` cannot export a custom function with a vjp.
+because ``mx.export_function`` cannot export a custom function with a vjp. To export a function with
+GPU kernels yourself, launch them inside ``without_vjp()``.
 
 This module imports only ``graphkern.nodes``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
 
 from .nodes import KernelError, Status
 
-__all__ = ["with_vjp"]
+__all__ = ["vjp_enabled", "with_vjp", "without_vjp"]
 
 Forward = Callable[[list[Any]], list[mx.array]]
 #: ``vjp(primals, cotangents, outputs) -> one cotangent (or None) per input``, as ``Kernel.vjp``.
 Backward = Callable[[list[Any], list[mx.array], list[mx.array]], Sequence[Any]]
 
 _VJP = "differentiate a graphkern kernel"
+
+
+class _Switch(threading.local):
+    depth = 0
+
+
+_switch = _Switch()
+
+
+@contextlib.contextmanager
+def without_vjp() -> Iterator[None]:
+    """Launch kernels plain on this thread for the duration: no custom vjp, so ``mx.export_function``
+    can export them, and no gradients through GPU kernels traced meanwhile.
+
+    >>> with without_vjp():
+    ...     vjp_enabled()
+    False
+    """
+    _switch.depth += 1
+    try:
+        yield
+    finally:
+        _switch.depth -= 1
+
+
+def vjp_enabled() -> bool:
+    """False inside ``without_vjp()``."""
+    return _switch.depth == 0
 
 
 def _merge(inputs: Sequence[Any], positions: list[int], arrays: Sequence[mx.array]) -> list[Any]:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import mlx.core as mx
 
-from .autodiff import with_vjp
+from .autodiff import vjp_enabled, with_vjp
 from .nodes import Kernel, KernelError, KernelResult, OutputSpec, Status, TemplateArg, TemplateLike
 
 __all__ = [
@@ -580,12 +580,13 @@ def differentiable_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
     """Run ``launch`` inside ``mx.custom_function`` so ``mx.grad`` works through it: the backward
     is ``Kernel.vjp`` when given, else the vjp of the reference (MLX's CustomKernel has none).
 
-    Inside graphkern's inspection traces the launch runs plain: ``mx.export_function`` cannot
-    export a custom function with a vjp, and a trace only records.
+    Inside graphkern's inspection traces and ``autodiff.without_vjp()`` the launch runs plain:
+    ``mx.export_function`` cannot export a custom function with a vjp, and a trace only records.
     """
     forward = run_reference if launch.backend == "reference" else _run_native
     kernel = launch.kernel
-    if _inside_inspection_trace() or (kernel.vjp is None and kernel.reference is None):
+    plain = not vjp_enabled() or _inside_inspection_trace()
+    if plain or (kernel.vjp is None and kernel.reference is None):
         return forward(launch, inputs)
     reference = functools.partial(run_reference, launch) if kernel.reference is not None else None
     return with_vjp(functools.partial(forward, launch), inputs, reference=reference, vjp=kernel.vjp,

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 
 import graphkern as gk
 from graphkern import runtime
-from graphkern.autodiff import with_vjp
+from graphkern.autodiff import with_vjp, without_vjp
 from graphkern.models import patch, unpatch
 from graphkern.models.tiny import tiny_model
 
@@ -81,6 +81,22 @@ def test_without_the_wrapper_an_opaque_launch_has_no_gradient(opaque_gpu, monkey
                        atol=1e-5).item()
     monkeypatch.setattr(runtime, "differentiable_launch", runtime._run_native)
     assert mx.grad(loss)(w).abs().max().item() == 0.0  # what MLX alone would give (or raise, on a GPU)
+
+
+def test_without_vjp_makes_gpu_launches_exportable(opaque_gpu):
+    x, w = mx.random.normal((2, 16), key=mx.random.key(0)), mx.ones((16,))
+
+    def fn(x, w):
+        return gk.kernels.rms_norm(x, w, 1e-5)
+
+    with pytest.raises(ValueError, match="CustomTransforms"):  # MLX cannot export a custom vjp
+        mx.export_function(lambda event: None, fn, x, w)
+    events = []
+    with without_vjp():
+        mx.export_function(events.append, fn, x, w)
+        assert mx.grad(lambda w: fn(x, w).sum())(w).abs().max().item() == 0.0  # and no gradient
+    assert any(e["type"] == "primitive" for e in events)
+    assert mx.grad(lambda w: fn(x, w).sum())(w).abs().max().item() > 0  # back on afterwards
 
 
 def _twice_kernel(vjp=None):
