@@ -1,0 +1,109 @@
+"""graphkern.check on CPU: report contents, tolerances, failure detection and the no-GPU note."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from graphkern.check import TOLERANCES, CheckReport, check, compare, strided
+from graphkern.kernels import LIBRARY, RMS_NORM, Case
+from graphkern.nodes import KernelError
+from graphkern.runtime import active_backend
+
+
+def test_check_covers_dtypes_shapes_and_layouts() -> None:
+    report = check("rms_norm", shapes=[(4, 64), (2, 3, 100)], seed=1)
+    assert isinstance(report, CheckReport) and report.ok and bool(report)
+    assert len(report.cases) == 2 * 3 * 2
+    assert {c.dtype for c in report.cases} == {"float32", "float16", "bfloat16"}
+    assert {c.layout for c in report.cases} == {"contiguous", "strided"}
+    assert {c.shape for c in report.cases} == {(4, 64), (2, 3, 100)}
+    for case in report.cases:
+        assert (case.atol, case.rtol) == TOLERANCES[getattr(mx, case.dtype)]
+        assert case.max_abs_err == 0.0 and case.max_rel_err == 0.0 and case.passed
+
+
+def test_on_cpu_the_report_says_the_reference_ran() -> None:
+    assert active_backend() == "reference"
+    report = check("softmax", shapes=[(3, 10)], dtypes=[mx.float32])
+    assert report.backends == ["reference"]
+    text = str(report)
+    assert "backend 'reference'" in text and "not GPU numerics" in text
+    columns = ("kernel", "shape", "dtype", "backend", "max abs err", "max rel err", "tolerance", "passed")
+    assert all(column in text for column in columns)
+
+
+def test_check_by_kernel_object_kernel_name_or_everything() -> None:
+    assert {c.kernel for c in check(RMS_NORM, shapes=[(2, 8)], dtypes=[mx.float32]).cases} == {"rms_norm"}
+    by_kernel_name = check("gk_gelu", shapes=[(2, 8)], dtypes=[mx.float16], strided_inputs=False)
+    assert [c.kernel for c in by_kernel_name.cases] == ["gelu", "gelu_approx"]
+    everything = check(None, shapes=[(2, 16)], dtypes=[mx.bfloat16], strided_inputs=False)
+    assert {c.kernel for c in everything.cases} == set(LIBRARY)
+    assert {c.shape for c in everything.cases if c.kernel.startswith("rope")} == {(1, 2, 16)}  # padded to 3-D
+
+
+def test_unknown_targets_and_dtypes_are_refused() -> None:
+    with pytest.raises(KernelError, match="not in graphkern.kernels.LIBRARY"):
+        check("no_such_kernel")
+    with pytest.raises(KernelError, match="unsupported dtype"):
+        check("rms_norm", dtypes=[mx.int32])
+    with pytest.raises(TypeError):
+        check(42)  # type: ignore[arg-type]
+
+
+def test_a_wrong_kernel_fails_with_its_worst_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphkern.check as check_module
+
+    real_apply = check_module.apply_plan
+    calls: list[str | None] = []
+
+    def native_is_off_by_one_percent(plan, backend=None):  # type: ignore[no-untyped-def]
+        calls.append(backend)  # each case runs the native backend first, then the reference
+        outs = real_apply(plan, "reference")
+        return outs if len(calls) % 2 == 0 else [o * 1.01 for o in outs]
+
+    monkeypatch.setattr(check_module, "apply_plan", native_is_off_by_one_percent)
+    report = check("rms_norm", shapes=[(4, 64)], dtypes=[mx.float32, mx.bfloat16], strided_inputs=False)
+    assert not report.ok
+    f32, bf16 = report.cases
+    assert not f32.passed and 0.009 < f32.max_rel_err < 0.011 and f32.max_abs_err > 1e-3
+    assert bf16.passed  # 1% is within bfloat16's tolerance
+    assert report.failures == [f32] and "NO" in str(report)
+
+
+def test_a_kernel_error_becomes_a_failed_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphkern.check as check_module
+
+    def broken(plan, backend=None):  # type: ignore[no-untyped-def]
+        raise KernelError("launch the cuda kernel 'gk_rms_norm'", "Failed to compile kernel: x.cu(3): error")
+
+    monkeypatch.setattr(check_module, "apply_plan", broken)
+    report = check("rms_norm", shapes=[(2, 8)], dtypes=[mx.float32], strided_inputs=False)
+    assert not report.ok
+    assert report.cases[0].error is not None and "Failed to compile" in report.cases[0].error
+
+
+def test_compare_uses_allclose_semantics_and_matching_nans() -> None:
+    ref = [mx.array([1.0, 100.0, 0.0, float("nan")])]
+    assert compare([mx.array([1.0, 100.05, 5e-6, float("nan")])], ref, 1e-5, 1e-3)[2]
+    assert not compare([mx.array([1.0, 100.2, 0.0, float("nan")])], ref, 1e-5, 1e-3)[2]
+    assert not compare([mx.array([1.0, 100.0, 0.0, 1.0])], ref, 1e-5, 1e-3)[2]  # a lost NaN fails
+    assert not compare([mx.zeros((2,))], [mx.zeros((3,))], 1.0, 1.0)[2]
+
+
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), dtype=st.sampled_from(list(TOLERANCES)))
+def test_strided_views_keep_values(shape: list[int], dtype: mx.Dtype) -> None:
+    a = mx.random.normal(tuple(shape)).astype(dtype)
+    s = strided(a)
+    assert s.shape == a.shape and s.dtype == a.dtype and mx.array_equal(s, a).item()
+
+
+@given(seed=st.integers(0, 2**20), n=st.integers(1, 64))
+def test_check_is_deterministic_for_a_seed(seed: int, n: int) -> None:
+    entry = LIBRARY["layer_norm"]
+    a = entry.make_inputs((2, n), mx.float32, mx.random.key(seed))
+    b = entry.make_inputs((2, n), mx.float32, mx.random.key(seed))
+    assert all(mx.array_equal(x, y).item() for x, y in zip(a.args, b.args) if isinstance(x, mx.array))
+    assert isinstance(a, Case)
