@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,14 +292,18 @@ class Graph:
         if isinstance(text, (bytes, bytearray)):
             if len(text) > MAX_JSON_BYTES:
                 raise _load_error(f"document is {len(text)} bytes, over {MAX_JSON_BYTES}")
-            text = text.decode("utf-8", errors="strict")
+            try:
+                text = bytes(text).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _load_error(f"not UTF-8 text ({exc.reason} at byte {exc.start}); the file "
+                                  f"may be corrupt") from None
         if not isinstance(text, str):
             raise _load_error(f"expected str or bytes, got {type(text).__name__}")
         if len(text) > MAX_JSON_BYTES:
             raise _load_error(f"document is {len(text)} characters, over {MAX_JSON_BYTES}")
         try:
             doc = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, over-long numbers
             raise _load_error(f"not valid JSON ({exc}); the file may be truncated or corrupt") from exc
         return cls.from_dict(doc)
 
@@ -308,8 +311,9 @@ class Graph:
     def from_dict(cls, doc: Any) -> Graph:
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
             raise _load_error(f"not a graphkern graph (expected schema {SCHEMA!r})")
-        if doc.get("version") != SCHEMA_VERSION:
-            raise _load_error(f"unsupported schema version {doc.get('version')!r}; "
+        version = doc.get("version")
+        if type(version) is not int or version != SCHEMA_VERSION:
+            raise _load_error(f"unsupported schema version {version!r}; "
                               f"this graphkern reads version {SCHEMA_VERSION}")
         nodes, edges = doc.get("nodes"), doc.get("edges")
         if not isinstance(nodes, list) or not isinstance(edges, list) or not isinstance(
@@ -318,19 +322,29 @@ class Graph:
         g = nx.MultiDiGraph()
         g.graph.update(doc["graph"])
         for item in nodes:
-            _require(item, ("id", "kind", "status", "order"), "node")
-            if item["kind"] not in {k.value for k in NodeKind}:
-                raise _load_error(f"node {item['id']!r} has unknown kind {item['kind']!r}")
-            if item["status"] not in {int(s) for s in Status}:
-                raise _load_error(f"node {item['id']!r} has unknown status {item['status']!r}")
-            g.add_node(item["id"], **{k: v for k, v in item.items() if k != "id"})
+            _require(item, _NODE_FIELDS, "node")
+            name = item["id"]
+            if name in g:
+                raise _load_error(f"node {name!r} appears twice")
+            if item["kind"] not in _KINDS:
+                raise _load_error(f"node {name!r} has unknown kind {item['kind']!r}")
+            if type(item["status"]) is not int or item["status"] not in _STATUSES:
+                raise _load_error(f"node {name!r} has unknown status {item['status']!r}")
+            g.add_node(name, **{k: v for k, v in item.items() if k != "id"})
         for item in edges:
-            _require(item, ("source", "target", "key", "shape", "dtype"), "edge")
-            if item["source"] not in g or item["target"] not in g:
-                raise _load_error(f"edge {item['source']!r} -> {item['target']!r} names a missing node")
+            _require(item, _EDGE_FIELDS, "edge")
+            source, target, key = item["source"], item["target"], item["key"]
+            if source not in g or target not in g:
+                raise _load_error(f"edge {source!r} -> {target!r} names a missing node")
+            shape = item["shape"]
+            if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+                raise _load_error(f"edge {source!r} -> {target!r}: shape must be a list of "
+                                  f"non-negative ints, got {shape!r}")
+            if g.has_edge(source, target, key=key):
+                raise _load_error(f"edge {source!r} -> {target!r} ({key!r}) appears twice")
             data = {k: v for k, v in item.items() if k not in ("source", "target", "key")}
-            data["shape"] = tuple(data["shape"])
-            g.add_edge(item["source"], item["target"], key=item["key"], **data)
+            data["shape"] = tuple(shape)
+            g.add_edge(source, target, key=key, **data)
         if not nx.is_directed_acyclic_graph(g):
             raise _load_error("the edges form a cycle")
         graph = cls.__new__(cls)
@@ -382,9 +396,24 @@ def _load_error(description: str) -> KernelError:
     return KernelError(_LOAD, description, Status.INVALID_INPUT)
 
 
-def _require(item: Any, keys: Iterable[str], what: str) -> None:
+_KINDS = frozenset(k.value for k in NodeKind)
+_STATUSES = frozenset(int(s) for s in Status)
+#: what every node and edge of a document must have, and of which JSON type (ints exclude bools)
+_NODE_FIELDS = {"id": str, "kind": str, "label": str, "op": str, "scope": str, "status": int,
+                "order": int}
+_EDGE_FIELDS = {"source": str, "target": str, "key": str, "shape": list, "dtype": str, "index": int}
+
+
+def _require(item: Any, fields: dict[str, type], what: str) -> None:
+    """``item`` is an object with every field of ``fields``, each of its JSON type."""
     if not isinstance(item, dict):
         raise _load_error(f"each {what} must be an object, got {type(item).__name__}")
-    missing = [k for k in keys if k not in item]
+    name = item.get("id", item.get("source", "?"))
+    missing = [k for k in fields if k not in item]
     if missing:
-        raise _load_error(f"{what} {item.get('id', item.get('source', '?'))!r} lacks {missing}")
+        raise _load_error(f"{what} {name!r} lacks {missing}")
+    for key, kind in fields.items():
+        value = item[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise _load_error(f"{what} {name!r}: {key!r} must be {kind.__name__}, "
+                              f"got {type(value).__name__}")
