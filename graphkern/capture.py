@@ -317,6 +317,7 @@ class _Folder:
             return
         raw_outputs, inputs = self._record_arrays(record, depends)
         body = self._body(raw_outputs, set(inputs), depends, exclusive=True)
+        body -= {self.producer[a][0] for a in inputs if a in self.producer}  # inputs stay outside
         generated = [g.nodes[n].get("generated_name") for n in body if g.nodes[n]["op"] == "CustomKernel"]
         if generated and generated[0]:
             attrs["generated_name"] = generated[0]

@@ -15,8 +15,9 @@ import math
 import os
 import re
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -198,7 +199,7 @@ def _build_mlx_kernel(backend: str, kernel: Kernel) -> Any:
         if backend == "metal":
             return mx.fast.metal_kernel(
                 name=name, input_names=list(kernel.input_names),
-                output_names=list(kernel.output_names), source=kernel.metal, header=kernel.header,
+                output_names=list(kernel.output_names), source=kernel.metal or "", header=kernel.header,
                 ensure_row_contiguous=kernel.ensure_row_contiguous,
                 atomic_outputs=kernel.atomic_outputs)
         if kernel.cuda is not None:
@@ -403,7 +404,7 @@ def _check_template(template: object) -> tuple[TemplateArg, ...]:
             raise _fail(Status.INVALID_TEMPLATE,
                         f"template {item.name!r}: value must be an mlx dtype, int or bool, "
                         f"got {type(item.value).__name__}")
-        if item.kind == "int" and not -(2**31) <= int(item.value) <= _INT32_MAX:
+        if isinstance(item.value, int) and not -(2**31) <= item.value <= _INT32_MAX:
             raise _fail(Status.INVALID_TEMPLATE,
                         f"template {item.name!r}: value {item.value} does not fit in int32")
         args.append(item)
@@ -432,10 +433,7 @@ _VALIDATED_MAX = 4096
 
 
 def _exact(values: Any, kind: type) -> bool:
-    for value in values:
-        if value.__class__ is not kind:
-            return False
-    return True
+    return all(value.__class__ is kind for value in values)
 
 
 def _launch_key(kernel: Kernel, output_specs: Any, grid: Any, threadgroup: Any, template: Any,

@@ -14,8 +14,9 @@ import gc
 import os
 import random
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -115,7 +116,7 @@ class _ModuleHooks:
             for owner in owners:
                 original, count = cls._patched.get(owner, (owner.__dict__["__call__"], 0))
                 if count == 0:
-                    setattr(owner, "__call__", _hooked(original))
+                    owner.__call__ = _hooked(original)  # type: ignore[method-assign]
                 cls._patched[owner] = (original, count + 1)
         return list(owners)
 
@@ -125,7 +126,7 @@ class _ModuleHooks:
             for owner in owners:
                 original, count = cls._patched[owner]
                 if count == 1:
-                    setattr(owner, "__call__", original)
+                    owner.__call__ = original  # type: ignore[method-assign]
                     del cls._patched[owner]
                 else:
                     cls._patched[owner] = (original, count - 1)
@@ -134,7 +135,9 @@ class _ModuleHooks:
 def _hooked(original: Callable[..., Any]) -> Callable[..., Any]:
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         recorder = current_recorder()
-        path = recorder.modules.get(id(self)) if isinstance(recorder, TraceRecorder) else None
+        if not isinstance(recorder, TraceRecorder):
+            return original(self, *args, **kwargs)
+        path = recorder.modules.get(id(self))
         if path is None or (recorder.stack and recorder.stack[-1][0] == id(self)):
             return original(self, *args, **kwargs)
         inputs = Flat.of(args, kwargs, []).arrays
@@ -163,6 +166,9 @@ class _Traceable:
     """``fn`` with its arguments and state flattened to arrays, ready for MLX's transforms."""
 
     def __init__(self, fn: Callable[..., Any], state: Any = None):
+        if not callable(fn):
+            raise KernelError(_TRACE, f"expected a function or nn.Module, got {type(fn).__name__}",
+                              Status.INVALID_INPUT)
         self.fn = fn
         self.state = State.of(fn, state)
         self.arg_names = argument_names(fn)
@@ -208,7 +214,7 @@ class _Traceable:
             finally:
                 _ModuleHooks.remove(owners)
             attrs = {"name": self.name, "backend": backend or runtime.active_backend(),
-                     "mlx_version": mx.__version__}
+                     "mlx_version": getattr(mx, "__version__", "?")}
             g = build_graph(log, flat.names + self.state.names, recorder.records,
                             recorder.nonce, attrs)
             return Graph(g), out.get("spec")
