@@ -307,3 +307,31 @@ def test_notebook_iframe_renders(browser: Any, tmp_path: Path) -> None:
     assert child.evaluate("gk.nodeState('tanh_1').style") == "upstream"
     assert errors == []
     page.close()
+
+
+def test_module_tree_and_keyboard(viewer: Any) -> None:
+    v = viewer(vg.transformer(2, failed_layer=1))
+    v.page.click("#gk-modules")
+    rows = v.page.locator("#gk-tree .gk-trow")
+    assert rows.count() == 5  # embed_tokens, layers.0, layers.1, norm, lm_head
+    assert "layers.1" in v.page.inner_text("#gk-tree")
+    # open layers.0 in the tree, fold its self_attn from there
+    v.page.click("#gk-tree .gk-trow[data-g] >> text=layers.0")
+    assert v.js("gk.selected()") == "layers.0"
+    v.page.locator("#gk-tree .gk-trow", has_text="layers.0").locator(".tw").click()
+    attn = v.page.locator("#gk-tree .gk-trow", has_text="self_attn").first
+    attn.locator(".fold").click()
+    assert not v.state("softmax")["visible"]
+    assert attn.locator(".fold").inner_text() == "unfold"
+    attn.locator(".fold").click()
+    assert v.state("softmax")["visible"]
+    # arrow keys follow the data
+    v.js("() => gk.focus('softmax')")
+    v.page.locator("#gk-canvas").focus()
+    v.page.keyboard.press("ArrowDown")
+    assert v.js("gk.selected()") == "matmul_4"
+    v.page.keyboard.press("ArrowUp")
+    assert v.js("gk.selected()") == "softmax"
+    v.page.keyboard.press("m")
+    assert not v.page.is_visible("#gk-tree")
+    assert v.errors == []

@@ -53,7 +53,7 @@ def test_viewer_data_schema() -> None:
     assert kinds[row[1]] == "kernel" and row[5] == 8 and row[6] == ids.index("scale_add")
     down = d["nodes"][ids.index("sum")]
     assert down[5] == 10 and down[6] == ids.index("scale_add")
-    assert [gr[0] for gr in d["groups"]] == ["mlp", "mlp.act", "mlp.up"]
+    assert [gr[0] for gr in d["groups"]] == ["mlp", "mlp.up", "mlp.act"]  # as they first appear
     assert d["groups"][row[4]][0] == "mlp"
     edge = next(e for e in d["edges"] if ids[e[0]] == "matmul")
     assert edge[3:5] == ["4,8", "float32"] and ids[edge[1]] == "scale_add"

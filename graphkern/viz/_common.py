@@ -232,14 +232,15 @@ def node_text(value: Any) -> str:
 
 
 def group_tree(scopes: Iterable[Any]) -> list[tuple[str, str, int, int]]:
-    """Groups for a set of scopes: ``(path, label, parent index, depth)``, parents first.
+    """Groups for scopes given in topological order: ``(path, label, parent index, depth)``,
+    parents first, siblings in order of first appearance (``layers.2`` before ``layers.10``).
 
-    >>> group_tree(["a.b", "a"])
-    [('a', 'a', -1, 0), ('a.b', 'b', 0, 1)]
+    >>> group_tree(["a.b", "a", "c"])
+    [('a', 'a', -1, 0), ('a.b', 'b', 0, 1), ('c', 'c', -1, 0)]
     """
     index: dict[str, int] = {}
     out: list[tuple[str, str, int, int]] = []
-    for scope in sorted({str(s) for s in scopes if s}):
+    for scope in dict.fromkeys(str(s) for s in scopes if s):
         parts = scope_parts(scope)
         for depth in range(len(parts)):
             path = ".".join(parts[: depth + 1])

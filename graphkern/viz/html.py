@@ -132,6 +132,7 @@ _PAGE = """<!DOCTYPE html>
       <span id="gk-search-count"></span>
       <div id="gk-results" role="listbox"></div>
     </div>
+    <button class="gk-btn" id="gk-modules" title="Module tree (m)">Modules</button>
     <button class="gk-btn" id="gk-fit" title="Fit to view (f)">Fit</button>
     <select class="gk-btn" id="gk-depth" title="Collapse module groups">
       <option value="-1">expand all groups</option>
@@ -140,6 +141,7 @@ _PAGE = """<!DOCTYPE html>
   <div id="gk-banner" role="alert"></div>
   <div id="gk-diffbar"></div>
   <div id="gk-main">
+    <nav id="gk-tree" aria-label="modules"></nav>
     <div id="gk-canvas-wrap">
       <canvas id="gk-canvas" aria-label="graph"></canvas>
       <canvas id="gk-minimap" width="150" height="200" aria-label="minimap"></canvas>

@@ -734,6 +734,7 @@
       anchor = [focusKey, L.x[u0] * transform.k + transform.x, L.y[u0] * transform.k + transform.y];
     }
     layout();
+    if (treeBuilt) renderTree();
     if (anchor) {
       var u1 = L.unitOfKey.get(anchor[0]);
       if (u1 === undefined && anchor[0] >= 0) u1 = L.unitOfNode[anchor[0]];
@@ -752,7 +753,7 @@
   function reveal(n) {
     var changed = false;
     if (nGroup[n] >= 0) gChain[nGroup[n]].forEach(function (g) { if (collapsed[g]) { collapsed[g] = 0; changed = true; } });
-    if (changed) layout();
+    if (changed) { layout(); if (treeBuilt) renderTree(); }
   }
 
   // ------------------------------------------------------------------ selection and panel
@@ -906,10 +907,67 @@
     if (ev.key === "/") { ev.preventDefault(); search.focus(); search.select(); }
     else if (ev.key === "Escape") select(-1);
     else if (ev.key === "f") fit(300);
+    else if (ev.key === "m") treeBtn.click();
+    else if ((ev.key === "ArrowUp" || ev.key === "ArrowDown") && selected >= 0) {
+      // follow the data: to the first input's producer, or to the first consumer
+      var list = ev.key === "ArrowUp" ? inE[selected] : outE[selected];
+      if (list.length) { ev.preventDefault(); focusNode(ev.key === "ArrowUp" ? eSrc[list[0]] : eDst[list[0]], 150); }
+    }
   });
 
   // ------------------------------------------------------------------ toolbar, banners
   document.getElementById("gk-fit").addEventListener("click", function () { fit(300); });
+
+  // ------------------------------------------------------------------ module tree
+  var tree = document.getElementById("gk-tree"), treeBtn = document.getElementById("gk-modules");
+  var gChildren = [], topGroups = [];
+  for (g = 0; g < G; g++) gChildren.push([]);
+  for (g = 0; g < G; g++) (gParent[g] >= 0 ? gChildren[gParent[g]] : topGroups).push(g);
+  var treeOpen = new Uint8Array(G), treeBuilt = false;
+  function treeRow(g) {
+    var dot = gRootFail[g] ? "#dc2626" : gFailed[g] ? "#fca5a5" : "transparent";
+    return '<div class="gk-trow" data-g="' + g + '" style="padding-left:' + (4 + 14 * gDepth[g]) + 'px">' +
+      '<span class="tw">' + (gChildren[g].length ? (treeOpen[g] ? "\u25BE" : "\u25B8") : "") + "</span>" +
+      '<span class="dot" style="background:' + dot + '"></span>' +
+      '<span class="nm" title="' + esc(gPath[g]) + '">' + esc(gLabel[g]) + '</span><span class="ct">' + gSize[g] + "</span>" +
+      '<button class="fold" title="fold or unfold in the graph">' + (collapsed[g] ? "unfold" : "fold") + "</button></div>";
+  }
+  function treeHtml(list) {
+    var h = "";
+    list.forEach(function (g) { h += treeRow(g); if (treeOpen[g]) h += treeHtml(gChildren[g]); });
+    return h;
+  }
+  function renderTree() {
+    if (!tree.classList.contains("open")) return;
+    var top = tree.scrollTop;
+    tree.innerHTML = G ? treeHtml(topGroups) : '<div class="gk-trow"><span class="nm">no module scopes</span></div>';
+    tree.scrollTop = top;
+    treeBuilt = true;
+  }
+  function focusGroup(g) {
+    var changed = false;
+    gChain[g].slice(0, -1).forEach(function (a) { if (collapsed[a]) { collapsed[a] = 0; changed = true; } });
+    if (changed) layout();
+    select(-g - 1);
+    var u = L.unitOfKey.get(-g - 1);
+    if (u !== undefined) { centerOn(L.x[u], L.y[u], Math.max(transform.k, 0.9), 300); return; }
+    for (var i = 0; i < L.frames.length; i++) if (L.frames[i].g === g) {
+      var f = L.frames[i], k = Math.max(Math.min(transform.k, 1.2), 0.5);
+      centerOn((f.x0 + f.x1) / 2, Math.min((f.y0 + f.y1) / 2, f.y0 + cssH / 2 / k - 10), k, 300);
+      return;
+    }
+  }
+  treeBtn.addEventListener("click", function () {
+    tree.classList.toggle("open"); renderTree(); resizeSoon();
+  });
+  tree.addEventListener("click", function (ev) {
+    var rowEl = ev.target.closest(".gk-trow");
+    if (!rowEl || rowEl.dataset.g === undefined) return;
+    var g = +rowEl.dataset.g;
+    if (ev.target.classList.contains("tw")) { treeOpen[g] = treeOpen[g] ? 0 : 1; renderTree(); }
+    else if (ev.target.classList.contains("fold")) { setCollapsed(g, !collapsed[g]); renderTree(); }
+    else focusGroup(g);
+  });
   var depthSel = document.getElementById("gk-depth");
   var maxDepth = 0; for (g = 0; g < G; g++) maxDepth = Math.max(maxDepth, gDepth[g] + 1);
   for (var dpt = 0; dpt < maxDepth; dpt++) { var o = document.createElement("option"); o.value = dpt; o.textContent = dpt ? "collapse below level " + dpt : "collapse all groups"; depthSel.appendChild(o); }
@@ -971,6 +1029,7 @@
     selected: function () { return selected >= 0 ? nId[selected] : selected === -1 ? null : gPath[-selected - 1]; },
     collapse: function (path, on) { var g = gPath.indexOf(path); if (g < 0) throw new Error("no group " + path); setCollapsed(g, on !== false); },
     collapseToDepth: collapseToDepth,
+    focusGroup: function (path) { var g = gPath.indexOf(path); if (g < 0) throw new Error("no group " + path); focusGroup(g); },
     screenBox: function (id) {
       var n = nodeIndex(id), u = L.unitOfNode[n], k = transform.k, r = canvas.getBoundingClientRect();
       return { x: r.left + (L.x[u] - L.w[u] / 2) * k + transform.x, y: r.top + (L.y[u] - L.h[u] / 2) * k + transform.y, width: L.w[u] * k, height: L.h[u] * k };
