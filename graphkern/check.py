@@ -125,9 +125,15 @@ def compare(out: Sequence[mx.array], ref: Sequence[mx.array], atol: float,
         ok = diff <= atol + rtol * mx.abs(mx.where(both, 0.0, rf))
         passed = passed and bool(mx.all(ok).item())
         if diff.size:
-            max_abs = max(max_abs, float(diff.max().item()))
-            max_rel = max(max_rel, float((diff / mx.maximum(mx.abs(rf), atol)).max().item()))
+            max_abs = max(max_abs, _scalar(diff.max()))
+            max_rel = max(max_rel, _scalar((diff / mx.maximum(mx.abs(rf), atol)).max()))
     return max_abs, max_rel, passed
+
+
+def _scalar(a: mx.array) -> float:
+    value = a.item()
+    assert isinstance(value, float)
+    return value
 
 
 def strided(a: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -88,7 +89,7 @@ def test_rope_offsets_frequencies_and_partial_rotation_match_mx_fast() -> None:
     offsets = mx.array([0, 4, 9], dtype=mx.int32)
     for traditional in (False, True):
         for dims in (32, 16):
-            kw = {"traditional": traditional, "base": 500000.0, "scale": 0.25}
+            kw: dict[str, Any] = {"traditional": traditional, "base": 500000.0, "scale": 0.25}
             assert_close(gkk.rope(x, dims, offset=offsets, **kw),
                          mx.fast.rope(x, dims, offset=offsets, **kw), mx.float32)
             assert_close(gkk.rope(x, dims, offset=11, **kw), mx.fast.rope(x, dims, offset=11, **kw),
@@ -144,7 +145,7 @@ def test_rope_matches_mx_fast_for_any_shape(b: int, h: int, seq: int, half: int,
                                             traditional: bool, offset: int, dtype: mx.Dtype) -> None:
     dims = 2 * half
     x = mx.random.normal((b, h, seq, dims + extra)).astype(dtype)
-    kw = {"traditional": traditional, "base": 10000.0, "scale": 1.0, "offset": offset}
+    kw: dict[str, Any] = {"traditional": traditional, "base": 10000.0, "scale": 1.0, "offset": offset}
     # mx.fast.rope's CPU fallback rounds cos and sin to the dtype; the library (like MLX's GPU
     # kernels) computes in float32, so the oracle is the float32 rotation rounded once
     exact = mx.fast.rope(x.astype(mx.float32), dims, **kw).astype(dtype)

@@ -22,7 +22,7 @@ DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 # Every NVRTC compile costs seconds, so the shapes are chosen to cover each code path once per
 # dtype: a warp-only row (4x64), vectorized rows in registers (64x4096), rows that fit no vector
 # width (4097: scalar path), streamed rows (> 8192 elements), and odd elementwise sizes.
-ROWS = [(4, 64), (64, 4096), (3, 4097), (2, 20000)]
+ROWS: list[tuple[int, ...]] = [(4, 64), (64, 4096), (3, 4097), (2, 20000)]
 GPU_SHAPES: dict[str, list[tuple[int, ...]]] = {
     "rms_norm": ROWS,
     "layer_norm": ROWS,
