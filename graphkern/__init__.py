@@ -7,12 +7,29 @@ True
 
 from __future__ import annotations
 
-from .nodes import Kernel, KernelError, KernelResult, NodeKind, OutputSpec, Status, TemplateArg
 from .graph import Failure, Graph, GraphError
+from .nodes import Kernel, KernelError, KernelResult, NodeKind, OutputSpec, Status, TemplateArg
 from .runtime import active_backend, apply, apply_in_graph, kernel_cache, launch
 from .trace import CompiledGraph, compile, trace
 
 __version__ = "0.1.0"
+
+_LAZY = {  # heavier parts, imported on first use so `import graphkern` stays light
+    "wrap": "graphkern.models", "patch": "graphkern.models", "unpatch": "graphkern.models",
+    "check_model": "graphkern.models", "check": "graphkern.check", "diff": "graphkern.viz.diff",
+    "kernels": "graphkern.kernels",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(_LAZY[name])
+        value = getattr(module, name, module)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'graphkern' has no attribute {name!r}")
 
 __all__ = [
     "CompiledGraph",
@@ -32,6 +49,13 @@ __all__ = [
     "active_backend",
     "apply",
     "apply_in_graph",
+    "check",
+    "check_model",
+    "diff",
     "kernel_cache",
+    "kernels",
     "launch",
+    "patch",
+    "unpatch",
+    "wrap",
 ]

@@ -321,6 +321,11 @@ class _PassThrough:
             self.failed = (index, error)
         elif self.failed is None and self.probe:
             try:
+                mx.eval(inputs)
+            except Exception as exc:  # an op before this kernel failed: not the kernel's fault
+                self.failed = (-1, exc)
+                return outputs
+            try:
                 mx.eval(outputs)
             except Exception as exc:
                 self.failed = (index, exc)
@@ -352,7 +357,9 @@ class CompiledGraph:
         self._last: Graph | None = None
         self._flat: Flat | None = None
         self._recorder = _PassThrough()
-        self._compiled = mx.compile(self._run_flat, inputs=self._traceable.state.containers)
+        # one mx.compile per static structure: MLX keys its cache on array shapes only, so a
+        # Python scalar argument (baked into the trace) must never share a compiled function
+        self._compiled: dict[Any, Callable[..., Any]] = {}
 
     def _run_flat(self, *arrays: mx.array) -> list[mx.array]:
         assert self._flat is not None
@@ -368,8 +375,8 @@ class CompiledGraph:
         """The graph for these arguments (traced on first sight of their signature)."""
         return self._entry(Flat.of(args, kwargs, self._traceable.arg_names))[0]
 
-    def _entry(self, flat: Flat) -> tuple[Graph, Any]:
-        key = flat.key()
+    def _entry(self, flat: Flat, key: Any = None) -> tuple[Graph, Any]:
+        key = flat.key() if key is None else key
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._traceable.trace(flat, self.backend)
@@ -387,24 +394,29 @@ class CompiledGraph:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = Flat.of(args, kwargs, self._traceable.arg_names)
-        graph, spec = self._entry(flat)
+        key = flat.key()
+        graph, spec = self._entry(flat, key)
         if not graph.ok:
             raise graph.error()  # type: ignore[misc]
+        compiled = self._compiled.get(key[0])
+        if compiled is None:
+            compiled = self._compiled[key[0]] = mx.compile(
+                self._run_flat, inputs=self._traceable.state.containers)
         self._flat = flat
         self._recorder = _PassThrough()
         self._traceable.state.refresh_cells()
         try:
             if self.backend is None:
-                outputs = self._run_compiled(flat)
+                outputs = self._run_compiled(compiled, flat)
             else:
                 with runtime.using_backend(self.backend):
-                    outputs = self._run_compiled(flat)
+                    outputs = self._run_compiled(compiled, flat)
         except Exception as exc:
             raise self._attribute(graph, flat, exc, self._recorder) from exc
         return unflatten_outputs(spec, outputs)
 
-    def _run_compiled(self, flat: Flat) -> list[mx.array]:
-        outputs = self._compiled(*flat.arrays)
+    def _run_compiled(self, compiled: Callable[..., Any], flat: Flat) -> list[mx.array]:
+        outputs = compiled(*flat.arrays)
         if self._recorder.failed is not None:  # a launch failed while MLX traced
             raise self._recorder.failed[1]
         mx.eval(outputs)
@@ -440,6 +452,7 @@ class CompiledGraph:
     def clear(self) -> None:
         """Forget every trace (the next call re-traces)."""
         self._graphs.clear()
+        self._compiled.clear()
         self._last = None
 
     def traces(self) -> Iterator[Graph]:
