@@ -78,6 +78,7 @@ def test_diff_html_marks_the_second_graph() -> None:
     assert len(data["diff"]["removed"]) == 7
     assert {ids[int(i)] for i in data["diff"]["changed"]} == {"matmul", "matmul_1", "matmul_2"}
     assert "<title>diff decoder_forward -&gt; decoder_forward</title>" in page
+    assert d._repr_html_().startswith("<iframe srcdoc=")
 
 
 def test_diff_before_and_after_patch_of_a_tiny_llama() -> None:

@@ -167,6 +167,14 @@ class GraphDiff:
         kw.setdefault("title", doc["title"])
         return to_html(self.after, diff=doc, **kw)
 
+    def _repr_html_(self) -> str:
+        """In a notebook: the diff viewer in a sandboxed iframe."""
+        import html
+
+        return (f'<iframe srcdoc="{html.escape(self.to_html(), quote=True)}" '
+                'style="width:100%;height:600px;border:1px solid #e2e8f0;border-radius:6px" '
+                'sandbox="allow-scripts" loading="lazy"></iframe>')
+
 
 def _is_cascade(c: NodeChange) -> bool:
     """A change that only says "now (or no longer) downstream of a failure"."""
