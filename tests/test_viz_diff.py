@@ -96,10 +96,7 @@ def test_diff_before_and_after_patch_of_a_tiny_llama() -> None:
     tokens = mx.array([[1, 2, 3, 4]])
     before = gk.trace(model, tokens)
     patched = patch(model)
-    try:
-        after = gk.trace(model, tokens)
-    except Exception as e:  # a tracer problem, not a diff one: report it without failing here
-        pytest.xfail(f"tracing the patched model raised {type(e).__name__}: {e}")
+    after = gk.trace(model, tokens)
     d = diff(before, after)
     assert d and len(d.kernels_added) >= len(patched) > 0
     assert not d.kernels_removed
