@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from .nodes import KernelError, Status
 
-__all__ = ["vjp_enabled", "with_vjp", "without_vjp"]
+__all__ = ["differentiable", "vjp_enabled", "with_vjp", "without_vjp"]
 
 Forward = Callable[[list[Any]], list[mx.array]]
 #: ``vjp(primals, cotangents, outputs) -> one cotangent (or None) per input``, as ``Kernel.vjp``.
@@ -105,13 +105,29 @@ def with_vjp(forward: Forward, inputs: Sequence[Any], *, reference: Forward | No
     >>> mx.grad(g)(mx.ones((2,))).tolist()
     [10.0, 10.0]
     """
+    fn = differentiable(forward, inputs, reference=reference, vjp=vjp, name=name)
+    return fn(*(value for value in inputs if isinstance(value, mx.array)))
+
+
+def differentiable(forward: Forward, inputs: Sequence[Any], *, reference: Forward | None = None,
+                   vjp: Backward | None = None, name: str = "kernel") -> Callable[..., list[mx.array]]:
+    """The function ``with_vjp`` calls, built once: it takes the array inputs (in order) and keeps
+    the scalar ones of ``inputs`` fixed. Building an ``mx.custom_function`` costs about 10 us in
+    Python, so callers that launch the same kernel repeatedly keep the result.
+
+    >>> scale = lambda xs: [xs[0] * xs[1]]
+    >>> twice = differentiable(scale, [mx.ones(2), 2.0], reference=scale)
+    >>> twice(mx.array([1.0, 3.0]))[0].tolist()
+    [2.0, 6.0]
+    """
     if vjp is None and reference is None:
         raise KernelError(_VJP, f"{name} has neither a vjp nor a reference to differentiate",
                           Status.BACKEND_UNAVAILABLE)
     positions = [i for i, value in enumerate(inputs) if isinstance(value, mx.array)]
+    template = [None if isinstance(value, mx.array) else value for value in inputs]  # no array kept
 
     def primal(*arrays: mx.array) -> list[mx.array]:
-        return forward(_merge(inputs, positions, arrays))
+        return forward(_merge(template, positions, arrays))
 
     fn = mx.custom_function(primal)
 
@@ -121,18 +137,21 @@ def with_vjp(forward: Forward, inputs: Sequence[Any], *, reference: Forward | No
         arrays = [primals] if single else list(primals)
         cots, outs = _as_list(cotangents), _as_list(outputs)
         if vjp is not None:
-            grads = list(vjp(_merge(inputs, positions, arrays), cots, outs))
-            if len(grads) == len(inputs) and len(positions) != len(inputs):
+            grads = list(vjp(_merge(template, positions, arrays), cots, outs))
+            if len(grads) == len(template) and len(positions) != len(template):
                 grads = [grads[i] for i in positions]
         else:
             assert reference is not None
 
             def through_reference(*primal_arrays: mx.array) -> list[mx.array]:
-                return reference(_merge(inputs, positions, primal_arrays))
+                return reference(_merge(template, positions, primal_arrays))
 
             _, grads = mx.vjp(through_reference, arrays, cots)
         conformed = _conform(grads, arrays, name)
         return conformed[0] if single else tuple(conformed)
 
-    outputs: Any = fn(*(inputs[i] for i in positions))
-    return list(outputs)
+    def call(*arrays: mx.array) -> list[mx.array]:
+        outputs: Any = fn(*arrays)
+        return list(outputs)
+
+    return call

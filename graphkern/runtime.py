@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from .autodiff import vjp_enabled, with_vjp
+from .autodiff import differentiable, vjp_enabled
 from .nodes import Kernel, KernelError, KernelResult, OutputSpec, Status, TemplateArg, TemplateLike
 
 __all__ = [
@@ -287,6 +287,11 @@ class Launch:
             return {}
         named, takes_any = _reference_keywords(self.kernel.reference)
         return {a.name: a.value for a in self.template if takes_any or a.name in named}
+
+    @functools.cached_property
+    def differentiable_forms(self) -> dict[tuple[Any, ...], Callable[..., list[mx.array]]]:
+        """This launch wrapped in ``mx.custom_function``, one per set of scalar inputs."""
+        return {}
 
     @functools.cached_property
     def mlx_template(self) -> list[tuple[str, Any]]:
@@ -586,9 +591,15 @@ def differentiable_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
     plain = not vjp_enabled() or _inside_inspection_trace()
     if plain or (kernel.vjp is None and kernel.reference is None):
         return forward(launch, inputs)
-    reference = functools.partial(run_reference, launch) if kernel.reference is not None else None
-    return with_vjp(functools.partial(forward, launch), inputs, reference=reference, vjp=kernel.vjp,
-                    name=f"kernel {kernel.name!r}")
+    # one custom function per launch and scalar inputs, built on first use (building costs ~10 us)
+    scalars = tuple((i, v.__class__, v) for i, v in enumerate(inputs) if v.__class__ is not mx.array)
+    fn = launch.differentiable_forms.get(scalars)
+    if fn is None:
+        reference = functools.partial(run_reference, launch) if kernel.reference is not None else None
+        fn = differentiable(functools.partial(forward, launch), inputs, reference=reference,
+                            vjp=kernel.vjp, name=f"kernel {kernel.name!r}")
+        launch.differentiable_forms[scalars] = fn
+    return fn(*(v for v in inputs if v.__class__ is mx.array))
 
 
 def _run_native(launch: Launch, inputs: list[Any]) -> list[mx.array]:

@@ -205,3 +205,17 @@ def test_launch_raises_outside_a_trace_and_records_inside():
 
     g = gk.trace(fn, X, Y)
     assert g.status == gk.Status.INVALID_LAUNCH
+
+
+def test_differentiable_launches_build_their_custom_function_once():
+    k = gk.Kernel("tripled", ["x", "s"], ["out"], reference=lambda x, s: [x * 3 * s],
+                  vjp=lambda primals, cots, outs: [cots[0] * 3 * primals[1], None])
+
+    def run(x, s=1.0):
+        return gk.apply(k, [x, s], SPEC, grid=(8, 1, 1), threadgroup=(8, 1, 1))[0]
+
+    launch, _ = runtime.validate(k, [X, 1.0], SPEC, (8, 1, 1), (8, 1, 1))
+    assert run(X).tolist() == (X * 3).tolist() and run(X * 2).tolist() == (X * 6).tolist()
+    assert len(launch.differentiable_forms) == 1  # reused across calls with the same scalars
+    assert mx.grad(lambda x: run(x, 2.0).sum())(X).tolist() == [6.0] * 8  # the user's vjp
+    assert len(launch.differentiable_forms) == 2  # a new scalar value gets its own
