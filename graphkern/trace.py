@@ -14,6 +14,7 @@ import gc
 import os
 import random
 import threading
+import types
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -44,6 +45,7 @@ class TraceRecorder:
         self.nonce = random.getrandbits(31)
         self.calls = 0
         self.last_record: int | None = None
+        self.kernels: dict[int, Kernel] = {}  # the kernel objects launched, by identity
 
     @property
     def scope(self) -> str:
@@ -60,6 +62,8 @@ class TraceRecorder:
     def kernel_call(self, launch: Launch | None, kernel: Any, inputs: list[mx.array],
                     outputs: list[mx.array], error: KernelError | None) -> list[mx.array]:
         name = kernel.name if isinstance(kernel, Kernel) else "invalid_kernel"
+        if isinstance(kernel, Kernel):
+            self.kernels[id(kernel)] = kernel
         record = Record(len(self.records), "kernel", name, self.scope, len(outputs),
                         call_index=self.calls, error=error, attrs=_kernel_attrs(launch, kernel))
         self.calls += 1
@@ -185,8 +189,10 @@ class _Traceable:
             raise KernelError(_TRACE, f"{self.name} returned no arrays", Status.INVALID_INPUT)
         return outputs
 
-    def trace(self, flat: Flat, backend: str | None = None) -> tuple[Graph, Any]:
-        """Capture one call as a ``Graph``; returns it with the output tree spec."""
+    def trace(self, flat: Flat, backend: str | None = None,
+              used: list[Kernel] | None = None) -> tuple[Graph, Any]:
+        """Capture one call as a ``Graph``; returns it with the output tree spec. ``used``, if
+        given, receives the kernel objects the call launched."""
         n_args = len(flat.arrays)
         state_arrays = self.state.arrays()
         recorder = TraceRecorder(self.module_paths())
@@ -213,6 +219,8 @@ class _Traceable:
                                   Status.MODULE_ERROR) from exc
             finally:
                 _ModuleHooks.remove(owners)
+            if used is not None:
+                used.extend(recorder.kernels.values())
             attrs = {"name": self.name, "backend": backend or runtime.active_backend(),
                      "mlx_version": getattr(mx, "__version__", "?")}
             g = build_graph(log, flat.names + self.state.names, recorder.records,
@@ -299,6 +307,117 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
     return graph
 
 
+# ----------------------------------------------------------------------------- kernels in state
+
+_SLOT_DEPTH = 6
+_SLOT_BUDGET = 20_000  # containers visited per trace, at most
+
+
+class _KernelSlots:
+    """Where the kernels a trace launched sit among the things ``fn`` reads at call time.
+
+    ``mx.compile`` bakes each kernel (on the CPU: its reference) into the compiled function, so
+    a call that would now find another kernel object there (a registry entry replaced, a
+    module's kernel attribute swapped) must trace again. The places searched: ``fn``'s closure
+    cells and the globals its code names (with the attributes it names of imported modules), the
+    module tree of ``fn`` (items and attributes), the globals named by each module class's
+    ``__call__``, and the dicts, lists and tuples inside all of these. A kernel built inside
+    ``fn`` sits in none of them and needs no watching.
+
+    >>> _KernelSlots([]).changed()
+    False
+    """
+
+    def __init__(self, slots: list[tuple[Callable[[], Any], Kernel]]):
+        self.slots = slots
+
+    def changed(self) -> bool:
+        for read, kernel in self.slots:
+            try:
+                if read() is not kernel:
+                    return True
+            except Exception:  # the place is gone (a key deleted, an attribute removed)
+                return True
+        return False
+
+    @classmethod
+    def find(cls, fn: Callable[..., Any], used: list[Kernel]) -> _KernelSlots:
+        wanted = {id(k) for k in used}
+        slots: list[tuple[Callable[[], Any], Kernel]] = []
+        if not wanted:
+            return cls(slots)
+        seen: set[int] = set()
+        budget = [_SLOT_BUDGET]
+
+        def visit(value: Any, read: Callable[[], Any], depth: int) -> None:
+            if isinstance(value, Kernel):
+                if id(value) in wanted:
+                    slots.append((read, value))
+                return
+            if depth > _SLOT_DEPTH or budget[0] <= 0 or id(value) in seen:
+                return
+            if isinstance(value, dict):  # nn.Module is a dict of its children and arrays
+                items: Any = list(value.items())
+            elif isinstance(value, (list, tuple)):
+                items = list(enumerate(value))
+            else:
+                return
+            seen.add(id(value))
+            budget[0] -= 1
+            for key, item in items:
+                visit(item, _reader(read, key, False), depth + 1)
+            if isinstance(value, nn.Module):
+                for key, item in list(vars(value).items()):
+                    visit(item, _reader(read, key, True), depth + 1)
+                call = getattr(type(value).__call__, "__wrapped__", type(value).__call__)
+                visit_function(call)
+
+        def visit_function(func: Any) -> None:
+            func = getattr(func, "__func__", func)
+            code = getattr(func, "__code__", None)
+            if code is None or id(func) in seen:
+                return
+            seen.add(id(func))
+            for cell in func.__closure__ or ():
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                visit(value, _cell_reader(cell), 1)
+            names = set(code.co_names)
+            for name in names & set(func.__globals__):
+                value = func.__globals__[name]
+                read = _reader(_constant(func.__globals__), name, False)
+                if isinstance(value, types.ModuleType):  # an imported module: the attributes fn names
+                    for attr in names & set(vars(value)):
+                        visit(getattr(value, attr), _reader(read, attr, True), 2)
+                else:
+                    visit(value, read, 1)
+
+        root = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+        if isinstance(root, nn.Module):
+            visit(root, _constant(root), 0)
+        if not isinstance(fn, nn.Module):
+            visit_function(fn)
+        return cls(slots)
+
+
+def _constant(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
+def _cell_reader(cell: Any) -> Callable[[], Any]:
+    return lambda: cell.cell_contents
+
+
+def _reader(parent: Callable[[], Any], key: Any, attribute: bool) -> Callable[[], Any]:
+    """Read ``parent()[key]`` (or its attribute) afresh each time, so replacing any container
+    on the way is seen too."""
+    if attribute:
+        return lambda: getattr(parent(), key)
+    return lambda: parent()[key]
+
+
 # ----------------------------------------------------------------------------- compile
 
 
@@ -338,8 +457,9 @@ class CompiledGraph:
     The first call with a new signature traces ``fn`` (``.graph``); if a node failed, the call
     raises ``GraphError`` and nothing runs. Otherwise the ``mx.compile``d function runs, with no
     tags and the state (module parameters, closure arrays) passed as inputs, so weight updates
-    are always seen. Evaluation failures (a kernel that does not compile) are attributed to
-    their kernel node.
+    are always seen. A kernel replaced where ``fn`` finds it (a registry entry, a module
+    attribute: see ``_KernelSlots``) makes the next call trace again, so the new source runs.
+    Evaluation failures (a kernel that does not compile) are attributed to their kernel node.
 
     >>> import mlx.core as mx, graphkern as gk
     >>> cf = gk.compile(lambda x: mx.exp(x) * 2)
@@ -354,6 +474,7 @@ class CompiledGraph:
         self.backend = backend
         self._traceable = _Traceable(fn, state)
         self._graphs: dict[Any, tuple[Graph, Any]] = {}
+        self._slots: dict[Any, _KernelSlots] = {}
         self._last: Graph | None = None
         self._flat: Flat | None = None
         self._recorder = _PassThrough()
@@ -378,9 +499,14 @@ class CompiledGraph:
     def _entry(self, flat: Flat, key: Any = None) -> tuple[Graph, Any]:
         key = flat.key() if key is None else key
         entry = self._graphs.get(key)
+        if entry is not None and self._slots[key].changed():
+            self.clear()  # a kernel was replaced: every compiled function baked the old one in
+            entry = None
         if entry is None:
-            entry = self._traceable.trace(flat, self.backend)
+            used: list[Kernel] = []
+            entry = self._traceable.trace(flat, self.backend, used)
             self._graphs[key] = entry
+            self._slots[key] = _KernelSlots.find(self.fn, used)
         self._last = entry[0]
         return entry
 
@@ -452,6 +578,7 @@ class CompiledGraph:
     def clear(self) -> None:
         """Forget every trace (the next call re-traces)."""
         self._graphs.clear()
+        self._slots.clear()
         self._compiled.clear()
         self._last = None
 
