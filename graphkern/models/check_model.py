@@ -28,9 +28,11 @@ _CHECK = "check a patched model against the stock model"
 
 #: (atol, rtol) on logits per dtype: a case passes when ``|patched - stock| <= atol + rtol * |stock|``.
 #: Looser than the kernel tolerances: rounding differences of each layer (the kernels round once,
-#: in float32; stock MLX rounds between ops in the dtype) compound through the network.
+#: in float32; stock MLX rounds between ops in the dtype) compound through the network. float32
+#: allows 1e-3: MLX's CUDA backend runs float32 matmuls in TF32 (10-bit mantissa), so a 1e-7
+#: difference in a norm's output can flip a rounding and reach ~4e-4 in the logits (seen on an H200).
 MODEL_TOLERANCES: dict[mx.Dtype, tuple[float, float]] = {
-    mx.float32: (1e-4, 1e-4),
+    mx.float32: (1e-3, 1e-3),
     mx.float16: (3e-2, 1e-2),
     mx.bfloat16: (2e-1, 5e-2),
 }
