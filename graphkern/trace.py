@@ -203,6 +203,8 @@ class _Traceable:
                 return self.call_flat(flat, arrays[:n_args], out)
 
         log = EventLog()
+        if backend is None:  # this thread's override (thread-local) must reach the trace thread
+            backend = runtime._local.backend
 
         def capture() -> None:
             with recording(recorder), runtime.using_backend(backend):
