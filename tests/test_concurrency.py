@@ -227,3 +227,31 @@ def test_concurrent_traces_of_one_module_instance_keep_their_own_scopes() -> Non
         t.join(timeout=300)
     assert not failures and not any(t.is_alive() for t in threads)
     assert not _ModuleHooks._patched
+
+
+def test_a_threads_backend_override_reaches_its_traces() -> None:
+    """Traces run on helper threads with deep stacks; a thread's ``using_backend`` override must
+    go along, and other threads tracing at the same time must not see it."""
+    kernel = ALL_KERNELS[2]
+
+    def fn(x: mx.array, y: mx.array) -> mx.array:
+        return gk.apply_in_graph(kernel, [x, y], SPEC, **LAUNCH).outputs[0]
+
+    x = mx.ones((N,))
+    mx.eval(x)
+    seen: dict[str, tuple[str, str]] = {}
+    barrier = threading.Barrier(2)
+
+    def work(backend: str | None) -> None:
+        barrier.wait()
+        with runtime.using_backend(backend):
+            for _ in range(20):
+                graph = gk.trace(fn, x, x)
+                seen[str(backend)] = (graph.node(kernel.name)["backend"], graph.nx.graph["backend"])
+
+    threads = [threading.Thread(target=work, args=(b,)) for b in ("metal", None)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert seen == {"metal": ("metal", "metal"), "None": ("reference", "reference")}
