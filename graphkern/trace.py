@@ -17,6 +17,7 @@ import threading
 import types
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -453,6 +454,17 @@ class _PassThrough:
         return outputs
 
 
+@dataclass
+class _Prepared:
+    """What a call with one signature needs: its trace, output structure and compiled function."""
+
+    key: Any
+    flat: Flat
+    graph: Graph
+    spec: Any
+    compiled: Callable[..., Any]
+
+
 class CompiledGraph:
     """``fn`` compiled with ``mx.compile``, guarded by a graphkern trace per input signature.
 
@@ -483,6 +495,8 @@ class CompiledGraph:
         # one mx.compile per static structure: MLX keys its cache on array shapes only, so a
         # Python scalar argument (baked into the trace) must never share a compiled function
         self._compiled: dict[Any, Callable[..., Any]] = {}
+        # the common call, positional arrays only: shapes and dtypes -> everything a call needs
+        self._fast: dict[Any, _Prepared] = {}
 
     def _run_flat(self, *arrays: mx.array) -> list[mx.array]:
         assert self._flat is not None
@@ -521,30 +535,44 @@ class CompiledGraph:
             return None, exc.status
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        flat = Flat.of(args, kwargs, self._traceable.arg_names)
-        key = flat.key()
-        graph, spec = self._entry(flat, key)
-        if not graph.ok:
-            raise graph.error()  # type: ignore[misc]
-        compiled = self._compiled.get(key[0])
-        if compiled is None:
-            compiled = self._compiled[key[0]] = mx.compile(
-                self._run_flat, inputs=self._traceable.state.containers)
-        self._flat = flat
+        plain = not kwargs and all(a.__class__ is mx.array for a in args)
+        prepared = self._fast.get(tuple([(a.shape, a.dtype) for a in args])) if plain else None
+        if prepared is not None and self._slots[prepared.key].changed():
+            prepared = None  # a kernel was replaced: the slow path re-traces
+        if prepared is None:
+            prepared = self._prepare(Flat.of(args, kwargs, self._traceable.arg_names))
+            if plain:
+                self._fast[tuple([(a.shape, a.dtype) for a in args])] = prepared
+        self._last = prepared.graph
+        if not prepared.graph.ok:
+            raise prepared.graph.error()  # type: ignore[misc]
+        arrays = list(args) if plain else Flat.of(args, kwargs, self._traceable.arg_names).arrays
+        self._flat = prepared.flat  # its structure, for when MLX traces _run_flat
         self._recorder = _PassThrough()
         self._traceable.state.refresh_cells()
         try:
             if self.backend is None:
-                outputs = self._run_compiled(compiled, flat)
+                outputs = self._run_compiled(prepared.compiled, arrays)
             else:
                 with runtime.using_backend(self.backend):
-                    outputs = self._run_compiled(compiled, flat)
+                    outputs = self._run_compiled(prepared.compiled, arrays)
         except Exception as exc:
-            raise self._attribute(graph, flat, exc, self._recorder) from exc
-        return unflatten_outputs(spec, outputs)
+            flat = Flat.of(args, kwargs, self._traceable.arg_names)
+            raise self._attribute(prepared.graph, flat, exc, self._recorder) from exc
+        return unflatten_outputs(prepared.spec, outputs)
 
-    def _run_compiled(self, compiled: Callable[..., Any], flat: Flat) -> list[mx.array]:
-        outputs = compiled(*flat.arrays)
+    def _prepare(self, flat: Flat) -> _Prepared:
+        """Trace (if new) and compile (if new) for this call's signature."""
+        key = flat.key()
+        graph, spec = self._entry(flat, key)
+        compiled = self._compiled.get(key[0])
+        if compiled is None:
+            compiled = self._compiled[key[0]] = mx.compile(
+                self._run_flat, inputs=self._traceable.state.containers)
+        return _Prepared(key, flat, graph, spec, compiled)
+
+    def _run_compiled(self, compiled: Callable[..., Any], arrays: list[mx.array]) -> list[mx.array]:
+        outputs = compiled(*arrays)
         if self._recorder.failed is not None:  # a launch failed while MLX traced
             raise self._recorder.failed[1]
         mx.eval(outputs)
@@ -582,6 +610,7 @@ class CompiledGraph:
         self._graphs.clear()
         self._slots.clear()
         self._compiled.clear()
+        self._fast.clear()
         self._last = None
 
     def traces(self) -> Iterator[Graph]:
