@@ -336,7 +336,12 @@ class _Folder:
             g.add_edge(node, dst, key=key, **data)
         g.remove_nodes_from(body | {depends})
         for index, (raw, tagged) in enumerate(zip(raw_outputs, self.node_outputs[depends])):
-            self.producer[raw] = self.producer[tagged] = (node, index)
+            self.producer[tagged] = (node, index)
+            # a raw output made outside the body keeps its producer: an input returned as it is,
+            # or a node MLX merged across calls (the identical placeholders of two failed
+            # launches), which another record's body still starts from
+            if self.producer.get(raw, ("",))[0] in body:
+                self.producer[raw] = (node, index)
 
     def assign_scopes(self) -> None:
         """Each op's scope: its innermost module, or the common ancestor of the innermost modules
