@@ -230,3 +230,24 @@ def test_cuda_source_that_fails_to_compile_is_a_compile_error_on_its_node() -> N
     assert_marked(cf.graph, "broken_cuda", S.COMPILE_ERROR, "gk_injected_undeclared_symbol")
     assert cf.graph.node("broken_cuda")["backend"] == "cuda"
     assert_next_trace_and_call_work()
+
+
+def test_failed_launches_with_identical_placeholders_keep_every_kernel_node() -> None:
+    """MLX merges the identical placeholders of two failed launches into one node; folding the
+    first must not hand that node to the second, which then swallowed the kernels upstream."""
+    def fn(x: mx.array, y: mx.array) -> mx.array:
+        a = launch(GOOD, x, y)
+        bad = gk.Kernel("bad", ["x", "y"], ["out"], reference=lambda x, y: [x + y])
+        spec = [gk.OutputSpec(x.shape, x.dtype)]
+        b = gk.apply_in_graph(bad, [x, a], spec, grid=(8, 1, 1), threadgroup=(0, 1, 1)).outputs[0]
+        c = gk.apply_in_graph(bad, [x, b], spec, grid=(8, 1, 1), threadgroup=(0, 1, 1)).outputs[0]
+        return c
+
+    graph = gk.trace(fn, X, Y)
+    assert graph.kernels() == ["good", "bad", "bad_1"]
+    assert graph.inputs_of("good") == ["x", "y"]
+    assert graph.inputs_of("bad") == ["x", "good"] and graph.inputs_of("bad_1") == ["x", "bad"]
+    assert graph.nodes("op") == []  # the placeholders folded into their kernel nodes
+    assert [f.node for f in graph.failures()] == ["bad", "bad_1"]
+    assert graph.node("good")["status"] == S.OK
+    assert graph.node("output_0")["root_cause"] == "bad"
