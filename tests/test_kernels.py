@@ -182,7 +182,9 @@ def test_plan_is_one_block_per_row_with_vector_loads() -> None:
     x, w = mx.zeros((3, 5, 4096)), mx.ones((4096,))
     plan = gkk.ops.rms_norm.plan_rms_norm(x, w)
     assert plan.grid == (15 * 256, 1, 1) and plan.threadgroup == (256, 1, 1)
-    assert plan.template_values == {"T": mx.float32, "NT": 256, "V": 4, "CH": 4, "HAS_W": True}
+    assert plan.template_values == {"T": mx.float32, "NT": 256, "V": 4, "CH": 4, "HAS_W": True,
+                                    "EPS": 925353388}  # 1e-5's float32 bits: a compile-time constant
+    assert len(plan.inputs) == 2  # no scalar array for the GPU to fetch
     assert [s.shape for s in plan.output_specs] == [(3, 5, 4096)]
 
 

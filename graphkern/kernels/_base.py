@@ -8,12 +8,14 @@ same inputs and template values (``apply_plan(plan, backend="reference")``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name
 from graphkern.runtime import apply, launch
@@ -36,7 +38,8 @@ __all__ = [
 FLOAT_DTYPES: tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)
 #: MLX passes the grid as int32 threads.
 MAX_GRID = 2**31 - 1
-#: Target number of row elements one thread keeps in registers (reduction kernels).
+#: Row elements one thread keeps in registers (reduction kernels). 32 (as mx.fast.rms_norm) doubles
+#: the registers (~100) and so halves the blocks an SM holds: no more bytes in flight.
 ITEMS_PER_THREAD = 16
 #: Largest threadgroup the row kernels use. MLX compiles without __launch_bounds__, so a 1024-thread
 #: block would need <= 64 registers a thread, which the LayerNorm kernels exceed; 512 allows 128.
@@ -182,10 +185,33 @@ def elementwise_config(op: str, n: int, dtype: mx.Dtype, block: int = 256) -> tu
     return v, (threads, 1, 1), (block, 1, 1)
 
 
-def eps_array(eps: float, op: str) -> mx.array:
+def float_bits(value: float) -> int:
+    """The bits of ``value`` as a float32, as an int template argument (bodies read it back with
+    ``__int_as_float`` / ``as_type<float>``): a compile-time constant instead of a scalar array that
+    the GPU would have to fetch from host-written memory on every call.
+
+    >>> float_bits(1.0), bool(float_from_bits(float_bits(1e-5)) == np.float32(1e-5))
+    (1065353216, True)
+    """
+    return int(np.array(value, dtype=np.float32).view(np.int32))
+
+
+def float_from_bits(bits: int) -> float:
+    """The float32 whose bits :func:`float_bits` gave."""
+    return float(np.array(bits, dtype=np.int32).view(np.float32))
+
+
+def eps_template(eps: float, op: str) -> TemplateArg:
+    """``eps`` validated, as the ``EPS`` template argument (its float32 bits)."""
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not math.isfinite(eps) or eps < 0:
         raise KernelError(op, f"eps must be a finite number >= 0, got {eps!r}", Status.INVALID_INPUT)
-    return mx.array(float(eps), dtype=mx.float32)
+    return TemplateArg.int("EPS", float_bits(eps))
+
+
+@functools.lru_cache(maxsize=16)
+def unused_input(dtype: mx.Dtype) -> mx.array:
+    """A one-element stand-in for an absent optional input (never read by the kernel), made once."""
+    return mx.zeros((1,), dtype=dtype)
 
 
 # ----------------------------------------------------------------------------- registry

@@ -17,10 +17,11 @@ from graphkern.kernels._base import (
     Plan,
     check_dtype,
     check_vector,
-    eps_array,
+    eps_template,
     row_config,
     row_launch,
     run,
+    unused_input,
 )
 from graphkern.kernels._headers import dual_header
 from graphkern.kernels.ops.rms_norm import RMS_CUDA, RMS_METAL, rms_norm_reference
@@ -56,18 +57,20 @@ __device__ __forceinline__ void add_rms_norm_row(const T* x, const T* r, const T
 
 _CUDA_BODY = r"""
   const int n = x_shape[x_ndim - 1];
+  const float eps = __int_as_float(EPS);
   const long long off = static_cast<long long>(blockIdx.x) * n;
   if (gk::aligned<V>(x) && gk::aligned<V>(residual) && gk::aligned<V>(h) && gk::aligned<V>(out) &&
       (!HAS_W || gk::aligned<V>(w))) {
-    gk::add_rms_norm_row<T, NT, V, CH, HAS_W>(x + off, residual + off, w, h + off, out + off, eps[0], n);
+    gk::add_rms_norm_row<T, NT, V, CH, HAS_W>(x + off, residual + off, w, h + off, out + off, eps, n);
   } else {
-    gk::add_rms_norm_row<T, NT, 1, CH * V, HAS_W>(x + off, residual + off, w, h + off, out + off, eps[0], n);
+    gk::add_rms_norm_row<T, NT, 1, CH * V, HAS_W>(x + off, residual + off, w, h + off, out + off, eps, n);
   }
 """
 
 _METAL_BODY = r"""
   threadgroup float smem[32];
   const int n = x_shape[x_ndim - 1];
+  const float eps = as_type<float>(EPS);
   const size_t off = size_t(threadgroup_position_in_grid.x) * n;
   const uint tid = thread_position_in_threadgroup.x;
   for (int i = tid; i < n; i += NT) {
@@ -79,16 +82,16 @@ _METAL_BODY = r"""
 """
 
 
-def add_rms_norm_reference(x: mx.array, residual: mx.array, w: mx.array, eps: mx.array, *,
+def add_rms_norm_reference(x: mx.array, residual: mx.array, w: mx.array, *, EPS: int,
                            HAS_W: bool = True) -> list[mx.array]:
     """Pure-MLX ``h = x + residual`` (in x's dtype) and ``rms_norm(h)``."""
     h = x + residual
-    return [h, rms_norm_reference(h, w, eps, HAS_W=HAS_W)[0]]
+    return [h, rms_norm_reference(h, w, EPS=EPS, HAS_W=HAS_W)[0]]
 
 
 ADD_RMS_NORM = Kernel(
     "gk_add_rms_norm",
-    input_names=["x", "residual", "w", "eps"],
+    input_names=["x", "residual", "w"],
     output_names=["h", "out"],
     metal=_METAL_BODY,
     cuda=_CUDA_BODY,
@@ -114,12 +117,11 @@ def plan_add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array | None =
     n = x.shape[-1]
     cfg = row_config(n, x.dtype)
     grid, group = row_launch(op, x, cfg)
-    w = weight if weight is not None else mx.ones((1,), dtype=x.dtype)
-    template = [TemplateArg.dtype("T", x.dtype), *cfg.template(),
+    w = weight if weight is not None else unused_input(x.dtype)
+    template = [TemplateArg.dtype("T", x.dtype), *cfg.template(), eps_template(eps, op),
                 TemplateArg.bool("HAS_W", weight is not None)]
     spec = OutputSpec(x.shape, x.dtype)
-    return Plan(ADD_RMS_NORM, (x, residual, w, eps_array(eps, op)), (spec, spec), grid, group,
-                tuple(template))
+    return Plan(ADD_RMS_NORM, (x, residual, w), (spec, spec), grid, group, tuple(template))
 
 
 def add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array | None = None,

@@ -17,10 +17,12 @@ from graphkern.kernels._base import (
     Plan,
     check_dtype,
     check_vector,
-    eps_array,
+    eps_template,
+    float_from_bits,
     row_config,
     row_launch,
     run,
+    unused_input,
 )
 from graphkern.kernels._headers import dual_header
 from graphkern.nodes import Kernel, OutputSpec, TemplateArg
@@ -81,12 +83,13 @@ __device__ __forceinline__ void layer_norm_row(const T* x, const T* w, const T* 
 
 _CUDA_BODY = r"""
   const int n = x_shape[x_ndim - 1];
+  const float eps = __int_as_float(EPS);
   const long long off = static_cast<long long>(blockIdx.x) * n;
   if (gk::aligned<V>(x) && gk::aligned<V>(out) && (!HAS_W || gk::aligned<V>(w)) &&
       (!HAS_B || gk::aligned<V>(b))) {
-    gk::layer_norm_row<T, NT, V, CH, HAS_W, HAS_B>(x + off, w, b, out + off, eps[0], n);
+    gk::layer_norm_row<T, NT, V, CH, HAS_W, HAS_B>(x + off, w, b, out + off, eps, n);
   } else {
-    gk::layer_norm_row<T, NT, 1, CH * V, HAS_W, HAS_B>(x + off, w, b, out + off, eps[0], n);
+    gk::layer_norm_row<T, NT, 1, CH * V, HAS_W, HAS_B>(x + off, w, b, out + off, eps, n);
   }
 """
 
@@ -126,15 +129,17 @@ inline void layer_norm_row(PX x, PW w, PB b, PO out, float eps, int n, uint tid,
 _METAL_BODY = r"""
   threadgroup float smem[32];
   const int n = x_shape[x_ndim - 1];
+  const float eps = as_type<float>(EPS);
   const size_t off = size_t(threadgroup_position_in_grid.x) * n;
   gk::layer_norm_row<T, NT, HAS_W, HAS_B>(x + off, w, b, out + off, eps, n, thread_position_in_threadgroup.x,
                                              thread_index_in_simdgroup, simdgroup_index_in_threadgroup, smem);
 """
 
 
-def layer_norm_reference(x: mx.array, w: mx.array, b: mx.array, eps: mx.array, *, HAS_W: bool = True,
+def layer_norm_reference(x: mx.array, w: mx.array, b: mx.array, *, EPS: int, HAS_W: bool = True,
                          HAS_B: bool = True) -> list[mx.array]:
-    """Pure-MLX LayerNorm with the rounding of ``mx.fast.layer_norm``'s fallback."""
+    """Pure-MLX LayerNorm with the rounding of ``mx.fast.layer_norm``'s fallback (EPS: eps's bits)."""
+    eps = float_from_bits(EPS)
     xf = x.astype(mx.float32)
     xc = xf - mx.mean(xf, axis=-1, keepdims=True)
     y = (xc * mx.rsqrt(mx.mean(mx.square(xc), axis=-1, keepdims=True) + eps)).astype(x.dtype)
@@ -147,7 +152,7 @@ def layer_norm_reference(x: mx.array, w: mx.array, b: mx.array, eps: mx.array, *
 
 LAYER_NORM = Kernel(
     "gk_layer_norm",
-    input_names=["x", "w", "b", "eps"],
+    input_names=["x", "w", "b"],
     output_names=["out"],
     metal=_METAL_BODY,
     cuda=_CUDA_BODY,
@@ -168,11 +173,10 @@ def plan_layer_norm(x: mx.array, weight: mx.array | None = None, bias: mx.array 
     n = x.shape[-1]
     cfg = row_config(n, x.dtype)
     grid, group = row_launch(op, x, cfg)
-    unused = mx.zeros((1,), dtype=x.dtype)
-    template = [TemplateArg.dtype("T", x.dtype), *cfg.template(),
+    unused = unused_input(x.dtype)
+    template = [TemplateArg.dtype("T", x.dtype), *cfg.template(), eps_template(eps, op),
                 TemplateArg.bool("HAS_W", weight is not None), TemplateArg.bool("HAS_B", bias is not None)]
-    inputs = (x, weight if weight is not None else unused, bias if bias is not None else unused,
-              eps_array(eps, op))
+    inputs = (x, weight if weight is not None else unused, bias if bias is not None else unused)
     return Plan(LAYER_NORM, inputs, (OutputSpec(x.shape, x.dtype),), grid, group, tuple(template))
 
 

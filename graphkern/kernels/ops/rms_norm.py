@@ -17,10 +17,12 @@ from graphkern.kernels._base import (
     Plan,
     check_dtype,
     check_vector,
-    eps_array,
+    eps_template,
+    float_from_bits,
     row_config,
     row_launch,
     run,
+    unused_input,
 )
 from graphkern.kernels._headers import dual_header
 from graphkern.nodes import Kernel, OutputSpec, TemplateArg
@@ -73,11 +75,12 @@ __device__ __forceinline__ void rms_norm_row(const T* x, const T* w, T* out, flo
 
 _CUDA_BODY = r"""
   const int n = x_shape[x_ndim - 1];
+  const float eps = __int_as_float(EPS);
   const long long off = static_cast<long long>(blockIdx.x) * n;
   if (gk::aligned<V>(x) && gk::aligned<V>(out) && (!HAS_W || gk::aligned<V>(w))) {
-    gk::rms_norm_row<T, NT, V, CH, HAS_W>(x + off, w, out + off, eps[0], n);
+    gk::rms_norm_row<T, NT, V, CH, HAS_W>(x + off, w, out + off, eps, n);
   } else {
-    gk::rms_norm_row<T, NT, 1, CH * V, HAS_W>(x + off, w, out + off, eps[0], n);
+    gk::rms_norm_row<T, NT, 1, CH * V, HAS_W>(x + off, w, out + off, eps, n);
   }
 """
 
@@ -109,14 +112,16 @@ inline void rms_norm_row(PX x, PW w, PO out, float eps, int n, uint tid, uint la
 _METAL_BODY = r"""
   threadgroup float smem[32];
   const int n = x_shape[x_ndim - 1];
+  const float eps = as_type<float>(EPS);
   const size_t off = size_t(threadgroup_position_in_grid.x) * n;
   gk::rms_norm_row<T, NT, HAS_W>(x + off, w, out + off, eps, n, thread_position_in_threadgroup.x,
                                     thread_index_in_simdgroup, simdgroup_index_in_threadgroup, smem);
 """
 
 
-def rms_norm_reference(x: mx.array, w: mx.array, eps: mx.array, *, HAS_W: bool = True) -> list[mx.array]:
-    """Pure-MLX RMSNorm with the rounding of ``mx.fast.rms_norm``'s fallback."""
+def rms_norm_reference(x: mx.array, w: mx.array, *, EPS: int, HAS_W: bool = True) -> list[mx.array]:
+    """Pure-MLX RMSNorm with the rounding of ``mx.fast.rms_norm``'s fallback (EPS: eps's float32 bits)."""
+    eps = float_from_bits(EPS)
     xf = x.astype(mx.float32)
     y = (xf * mx.rsqrt(mx.mean(mx.square(xf), axis=-1, keepdims=True) + eps)).astype(x.dtype)
     return [y * w if HAS_W else y]
@@ -124,7 +129,7 @@ def rms_norm_reference(x: mx.array, w: mx.array, eps: mx.array, *, HAS_W: bool =
 
 RMS_NORM = Kernel(
     "gk_rms_norm",
-    input_names=["x", "w", "eps"],
+    input_names=["x", "w"],
     output_names=["out"],
     metal=_METAL_BODY,
     cuda=_CUDA_BODY,
@@ -142,11 +147,10 @@ def plan_rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1e-5
     n = x.shape[-1]
     cfg = row_config(n, x.dtype)
     grid, group = row_launch(op, x, cfg)
-    w = weight if weight is not None else mx.ones((1,), dtype=x.dtype)
-    template = [TemplateArg.dtype("T", x.dtype), *cfg.template(),
+    w = weight if weight is not None else unused_input(x.dtype)
+    template = [TemplateArg.dtype("T", x.dtype), *cfg.template(), eps_template(eps, op),
                 TemplateArg.bool("HAS_W", weight is not None)]
-    return Plan(RMS_NORM, (x, w, eps_array(eps, op)), (OutputSpec(x.shape, x.dtype),), grid, group,
-                tuple(template))
+    return Plan(RMS_NORM, (x, w), (OutputSpec(x.shape, x.dtype),), grid, group, tuple(template))
 
 
 def rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1e-5) -> mx.array:

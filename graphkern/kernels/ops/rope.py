@@ -8,13 +8,24 @@ the rest are copied. The frequencies are computed once, with MLX's own formula, 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from graphkern.kernels._base import MAX_GRID, Case, LibraryEntry, Plan, check_dtype, run, vector_width
+from graphkern.kernels._base import (
+    MAX_GRID,
+    Case,
+    LibraryEntry,
+    Plan,
+    check_dtype,
+    float_bits,
+    float_from_bits,
+    run,
+    vector_width,
+)
 from graphkern.kernels._headers import dual_header
 from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg
 
@@ -82,7 +93,7 @@ _CUDA_BODY = r"""
   const int t = static_cast<int>(g % P);
   const int l = static_cast<int>(row % x_shape[x_ndim - 2]);
   const int b = PER_BATCH ? static_cast<int>(row / (rows / x_shape[0])) : 0;
-  const float pos = static_cast<float>(l + offset[b]) * scale[0];
+  const float pos = static_cast<float>(l + offset[b]) * __int_as_float(SCALE);
   const T* xr = x + row * D;
   T* outr = out + row * D;
   if (gk::aligned<TRADITIONAL ? 2 * V : V>(x) && gk::aligned<TRADITIONAL ? 2 * V : V>(out)) {
@@ -111,7 +122,7 @@ _METAL_BODY = r"""
   }
   const int l = int(row % size_t(x_shape[x_ndim - 2]));
   const int b = PER_BATCH ? int(row / (rows / size_t(x_shape[0]))) : 0;
-  const float pos = float(l + offset[b]) * scale;
+  const float pos = float(l + offset[b]) * as_type<float>(SCALE);
   const size_t base = row * size_t(D);
   for (int j = 0; j < V; ++j) {
     const int k = t * V + j;
@@ -131,9 +142,11 @@ _METAL_BODY = r"""
 """
 
 
-def rope_reference(x: mx.array, offset: mx.array, inv_freq: mx.array, scale: mx.array, *,
-                   TRADITIONAL: bool, PER_BATCH: bool = False) -> list[mx.array]:
-    """Pure-MLX RoPE in float32 with the given inverse frequencies (dims = 2 * their number)."""
+def rope_reference(x: mx.array, offset: mx.array, inv_freq: mx.array, *, SCALE: int, TRADITIONAL: bool,
+                   PER_BATCH: bool = False) -> list[mx.array]:
+    """Pure-MLX RoPE in float32 with the given inverse frequencies (dims = 2 * their number; SCALE:
+    the position scale's float32 bits)."""
+    scale = float_from_bits(SCALE)
     half = inv_freq.shape[0]
     dims = 2 * half
     off = offset.astype(mx.float32)
@@ -157,7 +170,7 @@ def rope_reference(x: mx.array, offset: mx.array, inv_freq: mx.array, scale: mx.
 
 ROPE = Kernel(
     "gk_rope",
-    input_names=["x", "offset", "inv_freq", "scale"],
+    input_names=["x", "offset", "inv_freq"],
     output_names=["out"],
     metal=_METAL_BODY,
     cuda=_CUDA_BODY,
@@ -168,12 +181,24 @@ ROPE = Kernel(
 
 def inverse_frequencies(dims: int, base: float | None, freqs: mx.array | None) -> mx.array:
     """``base ** (-i / (dims/2))`` computed as mx.fast.rope's fallback does, or ``1 / freqs``."""
-    half = dims // 2
     if freqs is not None:
         return mx.reciprocal(freqs.astype(mx.float32))
     assert base is not None
+    return _base_frequencies(dims, float(base))
+
+
+@functools.lru_cache(maxsize=64)
+def _base_frequencies(dims: int, base: float) -> mx.array:
+    """Made once per (dims, base) and then reused: computed on the device, never rewritten."""
+    half = dims // 2
     coef = np.float32(np.float32(math.log(base)) / np.float32(half))
     return mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(float(coef), dtype=mx.float32))
+
+
+@functools.lru_cache(maxsize=1024)
+def _offset_array(offset: int) -> mx.array:
+    """One int32 array per offset value, reused across calls (and layers) at that position."""
+    return mx.array([offset], dtype=mx.int32)
 
 
 def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float | None = 10000.0,
@@ -201,10 +226,12 @@ def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float 
         per_batch = offset.size > 1
         off = offset.reshape(-1).astype(mx.int32)
     elif isinstance(offset, int) and not isinstance(offset, bool):
-        per_batch, off = False, mx.array([offset], dtype=mx.int32)
+        per_batch, off = False, _offset_array(offset)
     else:
         raise KernelError(op, f"offset must be an int or an mx.array, got {type(offset).__name__}",
                           Status.INVALID_INPUT)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise KernelError(op, f"scale must be a finite number, got {scale!r}", Status.INVALID_INPUT)
     half = dims // 2
     v = vector_width(half, x.dtype) if not traditional else min(vector_width(dims, x.dtype) // 2, half)
     while v > 1 and (half % v or d % (2 * v if traditional else v)):
@@ -215,8 +242,9 @@ def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float 
         raise KernelError(op, f"input too large: {threads} threads exceed MLX's int32 grid",
                           Status.INVALID_LAUNCH)
     template = [TemplateArg.dtype("T", x.dtype), TemplateArg.int("V", v),
-                TemplateArg.bool("TRADITIONAL", bool(traditional)), TemplateArg.bool("PER_BATCH", per_batch)]
-    inputs = (x, off, inverse_frequencies(dims, base, freqs), mx.array(float(scale), dtype=mx.float32))
+                TemplateArg.bool("TRADITIONAL", bool(traditional)), TemplateArg.bool("PER_BATCH", per_batch),
+                TemplateArg.int("SCALE", float_bits(scale))]
+    inputs = (x, off, inverse_frequencies(dims, base, freqs))
     return Plan(ROPE, inputs, (OutputSpec(x.shape, x.dtype),), (threads, 1, 1), (256, 1, 1), tuple(template))
 
 
