@@ -103,7 +103,7 @@ def _bench(name: str, shape: tuple[int, ...], dtype: mx.Dtype, nbytes: int, ours
                nbytes / t_stock / copy_bps, stock_name)
 
 
-def _row_kernels(shape: tuple[int, int], dt: mx.Dtype, copy_bps: float) -> list[Row]:
+def _row_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float) -> list[Row]:
     n, size = shape[0] * shape[1], dt.size
     x = mx.random.normal(shape, key=mx.random.key(0)).astype(dt)
     r = mx.random.normal(shape, key=mx.random.key(1)).astype(dt)
@@ -149,17 +149,38 @@ def _rope_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float) -> list
     return rows
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+HEADER = (f"{'kernel':<17}{'shape':<18}{'dtype':<10}{'ours us':>9}{'stock us':>10}{'stock/ours':>11}"
+          f"{'GB/s':>8}{'of copy':>9}{'stock of copy':>15}  stock")
+
+
+def format_row(r: dict[str, Any]) -> str:
+    return (f"{r['kernel']:<17}{r['shape']:<18}{r['dtype']:<10}{r['ours_us']:>9.1f}{r['stock_us']:>10.1f}"
+            f"{r['speedup']:>10.2f}x{r['gbps']:>8.0f}{r['copy_fraction']:>8.0%}"
+            f"{r['stock_copy_fraction']:>14.0%}  {r['stock']}")
+
+
+def run(quick: bool = False, progress: bool = False) -> dict[str, Any]:
+    """Measure everything; with ``progress`` print each row as soon as it is measured (a run cut
+    short by a time limit still shows what it got)."""
     bw = copy_bandwidth()
     copy_bps = max(bw.values())
+    if progress:
+        print("copy bandwidth (GB/s, read+write): " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in bw.items()))
+        print(HEADER, flush=True)
     rows: list[Row] = []
     dtypes = (mx.float32, mx.bfloat16, mx.float16)
-    for shape in [(8192, 4096)] if quick else [(8192, 4096), (16384, 8192), (4096, 16384)]:
+    groups: list[tuple[Callable[[tuple[int, ...], mx.Dtype, float], list[Row]], tuple[int, ...]]]
+    groups = [(_row_kernels, shape) for shape in ([(8192, 4096)] if quick else
+                                                  [(8192, 4096), (16384, 8192), (4096, 16384)])]
+    groups += [(_rope_kernels, shape) for shape in ([(4, 32, 2048, 128)] if quick else
+                                                    [(4, 32, 2048, 128), (1, 32, 8192, 128)])]
+    for bench, shape in groups:
         for dt in dtypes:
-            rows += _row_kernels(shape, dt, copy_bps)
-    for rshape in [(4, 32, 2048, 128)] if quick else [(4, 32, 2048, 128), (1, 32, 8192, 128)]:
-        for dt in dtypes:
-            rows += _rope_kernels(rshape, dt, copy_bps)
+            new = bench(shape, dt, copy_bps)
+            rows += new
+            if progress:
+                for r in new:
+                    print(format_row(asdict(r)), flush=True)
     return {
         "mlx": getattr(mx, "__version__", "?"),
         "device": mx.device_info().get("device_name", "?"),
@@ -173,12 +194,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [f"graphkern kernel library on {result['device']} (mlx {result['mlx']}, {result['date']})",
              "copy bandwidth (GB/s, read+write): "
              + ", ".join(f"{k} {v:.0f}" for k, v in result["copy_bandwidth_GBps"].items()),
-             f"{'kernel':<17}{'shape':<18}{'dtype':<10}{'ours us':>9}{'stock us':>10}{'stock/ours':>11}"
-             f"{'GB/s':>8}{'of copy':>9}{'stock of copy':>15}  stock"]
-    for r in result["rows"]:
-        lines.append(f"{r['kernel']:<17}{r['shape']:<18}{r['dtype']:<10}{r['ours_us']:>9.1f}"
-                     f"{r['stock_us']:>10.1f}{r['speedup']:>10.2f}x{r['gbps']:>8.0f}{r['copy_fraction']:>8.0%}"
-                     f"{r['stock_copy_fraction']:>14.0%}  {r['stock']}")
+             HEADER]
+    lines += [format_row(r) for r in result["rows"]]
     return "\n".join(lines)
 
 
@@ -190,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     if not mx.cuda.is_available() and not mx.metal.is_available():
         print("no GPU backend: the library would run its references; nothing to benchmark", file=sys.stderr)
         return 0
-    result = run(quick=args.quick)
+    result = run(quick=args.quick, progress=True)
+    print()
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
