@@ -11,6 +11,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import keyword
 import math
 import os
 import re
@@ -165,7 +166,7 @@ class KernelCache:
         options = (kernel.input_names, kernel.output_names, kernel.ensure_row_contiguous,
                    kernel.atomic_outputs, kernel.shared_memory)
         source = kernel.source_for(backend) if backend != "cuda" or kernel.cuda else kernel.cuda_binary
-        return (backend, kernel.name, source, kernel.header, options)
+        return (backend, mlx_kernel_name(kernel), source, kernel.header, options)
 
     def get(self, backend: str, kernel: Kernel) -> Any:
         """The MLX kernel object for ``kernel`` on ``backend``, built on first use."""
@@ -382,10 +383,14 @@ def _check_inputs(kernel: Kernel, inputs: object) -> list[Any]:
                     f"kernel {kernel.name!r} takes {len(kernel.input_names)} inputs "
                     f"{list(kernel.input_names)} but {len(inputs)} were given")
     for name, value in zip(kernel.input_names, inputs):
-        if value.__class__ is not mx.array and not isinstance(value, (mx.array, bool, int, float)):
+        if value.__class__ is mx.array:
+            continue
+        if not isinstance(value, (mx.array, bool, int, float)):
             raise _fail(Status.INVALID_INPUT,
                         f"input {name!r} must be an mlx array or a Python scalar, "
                         f"got {type(value).__name__}")
+        if isinstance(value, int) and not -(2**63) <= value < 2**63:
+            raise _fail(Status.INVALID_INPUT, f"input {name!r} = {value} does not fit in int64")
     return list(inputs)
 
 
@@ -402,7 +407,8 @@ def _check_template(template: object) -> tuple[TemplateArg, ...]:
         if not isinstance(item, TemplateArg):
             raise _fail(Status.INVALID_TEMPLATE,
                         f"template entries must be TemplateArg or (name, value), got {item!r}")
-        if not isinstance(item.name, str) or not item.name.isidentifier() or "\x00" in item.name:
+        if not isinstance(item.name, str) or not (item.name.isascii() and item.name.isidentifier()) \
+                or keyword.iskeyword(item.name):
             raise _fail(Status.INVALID_TEMPLATE,
                         f"template name {item.name!r} is not a valid identifier")
         if item.kind == "invalid":

@@ -219,3 +219,22 @@ def test_differentiable_launches_build_their_custom_function_once():
     assert len(launch.differentiable_forms) == 1  # reused across calls with the same scalars
     assert mx.grad(lambda x: run(x, 2.0).sum())(X).tolist() == [6.0] * 8  # the user's vjp
     assert len(launch.differentiable_forms) == 2  # a new scalar value gets its own
+
+
+def test_scalar_inputs_and_template_names_are_checked_like_c_identifiers():
+    k = gk.Kernel("axpy2", ["a", "x"], ["out"], reference=lambda a, x: [a * x])
+    big = gk.apply_in_graph(k, [2**70, X], SPEC, grid=(8, 1, 1), threadgroup=(8, 1, 1))
+    assert big.status == gk.Status.INVALID_INPUT and "does not fit in int64" in big.error.description
+    for name in ("for", "ñ"):
+        bad = gk.apply_in_graph(k, [2, X], SPEC, grid=(8, 1, 1), threadgroup=(8, 1, 1),
+                                template=[(name, 1)])
+        assert bad.status == gk.Status.INVALID_TEMPLATE
+    assert_mlx_still_works()
+
+
+def test_same_metal_source_with_different_cuda_sources_are_separate_mlx_kernels(monkeypatch):
+    monkeypatch.setenv("GRAPHKERN_BACKEND", "metal")
+    cache = runtime.KernelCache()
+    a = gk.Kernel("twin", ["x"], ["out"], metal="out[0] = x[0];", cuda="out[0] = x[0];")
+    b = gk.Kernel("twin", ["x"], ["out"], metal="out[0] = x[0];", cuda="out[0] = 2 * x[0];")
+    assert cache.get("metal", a) is not cache.get("metal", b)  # each carries its own hashed name
