@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import runtime
+from .autodiff import without_vjp
 from .capture import MAGIC, EventLog, Record, build_graph
 from .graph import Failure, Graph, GraphError
 from .nodes import Kernel, KernelError, Status, dtype_name
@@ -500,7 +501,10 @@ class CompiledGraph:
 
     def _run_flat(self, *arrays: mx.array) -> list[mx.array]:
         assert self._flat is not None
-        with self._traceable.state.cells_from_captured(), recording(self._recorder):  # type: ignore[arg-type]
+        # no custom-vjp wrapper around GPU launches: a compiled graph evaluates its own outputs,
+        # so nothing differentiates through it, and each wrapper is one more primitive to run
+        with self._traceable.state.cells_from_captured(), recording(self._recorder), \
+                without_vjp():  # type: ignore[arg-type]
             return self._traceable.call_flat(self._flat, arrays, {})
 
     @property
