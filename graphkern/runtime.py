@@ -295,6 +295,11 @@ class Launch:
         return {}
 
     @functools.cached_property
+    def declared(self) -> list[tuple[tuple[int, ...], mx.Dtype]]:
+        """``(shape, dtype)`` of each output, for comparing what a reference returned."""
+        return [(spec.shape, spec.dtype) for spec in self.output_specs]
+
+    @functools.cached_property
     def mlx_template(self) -> list[tuple[str, Any]]:
         return [a.as_mlx() for a in self.template]
 
@@ -376,6 +381,12 @@ def _check_output_specs(kernel: Kernel, specs: object) -> tuple[OutputSpec, ...]
 
 
 def _check_inputs(kernel: Kernel, inputs: object) -> list[Any]:
+    if inputs.__class__ is list and len(inputs) == len(kernel.input_names):  # type: ignore[arg-type]
+        for value in inputs:  # type: ignore[attr-defined]
+            if value.__class__ is not mx.array:
+                break
+        else:  # the common case: a list of arrays
+            return inputs  # type: ignore[return-value]
     if not isinstance(inputs, (list, tuple)):
         raise _fail(Status.INVALID_INPUT, f"inputs must be a list, got {type(inputs).__name__}")
     if len(inputs) != len(kernel.input_names):
@@ -443,32 +454,37 @@ _VALIDATED: dict[tuple[Any, ...], Launch] = {}
 _VALIDATED_MAX = 4096
 
 
-def _exact(values: Any, kind: type) -> bool:
-    return all(value.__class__ is kind for value in values)
-
-
 def _launch_key(kernel: Kernel, output_specs: Any, grid: Any, threadgroup: Any, template: Any,
                 init_value: Any, backend: str | None) -> tuple[Any, ...] | None:
     """A key under which a validated launch can be reused, or None when the arguments are not
-    of the plain exact types (ints, not floats or bools, that compare equal to them)."""
-    if grid.__class__ is not tuple or threadgroup.__class__ is not tuple or not (
-            _exact(grid + threadgroup, int)):
+    of the plain exact types (ints, not floats or bools, that compare equal to them).
+    Runs on every launch: plain loops and class checks, no generators."""
+    if (grid.__class__ is not tuple or threadgroup.__class__ is not tuple or len(grid) != 3
+            or len(threadgroup) != 3 or output_specs.__class__ not in (list, tuple)
+            or template.__class__ not in (list, tuple)):
         return None
-    if output_specs.__class__ not in (list, tuple) or template.__class__ not in (list, tuple):
-        return None
-    for spec in output_specs:
-        if spec.__class__ is not OutputSpec or not _exact(spec.shape, int):
+    for dim in grid + threadgroup:
+        if dim.__class__ is not int:
             return None
+    specs = []  # plain (shape, dtype) pairs: tuples hash and compare in C, dataclasses do not
+    for spec in output_specs:
+        if spec.__class__ is not OutputSpec:
+            return None
+        shape = spec.shape
+        for dim in shape:
+            if dim.__class__ is not int:
+                return None
+        specs.append((shape, spec.dtype))
     typed_template = []
     for arg in template:
-        if arg.__class__ is TemplateArg:
-            typed_template.append((arg.name, arg.value, arg.value.__class__))
-        elif arg.__class__ is tuple and len(arg) == 2:
+        if arg.__class__ is tuple and len(arg) == 2:
             typed_template.append((arg[0], arg[1], arg[1].__class__))
+        elif arg.__class__ is TemplateArg:
+            typed_template.append((arg.name, arg.value, arg.value.__class__))
         else:  # a list, a longer tuple...: only the full check may judge it
             return None
     return (kernel, backend or _backend_variable(), grid, threadgroup, tuple(typed_template),
-            tuple(output_specs), init_value, init_value.__class__)
+            tuple(specs), init_value, init_value.__class__)
 
 
 def validate(kernel: Kernel, inputs: object, output_specs: object, grid: object,
@@ -538,18 +554,18 @@ def run_reference(launch: Launch, inputs: list[Any]) -> list[mx.array]:
     """Run the kernel's pure-MLX reference and hold it to the declared output specs."""
     kernel = launch.kernel
     assert kernel.reference is not None
+    keywords = launch.reference_keywords
     try:
-        result = kernel.reference(*inputs, **launch.reference_keywords)
+        result = kernel.reference(*inputs, **keywords) if keywords else kernel.reference(*inputs)
     except Exception as exc:  # the user's code: any failure becomes a status
         raise KernelError(f"run the reference of kernel {kernel.name!r}",
                           f"{type(exc).__name__}: {exc}", Status.REFERENCE_ERROR) from exc
     outputs = [result] if isinstance(result, mx.array) else result
-    if outputs.__class__ is list and len(outputs) == len(launch.output_specs):
-        for out, spec in zip(outputs, launch.output_specs):
-            if out.__class__ is not mx.array or out.shape != spec.shape or out.dtype != spec.dtype:
-                break
-        else:  # the common case: exactly what was declared
+    try:  # the common case, exactly what was declared, checked with one comparison
+        if outputs.__class__ is list and [(o.shape, o.dtype) for o in outputs] == launch.declared:
             return outputs
+    except AttributeError:  # something that is not an array: the full check names it
+        pass
     return _conform_reference_outputs(launch, result, outputs)
 
 
