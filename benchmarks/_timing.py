@@ -25,10 +25,13 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 7, warmup: int = 1, num
     return statistics.median(samples)
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], rounds: int = 7, number: int = 1) -> dict[str, float]:
-    """Median seconds per call of each function, timed in alternation so drift hits all alike."""
-    for fn in fns.values():
-        fn()
+def interleaved_stats(fns: dict[str, Callable[[], Any]], rounds: int = 7, number: int = 1,
+                      warmup: int = 1) -> dict[str, dict[str, float]]:
+    """Seconds per call of each function (median, min, max over ``rounds`` rounds of ``number``
+    calls), the functions taking turns within each round so that drift hits all alike."""
+    for fn in fns.values():  # warm-up: builds, compiles, NVRTC, caches
+        for _ in range(warmup):
+            fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -36,7 +39,13 @@ def interleaved(fns: dict[str, Callable[[], Any]], rounds: int = 7, number: int 
             for _ in range(number):
                 fn()
             samples[name].append((time.perf_counter() - start) / number)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return {name: {"median": statistics.median(v), "min": min(v), "max": max(v)}
+            for name, v in samples.items()}
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], rounds: int = 7, number: int = 1) -> dict[str, float]:
+    """Median seconds per call of each function, timed in alternation (see ``interleaved_stats``)."""
+    return {name: stats["median"] for name, stats in interleaved_stats(fns, rounds, number).items()}
 
 
 def header(title: str) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -31,6 +30,13 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, if not installed
 import graphkern as gk  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import interleaved_stats  # noqa: E402
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, number: int) -> dict[str, dict[str, float]]:
+    return interleaved_stats(fns, rounds, number, warmup=3)
 
 CUDA = mx.cuda.is_available()
 BACKEND = "cuda" if CUDA else "reference"
@@ -50,23 +56,6 @@ SILU = gk.Kernel(
 
 
 # ----------------------------------------------------------------------------- timing
-
-
-def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, number: int) -> dict[str, dict[str, float]]:
-    """Seconds per call of each function: median, min and max over ``rounds`` rounds of ``number``
-    calls, the functions taking turns within each round so that drift hits all alike."""
-    for fn in fns.values():  # warm-up: builds, compiles, NVRTC, caches
-        for _ in range(3):
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(number):
-                fn()
-            samples[name].append((time.perf_counter() - start) / number)
-    return {name: {"median": statistics.median(v), "min": min(v), "max": max(v)}
-            for name, v in samples.items()}
 
 
 def stamp() -> dict[str, str]:
