@@ -596,9 +596,8 @@ def run_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
 
 
 def _inside_inspection_trace() -> bool:
-    from .trace import TraceRecorder  # imported here: trace depends on runtime, not the reverse
-
-    return isinstance(current_recorder(), TraceRecorder)
+    """Whether this thread is inside a graphkern inspection trace (``mx.export_function``)."""
+    return getattr(current_recorder(), "inspects", False) is True
 
 
 def differentiable_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
@@ -665,7 +664,8 @@ def apply(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence[OutputSp
 
 
 class Recorder(Protocol):
-    """What a tracer installs to see kernel calls (see ``graphkern.trace``)."""
+    """What a tracer installs to see kernel calls (see ``graphkern.trace``). A recorder with
+    ``inspects = True`` is an inspection trace: launches inside it run without a custom vjp."""
 
     def kernel_call(self, launch: Launch | None, kernel: Any, inputs: list[Any],
                     outputs: list[mx.array], error: KernelError | None) -> list[mx.array]:

@@ -39,6 +39,8 @@ _TRACE = "trace a function with graphkern"
 class TraceRecorder:
     """Collects the kernel and module calls of one trace and tags their outputs."""
 
+    inspects = True  # launches inside run plain: mx.export_function cannot export custom vjps
+
     def __init__(self, modules: dict[int, str] | None = None, tag: bool = True):
         self.records: dict[int, Record] = {}
         self.modules = modules or {}
