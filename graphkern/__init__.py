@@ -7,10 +7,11 @@ True
 
 from __future__ import annotations
 
+from .compiled import CompiledGraph, compile
 from .graph import Failure, Graph, GraphError
 from .nodes import Kernel, KernelError, KernelResult, NodeKind, OutputSpec, Status, TemplateArg
 from .runtime import active_backend, apply, apply_in_graph, kernel_cache, launch
-from .trace import CompiledGraph, compile, trace
+from .trace import trace
 
 __version__ = "0.1.0"
 

@@ -15,9 +15,10 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from .compiled import compile
 from .graph import Graph, GraphError
 from .runtime import apply_in_graph
-from .trace import compile, trace
+from .trace import trace
 
 __all__ = ["DemoModel", "DemoResult", "demo_inputs", "run_demo"]
 

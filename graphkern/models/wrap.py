@@ -24,11 +24,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from graphkern.compiled import CompiledGraph
 from graphkern.graph import Graph
 from graphkern.models.cache import cache_states, stand_ins, states_of, write_back
 from graphkern.nodes import Status
 from graphkern.state import Flat, argument_names
-from graphkern.trace import CompiledGraph
 
 __all__ = ["WrappedModel", "wrap"]
 

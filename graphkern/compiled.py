@@ -1,0 +1,345 @@
+"""Compiled graphs: ``fn`` under ``mx.compile``, guarded by a graphkern trace per signature.
+
+A compiled graph never runs a signature whose trace found a failed node; the ``mx.compile``d
+function carries no tags; state (module parameters, closure arrays) is passed as inputs so
+updates are seen; run failures are attributed to their kernel node.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import runtime
+from .autodiff import without_vjp
+from .graph import Failure, Graph, GraphError
+from .nodes import Kernel, KernelError, Status
+from .runtime import Launch, recording
+from .state import Flat, unflatten_outputs
+from .trace import _Traceable
+
+__all__ = ["CompiledGraph", "compile"]
+
+
+# ----------------------------------------------------------------------------- kernels in state
+
+_SLOT_DEPTH = 6
+_SLOT_BUDGET = 20_000  # containers visited per trace, at most
+
+
+class _KernelSlots:
+    """Where the kernels a trace launched sit among the things ``fn`` reads at call time.
+
+    ``mx.compile`` bakes each kernel (on the CPU: its reference) into the compiled function, so
+    a call that would now find another kernel object there (a registry entry replaced, a
+    module's kernel attribute swapped) must trace again. The places searched: ``fn``'s closure
+    cells and the globals its code names (with the attributes it names of imported modules), the
+    module tree of ``fn`` (items and attributes), the globals named by each module class's
+    ``__call__``, and the dicts, lists and tuples inside all of these. A kernel built inside
+    ``fn`` sits in none of them and needs no watching.
+
+    >>> _KernelSlots([]).changed()
+    False
+    """
+
+    def __init__(self, slots: list[tuple[Callable[[], Any], Kernel]]):
+        self.slots = slots
+
+    def changed(self) -> bool:
+        for read, kernel in self.slots:
+            try:
+                if read() is not kernel:
+                    return True
+            except Exception:  # the place is gone (a key deleted, an attribute removed)
+                return True
+        return False
+
+    @classmethod
+    def find(cls, fn: Callable[..., Any], used: list[Kernel]) -> _KernelSlots:
+        wanted = {id(k) for k in used}
+        slots: list[tuple[Callable[[], Any], Kernel]] = []
+        if not wanted:
+            return cls(slots)
+        seen: set[int] = set()
+        budget = [_SLOT_BUDGET]
+
+        def visit(value: Any, read: Callable[[], Any], depth: int) -> None:
+            if isinstance(value, Kernel):
+                if id(value) in wanted:
+                    slots.append((read, value))
+                return
+            if depth > _SLOT_DEPTH or budget[0] <= 0 or id(value) in seen:
+                return
+            if isinstance(value, dict):  # nn.Module is a dict of its children and arrays
+                items: Any = list(value.items())
+            elif isinstance(value, (list, tuple)):
+                items = list(enumerate(value))
+            else:
+                return
+            seen.add(id(value))
+            budget[0] -= 1
+            for key, item in items:
+                visit(item, _reader(read, key, False), depth + 1)
+            if isinstance(value, nn.Module):
+                for key, item in list(vars(value).items()):
+                    visit(item, _reader(read, key, True), depth + 1)
+                call = getattr(type(value).__call__, "__wrapped__", type(value).__call__)
+                visit_function(call)
+
+        def visit_function(func: Any) -> None:
+            func = getattr(func, "__func__", func)
+            code = getattr(func, "__code__", None)
+            if code is None or id(func) in seen:
+                return
+            seen.add(id(func))
+            for cell in func.__closure__ or ():
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                visit(value, _cell_reader(cell), 1)
+            names = set(code.co_names)
+            for name in names & set(func.__globals__):
+                value = func.__globals__[name]
+                read = _reader(_constant(func.__globals__), name, False)
+                if isinstance(value, types.ModuleType):  # an imported module: the attributes fn names
+                    for attr in names & set(vars(value)):
+                        visit(getattr(value, attr), _reader(read, attr, True), 2)
+                else:
+                    visit(value, read, 1)
+
+        root = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+        if isinstance(root, nn.Module):
+            visit(root, _constant(root), 0)
+        if not isinstance(fn, nn.Module):
+            visit_function(fn)
+        return cls(slots)
+
+
+def _constant(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
+def _cell_reader(cell: Any) -> Callable[[], Any]:
+    return lambda: cell.cell_contents
+
+
+def _reader(parent: Callable[[], Any], key: Any, attribute: bool) -> Callable[[], Any]:
+    """Read ``parent()[key]`` (or its attribute) afresh each time, so replacing any container
+    on the way is seen too."""
+    if attribute:
+        return lambda: getattr(parent(), key)
+    return lambda: parent()[key]
+
+
+# ----------------------------------------------------------------------------- compile
+
+
+class _PassThrough:
+    """Recorder for the compiled path: no tags, but ``launch`` behaves as inside a graph, and
+    the first failing call is remembered (by call index) so it can be blamed on its node.
+    With ``probe`` it also evaluates each call's outputs at once, to find evaluation failures."""
+
+    last_record = None
+
+    def __init__(self, probe: bool = False) -> None:
+        self.probe = probe
+        self.calls = 0
+        self.failed: tuple[int, Exception] | None = None
+
+    def kernel_call(self, launch: Launch | None, kernel: Any, inputs: list[mx.array],
+                    outputs: list[mx.array], error: KernelError | None) -> list[mx.array]:
+        index, self.calls = self.calls, self.calls + 1
+        if self.failed is None and error is not None:
+            self.failed = (index, error)
+        elif self.failed is None and self.probe:
+            try:
+                mx.eval(inputs)
+            except Exception as exc:  # an op before this kernel failed: not the kernel's fault
+                self.failed = (-1, exc)
+                return outputs
+            try:
+                mx.eval(outputs)
+            except Exception as exc:
+                self.failed = (index, exc)
+        return outputs
+
+
+@dataclass
+class _Prepared:
+    """What a call with one signature needs: its trace, output structure and compiled function."""
+
+    key: Any
+    flat: Flat
+    graph: Graph
+    spec: Any
+    compiled: Callable[..., Any]
+
+
+class CompiledGraph:
+    """``fn`` compiled with ``mx.compile``, guarded by a graphkern trace per input signature.
+
+    The first call with a new signature traces ``fn`` (``.graph``); if a node failed, the call
+    raises ``GraphError`` and nothing runs. Otherwise the ``mx.compile``d function runs, with no
+    tags and the state (module parameters, closure arrays) passed as inputs, so weight updates
+    are always seen. A kernel replaced where ``fn`` finds it (a registry entry, a module
+    attribute: see ``_KernelSlots``) makes the next call trace again, so the new source runs.
+    Evaluation failures (a kernel that does not compile) are attributed to their kernel node.
+
+    >>> import mlx.core as mx, graphkern as gk
+    >>> cf = gk.compile(lambda x: mx.exp(x) * 2)
+    >>> cf(mx.zeros((2,)))
+    array([2, 2], dtype=float32)
+    >>> cf.graph.status
+    <Status.OK: 0>
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, state: Any = None, backend: str | None = None):
+        self.fn = fn
+        self.backend = backend
+        self._traceable = _Traceable(fn, state)
+        self._graphs: dict[Any, tuple[Graph, Any]] = {}
+        self._slots: dict[Any, _KernelSlots] = {}
+        self._last: Graph | None = None
+        self._flat: Flat | None = None
+        self._recorder = _PassThrough()
+        # one mx.compile per static structure: MLX keys its cache on array shapes only, so a
+        # Python scalar argument (baked into the trace) must never share a compiled function
+        self._compiled: dict[Any, Callable[..., Any]] = {}
+        # the common call, positional arrays only: shapes and dtypes -> everything a call needs
+        self._fast: dict[Any, _Prepared] = {}
+
+    def _run_flat(self, *arrays: mx.array) -> list[mx.array]:
+        assert self._flat is not None
+        # no custom-vjp wrapper around GPU launches: a compiled graph evaluates its own outputs,
+        # so nothing differentiates through it, and each wrapper is one more primitive to run
+        with self._traceable.state.cells_from_captured(), recording(self._recorder), \
+                without_vjp():  # type: ignore[arg-type]
+            return self._traceable.call_flat(self._flat, arrays, {})
+
+    @property
+    def graph(self) -> Graph | None:
+        """The graph of the last traced signature."""
+        return self._last
+
+    def trace(self, *args: Any, **kwargs: Any) -> Graph:
+        """The graph for these arguments (traced on first sight of their signature)."""
+        return self._entry(Flat.of(args, kwargs, self._traceable.arg_names))[0]
+
+    def _entry(self, flat: Flat, key: Any = None) -> tuple[Graph, Any]:
+        key = flat.key() if key is None else key
+        entry = self._graphs.get(key)
+        if entry is not None and self._slots[key].changed():
+            self.clear()  # a kernel was replaced: every compiled function baked the old one in
+            entry = None
+        if entry is None:
+            used: list[Kernel] = []
+            entry = self._traceable.trace(flat, self.backend, used)
+            self._graphs[key] = entry
+            self._slots[key] = _KernelSlots.find(self.fn, used)
+        self._last = entry[0]
+        return entry
+
+    def call_with_status(self, *args: Any, **kwargs: Any) -> tuple[Any, Status]:
+        """``(outputs, Status.OK)`` or ``(None, status of the root failure)``; never raises for
+        a failed node (the seed's ``Result<_, i32>``)."""
+        try:
+            return self(*args, **kwargs), Status.OK
+        except GraphError as exc:
+            return None, exc.status
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        plain = not kwargs and all(a.__class__ is mx.array for a in args)
+        prepared = self._fast.get(tuple([(a.shape, a.dtype) for a in args])) if plain else None
+        if prepared is not None and self._slots[prepared.key].changed():
+            prepared = None  # a kernel was replaced: the slow path re-traces
+        if prepared is None:
+            prepared = self._prepare(Flat.of(args, kwargs, self._traceable.arg_names))
+            if plain:
+                self._fast[tuple([(a.shape, a.dtype) for a in args])] = prepared
+        self._last = prepared.graph
+        if not prepared.graph.ok:
+            raise prepared.graph.error()  # type: ignore[misc]
+        arrays = list(args) if plain else Flat.of(args, kwargs, self._traceable.arg_names).arrays
+        self._flat = prepared.flat  # its structure, for when MLX traces _run_flat
+        self._recorder = _PassThrough()
+        self._traceable.state.refresh_cells()
+        try:
+            if self.backend is None:
+                outputs = self._run_compiled(prepared.compiled, arrays)
+            else:
+                with runtime.using_backend(self.backend):
+                    outputs = self._run_compiled(prepared.compiled, arrays)
+        except Exception as exc:
+            flat = Flat.of(args, kwargs, self._traceable.arg_names)
+            raise self._attribute(prepared.graph, flat, exc, self._recorder) from exc
+        return unflatten_outputs(prepared.spec, outputs)
+
+    def _prepare(self, flat: Flat) -> _Prepared:
+        """Trace (if new) and compile (if new) for this call's signature."""
+        key = flat.key()
+        graph, spec = self._entry(flat, key)
+        compiled = self._compiled.get(key[0])
+        if compiled is None:
+            compiled = self._compiled[key[0]] = mx.compile(
+                self._run_flat, inputs=self._traceable.state.containers)
+        return _Prepared(key, flat, graph, spec, compiled)
+
+    def _run_compiled(self, compiled: Callable[..., Any], arrays: list[mx.array]) -> list[mx.array]:
+        outputs = compiled(*arrays)
+        if self._recorder.failed is not None:  # a launch failed while MLX traced
+            raise self._recorder.failed[1]
+        mx.eval(outputs)
+        return outputs  # type: ignore[no-any-return]
+
+    def _attribute(self, graph: Graph, flat: Flat, exc: Exception,
+                   recorder: _PassThrough) -> GraphError:
+        """Find the kernel node behind a run failure, mark it, and build the error."""
+        message, found = str(exc), exc
+        kernels = graph.kernels()
+        culprit = next((n for n in kernels if graph.node(n).get("generated_name")
+                        and graph.node(n)["generated_name"] in message), None)
+        if culprit is None and recorder.failed is None:
+            recorder = _PassThrough(probe=True)
+            try:
+                with recording(recorder):  # type: ignore[arg-type]
+                    self._traceable.call_flat(flat, tuple(flat.arrays), {})
+            except Exception:  # the eager re-run may fail the same way; the first error stands
+                pass
+        if culprit is None and recorder.failed is not None:
+            index, found = recorder.failed
+            message = str(found)
+            culprit = next((n for n in kernels if graph.node(n).get("call_index") == index), None)
+        status = found.status if isinstance(found, KernelError) else runtime.status_of_mlx_error(message)
+        if culprit is None:
+            outputs = tuple(graph.nodes("output"))
+            return GraphError(Failure("<eval>", status, message, outputs))
+        data = graph.node(culprit)
+        data["status"], data["message"] = int(status), message
+        graph.refresh()
+        return graph.error() or GraphError(Failure(culprit, status, message, ()))
+
+    def clear(self) -> None:
+        """Forget every trace (the next call re-traces)."""
+        self._graphs.clear()
+        self._slots.clear()
+        self._compiled.clear()
+        self._fast.clear()
+        self._last = None
+
+    def traces(self) -> Iterator[Graph]:
+        return (g for g, _ in self._graphs.values())
+
+
+def compile(fn: Callable[..., Any], *, state: Any = None, backend: str | None = None) -> CompiledGraph:
+    """Compile ``fn`` into a ``CompiledGraph`` (see there).
+
+    ``state``: extra arrays, lists, dicts or modules ``fn`` reads without taking them as
+    arguments; modules ``fn`` is bound to or closes over, and closure arrays, are found alone.
+    """
+    return CompiledGraph(fn, state=state, backend=backend)
