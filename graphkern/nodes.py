@@ -6,6 +6,7 @@ This module imports nothing else from graphkern; everything else imports it.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import keyword
 from collections.abc import Callable, Sequence
@@ -294,9 +295,10 @@ class Kernel:
         """The kernel body MLX compiles on ``backend`` (None for the reference)."""
         return {"metal": self.metal, "cuda": self.cuda}.get(backend)
 
-    @property
+    @functools.cached_property
     def source_hash(self) -> str:
-        """A short hash of everything that changes the generated code."""
+        """A short hash of everything that changes the generated code (computed once: every GPU
+        launch looks its MLX kernel object up by it)."""
         digest = hashlib.sha256()
         for part in (self.name, self.metal, self.cuda, self.header):
             digest.update(b"\x00" if part is None else part.encode() + b"\x01")

@@ -158,6 +158,7 @@ class KernelCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._objects: dict[tuple[Any, ...], Any] = {}
+        self._by_kernel: dict[tuple[str, Kernel], Any] = {}  # the same, by Kernel identity
         self.hits = 0
         self.misses = 0
 
@@ -169,17 +170,20 @@ class KernelCache:
         return (backend, mlx_kernel_name(kernel), source, kernel.header, options)
 
     def get(self, backend: str, kernel: Kernel) -> Any:
-        """The MLX kernel object for ``kernel`` on ``backend``, built on first use."""
-        key = self.key(backend, kernel)
+        """The MLX kernel object for ``kernel`` on ``backend``, built on first use.
+
+        Looked up by the Kernel object first (a dict probe), by content on its first sight."""
         with self._lock:
-            found = self._objects.get(key)
+            found = self._by_kernel.get((backend, kernel))
+            if found is None:
+                found = self._objects.get(self.key(backend, kernel))
             if found is not None:
                 self.hits += 1
-                return found
-            self.misses += 1
-            built = _build_mlx_kernel(backend, kernel)
-            self._objects[key] = built
-            return built
+            else:
+                self.misses += 1
+                found = self._objects[self.key(backend, kernel)] = _build_mlx_kernel(backend, kernel)
+            self._by_kernel[(backend, kernel)] = found
+            return found
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -188,6 +192,7 @@ class KernelCache:
     def clear(self) -> None:
         with self._lock:
             self._objects.clear()
+            self._by_kernel.clear()
             self.hits = self.misses = 0
 
 
