@@ -350,12 +350,6 @@ class _Folder:
             if node in self.g:
                 self.g.nodes[node]["scope"] = innermost_common_scope(scopes)
 
-    def _edge_data(self, src: str, array: str) -> dict[str, Any]:
-        for _, _, key, data in self.g.out_edges(src, keys=True, data=True):
-            if key == array:
-                return dict(data)
-        return {}
-
     def scope_module(self, record: Record, depends: str) -> None:
         """Give the primitives of one module call its path; then drop its tag."""
         g = self.g

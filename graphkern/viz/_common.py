@@ -187,16 +187,6 @@ def scope_parts(scope: Any) -> list[str]:
     return list(_scope_parts(str(scope)))
 
 
-def scope_paths(scope: Any) -> list[str]:
-    """Every enclosing group path of a scope, outermost first.
-
-    >>> scope_paths("layers.0.mlp.up")
-    ['layers.0', 'layers.0.mlp', 'layers.0.mlp.up']
-    """
-    parts = scope_parts(scope)
-    return [".".join(parts[: i + 1]) for i in range(len(parts))]
-
-
 @dataclass(frozen=True)
 class FailureSummary:
     """One root failure and how far it reached."""
