@@ -42,10 +42,11 @@ def propagate_status(g: nx.MultiDiGraph) -> list[str]:
     roots: list[str] = []
     rank: dict[str, int] = {}
     earliest: dict[str, str] = {}  # the earliest failed root among a node's ancestors and itself
+    node_data, pred, _ = _adjacency(g)
     for order, node in enumerate(topological_order(g)):
-        data = g.nodes[node]
+        data = node_data[node]
         data["order"] = order
-        causes = [earliest[p] for p in g.predecessors(node) if p in earliest]
+        causes = [earliest[p] for p in pred[node] if p in earliest]
         if data.get("status", 0) in _ROOT_FAILURES:
             data["root_cause"] = node
             rank[node] = len(roots)
@@ -64,6 +65,12 @@ def propagate_status(g: nx.MultiDiGraph) -> list[str]:
     return roots
 
 
+def _adjacency(g: nx.MultiDiGraph) -> tuple[dict[Any, Any], dict[Any, Any], dict[Any, Any]]:
+    """networkx's own node, predecessor and successor dicts (read only here): the public views
+    wrap every access in an object, which is most of the cost on graphs of 100,000 nodes."""
+    return g._node, g._pred, g._succ
+
+
 def topological_order(g: nx.MultiDiGraph) -> list[str]:
     """Kahn's algorithm, ties broken by insertion order (deterministic, and 3x faster on
     multigraphs than ``nx.topological_sort``, which counts parallel edges through views).
@@ -72,10 +79,10 @@ def topological_order(g: nx.MultiDiGraph) -> list[str]:
     >>> topological_order(g)
     ['a', 'b', 'c']
     """
-    pending = {node: len(preds) for node, preds in g.pred.items()}
+    _, pred, succ = _adjacency(g)
+    pending = {node: len(preds) for node, preds in pred.items()}
     ready = deque(node for node, count in pending.items() if count == 0)
     order = []
-    succ = g.succ
     while ready:
         node = ready.popleft()
         order.append(node)
