@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -99,13 +100,10 @@ ENTRY = LibraryEntry(
     description="GELU, exact erf form (nn.gelu)",
 )
 
-ENTRY_APPROX = LibraryEntry(
+ENTRY_APPROX = dataclasses.replace(
+    ENTRY,
     name="gelu_approx",
-    kernel=GELU,
-    fn=gelu,
-    plan=plan_gelu,
     make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, True),
     stock=lambda x, approx=True: nn.gelu_approx(x),
-    shapes=_SHAPES,
     description="GELU, tanh approximation (nn.gelu_approx)",
 )

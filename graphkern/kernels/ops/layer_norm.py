@@ -7,6 +7,7 @@ the normalized value is cast to the dtype, multiplied by the weight and added to
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -218,13 +219,9 @@ ENTRY = LibraryEntry(
     description="LayerNorm with weight and bias (mx.fast.layer_norm)",
 )
 
-ENTRY_NO_BIAS = LibraryEntry(
+ENTRY_NO_BIAS = dataclasses.replace(
+    ENTRY,
     name="layer_norm_no_bias",
-    kernel=LAYER_NORM,
-    fn=layer_norm,
-    plan=plan_layer_norm,
     make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, bias=False),
-    stock=_stock,
-    shapes=_SHAPES,
     description="LayerNorm with weight, no bias (mx.fast.layer_norm)",
 )

@@ -8,6 +8,7 @@ the rest are copied. The frequencies are computed once, with MLX's own formula, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -290,14 +291,9 @@ ENTRY = LibraryEntry(
     description="RoPE, rotate-half form (mx.fast.rope traditional=False)",
 )
 
-ENTRY_TRADITIONAL = LibraryEntry(
+ENTRY_TRADITIONAL = dataclasses.replace(
+    ENTRY,
     name="rope_traditional",
-    kernel=ROPE,
-    fn=rope,
-    plan=plan_rope,
     make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, True),
-    stock=_stock,
-    shapes=_SHAPES,
-    min_ndim=3,
     description="RoPE, interleaved pairs (mx.fast.rope traditional=True)",
 )
