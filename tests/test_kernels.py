@@ -15,7 +15,7 @@ import graphkern as gk
 import graphkern.kernels as gkk
 from graphkern.check import compare, strided
 from graphkern.kernels import LIBRARY, apply_plan
-from graphkern.kernels._base import ITEMS_PER_THREAD, MAX_THREADS, row_config
+from graphkern.kernels._base import MAX_THREADS, items_per_thread, row_config
 from graphkern.kernels.ops.rope import inverse_frequencies
 from graphkern.nodes import KernelError, Status
 
@@ -170,9 +170,9 @@ def test_row_config_covers_the_row_within_register_and_block_limits(n: int, dtyp
     assert n % cfg.vector == 0 and cfg.vector * dtype.size <= 16
     if cfg.chunks:
         assert cfg.threads * cfg.vector * cfg.chunks >= n  # the whole row fits in registers
-        assert cfg.chunks * cfg.vector <= ITEMS_PER_THREAD
+        assert cfg.chunks * cfg.vector <= items_per_thread(dtype)
     else:
-        assert n > MAX_THREADS * ITEMS_PER_THREAD // 2  # streamed only when long
+        assert n > MAX_THREADS * items_per_thread(dtype) // 2  # streamed only when long
 
 
 # ----------------------------------------------------------------------------- plans and validation

@@ -28,6 +28,25 @@ def test_a_kernel_with_a_constant_input_inside_a_module_traces():
     assert len(graph.inputs_of("scale_add")) == 2  # x and the constant both feed the kernel node
 
 
+def test_constants_first_made_while_tracing_work_on_the_calling_thread():
+    """Regression: traces run on a worker thread, and MLX streams belong to their thread. The kernel
+    library's cached constants (RoPE frequencies, the stand-in for an absent weight), first made
+    lazily during a trace, could then not be evaluated by the caller: "There is no Stream(cpu, 1)
+    in current thread"."""
+    from graphkern.kernels._base import unused_input
+    from graphkern.kernels.ops.rope import _base_frequencies
+
+    _base_frequencies.cache_clear()
+    unused_input.cache_clear()
+    model = tiny_model("llama")
+    patch(model)
+    tokens = mx.random.randint(0, 100, (1, 6), key=mx.random.key(3))  # lazy, made on this thread
+    logits = wrap(model)(tokens)  # traced on the worker thread, run here
+    unpatch(model)
+    assert mx.allclose(logits, model(tokens), atol=1e-4).item()
+    assert gk.kernels.rms_norm(X, None).shape == X.shape  # the stand-in, used from this thread
+
+
 def mlp():
     return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.RMSNorm(8))
 

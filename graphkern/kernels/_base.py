@@ -38,9 +38,10 @@ __all__ = [
 FLOAT_DTYPES: tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)
 #: MLX passes the grid as int32 threads.
 MAX_GRID = 2**31 - 1
-#: Row elements one thread keeps in registers (reduction kernels). 32 (as mx.fast.rms_norm) doubles
-#: the registers (~100) and so halves the blocks an SM holds: no more bytes in flight.
-ITEMS_PER_THREAD = 16
+#: 32-bit registers one thread spends keeping its part of a row (reduction kernels): 16 float32 or
+#: 32 16-bit elements (rows are kept in their own dtype). Twice that doubles the registers and so
+#: halves the blocks an SM holds: no more bytes in flight.
+ROW_REGISTERS = 16
 #: Largest threadgroup the row kernels use. MLX compiles without __launch_bounds__, so a 1024-thread
 #: block would need <= 64 registers a thread, which the LayerNorm kernels exceed; 512 allows 128.
 MAX_THREADS = 512
@@ -151,20 +152,27 @@ class RowConfig:
                 TemplateArg.int("CH", self.chunks)]
 
 
-def row_config(n: int, dtype: mx.Dtype) -> RowConfig:
-    """How to reduce rows of ``n`` elements of ``dtype``: up to 16 elements per thread in registers.
+def items_per_thread(dtype: mx.Dtype) -> int:
+    """Row elements of ``dtype`` one thread keeps in registers: 16 float32, 32 float16/bfloat16."""
+    return ROW_REGISTERS * 4 // dtype.size
 
-    Rows longer than 512 * 16 elements are streamed (``chunks == 0``).
+
+def row_config(n: int, dtype: mx.Dtype) -> RowConfig:
+    """How to reduce rows of ``n`` elements of ``dtype``: up to ``items_per_thread(dtype)`` elements
+    per thread in registers; rows longer than ``MAX_THREADS`` times that are streamed (``chunks == 0``).
 
     >>> row_config(4096, mx.float32)
     RowConfig(threads=256, vector=4, chunks=4)
+    >>> row_config(4096, mx.bfloat16)   # mx.fast.rms_norm's launch for this row
+    RowConfig(threads=128, vector=8, chunks=4)
     >>> row_config(50000, mx.float16).chunks   # too long for registers: streamed
     0
     """
     v = vector_width(n, dtype)
-    threads = min(MAX_THREADS, max(32, _pow2_at_least(math.ceil(n / ITEMS_PER_THREAD))))
+    items = items_per_thread(dtype)
+    threads = min(MAX_THREADS, max(32, _pow2_at_least(math.ceil(n / items))))
     chunks = math.ceil(math.ceil(n / v) / threads)
-    if chunks * v > ITEMS_PER_THREAD:
+    if chunks * v > items:
         chunks = 0
     return RowConfig(threads, v, chunks)
 
@@ -210,8 +218,11 @@ def eps_template(eps: float, op: str) -> TemplateArg:
 
 @functools.lru_cache(maxsize=16)
 def unused_input(dtype: mx.Dtype) -> mx.array:
-    """A one-element stand-in for an absent optional input (never read by the kernel), made once."""
-    return mx.zeros((1,), dtype=dtype)
+    """A one-element stand-in for an absent optional input (never read by the kernel), made once.
+
+    Built from host data, so it has no primitive: MLX streams belong to the thread that made them,
+    and a lazy array first made on a trace's worker thread could not be evaluated anywhere else."""
+    return mx.array([0], dtype=dtype)
 
 
 # ----------------------------------------------------------------------------- registry

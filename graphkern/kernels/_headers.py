@@ -5,8 +5,9 @@ is a template: the body instantiates it with its template arguments (``T``, ``NT
 
 CUDA row model (one thread block of ``NT`` threads per row of ``n`` elements): thread ``t`` owns the
 vector slots ``c * NT + t`` for ``c < CH``, each ``V`` consecutive elements loaded with one aligned
-vector load. ``CH > 0`` keeps the thread's slots in registers, so the row is read from memory once;
-``CH == 0`` is for rows too long for registers and re-reads them (from L2, mostly) on each pass.
+vector load. ``CH > 0`` keeps the thread's slots in registers (as ``T``: a 16-bit row takes half the
+registers of floats), so the row is read from memory once; ``CH == 0`` is for rows too long for
+registers and re-reads them (from L2, mostly) on each pass.
 Bodies check pointer alignment at run time and fall back to ``V = 1`` with the same register budget.
 
 Metal row model: one threadgroup of ``NT`` threads per row, each thread striding through the row.
@@ -36,10 +37,9 @@ __device__ __forceinline__ float round_to(float x) {
   return static_cast<float>(static_cast<T>(x));
 }
 
-// V elements starting at element i (i % V == 0; p aligned to V elements) as floats.
+// A vector's elements as floats, and floats rounded into a vector.
 template <typename T, int V>
-__device__ __forceinline__ void load(const T* p, long long i, float (&out)[V]) {
-  Vec<T, V> t = *reinterpret_cast<const Vec<T, V>*>(p + i);
+__device__ __forceinline__ void unpack(const Vec<T, V>& t, float (&out)[V]) {
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     out[j] = static_cast<float>(t.v[j]);
@@ -47,13 +47,24 @@ __device__ __forceinline__ void load(const T* p, long long i, float (&out)[V]) {
 }
 
 template <typename T, int V>
-__device__ __forceinline__ void store(T* p, long long i, const float (&in)[V]) {
+__device__ __forceinline__ Vec<T, V> pack(const float (&in)[V]) {
   Vec<T, V> t;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     t.v[j] = static_cast<T>(in[j]);
   }
-  *reinterpret_cast<Vec<T, V>*>(p + i) = t;
+  return t;
+}
+
+// V elements starting at element i (i % V == 0; p aligned to V elements) as floats.
+template <typename T, int V>
+__device__ __forceinline__ void load(const T* p, long long i, float (&out)[V]) {
+  unpack<T, V>(*reinterpret_cast<const Vec<T, V>*>(p + i), out);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store(T* p, long long i, const float (&in)[V]) {
+  *reinterpret_cast<Vec<T, V>*>(p + i) = pack<T, V>(in);
 }
 
 struct Sum {
@@ -100,55 +111,73 @@ __device__ __forceinline__ float block_max(float v, float* smem) {
   return block_reduce<NT>(v, smem, Max{});
 }
 
-// This thread's part of one row of n elements (n % V == 0).
-//   produce(f): the first pass, f(float (&v)[V], long long i) fills v for the slot at element i
-//               (cached: v is the slot's registers);
-//   visit(f):   a later pass over the same slots; v comes from the registers (CH > 0) or is
-//               re-read from src (CH == 0), so a streaming row needs src to hold the row by then.
+// This thread's part of one row of n elements (n % V == 0): the vector slots c * NT + threadIdx.x.
+// A cached row (CH > 0) keeps its CH slots in registers as T, so a 16-bit row takes half the
+// registers of floats; a streamed row (CH == 0) re-reads src on every pass. Callbacks take
+// (float (&v)[V], long long i): the slot's V values as floats and the index of its first element.
+//   read(f):    the first pass, the slot's values read from src;
+//   produce(f): the first pass, f computes the slot's values (each exactly representable in T);
+//   visit(f):   a later pass over the same values, from the registers or re-read from src (so a
+//               streamed row needs src to hold them by then); changes f makes to v are dropped.
 template <typename T, int NT, int V, int CH>
 struct Row {
   static constexpr bool cached = CH > 0;
-  float r[cached ? CH : 1][V];
+  Vec<T, V> r[cached ? CH : 1];
   const T* src;
   int n;
 
   __device__ __forceinline__ Row(const T* src_, int n_) : src(src_), n(n_) {}
 
+  // f(c, i) for each of this thread's slots: c its register slot, i its first element.
   template <typename F>
-  __device__ __forceinline__ void produce(F&& f) {
+  __device__ __forceinline__ void each(F&& f) {
     if constexpr (cached) {
 #pragma unroll
       for (int c = 0; c < CH; ++c) {
         const long long i = (static_cast<long long>(c) * NT + threadIdx.x) * V;
         if (i < n) {
-          f(r[c], i);
+          f(c, i);
         }
       }
     } else {
       for (long long i = threadIdx.x * V; i < n; i += NT * V) {
-        float t[V];
-        f(t, i);
+        f(0, i);
       }
     }
   }
 
   template <typename F>
+  __device__ __forceinline__ void read(F&& f) {
+    each([&](int c, long long i) {
+      float v[V];
+      r[c] = *reinterpret_cast<const Vec<T, V>*>(src + i);
+      unpack<T, V>(r[c], v);
+      f(v, i);
+    });
+  }
+
+  template <typename F>
+  __device__ __forceinline__ void produce(F&& f) {
+    each([&](int c, long long i) {
+      float v[V];
+      f(v, i);
+      if constexpr (cached) {
+        r[c] = pack<T, V>(v);
+      }
+    });
+  }
+
+  template <typename F>
   __device__ __forceinline__ void visit(F&& f) {
-    if constexpr (cached) {
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-        const long long i = (static_cast<long long>(c) * NT + threadIdx.x) * V;
-        if (i < n) {
-          f(r[c], i);
-        }
+    each([&](int c, long long i) {
+      float v[V];
+      if constexpr (cached) {
+        unpack<T, V>(r[c], v);
+      } else {
+        load<T, V>(src, i, v);
       }
-    } else {
-      for (long long i = threadIdx.x * V; i < n; i += NT * V) {
-        float t[V];
-        load<T, V>(src, i, t);
-        f(t, i);
-      }
-    }
+      f(v, i);
+    });
   }
 };
 

@@ -38,8 +38,7 @@ __device__ __forceinline__ void layer_norm_row(const T* x, const T* w, const T* 
   __shared__ float smem[32];
   Row<T, NT, V, CH> row(x, n);
   float s = 0.0f;
-  row.produce([&](float (&v)[V], long long i) {
-    load<T, V>(x, i, v);
+  row.read([&](float (&v)[V], long long) {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       s += v[j];

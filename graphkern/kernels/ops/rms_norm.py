@@ -60,8 +60,7 @@ __device__ __forceinline__ void rms_norm_row(const T* x, const T* w, T* out, flo
   __shared__ float smem[32];
   Row<T, NT, V, CH> row(x, n);
   float ss = 0.0f;
-  row.produce([&](float (&v)[V], long long i) {
-    load<T, V>(x, i, v);
+  row.read([&](float (&v)[V], long long) {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       ss += v[j] * v[j];

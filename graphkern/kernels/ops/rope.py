@@ -190,10 +190,15 @@ def inverse_frequencies(dims: int, base: float | None, freqs: mx.array | None) -
 
 @functools.lru_cache(maxsize=64)
 def _base_frequencies(dims: int, base: float) -> mx.array:
-    """Made once per (dims, base) and then reused: computed on the device, never rewritten."""
+    """Made once per (dims, base) and then reused: computed on the device, never rewritten.
+
+    Evaluated at once: MLX streams belong to the thread that made them, and a lazy array first made
+    on a trace's worker thread could not be evaluated from any other thread."""
     half = dims // 2
     coef = np.float32(np.float32(math.log(base)) / np.float32(half))
-    return mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(float(coef), dtype=mx.float32))
+    freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(float(coef), dtype=mx.float32))
+    mx.eval(freqs)
+    return freqs
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,9 +1,9 @@
 """Numerically safe softmax over the last axis, as ``mx.softmax(x, axis=-1)`` (in float32 inside).
 
-One block per row. A row that fits in registers is read once: max, then ``exp(x - max)`` kept in
-registers and summed, then scaled. A longer row (a vocabulary's logits) is streamed: one pass
-computes the running max and the sum rescaled as the max grows (online softmax), a second pass
-re-reads it and writes the output.
+One block per row, online softmax: one pass computes each thread's running max and the sum of
+``exp(x - max)`` rescaled as the max grows, the block combines them, and a second pass writes the
+output from the row kept in registers (or, for a row too long for them, such as a vocabulary's
+logits, re-read from memory).
 """
 
 from __future__ import annotations
@@ -21,67 +21,39 @@ __all__ = ["SOFTMAX", "plan_softmax", "softmax", "softmax_reference"]
 _CUDA = r"""
 namespace gk {
 
+// Online softmax (one read of x): each thread keeps a running max m and the sum s of exp(v - m),
+// rescaling s when m grows; the block then combines them, and a second pass writes the output.
 template <typename T, int NT, int V, int CH>
 __device__ __forceinline__ void softmax_row(const T* x, T* out, int n) {
   __shared__ float smem[32];
   Row<T, NT, V, CH> row(x, n);
-  if constexpr (Row<T, NT, V, CH>::cached) {
-    float m = Max::identity();
-    row.produce([&](float (&v)[V], long long i) {
-      load<T, V>(x, i, v);
+  float m = Max::identity();
+  float s = 0.0f;
+  row.read([&](float (&v)[V], long long) {
+    float cm = v[0];
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        m = fmaxf(m, v[j]);
-      }
-    });
-    m = block_max<NT>(m, smem);
-    float s = 0.0f;
-    row.visit([&](float (&v)[V], long long) {
+    for (int j = 1; j < V; ++j) {
+      cm = fmaxf(cm, v[j]);
+    }
+    if (cm > m) {
+      s *= expf(m - cm);
+      m = cm;
+    }
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        v[j] = expf(v[j] - m);
-        s += v[j];
-      }
-    });
-    const float inv = 1.0f / block_sum<NT>(s, smem);
-    row.visit([&](float (&v)[V], long long i) {
-      float o[V];
+    for (int j = 0; j < V; ++j) {
+      s += expf(v[j] - m);
+    }
+  });
+  const float gm = block_max<NT>(m, smem);
+  const float inv = 1.0f / block_sum<NT>(s * expf(m - gm), smem);
+  row.visit([&](float (&v)[V], long long i) {
+    float o[V];
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        o[j] = v[j] * inv;
-      }
-      store<T, V>(out, i, o);
-    });
-  } else {
-    float m = Max::identity();
-    float s = 0.0f;
-    row.produce([&](float (&v)[V], long long i) {
-      load<T, V>(x, i, v);
-      float cm = v[0];
-#pragma unroll
-      for (int j = 1; j < V; ++j) {
-        cm = fmaxf(cm, v[j]);
-      }
-      if (cm > m) {
-        s *= expf(m - cm);
-        m = cm;
-      }
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        s += expf(v[j] - m);
-      }
-    });
-    const float gm = block_max<NT>(m, smem);
-    const float inv = 1.0f / block_sum<NT>(s * expf(m - gm), smem);
-    row.visit([&](float (&v)[V], long long i) {
-      float o[V];
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        o[j] = expf(v[j] - gm) * inv;
-      }
-      store<T, V>(out, i, o);
-    });
-  }
+    for (int j = 0; j < V; ++j) {
+      o[j] = expf(v[j] - gm) * inv;
+    }
+    store<T, V>(out, i, o);
+  });
 }
 
 }  // namespace gk
