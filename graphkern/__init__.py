@@ -7,6 +7,7 @@ True
 
 from __future__ import annotations
 
+from .autodiff import without_vjp
 from .compiled import CompiledGraph, compile
 from .graph import Failure, Graph, GraphError
 from .nodes import Kernel, KernelError, KernelResult, NodeKind, OutputSpec, Status, TemplateArg
@@ -58,5 +59,6 @@ __all__ = [
     "launch",
     "patch",
     "unpatch",
+    "without_vjp",
     "wrap",
 ]

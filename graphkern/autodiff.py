@@ -12,9 +12,8 @@ This module imports only ``graphkern.nodes``.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -37,19 +36,21 @@ class _Switch(threading.local):
 _switch = _Switch()
 
 
-@contextlib.contextmanager
-def without_vjp() -> Iterator[None]:
+class without_vjp:  # noqa: N801 - used like a function, as contextlib's context managers are
     """Launch kernels plain on this thread for the duration: no custom vjp, so ``mx.export_function``
-    can export them, and no gradients through GPU kernels traced meanwhile.
+    can export them, ``mx.grad`` cannot differentiate through GPU kernels launched meanwhile, and
+    an eager GPU launch costs what the bare ``mx.fast`` kernel call costs (no ``mx.custom_function``
+    around it): the inference-time setting, as ``torch.no_grad()`` is for PyTorch.
 
     >>> with without_vjp():
     ...     vjp_enabled()
     False
     """
-    _switch.depth += 1
-    try:
-        yield
-    finally:
+
+    def __enter__(self) -> None:
+        _switch.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
         _switch.depth -= 1
 
 

@@ -267,7 +267,8 @@ class CompiledGraph:
             raise prepared.graph.error()  # type: ignore[misc]
         arrays = list(args) if plain else Flat.of(args, kwargs, self._traceable.arg_names).arrays
         self._flat = prepared.flat  # its structure, for when MLX traces _run_flat
-        self._recorder = _PassThrough()
+        if self._recorder.calls:  # only an MLX trace of _run_flat uses it: then start afresh
+            self._recorder = _PassThrough()
         self._traceable.state.refresh_cells()
         try:
             if self.backend is None:

@@ -11,7 +11,7 @@ import hashlib
 import keyword
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import mlx.core as mx
 
@@ -135,10 +135,15 @@ class OutputSpec:
 
     shape: tuple[int, ...]
     dtype: mx.Dtype
+    #: ``(shape, dtype)`` for the runtime's cache of validated launches when every dim is exactly an
+    #: int, else an unhashable list (so ``8.0`` never reuses the check of ``8``); set on creation.
+    launch_key: ClassVar[Any]
 
     def __post_init__(self) -> None:
         if isinstance(self.shape, (list, tuple)):
             object.__setattr__(self, "shape", tuple(self.shape))
+        plain = isinstance(self.shape, tuple) and all(d.__class__ is int for d in self.shape)
+        object.__setattr__(self, "launch_key", (self.shape, self.dtype) if plain else [])
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,12 @@ class TemplateArg:
 
     name: str
     value: Union[mx.Dtype, int, bool]
+    #: What the runtime's cache of validated launches keys this argument by (its value's exact
+    #: type included, so ``True`` never reuses the check of ``1``); set on creation.
+    launch_key: ClassVar[Any]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "launch_key", (self.name, self.value, self.value.__class__))
 
     @classmethod
     def dtype(cls, name: str, value: mx.Dtype) -> TemplateArg:

@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import keyword
 import math
+import operator
 import os
 import re
 import threading
@@ -308,6 +309,11 @@ class Launch:
     def mlx_template(self) -> list[tuple[str, Any]]:
         return [a.as_mlx() for a in self.template]
 
+    @functools.cached_property
+    def mlx_outputs(self) -> tuple[list[tuple[int, ...]], list[mx.Dtype]]:
+        """``output_shapes`` and ``output_dtypes`` as MLX's kernel call takes them."""
+        return [s.shape for s in self.output_specs], [s.dtype for s in self.output_specs]
+
 
 def _fail(status: Status, description: str) -> KernelError:
     return KernelError(APPLY, description, status)
@@ -455,41 +461,42 @@ def _check_init_value(init_value: object) -> float | None:
                     f"init_value {init_value} is too large for a float") from None
 
 
-_VALIDATED: dict[tuple[Any, ...], Launch] = {}
+_VALIDATED: dict[Any, Launch] = {}
 _VALIDATED_MAX = 4096
+
+
+_key_of = operator.attrgetter("launch_key")  # in C: no Python frame per spec or argument
 
 
 def _launch_key(kernel: Kernel, output_specs: Any, grid: Any, threadgroup: Any, template: Any,
                 init_value: Any, backend: str | None) -> tuple[Any, ...] | None:
-    """A key under which a validated launch can be reused, or None when the arguments are not
-    of the plain exact types (ints, not floats or bools, that compare equal to them).
-    Runs on every launch: plain loops and class checks, no generators."""
-    if (grid.__class__ is not tuple or threadgroup.__class__ is not tuple or len(grid) != 3
-            or len(threadgroup) != 3 or output_specs.__class__ not in (list, tuple)
-            or template.__class__ not in (list, tuple)):
+    """A key under which a validated launch can be reused, or None (or an unhashable key) when the
+    arguments are not of the plain exact types: ints, not floats or bools that compare equal to
+    them. Runs on every launch, so it only reads keys ``OutputSpec`` and ``TemplateArg`` made
+    when they were created; anything unusual raises and takes the full check."""
+    g0, g1, g2 = grid
+    t0, t1, t2 = threadgroup
+    if (g0.__class__ is not int or g1.__class__ is not int or g2.__class__ is not int
+            or t0.__class__ is not int or t1.__class__ is not int or t2.__class__ is not int
+            or grid.__class__ is not tuple or threadgroup.__class__ is not tuple
+            or (output_specs.__class__ is not list and output_specs.__class__ is not tuple)):
         return None
-    for dim in grid + threadgroup:
-        if dim.__class__ is not int:
-            return None
-    specs = []  # plain (shape, dtype) pairs: tuples hash and compare in C, dataclasses do not
-    for spec in output_specs:
-        if spec.__class__ is not OutputSpec:
-            return None
-        shape = spec.shape
-        for dim in shape:
-            if dim.__class__ is not int:
+    if not template:  # (), [] or None
+        template = ()
+    elif template.__class__ is list or template.__class__ is tuple:
+        keys = []
+        for arg in template:
+            if arg.__class__ is TemplateArg:
+                keys.append(arg.launch_key)
+            elif arg.__class__ is tuple and len(arg) == 2:
+                keys.append((arg[0], arg[1], arg[1].__class__))
+            else:
                 return None
-        specs.append((shape, spec.dtype))
-    typed_template = []
-    for arg in template:
-        if arg.__class__ is tuple and len(arg) == 2:
-            typed_template.append((arg[0], arg[1], arg[1].__class__))
-        elif arg.__class__ is TemplateArg:
-            typed_template.append((arg.name, arg.value, arg.value.__class__))
-        else:  # a list, a longer tuple...: only the full check may judge it
-            return None
-    return (kernel, backend or _backend_variable(), grid, threadgroup, tuple(typed_template),
-            tuple(specs), init_value, init_value.__class__)
+        template = tuple(keys)
+    else:
+        return None
+    return (kernel, backend or _backend_variable(), grid, threadgroup, template,
+            tuple(map(_key_of, output_specs)), init_value, init_value.__class__)
 
 
 def validate(kernel: Kernel, inputs: object, output_specs: object, grid: object,
@@ -500,17 +507,17 @@ def validate(kernel: Kernel, inputs: object, output_specs: object, grid: object,
     Launch configurations that passed once are remembered (keyed by exact types, so ``8.0``
     never reuses the check of ``8``); the inputs are checked on every call.
     """
+    try:  # a launch seen before (only Kernels get there): its inputs are all that is left to check
+        key = _launch_key(kernel, output_specs, grid, threadgroup, template, init_value, backend)
+        known = _VALIDATED.get(key)
+    except (TypeError, ValueError, AttributeError, LookupError):  # malformed: take the slow path
+        key = known = None
+    if known is not None:
+        return known, _check_inputs(kernel, inputs)
     if not isinstance(kernel, Kernel):
         raise KernelError(APPLY, f"expected a graphkern Kernel, got {type(kernel).__name__}",
                           Status.INVALID_KERNEL)
     checked_inputs = _check_inputs(kernel, inputs)
-    try:
-        key = _launch_key(kernel, output_specs, grid, threadgroup, template, init_value, backend)
-        known = _VALIDATED.get(key) if key is not None else None
-    except (TypeError, ValueError, AttributeError, LookupError):  # malformed: take the slow path
-        key = known = None
-    if known is not None:
-        return known, checked_inputs
     launch = _validate_launch(kernel, output_specs, grid, threadgroup, template, init_value, backend)
     if key is not None:
         if len(_VALIDATED) >= _VALIDATED_MAX:
@@ -565,7 +572,7 @@ def run_reference(launch: Launch, inputs: list[Any]) -> list[mx.array]:
     except Exception as exc:  # the user's code: any failure becomes a status
         raise KernelError(f"run the reference of kernel {kernel.name!r}",
                           f"{type(exc).__name__}: {exc}", Status.REFERENCE_ERROR) from exc
-    outputs = [result] if isinstance(result, mx.array) else result
+    outputs = [result] if result.__class__ is mx.array else result  # isinstance: 3x slower here
     try:  # the common case, exactly what was declared, checked with one comparison
         if outputs.__class__ is list and [(o.shape, o.dtype) for o in outputs] == launch.declared:
             return outputs
@@ -614,8 +621,8 @@ def differentiable_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
     """
     forward = run_reference if launch.backend == "reference" else _run_native
     kernel = launch.kernel
-    plain = not vjp_enabled() or _inside_inspection_trace()
-    if plain or (kernel.vjp is None and kernel.reference is None):
+    if (not vjp_enabled() or (kernel.vjp is None and kernel.reference is None)
+            or _inside_inspection_trace()):
         return forward(launch, inputs)
     # one custom function per launch and scalar inputs, built on first use (building costs ~10 us)
     scalars = tuple((i, v.__class__, v) for i, v in enumerate(inputs) if v.__class__ is not mx.array)
@@ -630,11 +637,12 @@ def differentiable_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
 
 def _run_native(launch: Launch, inputs: list[Any]) -> list[mx.array]:
     mlx_kernel = kernel_cache.get(launch.backend, launch.kernel)
+    shapes, dtypes = launch.mlx_outputs
     try:
         outputs = mlx_kernel(
             inputs=inputs,
-            output_shapes=[s.shape for s in launch.output_specs],
-            output_dtypes=[s.dtype for s in launch.output_specs],
+            output_shapes=shapes,
+            output_dtypes=dtypes,
             grid=launch.grid,
             threadgroup=launch.threadgroup,
             template=launch.mlx_template,

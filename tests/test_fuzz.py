@@ -365,7 +365,8 @@ def expected_outcome(case: Case, active: str, traced: bool = False
     allowed: set[gk.Status] = set()
     inputs = case.inputs
     if (not isinstance(inputs, (list, tuple)) or len(inputs) != len(kernel.input_names)
-            or not all(isinstance(v, (mx.array, bool, int, float)) for v in inputs)):
+            or not all(isinstance(v, (mx.array, bool, int, float)) for v in inputs)
+            or any(is_int(v) and not -(2**63) <= v <= INT64_MAX for v in inputs)):
         allowed.add(S.INVALID_INPUT)
     if spec_problem(kernel, case.specs) or init_problem(case.init_value):
         allowed.add(S.INVALID_OUTPUT_SPEC)
