@@ -182,6 +182,10 @@ def bench_eager(rounds: int, number_lazy: int, number_eval: int) -> list[dict[st
     def gk_in_graph() -> Any:
         return gk.apply_in_graph(SCALE_ADD, [x, y], spec, **kw).outputs
 
+    def gk_apply_no_vjp() -> Any:  # as inside `with gk.without_vjp():` (entering it is counted)
+        with gk.without_vjp():
+            return gk.apply(SCALE_ADD, [x, y], spec, **kw)
+
     assert mx.allclose(gk_apply()[0], bare()[0]).item()
     rows = []
     if CUDA:  # diagnosis: where graphkern's time goes, layer by layer (private functions)
@@ -202,14 +206,17 @@ def bench_eager(rounds: int, number_lazy: int, number_eval: int) -> list[dict[st
     for label, number, wrap in (("lazy (no eval)", number_lazy, lambda f: f),
                                 ("with mx.eval", number_eval, lambda f: (lambda: mx.eval(f())))):
         t = interleaved({"bare": wrap(bare), "gk.apply": wrap(gk_apply),
-                         "gk.apply_in_graph": wrap(gk_in_graph)}, rounds, number)
-        b, a, ig = (t[k]["median"] * 1e6 for k in ("bare", "gk.apply", "gk.apply_in_graph"))
+                         "gk.apply_in_graph": wrap(gk_in_graph), "no vjp": wrap(gk_apply_no_vjp)},
+                        rounds, number)
+        b, a, ig, nv = (t[k]["median"] * 1e6 for k in ("bare", "gk.apply", "gk.apply_in_graph", "no vjp"))
         rows.append({"mode": label, "calls": number * rounds, "bare_us": b, "gk_apply_us": a,
                      "overhead_us": a - b, "gk_apply_in_graph_us": ig, "in_graph_overhead_us": ig - b,
+                     "no_vjp_us": nv, "no_vjp_overhead_us": nv - b,
                      "bare_spread_us": [t["bare"]["min"] * 1e6, t["bare"]["max"] * 1e6],
                      "gk_spread_us": [t["gk.apply"]["min"] * 1e6, t["gk.apply"]["max"] * 1e6]})
         print(f"eager {label:>15}: bare {b:7.2f} us  gk.apply {a:7.2f} us  overhead {a - b:+6.2f} us  "
-              f"apply_in_graph {ig:7.2f} us ({ig - b:+6.2f})  (over {number * rounds} calls each)",
+              f"apply_in_graph {ig:7.2f} us ({ig - b:+6.2f})  without_vjp {nv:7.2f} us ({nv - b:+6.2f})  "
+              f"(over {number * rounds} calls each)",
               flush=True)
     return rows
 
@@ -244,16 +251,20 @@ def markdown(meta: dict[str, str], compiled: list[dict[str, Any]], eager: list[d
         "",
         "## Eager gk.apply overhead over the bare kernel object (target: <= 2 us a call)",
         "",
-        "1024-element float32 kernel; `bare` calls the MLX kernel object graphkern caches for it.",
+        "1024-element float32 kernel; `bare` calls the MLX kernel object graphkern caches for it. "
+        "`gk.apply` wraps each GPU launch in a cached `mx.custom_function` so `mx.grad` works through it; "
+        "inside `gk.without_vjp()` (entered on every call here) it launches plain, as the bare call does.",
         "",
-        "| mode | bare (us) | gk.apply (us) | overhead (us) | gk.apply_in_graph (us) | its overhead (us) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| mode | bare (us) | gk.apply (us) | overhead (us) | gk.apply_in_graph (us) | its overhead (us) "
+        "| gk.apply in without_vjp (us) | its overhead (us) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     layers = [r for r in eager if r["mode"] == "layers"]
     for r in (r for r in eager if r["mode"] != "layers"):
         lines.append(f"| {r['mode']} | {r['bare_us']:.2f} | {r['gk_apply_us']:.2f} | "
                      f"{r['overhead_us']:+.2f} | {r['gk_apply_in_graph_us']:.2f} | "
-                     f"{r['in_graph_overhead_us']:+.2f} |")
+                     f"{r['in_graph_overhead_us']:+.2f} | {r['no_vjp_us']:.2f} | "
+                     f"{r['no_vjp_overhead_us']:+.2f} |")
     if layers:
         lines += ["", "Where the eager time goes (lazy calls, each layer adds one step of gk.apply):", "",
                   "| layer | us per call |", "|---|---:|"]

@@ -1,11 +1,17 @@
 """GPU benchmark of the kernel library against stock MLX, and as a fraction of copy bandwidth.
 
-For each kernel at large sizes: median time per call of the library kernel and of its mx.fast /
-stock MLX equivalent (``mx.compile``d, so MLX fuses what it can), their ratio, and achieved GB/s
-(bytes each must read and write once) as a fraction of a device-to-device copy measured in the same
-run. Timing: build a chain of K dependent calls lazily, then time ``mx.eval`` + ``mx.synchronize``
-of the chain only (graph building and kernel compilation are outside the timed region), after warm-up;
-median over repeats, divided by K.
+For each kernel at large sizes, the library kernel and its mx.fast / stock MLX equivalent
+(``mx.compile``d, so MLX fuses what it can) are timed two ways:
+
+- **GPU time**: the kernels' own durations on the device, recorded by CUPTI (through
+  ``torch.profiler``, which sees every kernel of the process, MLX's included): what the bandwidth
+  figures use, measured as the copy ceiling is (CUDA events around torch's device-to-device copy);
+- **wall time**: ``mx.eval`` + ``mx.synchronize`` of a chain of K dependent calls built lazily
+  beforehand, divided by K. It adds MLX's per-op CPU cost (encoding the op into a CUDA graph,
+  launching it), which the GPU does not overlap for a chain this short.
+
+Ratios are stock / ours (> 1: the library kernel is faster); GB/s counts the bytes each kernel must
+read and write once. Medians over repeats after warm-up.
 
     python benchmarks/gpu_kernels.py [--json out.json] [--quick]
 """
@@ -31,13 +37,18 @@ REPEATS = 9
 WARMUP = 2
 
 
+def _chain(step: Callable[[Any], Any], init: Any) -> Any:
+    state = init
+    for _ in range(CHAIN):
+        state = step(state)
+    return state
+
+
 def _time_chain(step: Callable[[Any], Any], init: Any) -> float:
-    """Median seconds per call of ``step`` over a dependent chain of CHAIN calls."""
+    """Median wall seconds per call of ``step`` over a dependent chain of CHAIN calls."""
     times = []
     for i in range(WARMUP + REPEATS):
-        state = init
-        for _ in range(CHAIN):
-            state = step(state)
+        state = _chain(step, init)
         mx.synchronize()
         t0 = time.perf_counter()
         mx.eval(state)
@@ -47,13 +58,35 @@ def _time_chain(step: Callable[[Any], Any], init: Any) -> float:
     return statistics.median(times)
 
 
+def _gpu_time(step: Callable[[Any], Any], init: Any) -> float:
+    """Median GPU seconds per call of ``step``: the summed durations of the kernels CUPTI saw
+    while a chain of CHAIN calls ran (NaN when torch's profiler is unavailable)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return float("nan")
+    samples = []
+    for _ in range(3):
+        state = _chain(step, init)
+        mx.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            mx.eval(state)
+            mx.synchronize()
+        ns = sum(e.duration_ns() for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+                 if str(e.device_type()).endswith("CUDA"))
+        samples.append(ns / 1e9 / CHAIN)
+    return statistics.median(samples)
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> dict[str, float]:
-    """Bytes/s of a device-to-device copy (read + write counted): torch's D2D copy_ when torch has
-    CUDA, and MLX's own elementwise copy-like kernel (negation), the best of which is the ceiling."""
+    """Bytes/s of a device-to-device copy (read + write counted), GPU time: torch's D2D copy_
+    and MLX's own elementwise copy-like kernel (negation); the best of them is the ceiling."""
     out: dict[str, float] = {}
     x = mx.random.normal((nbytes // 4,))
     mx.eval(x)
-    out["mlx_unary"] = 2 * nbytes / _time_chain(lambda a: -a, x)
+    seconds = _gpu_time(lambda a: -a, x)
+    if seconds == seconds:  # not NaN: the profiler ran
+        out["mlx_unary"] = 2 * nbytes / seconds
     del x
     try:
         import torch
@@ -84,23 +117,26 @@ class Row:
     kernel: str
     shape: str
     dtype: str
-    ours_us: float
+    ours_us: float  # GPU time
     stock_us: float
-    speedup: float  # stock time / ours
+    speedup: float  # stock GPU time / ours
     gbps: float
     copy_fraction: float
     stock_copy_fraction: float
+    ours_wall_us: float
+    stock_wall_us: float
+    wall_speedup: float
     stock: str
 
 
 def _bench(name: str, shape: tuple[int, ...], dtype: mx.Dtype, nbytes: int, ours: Callable[[Any], Any],
            stock: Callable[[Any], Any], init: Any, stock_name: str, copy_bps: float) -> Row:
     compiled_stock = mx.compile(stock)
-    t_ours = _time_chain(ours, init)
-    t_stock = _time_chain(compiled_stock, init)
-    return Row(name, "x".join(map(str, shape)), str(dtype).split(".")[-1], t_ours * 1e6, t_stock * 1e6,
-               t_stock / t_ours, nbytes / t_ours / 1e9, nbytes / t_ours / copy_bps,
-               nbytes / t_stock / copy_bps, stock_name)
+    w_ours, w_stock = _time_chain(ours, init), _time_chain(compiled_stock, init)
+    g_ours, g_stock = _gpu_time(ours, init), _gpu_time(compiled_stock, init)
+    return Row(name, "x".join(map(str, shape)), str(dtype).split(".")[-1], g_ours * 1e6, g_stock * 1e6,
+               g_stock / g_ours, nbytes / g_ours / 1e9, nbytes / g_ours / copy_bps,
+               nbytes / g_stock / copy_bps, w_ours * 1e6, w_stock * 1e6, w_stock / w_ours, stock_name)
 
 
 def _row_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float) -> list[Row]:
@@ -150,13 +186,15 @@ def _rope_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float) -> list
 
 
 HEADER = (f"{'kernel':<17}{'shape':<18}{'dtype':<10}{'ours us':>9}{'stock us':>10}{'stock/ours':>11}"
-          f"{'GB/s':>8}{'of copy':>9}{'stock of copy':>15}  stock")
+          f"{'GB/s':>8}{'of copy':>9}{'stock of copy':>15}{'wall ours':>11}{'wall stock':>11}"
+          f"{'wall ratio':>11}  stock")
 
 
 def format_row(r: dict[str, Any]) -> str:
     return (f"{r['kernel']:<17}{r['shape']:<18}{r['dtype']:<10}{r['ours_us']:>9.1f}{r['stock_us']:>10.1f}"
             f"{r['speedup']:>10.2f}x{r['gbps']:>8.0f}{r['copy_fraction']:>8.0%}"
-            f"{r['stock_copy_fraction']:>14.0%}  {r['stock']}")
+            f"{r['stock_copy_fraction']:>14.0%}{r['ours_wall_us']:>11.1f}{r['stock_wall_us']:>11.1f}"
+            f"{r['wall_speedup']:>10.2f}x  {r['stock']}")
 
 
 def run(quick: bool = False, progress: bool = False) -> dict[str, Any]:
@@ -192,7 +230,8 @@ def run(quick: bool = False, progress: bool = False) -> dict[str, Any]:
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [f"graphkern kernel library on {result['device']} (mlx {result['mlx']}, {result['date']})",
-             "copy bandwidth (GB/s, read+write): "
+             "times: GPU time per call (CUPTI); wall: per call in a chain of "
+             f"{CHAIN} evaluated at once", "copy bandwidth (GB/s, read+write, GPU time): "
              + ", ".join(f"{k} {v:.0f}" for k, v in result["copy_bandwidth_GBps"].items()),
              HEADER]
     lines += [format_row(r) for r in result["rows"]]

@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
-# Everything that proves the GPU half, in two parts that each fit one 10-minute device call:
-#   bash scripts/gpu_check.sh tests   # every gpu-marked test (conformance, failures, precompiled,
-#                                     # library kernels, patched mlx-lm models)
-#   bash scripts/gpu_check.sh bench   # benchmarks/gpu_core.py and benchmarks/gpu_kernels.py
+# Everything that proves the GPU half, in parts that each fit one 10-minute device call:
+#   bash scripts/gpu_check.sh kernels  # library kernels: gpu tests, then benchmarks/gpu_kernels.py --quick
+#   bash scripts/gpu_check.sh core     # conformance, NVRTC failures, precompiled kernels; gpu_core.py
+#   bash scripts/gpu_check.sh models   # patched mlx-lm models: gpu tests, then benchmarks/models.py
+#   bash scripts/gpu_check.sh bench    # the full kernel benchmark (all sizes)
 # Output goes to $OUT (the device tool brings it back) or ./gpu-results.
 set -uo pipefail
-part=${1:?usage: gpu_check.sh tests|bench}
+part=${1:?usage: gpu_check.sh kernels|core|models|bench}
 out=${OUT:-gpu-results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, 'cuda', mx.cuda.is_available())"
+gpu_tests() { python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short "$@" 2>&1; }
 case "$part" in
-  tests) python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests 2>&1 | tee "$out/pytest.txt" ;;
+  kernels)
+    gpu_tests tests/gpu/test_kernels_gpu.py | tee "$out/pytest_kernels.txt" | tail -15
+    python3 benchmarks/gpu_kernels.py --quick --json "$out/gpu_kernels.json" 2>&1 | tee "$out/gpu_kernels.txt" ;;
+  core)
+    gpu_tests tests/gpu/test_conformance_gpu.py tests/gpu/test_failures_gpu.py \
+      tests/gpu/test_precompiled_gpu.py | tee "$out/pytest_core.txt" | tail -15
+    python3 benchmarks/gpu_core.py --markdown "$out/gpu_core.md" --json "$out/gpu_core.json" 2>&1 \
+      | tee "$out/gpu_core.txt" | grep -v "^|" ;;
+  models)
+    gpu_tests tests/gpu/test_models_gpu.py | tee "$out/pytest_models.txt" | tail -15
+    python3 benchmarks/models.py --sizes tiny,medium --length 128 --rounds 9 2>&1 | tee "$out/models.txt" ;;
   bench)
-    python3 benchmarks/gpu_core.py --markdown "$out/gpu_core.md" 2>&1 | tee "$out/gpu_core.txt"
-    python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels.json" 2>&1 | tee "$out/gpu_kernels.txt" ;;
-  *) echo "unknown part '$part': use tests or bench" >&2; exit 2 ;;
+    python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels_full.json" 2>&1 | tee "$out/gpu_kernels_full.txt" ;;
+  *) echo "unknown part '$part': use kernels, core, models or bench" >&2; exit 2 ;;
 esac
