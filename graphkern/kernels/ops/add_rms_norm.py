@@ -63,7 +63,7 @@ _CUDA_BODY = r"""
       (!HAS_W || gk::aligned<V>(w))) {
     gk::add_rms_norm_row<T, NT, V, CH, HAS_W>(x + off, residual + off, w, h + off, out + off, eps, n);
   } else {
-    gk::add_rms_norm_row<T, NT, 1, CH * V, HAS_W>(x + off, residual + off, w, h + off, out + off, eps, n);
+    gk::add_rms_norm_row<T, NT, 1, 0, HAS_W>(x + off, residual + off, w, h + off, out + off, eps, n);
   }
 """
 

@@ -89,7 +89,7 @@ _CUDA_BODY = r"""
       (!HAS_B || gk::aligned<V>(b))) {
     gk::layer_norm_row<T, NT, V, CH, HAS_W, HAS_B>(x + off, w, b, out + off, eps, n);
   } else {
-    gk::layer_norm_row<T, NT, 1, CH * V, HAS_W, HAS_B>(x + off, w, b, out + off, eps, n);
+    gk::layer_norm_row<T, NT, 1, 0, HAS_W, HAS_B>(x + off, w, b, out + off, eps, n);
   }
 """
 

@@ -79,7 +79,7 @@ _CUDA_BODY = r"""
   if (gk::aligned<V>(x) && gk::aligned<V>(out) && (!HAS_W || gk::aligned<V>(w))) {
     gk::rms_norm_row<T, NT, V, CH, HAS_W>(x + off, w, out + off, eps, n);
   } else {
-    gk::rms_norm_row<T, NT, 1, CH * V, HAS_W>(x + off, w, out + off, eps, n);
+    gk::rms_norm_row<T, NT, 1, 0, HAS_W>(x + off, w, out + off, eps, n);
   }
 """
 

@@ -65,7 +65,7 @@ _CUDA_BODY = r"""
   if (gk::aligned<V>(x) && gk::aligned<V>(out)) {
     gk::softmax_row<T, NT, V, CH>(x + off, out + off, n);
   } else {
-    gk::softmax_row<T, NT, 1, CH * V>(x + off, out + off, n);
+    gk::softmax_row<T, NT, 1, 0>(x + off, out + off, n);
   }
 """
 
