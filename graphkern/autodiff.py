@@ -127,8 +127,12 @@ def differentiable(forward: Forward, inputs: Sequence[Any], *, reference: Forwar
     positions = [i for i, value in enumerate(inputs) if isinstance(value, mx.array)]
     template = [None if isinstance(value, mx.array) else value for value in inputs]  # no array kept
 
-    def primal(*arrays: mx.array) -> list[mx.array]:
-        return forward(_merge(template, positions, arrays))
+    if len(positions) == len(template):  # arrays only: nothing to merge
+        def primal(*arrays: mx.array) -> list[mx.array]:
+            return forward(list(arrays))
+    else:
+        def primal(*arrays: mx.array) -> list[mx.array]:
+            return forward(_merge(template, positions, arrays))
 
     fn = mx.custom_function(primal)
 
@@ -152,7 +156,6 @@ def differentiable(forward: Forward, inputs: Sequence[Any], *, reference: Forwar
         return conformed[0] if single else tuple(conformed)
 
     def call(*arrays: mx.array) -> list[mx.array]:
-        outputs: Any = fn(*arrays)
-        return list(outputs)
+        return list(fn(*arrays))  # type: ignore[call-overload]  # MLX types the result as object
 
     return call

@@ -179,6 +179,7 @@ class _Prepared:
     graph: Graph
     spec: Any
     compiled: Callable[..., Any]
+    slots: _KernelSlots
 
 
 class CompiledGraph:
@@ -254,22 +255,28 @@ class CompiledGraph:
             return None, exc.status
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        plain = not kwargs and all(a.__class__ is mx.array for a in args)
-        prepared = self._fast.get(tuple([(a.shape, a.dtype) for a in args])) if plain else None
-        if prepared is not None and self._slots[prepared.key].changed():
-            prepared = None  # a kernel was replaced: the slow path re-traces
-        if prepared is None:
+        # the common call, arrays only, with a signature seen before: a few dict lookups
+        plain = not kwargs
+        for a in args:
+            if a.__class__ is not mx.array:
+                plain = False
+                break
+        signature = tuple([(a.shape, a.dtype) for a in args]) if plain else None
+        prepared = self._fast.get(signature) if plain else None
+        if prepared is None or prepared.slots.changed():  # new, or a kernel was replaced: re-trace
             prepared = self._prepare(Flat.of(args, kwargs, self._traceable.arg_names))
             if plain:
-                self._fast[tuple([(a.shape, a.dtype) for a in args])] = prepared
-        self._last = prepared.graph
-        if not prepared.graph.ok:
-            raise prepared.graph.error()  # type: ignore[misc]
+                self._fast[signature] = prepared
+        graph = self._last = prepared.graph
+        if not graph.ok:
+            raise graph.error()  # type: ignore[misc]
         arrays = list(args) if plain else Flat.of(args, kwargs, self._traceable.arg_names).arrays
         self._flat = prepared.flat  # its structure, for when MLX traces _run_flat
         if self._recorder.calls:  # only an MLX trace of _run_flat uses it: then start afresh
             self._recorder = _PassThrough()
-        self._traceable.state.refresh_cells()
+        state = self._traceable.state
+        if state.cells:
+            state.refresh_cells()
         try:
             if self.backend is None:
                 outputs = self._run_compiled(prepared.compiled, arrays)
@@ -289,7 +296,7 @@ class CompiledGraph:
         if compiled is None:
             compiled = self._compiled[key[0]] = mx.compile(
                 self._run_flat, inputs=self._traceable.state.containers)
-        return _Prepared(key, flat, graph, spec, compiled)
+        return _Prepared(key, flat, graph, spec, compiled, self._slots[key])
 
     def _run_compiled(self, compiled: Callable[..., Any], arrays: list[mx.array]) -> list[mx.array]:
         outputs = compiled(*arrays)

@@ -114,6 +114,8 @@ def flatten_outputs(out: Any) -> tuple[list[mx.array], Any]:
 
 
 def unflatten_outputs(spec: Any, arrays: list[mx.array]) -> Any:
+    if spec.__class__ is _Leaf:  # a single array: the common case, on every compiled call
+        return arrays[spec.index]
     return _unflatten(spec, arrays)
 
 
