@@ -324,7 +324,7 @@ class Kernel:
                 f"outputs={list(self.output_names)}, backends={backends})")
 
 
-@dataclass
+@dataclass(slots=True)
 class KernelResult:
     """What ``apply_in_graph`` returns: outputs, or placeholders and a non-zero status.
 

@@ -771,17 +771,21 @@ def apply_in_graph(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence
     """
     launch: Launch | None = None
     error: KernelError | None = None
+    recorder = _local.recorder
     try:
-        launch, checked = validate(kernel, inputs, output_specs, grid, threadgroup, template,
-                                   init_value, backend)
-        outputs = run_launch(launch, checked)
+        if recorder is None:  # outside a trace nothing needs the Launch: apply's fast path
+            outputs = apply(kernel, inputs, output_specs, grid=grid, threadgroup=threadgroup,
+                            template=template, init_value=init_value, backend=backend)
+        else:
+            launch, checked = validate(kernel, inputs, output_specs, grid, threadgroup, template,
+                                       init_value, backend)
+            outputs = run_launch(launch, checked)
     except KernelError as exc:
         error = exc
     except Exception as exc:  # never raise from inside a graph: anything else is a runtime error
         error = KernelError(APPLY, f"{type(exc).__name__}: {exc}", Status.RUNTIME_ERROR)
     if error is not None:
         outputs = placeholders(kernel, output_specs)
-    recorder = current_recorder()
     record = None
     if recorder is not None:
         arrays = [a for a in inputs if isinstance(a, mx.array)] if isinstance(inputs, (list, tuple)) else []
