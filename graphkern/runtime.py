@@ -68,18 +68,17 @@ def _detected_backend() -> str:
 
 # CPython's raw environment dict on POSIX (bytes keys): a read costs 40 ns, not 400
 _ENVIRON = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_BACKEND_KEY = b"GRAPHKERN_BACKEND" if _ENVIRON is not None else "GRAPHKERN_BACKEND"
+#: The raw ``GRAPHKERN_BACKEND`` value (bytes on POSIX), read on every launch for its cache key.
+_raw_backend_variable: Callable[[Any], Any] = (_ENVIRON if _ENVIRON is not None else os.environ).get
 
 
 def _backend_variable() -> str | None:
     """``GRAPHKERN_BACKEND`` (or a thread's ``using_backend`` override), read on every launch."""
-    return _local.backend or _environ_backend()
-
-
-def _environ_backend() -> str | None:
-    if _ENVIRON is not None:
-        raw = _ENVIRON.get(b"GRAPHKERN_BACKEND")
-        return raw.decode() if raw else None
-    return os.environ.get("GRAPHKERN_BACKEND") or None
+    if _local.backend:
+        return _local.backend  # type: ignore[no-any-return]
+    raw = _raw_backend_variable(_BACKEND_KEY)
+    return (raw.decode() if isinstance(raw, bytes) else raw) or None
 
 
 @contextlib.contextmanager
@@ -483,7 +482,7 @@ def _launch_key(kernel: Kernel, output_specs: Any, grid: Any, threadgroup: Any, 
         specs: tuple[Any, ...] = (output_specs[0].launch_key,)
     else:
         specs = tuple([spec.launch_key for spec in output_specs])
-    return (kernel, backend or _local.backend or _environ_backend(), grid, threadgroup,
+    return (kernel, backend or _local.backend or _raw_backend_variable(_BACKEND_KEY), grid, threadgroup,
             _template_key(template) if template else (), specs, init_value, init_value.__class__)
 
 
