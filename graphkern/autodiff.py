@@ -155,7 +155,4 @@ def differentiable(forward: Forward, inputs: Sequence[Any], *, reference: Forwar
         conformed = _conform(grads, arrays, name)
         return conformed[0] if single else tuple(conformed)
 
-    def call(*arrays: mx.array) -> list[mx.array]:
-        return list(fn(*arrays))  # type: ignore[call-overload]  # MLX types the result as object
-
-    return call
+    return fn  # type: ignore[return-value]  # MLX types the result as object; it is primal's list

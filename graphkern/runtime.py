@@ -160,7 +160,8 @@ class KernelCache:
         self._lock = threading.Lock()
         self._objects: dict[tuple[Any, ...], Any] = {}
         self._by_kernel: dict[tuple[str, Kernel], Any] = {}  # the same, by Kernel identity
-        self.hits = 0
+        self._thread = threading.local()  # this thread's hit count: no lock on the hit path
+        self._hit_counts: list[list[int]] = []  # every thread's, summed by stats()
         self.misses = 0
 
     @staticmethod
@@ -173,28 +174,43 @@ class KernelCache:
     def get(self, backend: str, kernel: Kernel) -> Any:
         """The MLX kernel object for ``kernel`` on ``backend``, built on first use.
 
-        Looked up by the Kernel object first (a dict probe), by content on its first sight."""
-        with self._lock:
-            found = self._by_kernel.get((backend, kernel))
-            if found is None:
+        Looked up by the Kernel object first (a dict probe, without the lock), by content on its
+        first sight."""
+        found = self._by_kernel.get((backend, kernel))
+        if found is None:
+            with self._lock:
                 found = self._objects.get(self.key(backend, kernel))
-            if found is not None:
-                self.hits += 1
-            else:
-                self.misses += 1
-                found = self._objects[self.key(backend, kernel)] = _build_mlx_kernel(backend, kernel)
-            self._by_kernel[(backend, kernel)] = found
-            return found
+                if found is None:
+                    self.misses += 1
+                    found = self._objects[self.key(backend, kernel)] = _build_mlx_kernel(backend, kernel)
+                    self._by_kernel[(backend, kernel)] = found
+                    return found
+                self._by_kernel[(backend, kernel)] = found
+        counter = getattr(self._thread, "hits", None)
+        if counter is None:
+            counter = self._thread.hits = [0]
+            with self._lock:
+                self._hit_counts.append(counter)
+        counter[0] += 1
+        return found
+
+    @property
+    def hits(self) -> int:
+        with self._lock:
+            return sum(count[0] for count in self._hit_counts)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"hits": self.hits, "misses": self.misses, "size": len(self._objects)}
+            hits = sum(count[0] for count in self._hit_counts)
+            return {"hits": hits, "misses": self.misses, "size": len(self._objects)}
 
     def clear(self) -> None:
         with self._lock:
             self._objects.clear()
             self._by_kernel.clear()
-            self.hits = self.misses = 0
+            for count in self._hit_counts:
+                count[0] = 0
+            self.misses = 0
 
 
 kernel_cache = KernelCache()
@@ -670,7 +686,7 @@ def _run_native(launch: Launch, inputs: list[Any]) -> list[mx.array]:
     except (RuntimeError, ValueError, TypeError) as exc:
         raise KernelError(f"launch the {launch.backend} kernel {launch.kernel.name!r}", str(exc),
                           status_of_mlx_error(str(exc))) from exc
-    return list(outputs)
+    return outputs if outputs.__class__ is list else list(outputs)  # type: ignore[no-any-return]
 
 
 def apply(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence[OutputSpec], *,
