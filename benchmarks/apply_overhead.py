@@ -4,6 +4,10 @@ Target (issue 2): <= 2 us a call. On a CPU the backend is the kernel's reference
 the bare ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` object graphkern caches (see
 benchmarks/gpu_core.py for the CUDA figures). Graph building only: nothing is evaluated, so the
 figure is graphkern's own Python cost.
+
+Without a GPU it also times graphkern's CUDA launch path against a stand-in for MLX's kernel object
+(a Python function that returns its first input): the default launch, differentiable through an
+``mx.custom_function``, and the plain one inside ``gk.without_vjp()``.
 Run: python benchmarks/apply_overhead.py
 """
 
@@ -11,6 +15,8 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import mlx.core as mx
 
@@ -18,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _timing import header, interleaved  # noqa: E402
 
 import graphkern as gk  # noqa: E402
+from graphkern import runtime  # noqa: E402
 
 KERNEL = gk.Kernel(
     "scale_add",
@@ -53,6 +60,33 @@ def main() -> None:
         print(f"{name:>18}: {seconds * 1e6:7.2f} us/call")
     for name in ("gk.apply", "gk.apply_in_graph"):
         print(f"{name} overhead: {(times[name] - times['direct']) * 1e6:.2f} us/call (target <= 2)")
+    if backend == "reference":
+        cuda_path_with_a_stand_in(x, y, spec, template)
+
+
+def cuda_path_with_a_stand_in(x: mx.array, y: mx.array, spec: list[gk.OutputSpec], template: Any) -> None:
+    def stand_in(*, inputs: Any, output_shapes: Any, output_dtypes: Any, grid: Any, threadgroup: Any,
+                 template: Any, init_value: Any = None) -> list[mx.array]:
+        return [inputs[0]]
+
+    kernel = gk.Kernel("scale_add_stand_in", ["x", "y"], ["out"], cuda=KERNEL.cuda,
+                       reference=KERNEL.reference)
+    kw: dict[str, Any] = dict(grid=(1024, 1, 1), threadgroup=(256, 1, 1), template=template, backend="cuda")
+
+    def plain() -> Any:
+        with gk.without_vjp():
+            return gk.apply(kernel, [x, y], spec, **kw)
+
+    with mock.patch.object(runtime, "_build_mlx_kernel", lambda backend, k: stand_in):
+        times = interleaved({
+            "direct": lambda: stand_in(inputs=[x, y], output_shapes=[x.shape], output_dtypes=[x.dtype],
+                                       grid=(1024, 1, 1), threadgroup=(256, 1, 1), template=template),
+            "gk.apply": lambda: gk.apply(kernel, [x, y], spec, **kw),
+            "in without_vjp": plain,
+        }, rounds=15, number=20_000)
+    print("cuda launch path, MLX's kernel object replaced by a stand-in (graphkern's Python cost only)")
+    for name in ("gk.apply", "in without_vjp"):
+        print(f"{name:>18}: {(times[name] - times['direct']) * 1e6:7.2f} us/call over the stand-in")
 
 
 if __name__ == "__main__":
