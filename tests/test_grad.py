@@ -171,3 +171,17 @@ def test_with_vjp_scalars_get_no_cotangent_and_bad_backwards_are_reported():
         mx.grad(lambda x: with_vjp(scaled, [x, 4.0], vjp=wrong_shape)[0].sum())(mx.ones((2,)))
     with pytest.raises(gk.KernelError, match="neither a vjp nor a reference"):
         with_vjp(scaled, [mx.ones((2,))])
+
+
+def test_without_vjp_is_public_nests_and_is_undone_by_an_exception():
+    from graphkern.autodiff import vjp_enabled
+
+    with gk.without_vjp():
+        with gk.without_vjp():
+            assert not vjp_enabled()
+        assert not vjp_enabled()  # still inside the outer one
+    assert vjp_enabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with gk.without_vjp():
+            raise RuntimeError("inside")
+    assert vjp_enabled()
