@@ -1,0 +1,114 @@
+"""Sweep the launch shapes of the library's row kernels on the GPU: which (threads, vector, chunks)
+is fastest for a dtype and row length, against the stock MLX op, by GPU time (CUPTI).
+
+For each row kernel (RMSNorm, LayerNorm, add+RMSNorm, softmax), dtype and shape, every candidate
+launch is checked against the stock op's output, then timed; the row ``row_config`` picks today is
+marked ``*``. One device call answers what a tuning session would otherwise need several for.
+
+    python benchmarks/gpu_row_configs.py [--kernels rms_norm,softmax] [--shapes 8192x4096,4096x16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_kernels import _gpu_time  # noqa: E402
+
+from graphkern.kernels import LIBRARY  # noqa: E402
+from graphkern.kernels._base import Plan, RowConfig, row_config, row_launch, run  # noqa: E402
+
+ROW_KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "softmax")
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def candidates(n: int, dtype: mx.Dtype) -> Iterator[RowConfig]:
+    """Every launch that covers a row of ``n`` with 32-1024 threads, 16- or 8-byte vectors, and up to
+    128 bytes a thread in registers (``mx.fast.rms_norm`` keeps 32 floats), or streamed."""
+    chosen = row_config(n, dtype)
+    yield chosen
+    threads = 32
+    while threads <= 1024:
+        for vector in (16 // dtype.size, 8 // dtype.size):
+            if vector < 1 or n % vector:
+                continue
+            chunks = -(-(n // vector) // threads)
+            for cfg in (RowConfig(threads, vector, chunks), RowConfig(threads, vector, 0)):
+                if cfg != chosen and cfg.chunks * vector * dtype.size <= 128:
+                    yield cfg
+        threads *= 2
+
+
+def with_config(plan: Plan, x: mx.array, cfg: RowConfig) -> Plan:
+    grid, group = row_launch("sweep", x, cfg)
+    template = tuple(t for t in plan.template if t.name not in ("NT", "V", "CH")) + tuple(cfg.template())
+    return replace(plan, grid=grid, threadgroup=group, template=template)
+
+
+def sweep(name: str, shape: tuple[int, ...], dtype: mx.Dtype) -> list[dict[str, Any]]:
+    entry = LIBRARY[name]
+    case = entry.make_inputs(shape, dtype, mx.random.key(0))
+    mx.eval(case.args)
+    stock = entry.stock_outputs(case)
+
+    def stock_step(a: mx.array) -> mx.array:
+        return entry.stock_outputs(replace(case, args=(a, *case.args[1:])))[-1]  # the normalized output
+
+    stock_us = _gpu_time(stock_step, case.args[0]) * 1e6
+    plan = entry.plan(*case.args, **case.kwargs)
+    x = case.args[0]
+    rows = []
+    for cfg in candidates(shape[-1], dtype):
+        variant = with_config(plan, x, cfg)
+        try:  # too many registers for the block, say: MLX raises when it launches
+            outs = run(variant)
+            err = max(mx.abs(o.astype(mx.float32) - s.astype(mx.float32)).max().tolist()  # type: ignore[type-var]
+                      for o, s in zip(outs, stock))
+        except Exception as exc:
+            print(f"  {cfg}: failed: {exc}", flush=True)
+            continue
+
+        def step(a: mx.array, v: Plan = variant) -> mx.array:
+            return run(replace(v, inputs=(a, *v.inputs[1:])))[-1]
+
+        us = _gpu_time(step, x) * 1e6
+        rows.append({"kernel": name, "dtype": str(dtype).split(".")[-1], "shape": "x".join(map(str, shape)),
+                     "config": cfg, "chosen": cfg == row_config(shape[-1], dtype), "us": us,
+                     "stock_us": stock_us, "max_err": err})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", default=",".join(ROW_KERNELS))
+    parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--shapes", default="8192x4096,4096x16384")
+    args = parser.parse_args()
+    if not mx.cuda.is_available():
+        print("no CUDA backend: nothing to sweep", file=sys.stderr)
+        return 0
+    for name in args.kernels.split(","):
+        for dtype_name in args.dtypes.split(","):
+            for text in args.shapes.split(","):
+                shape = tuple(int(d) for d in text.split("x"))
+                rows = sorted(sweep(name, shape, DTYPES[dtype_name]), key=lambda r: r["us"])
+                print(f"\n{name} {dtype_name} {text}: stock {rows[0]['stock_us']:.1f} us")
+                for r in rows:
+                    c = r["config"]
+                    print(f"  {'*' if r['chosen'] else ' '} threads {c.threads:4} vector {c.vector} "
+                          f"chunks {c.chunks:2}  {r['us']:8.1f} us  "
+                          f"stock/ours {r['stock_us'] / r['us']:5.2f}x  max err {r['max_err']:.2g}",
+                          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
