@@ -194,11 +194,6 @@ class KernelCache:
         counter[0] += 1
         return found
 
-    @property
-    def hits(self) -> int:
-        with self._lock:
-            return sum(count[0] for count in self._hit_counts)
-
     def stats(self) -> dict[str, int]:
         with self._lock:
             hits = sum(count[0] for count in self._hit_counts)
