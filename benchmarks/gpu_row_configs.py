@@ -2,7 +2,7 @@
 is fastest for a dtype and row length, against the stock MLX op, by GPU time (CUPTI).
 
 For each row kernel (RMSNorm, LayerNorm, add+RMSNorm, softmax), dtype and shape, every candidate
-launch is checked against the stock op's output, then timed; the row ``row_config`` picks today is
+launch is checked against the stock op's output, then timed; the one the kernel's plan picks today is
 marked ``*``. One device call answers what a tuning session would otherwise need several for.
 
     python benchmarks/gpu_row_configs.py [--kernels rms_norm,softmax] [--shapes 8192x4096,4096x16384]
@@ -24,16 +24,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_kernels import _gpu_time  # noqa: E402
 
 from graphkern.kernels import LIBRARY  # noqa: E402
-from graphkern.kernels._base import Plan, RowConfig, row_config, row_launch, run  # noqa: E402
+from graphkern.kernels._base import Plan, RowConfig, row_launch, run  # noqa: E402
 
 ROW_KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "softmax")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
-def candidates(n: int, dtype: mx.Dtype) -> Iterator[RowConfig]:
+def chosen_config(plan: Plan) -> RowConfig:
+    """The launch shape the kernel's plan picked (its NT, V and CH template arguments)."""
+    values = {t.name: t.value for t in plan.template if isinstance(t.value, int)}
+    return RowConfig(values["NT"], values["V"], values["CH"])
+
+
+def candidates(n: int, dtype: mx.Dtype, chosen: RowConfig) -> Iterator[RowConfig]:
     """Every launch that covers a row of ``n`` with 32-1024 threads, 16- or 8-byte vectors, and up to
     128 bytes a thread in registers (``mx.fast.rms_norm`` keeps 32 floats), or streamed."""
-    chosen = row_config(n, dtype)
     yield chosen
     threads = 32
     while threads <= 1024:
@@ -66,7 +71,8 @@ def sweep(name: str, shape: tuple[int, ...], dtype: mx.Dtype) -> list[dict[str, 
     plan = entry.plan(*case.args, **case.kwargs)
     x = case.args[0]
     rows = []
-    for cfg in candidates(shape[-1], dtype):
+    chosen = chosen_config(plan)
+    for cfg in candidates(shape[-1], dtype, chosen):
         variant = with_config(plan, x, cfg)
         try:  # too many registers for the block, say: MLX raises when it launches
             outs = run(variant)
@@ -81,7 +87,7 @@ def sweep(name: str, shape: tuple[int, ...], dtype: mx.Dtype) -> list[dict[str, 
 
         us = _gpu_time(step, x) * 1e6
         rows.append({"kernel": name, "dtype": str(dtype).split(".")[-1], "shape": "x".join(map(str, shape)),
-                     "config": cfg, "chosen": cfg == row_config(shape[-1], dtype), "us": us,
+                     "config": cfg, "chosen": cfg == chosen, "us": us,
                      "stock_us": stock_us, "max_err": err})
     return rows
 

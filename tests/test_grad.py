@@ -181,7 +181,6 @@ def test_without_vjp_is_public_nests_and_is_undone_by_an_exception():
             assert not vjp_enabled()
         assert not vjp_enabled()  # still inside the outer one
     assert vjp_enabled()
-    with pytest.raises(RuntimeError, match="inside"):
-        with gk.without_vjp():
-            raise RuntimeError("inside")
+    with pytest.raises(RuntimeError, match="inside"), gk.without_vjp():
+        raise RuntimeError("inside")
     assert vjp_enabled()

@@ -15,7 +15,7 @@ import graphkern as gk
 import graphkern.kernels as gkk
 from graphkern.check import compare, strided
 from graphkern.kernels import LIBRARY, apply_plan
-from graphkern.kernels._base import MAX_THREADS, items_per_thread, row_config
+from graphkern.kernels._base import MAX_ROW_ITEMS, row_config
 from graphkern.kernels.ops.rope import inverse_frequencies
 from graphkern.nodes import KernelError, Status
 
@@ -163,16 +163,19 @@ def test_softmax_rows_are_distributions(lead: list[int], n: int, dtype: mx.Dtype
     assert mx.allclose(shifted, gkk.softmax(x.astype(mx.float32)), atol=1e-6).item()
 
 
-@given(n=st.integers(1, 100_000), dtype=st.sampled_from(DTYPES))
-def test_row_config_covers_the_row_within_register_and_block_limits(n: int, dtype: mx.Dtype) -> None:
-    cfg = row_config(n, dtype)
-    assert cfg.threads & (cfg.threads - 1) == 0 and 32 <= cfg.threads <= MAX_THREADS
-    assert n % cfg.vector == 0 and cfg.vector * dtype.size <= 16
+@given(n=st.integers(1, 100_000), dtype=st.sampled_from(DTYPES), items=st.sampled_from([8, 16, 32]),
+       vector=st.sampled_from([1, 4, 8]), streamed=st.booleans(), max_threads=st.sampled_from([512, 1024]))
+def test_row_config_covers_the_row_within_register_and_block_limits(
+        n: int, dtype: mx.Dtype, items: int, vector: int, streamed: bool, max_threads: int) -> None:
+    cfg = row_config(n, dtype, vector=vector, items=items, streamed=streamed, max_threads=max_threads)
+    assert cfg.threads & (cfg.threads - 1) == 0 and 32 <= cfg.threads <= max_threads
+    assert n % cfg.vector == 0 and cfg.vector <= vector and cfg.vector * dtype.size <= 16
     if cfg.chunks:
+        assert not streamed
         assert cfg.threads * cfg.vector * cfg.chunks >= n  # the whole row fits in registers
-        assert cfg.chunks * cfg.vector <= items_per_thread(dtype)
+        assert cfg.chunks * cfg.vector <= MAX_ROW_ITEMS
     else:
-        assert n > MAX_THREADS * items_per_thread(dtype) // 2  # streamed only when long
+        assert streamed or n > max_threads * MAX_ROW_ITEMS // 2  # streamed only when asked or long
 
 
 # ----------------------------------------------------------------------------- plans and validation

@@ -38,12 +38,11 @@ __all__ = [
 FLOAT_DTYPES: tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)
 #: MLX passes the grid as int32 threads.
 MAX_GRID = 2**31 - 1
-#: 32-bit registers one thread spends keeping its part of a row (reduction kernels): 16 float32 or
-#: 32 16-bit elements (rows are kept in their own dtype). Twice that doubles the registers and so
-#: halves the blocks an SM holds: no more bytes in flight.
-ROW_REGISTERS = 16
-#: Largest threadgroup the row kernels use. MLX compiles without __launch_bounds__, so a 1024-thread
-#: block would need <= 64 registers a thread, which the LayerNorm kernels exceed; 512 allows 128.
+#: Most row elements one thread keeps in registers (reduction kernels; rows stay in their own dtype):
+#: 128 bytes of float32, 64 of a 16-bit type. Longer rows are streamed from memory.
+MAX_ROW_ITEMS = 32
+#: Largest threadgroup the register-resident row kernels use. MLX compiles without
+#: __launch_bounds__, so a 1024-thread block must fit in 64 registers a thread; 512 allows 128.
 MAX_THREADS = 512
 
 
@@ -127,9 +126,14 @@ def check_grid(op: str, threads: int) -> None:
 # ----------------------------------------------------------------------------- launch sizes
 
 
-def vector_width(n: int, dtype: mx.Dtype) -> int:
-    """Elements per 16-byte vector access, halved until it divides ``n``."""
-    v = 16 // dtype.size
+def vector_width(n: int, dtype: mx.Dtype, most: int = 16) -> int:
+    """Elements per vector access: ``most`` at most and 16 bytes at most, halved until it divides
+    ``n``.
+
+    >>> vector_width(4096, mx.bfloat16), vector_width(4096, mx.bfloat16, most=4), vector_width(6, mx.float32)
+    (8, 4, 2)
+    """
+    v = min(most, 16 // dtype.size)
     while v > 1 and n % v:
         v //= 2
     return v
@@ -152,27 +156,27 @@ class RowConfig:
                 TemplateArg.int("CH", self.chunks)]
 
 
-def items_per_thread(dtype: mx.Dtype) -> int:
-    """Row elements of ``dtype`` one thread keeps in registers: 16 float32, 32 float16/bfloat16."""
-    return ROW_REGISTERS * 4 // dtype.size
-
-
-def row_config(n: int, dtype: mx.Dtype) -> RowConfig:
-    """How to reduce rows of ``n`` elements of ``dtype``: up to ``items_per_thread(dtype)`` elements
-    per thread in registers; rows longer than ``MAX_THREADS`` times that are streamed (``chunks == 0``).
+def row_config(n: int, dtype: mx.Dtype, *, vector: int = 4, items: int = 16, streamed: bool = False,
+               max_threads: int = MAX_THREADS) -> RowConfig:
+    """How a one-block-per-row kernel spreads a row of ``n`` elements of ``dtype``: ``vector``-element
+    accesses, about ``items`` elements a thread (so ``n / items`` threads, 32 to ``max_threads``), kept
+    in registers up to ``MAX_ROW_ITEMS``, else (or when ``streamed``) read from memory in a loop
+    (``chunks == 0``). The defaults are what the norms ran fastest with on an H200 across float32 and
+    bfloat16 rows of 4096 and 16384 (``benchmarks/gpu_row_configs.py``, RESULTS_kernels.md).
 
     >>> row_config(4096, mx.float32)
     RowConfig(threads=256, vector=4, chunks=4)
-    >>> row_config(4096, mx.bfloat16)   # mx.fast.rms_norm's launch for this row
-    RowConfig(threads=128, vector=8, chunks=4)
+    >>> row_config(4096, mx.bfloat16)   # 8-byte accesses: 16-byte ones were slower for 16-bit rows
+    RowConfig(threads=256, vector=4, chunks=4)
+    >>> row_config(16384, mx.float16)   # 512 threads: 32 elements a thread
+    RowConfig(threads=512, vector=4, chunks=8)
     >>> row_config(50000, mx.float16).chunks   # too long for registers: streamed
     0
     """
-    v = vector_width(n, dtype)
-    items = items_per_thread(dtype)
-    threads = min(MAX_THREADS, max(32, _pow2_at_least(math.ceil(n / items))))
+    v = vector_width(n, dtype, vector)
+    threads = min(max_threads, max(32, _pow2_at_least(math.ceil(n / items))))
     chunks = math.ceil(math.ceil(n / v) / threads)
-    if chunks * v > items:
+    if streamed or chunks * v > MAX_ROW_ITEMS:
         chunks = 0
     return RowConfig(threads, v, chunks)
 
