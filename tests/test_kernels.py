@@ -16,7 +16,7 @@ import graphkern.kernels as gkk
 from graphkern.check import compare, strided
 from graphkern.kernels import LIBRARY, apply_plan
 from graphkern.kernels._base import MAX_ROW_ITEMS, row_config
-from graphkern.kernels.ops.rope import inverse_frequencies
+from graphkern.kernels.ops.rope import ROWS_PER_THREAD, inverse_frequencies, plan_rope
 from graphkern.nodes import KernelError, Status
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
@@ -105,6 +105,16 @@ def test_rope_frequencies_are_mx_fast_fallbacks() -> None:
     assert inv.shape == (32,) and inv.dtype == mx.float32
     assert inv[0].item() == 1.0
     assert abs(inv[-1].item() - 10000.0 ** (-31 / 32)) < 1e-9
+
+
+def test_rope_launch_shares_angles_across_rows_unless_offsets_are_per_batch() -> None:
+    x = mx.zeros((2, 3, 16, 64), mx.bfloat16)  # 6 rows of 16 positions, 32 pairs in 4 vectors of 8
+    shared = {t.name: t.value for t in plan_rope(x, 64).template}
+    assert shared["R"] == ROWS_PER_THREAD == 4 and shared["V"] == 8
+    assert plan_rope(x, 64).grid == (2 * 16 * 4, 1, 1)  # ceil(6 / 4) row groups x 16 positions x 4
+    per_batch = plan_rope(x, 64, offset=mx.array([0, 5]))
+    assert {t.name: t.value for t in per_batch.template}["R"] == 1 and per_batch.grid == (6 * 16 * 4, 1, 1)
+    assert plan_rope(mx.zeros((1, 0, 64)), 64).grid == (0, 1, 1)
 
 
 def test_zero_size_inputs_give_empty_outputs() -> None:

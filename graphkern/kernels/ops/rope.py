@@ -32,13 +32,27 @@ from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg
 
 __all__ = ["ROPE", "plan_rope", "rope", "rope_reference"]
 
+#: Rows (heads, batch entries) one thread rotates at a position: their angles are computed once.
+ROWS_PER_THREAD = 4
+
 _CUDA = r"""
 namespace gk {
 
+// The angles of pairs k .. k + V - 1 at one position: one sincosf each, shared by the R rows a
+// thread rotates (sincosf, not a load, is what a 16-bit RoPE spends its time on).
+template <int V>
+__device__ __forceinline__ void rope_angles(float pos, const float* inv_freq, int k, float (&c)[V],
+                                            float (&s)[V]) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    sincosf(pos * inv_freq[k + j], &s[j], &c[j]);
+  }
+}
+
 // Rotate pairs k .. k + V - 1 of one row (x, out point at the row; half = dims / 2).
 template <typename T, int V, bool TRADITIONAL>
-__device__ __forceinline__ void rope_pairs(const T* x, T* out, int k, int half, float pos,
-                                           const float* inv_freq) {
+__device__ __forceinline__ void rope_pairs(const T* x, T* out, int k, int half, const float (&c)[V],
+                                           const float (&s)[V]) {
   float a[V];
   float b[V];
   if constexpr (TRADITIONAL) {
@@ -55,10 +69,8 @@ __device__ __forceinline__ void rope_pairs(const T* x, T* out, int k, int half, 
   }
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    float s, c;
-    sincosf(pos * inv_freq[k + j], &s, &c);
-    const float r1 = a[j] * c - b[j] * s;
-    const float r2 = a[j] * s + b[j] * c;
+    const float r1 = a[j] * c[j] - b[j] * s[j];
+    const float r2 = a[j] * s[j] + b[j] * c[j];
     a[j] = r1;
     b[j] = r2;
   }
@@ -79,72 +91,94 @@ __device__ __forceinline__ void rope_pairs(const T* x, T* out, int k, int half, 
 }  // namespace gk
 """
 
-# One thread rotates V pairs of one row and copies its share of the features past dims.
-# D (row length) and half (dims / 2, the length of inv_freq) come from the shapes at run time.
+# x is (outer, L, D) as rows: row = o * L + l. One thread rotates pairs t*V .. t*V + V - 1 at position
+# l of R rows o0 .. o0 + R - 1 (one angle computation for all of them; R is 1 with per-batch offsets)
+# and copies its share of the features past dims. D, L and half (dims / 2) come from the shapes.
 _CUDA_BODY = r"""
   const int D = x_shape[x_ndim - 1];
+  const int L = x_shape[x_ndim - 2];
   const int half = inv_freq_shape[0];
   const int P = half / V;
+  const long long outer = gk::numel(x_shape, x_ndim) / D / L;
   const long long g = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const long long rows = gk::numel(x_shape, x_ndim) / D;
-  if (g >= rows * P) {
+  if (g >= (outer + R - 1) / R * L * P) {
     return;
   }
-  const long long row = g / P;
   const int t = static_cast<int>(g % P);
-  const int l = static_cast<int>(row % x_shape[x_ndim - 2]);
-  const int b = PER_BATCH ? static_cast<int>(row / (rows / x_shape[0])) : 0;
+  const long long rest = g / P;
+  const int l = static_cast<int>(rest % L);
+  const long long o0 = rest / L * R;
+  const int b = PER_BATCH ? static_cast<int>(o0 / (outer / x_shape[0])) : 0;
   const float pos = static_cast<float>(l + offset[b]) * __int_as_float(SCALE);
-  const T* xr = x + row * D;
-  T* outr = out + row * D;
-  if (gk::aligned<TRADITIONAL ? 2 * V : V>(x) && gk::aligned<TRADITIONAL ? 2 * V : V>(out)) {
-    gk::rope_pairs<T, V, TRADITIONAL>(xr, outr, t * V, half, pos, inv_freq);
-  } else {
+  float c[V];
+  float s[V];
+  gk::rope_angles<V>(pos, inv_freq, t * V, c, s);
+  const bool vectors = gk::aligned<TRADITIONAL ? 2 * V : V>(x) && gk::aligned<TRADITIONAL ? 2 * V : V>(out);
+  for (int r = 0; r < R && o0 + r < outer; ++r) {
+    const long long row = (o0 + r) * L + l;
+    const T* xr = x + row * D;
+    T* outr = out + row * D;
+    if (vectors) {
+      gk::rope_pairs<T, V, TRADITIONAL>(xr, outr, t * V, half, c, s);
+    } else {
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      gk::rope_pairs<T, 1, TRADITIONAL>(xr, outr, t * V + j, half, pos, inv_freq);
+      for (int j = 0; j < V; ++j) {
+        const float cj[1] = {c[j]};
+        const float sj[1] = {s[j]};
+        gk::rope_pairs<T, 1, TRADITIONAL>(xr, outr, t * V + j, half, cj, sj);
+      }
     }
-  }
-  for (int e = 2 * half + t; e < D; e += P) {
-    outr[e] = xr[e];
+    for (int e = 2 * half + t; e < D; e += P) {
+      outr[e] = xr[e];
+    }
   }
 """
 
 _METAL_BODY = r"""
   const int D = x_shape[x_ndim - 1];
+  const int L = x_shape[x_ndim - 2];
   const int HALF = inv_freq_shape[0];
   const int P = HALF / V;
-  const size_t g = thread_position_in_grid.x;
-  const size_t row = g / P;
-  const int t = int(g % P);
   size_t rows = 1;
   for (int d = 0; d < x_ndim - 1; ++d) {
     rows *= x_shape[d];
   }
-  const int l = int(row % size_t(x_shape[x_ndim - 2]));
-  const int b = PER_BATCH ? int(row / (rows / size_t(x_shape[0]))) : 0;
+  const size_t outer = rows / size_t(L);
+  const size_t g = thread_position_in_grid.x;
+  const int t = int(g % P);
+  const size_t rest = g / P;
+  const int l = int(rest % size_t(L));
+  const size_t o0 = rest / size_t(L) * R;
+  if (o0 >= outer) {
+    return;
+  }
+  const int b = PER_BATCH ? int(o0 / (outer / size_t(x_shape[0]))) : 0;
   const float pos = float(l + offset[b]) * as_type<float>(SCALE);
-  const size_t base = row * size_t(D);
   for (int j = 0; j < V; ++j) {
     const int k = t * V + j;
-    const size_t i1 = base + (TRADITIONAL ? 2 * k : k);
-    const size_t i2 = i1 + (TRADITIONAL ? 1 : HALF);
     const float theta = pos * inv_freq[k];
     const float c = metal::precise::cos(theta);
     const float s = metal::precise::sin(theta);
-    const float a = static_cast<float>(x[i1]);
-    const float bb = static_cast<float>(x[i2]);
-    out[i1] = static_cast<T>(a * c - bb * s);
-    out[i2] = static_cast<T>(a * s + bb * c);
+    for (size_t o = o0; o < o0 + R && o < outer; ++o) {
+      const size_t i1 = (o * size_t(L) + size_t(l)) * size_t(D) + (TRADITIONAL ? 2 * k : k);
+      const size_t i2 = i1 + (TRADITIONAL ? 1 : HALF);
+      const float a = static_cast<float>(x[i1]);
+      const float bb = static_cast<float>(x[i2]);
+      out[i1] = static_cast<T>(a * c - bb * s);
+      out[i2] = static_cast<T>(a * s + bb * c);
+    }
   }
-  for (int e = 2 * HALF + t; e < D; e += P) {
-    out[base + e] = x[base + e];
+  for (size_t o = o0; o < o0 + R && o < outer; ++o) {
+    const size_t base = (o * size_t(L) + size_t(l)) * size_t(D);
+    for (int e = 2 * HALF + t; e < D; e += P) {
+      out[base + e] = x[base + e];
+    }
   }
 """
 
 
 def rope_reference(x: mx.array, offset: mx.array, inv_freq: mx.array, *, SCALE: int, TRADITIONAL: bool,
-                   PER_BATCH: bool = False) -> list[mx.array]:
+                   PER_BATCH: bool = False, R: int = 1) -> list[mx.array]:
     """Pure-MLX RoPE in float32 with the given inverse frequencies (dims = 2 * their number; SCALE:
     the position scale's float32 bits)."""
     scale = float_from_bits(SCALE)
@@ -243,13 +277,16 @@ def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float 
     while v > 1 and (half % v or d % (2 * v if traditional else v)):
         v //= 2
     v = max(v, 1)
-    threads = (x.size // d) * (half // v)
+    length = x.shape[-2]
+    outer = x.size // d // length if x.size else 0
+    rows_each = 1 if per_batch else ROWS_PER_THREAD  # per-batch offsets: a position per row
+    threads = -(-outer // rows_each) * length * (half // v)
     if threads > MAX_GRID:
         raise KernelError(op, f"input too large: {threads} threads exceed MLX's int32 grid",
                           Status.INVALID_LAUNCH)
     template = [TemplateArg.dtype("T", x.dtype), TemplateArg.int("V", v),
                 TemplateArg.bool("TRADITIONAL", bool(traditional)), TemplateArg.bool("PER_BATCH", per_batch),
-                TemplateArg.int("SCALE", float_bits(scale))]
+                TemplateArg.int("SCALE", float_bits(scale)), TemplateArg.int("R", rows_each)]
     inputs = (x, off, inverse_frequencies(dims, base, freqs))
     return Plan(ROPE, inputs, (OutputSpec(x.shape, x.dtype),), (threads, 1, 1), (256, 1, 1), tuple(template))
 

@@ -21,6 +21,7 @@ __all__ = ["SOFTMAX", "plan_softmax", "softmax", "softmax_reference"]
 _CUDA = r"""
 namespace gk {
 
+// exp is __expf (ex2.approx, a few ulp for the non-positive arguments here), as MLX's own softmax.
 // Online softmax (one read of x): each thread keeps a running max m and the sum s of exp(v - m),
 // rescaling s when m grows; the block then combines them, and a second pass writes the output.
 template <typename T, int NT, int V, int CH>
@@ -36,21 +37,21 @@ __device__ __forceinline__ void softmax_row(const T* x, T* out, int n) {
       cm = fmaxf(cm, v[j]);
     }
     if (cm > m) {
-      s *= expf(m - cm);
+      s *= __expf(m - cm);
       m = cm;
     }
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      s += expf(v[j] - m);
+      s += __expf(v[j] - m);
     }
   });
   const float gm = block_max<NT>(m, smem);
-  const float inv = 1.0f / block_sum<NT>(s * expf(m - gm), smem);
+  const float inv = 1.0f / block_sum<NT>(s * __expf(m - gm), smem);
   row.visit([&](float (&v)[V], long long i) {
     float o[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      o[j] = expf(v[j] - gm) * inv;
+      o[j] = __expf(v[j] - gm) * inv;
     }
     store<T, V>(out, i, o);
   });
@@ -81,11 +82,11 @@ inline void softmax_row(PX x, PO out, int n, uint tid, uint lane, uint simd, thr
   m = block_reduce<NT>(m, smem, lane, simd, Max());
   float s = 0.0f;
   for (int i = tid; i < n; i += NT) {
-    s += metal::precise::exp(static_cast<float>(x[i]) - m);
+    s += metal::fast::exp(static_cast<float>(x[i]) - m);
   }
   const float inv = 1.0f / block_reduce<NT>(s, smem, lane, simd, Sum());
   for (int i = tid; i < n; i += NT) {
-    out[i] = static_cast<T>(metal::precise::exp(static_cast<float>(x[i]) - m) * inv);
+    out[i] = static_cast<T>(metal::fast::exp(static_cast<float>(x[i]) - m) * inv);
   }
 }
 
