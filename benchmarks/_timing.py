@@ -50,5 +50,5 @@ def interleaved(fns: dict[str, Callable[[], Any]], rounds: int = 7, number: int 
 
 def header(title: str) -> str:
     device = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else "cpu"
-    return (f"# {title}\n# {date.today()} | mlx {mx.__version__} | device {device} | "
+    return (f"# {title}\n# {date.today()} | mlx {getattr(mx, '__version__', '?')} | device {device} | "
             f"{platform.processor() or platform.machine()} | python {platform.python_version()}")

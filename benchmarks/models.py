@@ -8,13 +8,17 @@ Variants, all with the same weights and tokens, outputs evaluated, timed in alte
                    (CUDA kernels on an NVIDIA GPU; on CPU their pure-MLX references, so there it
                    measures graphkern's overhead and the references' cost, not GPU kernels)
 Sizes: tiny and small (CPU-friendly), medium (a GPU-sized 8-layer model, hidden 1024).
-Run: python benchmarks/models.py [--sizes tiny,small --length 32 --rounds 15 --number 20]
+Decoding (--decode N): per-token time of N steps after the prompt with an mlx-lm KV cache: stock
+eager (how mlx-lm generates), wrap (new offsets run eagerly once a step was traced) and wrap with
+trace_each_offset=True (a trace and an mx.compile per token).
+Run: python benchmarks/models.py [--sizes tiny,small --length 32 --rounds 15 --number 20 --decode 32]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +66,32 @@ def bench(size: str, batch: int, length: int, rounds: int, number: int) -> dict[
         err = mx.abs(fn(tokens) - reference).max().item()  # TF32 matmuls, kernels: not bit-equal
         print(f"# {name}: max abs logit difference from stock eager {err:.2e} (logits up to "
               f"{mx.abs(reference).max().item():.1f})")
-    return interleaved({name: (lambda fn=fn: mx.eval(fn(tokens))) for name, fn in variants.items()},
-                       rounds=rounds, number=number)
+    def forward(fn: Any) -> Callable[[], None]:
+        return lambda: mx.eval(fn(tokens))
+
+    return interleaved({name: forward(fn) for name, fn in variants.items()}, rounds=rounds, number=number)
+
+
+def decode(size: str, length: int, steps: int, rounds: int) -> dict[str, float]:
+    """Seconds per decoded token (median over ``rounds`` generations of ``steps`` tokens each)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = _model(size)
+    prompt = mx.random.randint(0, model.args.vocab_size, (1, length), key=mx.random.key(2))
+    variants = {"stock eager": model, "wrapped": wrap(model),
+                "wrapped, trace_each_offset": wrap(model, trace_each_offset=True)}
+
+    def generation(call: Any) -> Callable[[], None]:
+        def run() -> None:
+            cache = make_prompt_cache(model)
+            token = mx.argmax(call(prompt, cache=cache)[:, -1:], axis=-1)
+            for _ in range(steps):
+                token = mx.argmax(call(token, cache=cache)[:, -1:], axis=-1)
+                mx.eval(token)
+        return run
+
+    times = interleaved({name: generation(call) for name, call in variants.items()}, rounds=rounds)
+    return {name: seconds / steps for name, seconds in times.items()}
 
 
 def main() -> None:
@@ -73,6 +101,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--number", type=int, default=20)
     parser.add_argument("--sizes", default="tiny,small", help=f"comma-separated, of {sorted(SIZES)}")
+    parser.add_argument("--decode", type=int, default=0, help="also time decoding this many tokens")
     args = parser.parse_args()
     device = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else "cpu"
     print(header(f"mlx-lm llama forward on {device}: graphkern wrap (+patch) vs stock mx.compile"))
@@ -86,6 +115,13 @@ def main() -> None:
         stock = times["stock compiled"]
         for name, seconds in times.items():
             print(f"{name:>16}: {seconds * 1e6:9.1f} us/call   x{seconds / stock:.3f} of stock compiled")
+        if args.decode:
+            per_token = decode(size, args.length, args.decode, max(3, args.rounds // 3))
+            print(f"decoding {args.decode} tokens after a {args.length}-token prompt (per token, "
+                  "prompt included, one generation per sample):")
+            for name, seconds in per_token.items():
+                print(f"{name:>28}: {seconds * 1e6:9.1f} us/token   "
+                      f"x{seconds / per_token['stock eager']:.3f} of stock eager")
 
 
 if __name__ == "__main__":

@@ -197,7 +197,31 @@ def test_caches_that_cannot_pass_through_are_refused(caches, needles):
 
 def test_many_offsets_keep_a_bounded_number_of_traces():
     model = tiny_model("llama")
-    wrapped = wrap(model, max_traces=2)
+    wrapped = wrap(model, max_traces=2, trace_each_offset=True)
     caches = make_prompt_cache(model)
     _decode(wrapped, model, caches, steps=3)
+    assert wrapped.calls == {"compiled": 4, "eager": 0}
     assert len(wrapped._graphs) == 2 and caches[0].offset == PROMPT.shape[1] + 3
+
+
+def test_decode_traces_prefill_and_one_step_then_runs_new_offsets_eagerly():
+    model = tiny_model("llama")
+    patch(model)
+    wrapped = wrap(model)
+    eager_caches, graph_caches = make_prompt_cache(model), make_prompt_cache(model)
+    expected = _decode(model, model, eager_caches, steps=4)
+    got = _decode(wrapped, model, graph_caches, steps=4)
+    assert wrapped.calls == {"compiled": 2, "eager": 3}  # prefill and the first step were traced
+    assert len(wrapped._graphs) == 2
+    for e, g in zip(expected, got):
+        assert mx.allclose(e, g, atol=1e-5).item()
+    assert graph_caches[0].offset == eager_caches[0].offset == PROMPT.shape[1] + 4
+    assert mx.array_equal(graph_caches[1].keys, eager_caches[1].keys).item()
+    token = mx.array([[5]])
+    out, status = wrapped.call_with_status(token, cache=graph_caches)  # eager, with a status
+    assert status == gk.Status.OK and mx.allclose(out, model(token, cache=eager_caches), atol=1e-5).item()
+    graph = wrapped.trace(token, cache=graph_caches)  # still traceable on demand, cache untouched
+    assert graph.ok and graph_caches[0].offset == PROMPT.shape[1] + 5
+    unpatch(model)  # a structure change forgets the traces: the next step is traced again
+    wrapped(token, cache=graph_caches)
+    assert wrapped.calls["compiled"] == 3 and wrapped.graph.kernels() == []

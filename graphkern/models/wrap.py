@@ -3,7 +3,9 @@
 The wrapped model runs through ``gk.compile``: traced once per input signature (``.graph`` shows it,
 layer by layer, with module scopes), refused if a node failed, and otherwise run by ``mx.compile``
 with the parameters passed as state, so weight updates are always seen. mlx-lm KV caches pass
-through as inputs and outputs (see ``graphkern.models.cache``).
+through as inputs and outputs (see ``graphkern.models.cache``). Decoding is the exception that
+torch.compile users know from its recompile limit: a cache offset is static (mlx-lm slices with
+it), so once a call was traced at one offset, the same call at a new offset runs eagerly.
 
 >>> import mlx.core as mx, mlx.nn as nn
 >>> model = nn.Sequential(nn.Linear(4, 4), nn.RMSNorm(4))
@@ -24,10 +26,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from graphkern import runtime
 from graphkern.compiled import CompiledGraph
 from graphkern.graph import Graph
 from graphkern.models.cache import cache_states, stand_ins, states_of, write_back
-from graphkern.nodes import Status
+from graphkern.nodes import KernelError, Status
 from graphkern.state import Flat, argument_names
 
 __all__ = ["WrappedModel", "wrap"]
@@ -49,6 +52,12 @@ def _structure(model: nn.Module) -> list[Any]:
             elif isinstance(value, (dict, list)):
                 stack.append(value)
     return found
+
+
+def _offsets_erased(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Cache states with their int attributes (offset, ring index) blanked: what calls that differ
+    only in where the cache stands have in common."""
+    return [{k: int if v.__class__ is int else v for k, v in state.items()} for state in states]
 
 
 def _forward(model: nn.Module) -> Any:
@@ -73,25 +82,32 @@ def _forward(model: nn.Module) -> Any:
 class WrappedModel:
     """A model whose forward pass runs as a graphkern compiled graph (see :func:`wrap`)."""
 
-    def __init__(self, model: nn.Module, *, backend: str | None = None, max_traces: int = 16):
+    def __init__(self, model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
+                 trace_each_offset: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"wrap expects an mlx.nn.Module, got {type(model).__name__}")
         self.model = model
         self.backend = backend
         self.max_traces = max_traces
         self._graphs: OrderedDict[Any, CompiledGraph] = OrderedDict()
+        self.trace_each_offset = trace_each_offset
         self._structure: list[Any] | None = None
         self._last: CompiledGraph | None = None
         self._arg_names = argument_names(model)
+        self._cache_calls_traced: set[Any] = set()  # such calls, offsets blanked
+        #: How calls ran: ``"compiled"`` (a graphkern compiled graph) or ``"eager"`` (a cache call at
+        #: a new offset, see :func:`wrap`).
+        self.calls: dict[str, int] = {"compiled": 0, "eager": 0}
 
     @property
     def graph(self) -> Graph | None:
         """The graph of the last call's signature."""
         return self._last.graph if self._last is not None else None
 
-    def _compiled(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CompiledGraph:
+    def _compiled(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CompiledGraph | None:
         """The compiled graph for these arguments' static part (tree structure, Python scalars,
-        cache offsets); array shapes and dtypes are told apart inside it."""
+        cache offsets); array shapes and dtypes are told apart inside it. None: run eagerly (a cache
+        call traced before at another offset, unless ``trace_each_offset``)."""
         structure = _structure(self.model)
         if structure != self._structure:  # modules swapped (patch, unpatch) or parameters reshaped
             self.clear()
@@ -99,6 +115,12 @@ class WrappedModel:
         static = Flat.of(args, kwargs, self._arg_names).key()[0]
         compiled = self._graphs.get(static)
         if compiled is None:
+            if "cache" in kwargs and not self.trace_each_offset:
+                blanked = {**kwargs, "cache": _offsets_erased(kwargs["cache"])}
+                family = Flat.of(args, blanked, self._arg_names).key()[0]
+                if family in self._cache_calls_traced:
+                    return None
+                self._cache_calls_traced.add(family)
             compiled = CompiledGraph(_forward(self.model), backend=self.backend)
             self._graphs[static] = compiled
             while len(self._graphs) > self.max_traces:
@@ -107,6 +129,18 @@ class WrappedModel:
             self._graphs.move_to_end(static)
         self._last = compiled
         return compiled
+
+    def _eager(self, args: tuple[Any, ...], cache: Any, kwargs: dict[str, Any]) -> Any:
+        """The model itself on the caller's cache, its outputs evaluated as a compiled call's are."""
+        self.calls["eager"] += 1
+        kwargs = {k: v for k, v in kwargs.items() if k != "cache"}
+        if self.backend is None:
+            out = self.model(*args, cache=cache, **kwargs)
+        else:
+            with runtime.using_backend(self.backend):
+                out = self.model(*args, cache=cache, **kwargs)
+        mx.eval(out)
+        return out
 
     def _prepare(self, args: tuple[Any, ...], cache: Any,
                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
@@ -125,7 +159,11 @@ class WrappedModel:
     def __call__(self, *args: Any, cache: Any = None, **kwargs: Any) -> Any:
         """Run the forward pass; with ``cache`` (mlx-lm cache objects), update them as the model would."""
         args, kwargs, cache = self._prepare(args, cache, kwargs)
-        out = self._compiled(args, kwargs)(*args, **kwargs)
+        compiled = self._compiled(args, kwargs)
+        if compiled is None:
+            return self._eager(args, cache, kwargs)
+        self.calls["compiled"] += 1
+        out = compiled(*args, **kwargs)
         if cache is None:
             return out
         logits, states = out
@@ -135,7 +173,14 @@ class WrappedModel:
     def call_with_status(self, *args: Any, cache: Any = None, **kwargs: Any) -> tuple[Any, Status]:
         """``(outputs, Status.OK)``, or ``(None, status)`` when a node failed (nothing ran)."""
         args, kwargs, cache = self._prepare(args, cache, kwargs)
-        out, status = self._compiled(args, kwargs).call_with_status(*args, **kwargs)
+        compiled = self._compiled(args, kwargs)
+        if compiled is None:
+            try:
+                return self._eager(args, cache, kwargs), Status.OK
+            except KernelError as exc:  # a launch refused before anything ran
+                return None, exc.status
+        self.calls["compiled"] += 1
+        out, status = compiled.call_with_status(*args, **kwargs)
         if out is None or cache is None:
             return out, status
         write_back(cache, out[1])
@@ -144,26 +189,35 @@ class WrappedModel:
     def trace(self, *args: Any, cache: Any = None, **kwargs: Any) -> Graph:
         """The graph for these arguments, traced but not run (the cache is left untouched)."""
         args, kwargs, _ = self._prepare(args, cache, kwargs)
-        return self._compiled(args, kwargs).trace(*args, **kwargs)
+        compiled = self._compiled(args, kwargs)
+        if compiled is None:  # a call that runs eagerly is still traced when asked for
+            compiled = CompiledGraph(_forward(self.model), backend=self.backend)
+        return compiled.trace(*args, **kwargs)
 
     def clear(self) -> None:
         """Forget every trace."""
         self._graphs.clear()
+        self._cache_calls_traced.clear()
         self._last = None
 
     def __repr__(self) -> str:
         return f"WrappedModel({type(self.model).__name__}, traces={len(self._graphs)})"
 
 
-def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16) -> WrappedModel:
+def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
+         trace_each_offset: bool = False) -> WrappedModel:
     """Run ``model``'s forward pass as a graphkern compiled graph.
 
     Parameters are passed to the compiled function as state, so ``model.update(...)`` and optimizer
     steps are seen by the next call; a new input shape or dtype re-traces; swapping modules
     (``patch``/``unpatch``) re-traces; ``.graph`` is the last trace. mlx-lm models take their KV cache
     as usual, ``wrapped(tokens, cache=cache)``: the cache objects are updated in place. A cache whose
-    state is not arrays and Python scalars is refused with ``KernelError``. Each new cache offset is
-    a new static signature (traced and compiled once); ``max_traces`` bounds how many are kept.
+    state is not arrays and Python scalars is refused with ``KernelError``. A cache offset is static
+    (mlx-lm slices the cache with it): the first call of a kind (prefill, then the first decode step)
+    is traced and compiled, and the same call at a new offset runs the model eagerly on the caller's
+    cache (``.calls`` counts both), as torch.compile falls back to eager past its recompile limit:
+    tracing every token would cost more than running it. ``trace_each_offset=True`` traces and
+    compiles every offset instead; ``max_traces`` bounds how many traces are kept.
 
     >>> import mlx.core as mx, mlx.nn as nn
     >>> model = nn.Linear(2, 2)
@@ -172,4 +226,4 @@ def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16) 
     >>> wrapped(mx.ones((1, 2))).tolist()
     [[1.0, 1.0]]
     """
-    return WrappedModel(model, backend=backend, max_traces=max_traces)
+    return WrappedModel(model, backend=backend, max_traces=max_traces, trace_each_offset=trace_each_offset)
