@@ -43,7 +43,9 @@ def main() -> None:
     template = [("T", mx.float32)]
     backend = gk.active_backend()
     if backend == "reference":
-        direct = lambda: KERNEL.reference(x, y)  # noqa: E731
+        reference = KERNEL.reference
+        assert reference is not None
+        direct = lambda: reference(x, y)  # noqa: E731
     else:
         obj = gk.kernel_cache.get(backend, KERNEL)
         direct = lambda: obj(inputs=[x, y], output_shapes=[x.shape], output_dtypes=[x.dtype],  # noqa: E731

@@ -17,6 +17,7 @@ Run: python benchmarks/gpu_core.py [--quick] [--markdown benchmarks/RESULTS_gpu.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import sys
@@ -58,6 +59,11 @@ SILU = gk.Kernel(
 # ----------------------------------------------------------------------------- timing
 
 
+def evaluating(fn: Callable[..., Any], *args: Any) -> Callable[[], None]:
+    """A timed step: ``fn(*args)`` evaluated."""
+    return lambda: mx.eval(fn(*args))
+
+
 def stamp() -> dict[str, str]:
     try:
         device = str(mx.device_info().get("device_name", "?"))
@@ -65,7 +71,7 @@ def stamp() -> dict[str, str]:
         device = "?"
     return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "gpu": device if CUDA else f"none ({device}; kernels ran their references)",
-            "mlx": mx.__version__, "graphkern": gk.__version__, "backend": BACKEND,
+            "mlx": getattr(mx, "__version__", "?"), "graphkern": gk.__version__, "backend": BACKEND,
             "python": platform.python_version(), "host": platform.machine()}
 
 
@@ -80,7 +86,7 @@ def graphkern_block(depth: int) -> Callable[[mx.array, mx.array], mx.array]:
     """``depth`` blocks of kernel -> MLX ops -> kernel, through ``gk.apply_in_graph``."""
     def fn(x: mx.array, y: mx.array) -> mx.array:
         n = x.size
-        kw = dict(grid=(n, 1, 1), threadgroup=(TG, 1, 1), template=[("N", n)])
+        kw: dict[str, Any] = dict(grid=(n, 1, 1), threadgroup=(TG, 1, 1), template=[("N", n)])
         h = x
         for _ in range(depth):
             a = gk.apply_in_graph(SCALE_ADD, [h, y], _spec(h), **kw).outputs[0]
@@ -94,9 +100,10 @@ def hand_block(depth: int) -> Callable[[mx.array, mx.array], mx.array]:
     """The same function written against MLX alone: bare ``mx.fast.cuda_kernel`` objects with the
     same sources (built here, under their own names), or the references without CUDA."""
     if CUDA:
-        objs = {k.name: mx.fast.cuda_kernel(name=f"hand_{k.name}", input_names=list(k.input_names),
-                                            output_names=list(k.output_names), source=k.cuda)
-                for k in (SCALE_ADD, SILU)}
+        objs: dict[str, Any] = {
+            k.name: mx.fast.cuda_kernel(name=f"hand_{k.name}", input_names=list(k.input_names),
+                                        output_names=list(k.output_names), source=str(k.cuda))
+            for k in (SCALE_ADD, SILU)}
 
         def call(k: gk.Kernel, inputs: list[mx.array]) -> mx.array:
             n = inputs[0].size
@@ -105,6 +112,7 @@ def hand_block(depth: int) -> Callable[[mx.array, mx.array], mx.array]:
                                 threadgroup=(TG, 1, 1), template=[("N", n)])[0]
     else:
         def call(k: gk.Kernel, inputs: list[mx.array]) -> mx.array:
+            assert k.reference is not None
             return k.reference(*inputs)[0]
 
     def fn(x: mx.array, y: mx.array) -> mx.array:
@@ -126,7 +134,7 @@ def bench_compiled(sizes: list[int], depths: list[int], rounds: int, budget_s: f
             cf = gk.compile(graphkern_block(depth))
             hand = mx.compile(hand_block(depth))
             got, want = cf(x, y), hand(x, y)
-            err = (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-30)).item()
+            err = float((mx.abs(got - want).max() / (mx.abs(want).max() + 1e-30)).item())  # type: ignore[arg-type]
             assert err < 1e-5, f"gk.compile and mx.compile disagree: {err}"
             assert cf.graph is not None and len(cf.graph.kernels()) == 2 * depth
             start = time.perf_counter()
@@ -134,11 +142,11 @@ def bench_compiled(sizes: list[int], depths: list[int], rounds: int, budget_s: f
             one = max(time.perf_counter() - start, 1e-6)
             number = max(3, min(2000, int(budget_s / rounds / 2 / one)))
             inner_fn = next(iter(cf._compiled.values()))  # the one mx.compile'd function it holds
-            t = interleaved({"mx.compile": lambda hand=hand, x=x, y=y: mx.eval(hand(x, y)),
-                             "gk.compile": lambda cf=cf, x=x, y=y: cf(x, y),
+            t = interleaved({"mx.compile": evaluating(hand, x, y),
+                             "gk.compile": functools.partial(cf, x, y),
                              # diagnosis: graphkern's mx.compile'd function without the
                              # CompiledGraph.__call__ wrapper (signature lookup, state, eval)
-                             "gk graph only": lambda g=inner_fn, x=x, y=y: mx.eval(g(x, y))},
+                             "gk graph only": evaluating(inner_fn, x, y)},
                             rounds, number)
             g, h = t["gk.compile"]["median"], t["mx.compile"]["median"]
             inner = t["gk graph only"]["median"]
@@ -165,7 +173,7 @@ def bench_eager(rounds: int, number_lazy: int, number_eval: int) -> list[dict[st
     mx.eval(x, y)
     spec = _spec(x)
     template = [("N", n)]
-    kw = dict(grid=(n, 1, 1), threadgroup=(TG, 1, 1), template=template)
+    kw: dict[str, Any] = dict(grid=(n, 1, 1), threadgroup=(TG, 1, 1), template=template)
     if CUDA:
         obj = gk.kernel_cache.get("cuda", SCALE_ADD)  # the very object gk.apply calls
 
@@ -173,8 +181,11 @@ def bench_eager(rounds: int, number_lazy: int, number_eval: int) -> list[dict[st
             return obj(inputs=[x, y], output_shapes=[x.shape], output_dtypes=[x.dtype],
                        grid=(n, 1, 1), threadgroup=(TG, 1, 1), template=template)
     else:
+        reference = SCALE_ADD.reference
+        assert reference is not None
+
         def bare() -> Any:
-            return SCALE_ADD.reference(x, y)
+            return reference(x, y)
 
     def gk_apply() -> Any:
         return gk.apply(SCALE_ADD, [x, y], spec, **kw)

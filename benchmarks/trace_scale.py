@@ -7,6 +7,7 @@ Run: python benchmarks/trace_scale.py [--max 100000]
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import threading
 from pathlib import Path
@@ -57,8 +58,8 @@ def _main() -> None:
     for n in sizes:
         fn = chain(n // 4)
         prims = bare_export(fn, x)
-        bare = median_seconds(lambda f=fn: bare_export(f, x), repeats=args.repeats)
-        traced = median_seconds(lambda f=fn: gk.trace(f, x), repeats=args.repeats)
+        bare = median_seconds(functools.partial(bare_export, fn, x), repeats=args.repeats)
+        traced = median_seconds(functools.partial(gk.trace, fn, x), repeats=args.repeats)
         print(f"{prims:>10} {bare * 1e3:>10.1f} {traced * 1e3:>10.1f} {traced / bare:>7.2f} "
               f"{traced / prims * 1e6:>14.2f}")
 
