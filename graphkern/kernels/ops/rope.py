@@ -180,7 +180,7 @@ _METAL_BODY = r"""
 def rope_reference(x: mx.array, offset: mx.array, inv_freq: mx.array, *, SCALE: int, TRADITIONAL: bool,
                    PER_BATCH: bool = False, R: int = 1) -> list[mx.array]:
     """Pure-MLX RoPE in float32 with the given inverse frequencies (dims = 2 * their number; SCALE:
-    the position scale's float32 bits)."""
+    the position scale's float32 bits; R, how many rows a GPU thread rotates, changes nothing here)."""
     scale = float_from_bits(SCALE)
     half = inv_freq.shape[0]
     dims = 2 * half
