@@ -70,6 +70,7 @@ def test_kv_cache_decode_with_cuda_kernels() -> None:
         token = mx.argmax(expected[:, -1:], axis=-1)
         expected, got = model(token, cache=eager_cache), wrapped(token, cache=graph_cache)
     assert graph_cache[0].offset == eager_cache[0].offset == prompt.shape[1] + 4
+    assert wrapped.calls == {"compiled": 2, "eager": 3}  # prefill, first step; then eager launches
     if CUDA:
         assert _kernel_backends(wrapped.graph) == {"cuda"}
 
