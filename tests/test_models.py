@@ -225,3 +225,34 @@ def test_decode_traces_prefill_and_one_step_then_runs_new_offsets_eagerly():
     unpatch(model)  # a structure change forgets the traces: the next step is traced again
     wrapped(token, cache=graph_caches)
     assert wrapped.calls["compiled"] == 3 and wrapped.graph.kernels() == []
+
+
+class _CachedAttention(nn.Module):
+    """Writes its keys to the cache, then fails when told to: after the cache was updated."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.fail = False
+
+    def __call__(self, x, cache=None):
+        keys, _ = cache[0].update_and_fetch(self.proj(x)[:, None], x[:, None])
+        if self.fail:
+            raise RuntimeError("boom after the cache update")
+        return keys.sum(axis=2)
+
+
+def test_a_failed_eager_step_leaves_the_cache_as_it_was():
+    model = _CachedAttention()
+    wrapped = wrap(model)
+    caches = [KVCache()]
+    for length in (3, 1, 1):  # prefill and first step traced, the second step eager
+        wrapped(mx.ones((1, length, 4)), cache=caches)
+    assert wrapped.calls == {"compiled": 2, "eager": 1}
+    keys, offset = mx.array(caches[0].keys), caches[0].offset
+    model.fail = True
+    with pytest.raises(RuntimeError, match="boom"):
+        wrapped(mx.ones((1, 1, 4)), cache=caches)
+    assert caches[0].offset == offset == 5 and mx.array_equal(caches[0].keys, keys).item()
+    model.fail = False
+    assert wrapped(mx.ones((1, 1, 4)), cache=caches).shape == (1, 1, 4) and caches[0].offset == 6

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from graphkern.nodes import KernelError, Status
 
-__all__ = ["CACHE_OPERATION", "cache_states", "stand_ins", "states_of", "write_back"]
+__all__ = ["CACHE_OPERATION", "cache_states", "snapshot", "stand_ins", "states_of", "write_back"]
 
 CACHE_OPERATION = "pass an mlx-lm cache through a graphkern compiled graph"
 CLASS_KEY = "__class__"
@@ -86,3 +86,19 @@ def write_back(caches: Sequence[Any], states: Sequence[dict[str, Any]]) -> None:
         for name in [n for n in vars(cache) if n not in attributes]:
             delattr(cache, name)
         vars(cache).update(attributes)
+
+
+def snapshot(caches: Sequence[Any]) -> list[dict[str, Any]]:
+    """The caches' attributes with every array in a handle of its own, for ``write_back`` to restore
+    after a failed eager call: mlx-lm updates a cache's arrays in place (``keys[..., a:b, :] = k``),
+    which a shared handle would see."""
+    def own(value: Any) -> Any:
+        if isinstance(value, mx.array):
+            return mx.array(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(own(v) for v in value)
+        if isinstance(value, dict):
+            return {k: own(v) for k, v in value.items()}
+        return value
+
+    return [{name: own(value) for name, value in vars(cache).items()} for cache in caches]

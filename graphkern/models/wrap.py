@@ -29,7 +29,7 @@ import mlx.nn as nn
 from graphkern import runtime
 from graphkern.compiled import CompiledGraph
 from graphkern.graph import Graph
-from graphkern.models.cache import cache_states, stand_ins, states_of, write_back
+from graphkern.models.cache import cache_states, snapshot, stand_ins, states_of, write_back
 from graphkern.nodes import KernelError, Status
 from graphkern.state import Flat, argument_names
 
@@ -131,15 +131,18 @@ class WrappedModel:
         return compiled
 
     def _eager(self, args: tuple[Any, ...], cache: Any, kwargs: dict[str, Any]) -> Any:
-        """The model itself on the caller's cache, its outputs evaluated as a compiled call's are."""
+        """The model itself on the caller's cache, its outputs evaluated as a compiled call's are;
+        if it fails, the cache is put back as it was (a compiled call writes nothing then either)."""
         self.calls["eager"] += 1
         kwargs = {k: v for k, v in kwargs.items() if k != "cache"}
-        if self.backend is None:
-            out = self.model(*args, cache=cache, **kwargs)
-        else:
+        before = snapshot(cache)
+        try:
             with runtime.using_backend(self.backend):
                 out = self.model(*args, cache=cache, **kwargs)
-        mx.eval(out)
+            mx.eval(out)
+        except BaseException:
+            write_back(cache, before)
+            raise
         return out
 
     def _prepare(self, args: tuple[Any, ...], cache: Any,
