@@ -220,7 +220,8 @@ def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
     is traced and compiled, and the same call at a new offset runs the model eagerly on the caller's
     cache (``.calls`` counts both), as torch.compile falls back to eager past its recompile limit:
     tracing every token would cost more than running it. ``trace_each_offset=True`` traces and
-    compiles every offset instead; ``max_traces`` bounds how many traces are kept.
+    compiles every offset instead; ``max_traces`` bounds how many traces are kept. An eager call that
+    fails raises what failed (a kernel's ``KernelError``, MLX's error) and leaves the cache as it was.
 
     >>> import mlx.core as mx, mlx.nn as nn
     >>> model = nn.Linear(2, 2)
