@@ -4,10 +4,12 @@
 #   bash scripts/gpu_check.sh core     # conformance, NVRTC failures, precompiled kernels; gpu_core.py
 #   bash scripts/gpu_check.sh models   # patched mlx-lm models: gpu tests, then benchmarks/models.py
 #   bash scripts/gpu_check.sh bench    # the full kernel benchmark (all sizes)
-#   bash scripts/gpu_check.sh tune     # launch-shape sweep of the row kernels (benchmarks/gpu_row_configs.py)
+#   bash scripts/gpu_check.sh tune     # launch-shape sweep of the row kernels (benchmarks/gpu_row_configs.py);
+#                                      # arguments after it go to the sweep: tune --kernels softmax --dtypes float32
 # Output goes to $OUT (the device tool brings it back) or ./gpu-results.
 set -uo pipefail
-part=${1:?usage: gpu_check.sh kernels|core|models|bench|tune}
+part=${1:?usage: gpu_check.sh kernels|core|models|bench|tune [sweep arguments]}
+shift
 out=${OUT:-gpu-results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -28,6 +30,6 @@ case "$part" in
   bench)
     python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels_full.json" 2>&1 | tee "$out/gpu_kernels_full.txt" ;;
   tune)
-    python3 benchmarks/gpu_row_configs.py --dtypes bfloat16,float16,float32 2>&1 | tee "$out/row_configs.txt" ;;
+    python3 benchmarks/gpu_row_configs.py --dtypes bfloat16,float32 "$@" 2>&1 | tee "$out/row_configs.txt" ;;
   *) echo "unknown part '$part': use kernels, core, models, bench or tune" >&2; exit 2 ;;
 esac
