@@ -15,7 +15,7 @@ Metal row model: one threadgroup of ``NT`` threads per row, each thread striding
 
 from __future__ import annotations
 
-__all__ = ["CUDA_COMMON", "METAL_COMMON", "dual_header"]
+__all__ = ["CUDA_COMMON", "CUDA_NORM_ROW_START", "METAL_COMMON", "METAL_NORM_ROW_START", "dual_header"]
 
 CUDA_COMMON = r"""
 // ---- graphkern row helpers (CUDA) ----
@@ -285,6 +285,21 @@ inline float erf(float a) {
 
 }  // namespace gk
 """
+
+
+# The opening of a normalization body, one block (threadgroup) per row: the row length ``n``, ``eps``
+# from the EPS template argument's float32 bits, and ``off``, where this block's row starts (Metal
+# also declares the reductions' scratch).
+CUDA_NORM_ROW_START = r"""
+  const int n = x_shape[x_ndim - 1];
+  const float eps = __int_as_float(EPS);
+  const long long off = static_cast<long long>(blockIdx.x) * n;"""
+
+METAL_NORM_ROW_START = r"""
+  threadgroup float smem[32];
+  const int n = x_shape[x_ndim - 1];
+  const float eps = as_type<float>(EPS);
+  const size_t off = size_t(threadgroup_position_in_grid.x) * n;"""
 
 
 def dual_header(cuda: str, metal: str) -> str:

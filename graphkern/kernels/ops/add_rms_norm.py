@@ -23,7 +23,7 @@ from graphkern.kernels._base import (
     run,
     unused_input,
 )
-from graphkern.kernels._headers import dual_header
+from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.kernels.ops.rms_norm import RMS_CUDA, RMS_METAL, rms_norm_reference
 from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name
 
@@ -55,10 +55,7 @@ __device__ __forceinline__ void add_rms_norm_row(const T* x, const T* r, const T
 }  // namespace gk
 """
 
-_CUDA_BODY = r"""
-  const int n = x_shape[x_ndim - 1];
-  const float eps = __int_as_float(EPS);
-  const long long off = static_cast<long long>(blockIdx.x) * n;
+_CUDA_BODY = CUDA_NORM_ROW_START + r"""
   if (gk::aligned<V>(x) && gk::aligned<V>(residual) && gk::aligned<V>(h) && gk::aligned<V>(out) &&
       (!HAS_W || gk::aligned<V>(w))) {
     gk::add_rms_norm_row<T, NT, V, CH, HAS_W>(x + off, residual + off, w, h + off, out + off, eps, n);
@@ -67,11 +64,7 @@ _CUDA_BODY = r"""
   }
 """
 
-_METAL_BODY = r"""
-  threadgroup float smem[32];
-  const int n = x_shape[x_ndim - 1];
-  const float eps = as_type<float>(EPS);
-  const size_t off = size_t(threadgroup_position_in_grid.x) * n;
+_METAL_BODY = METAL_NORM_ROW_START + r"""
   const uint tid = thread_position_in_threadgroup.x;
   for (int i = tid; i < n; i += NT) {
     h[off + i] = static_cast<T>(static_cast<float>(x[off + i]) + static_cast<float>(residual[off + i]));

@@ -24,7 +24,7 @@ from graphkern.kernels._base import (
     run,
     unused_input,
 )
-from graphkern.kernels._headers import dual_header
+from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.nodes import Kernel, OutputSpec, TemplateArg
 
 __all__ = ["RMS_CUDA", "RMS_NORM", "plan_rms_norm", "rms_norm", "rms_norm_reference"]
@@ -72,10 +72,7 @@ __device__ __forceinline__ void rms_norm_row(const T* x, const T* w, T* out, flo
 }  // namespace gk
 """
 
-_CUDA_BODY = r"""
-  const int n = x_shape[x_ndim - 1];
-  const float eps = __int_as_float(EPS);
-  const long long off = static_cast<long long>(blockIdx.x) * n;
+_CUDA_BODY = CUDA_NORM_ROW_START + r"""
   if (gk::aligned<V>(x) && gk::aligned<V>(out) && (!HAS_W || gk::aligned<V>(w))) {
     gk::rms_norm_row<T, NT, V, CH, HAS_W>(x + off, w, out + off, eps, n);
   } else {
@@ -108,11 +105,7 @@ inline void rms_norm_row(PX x, PW w, PO out, float eps, int n, uint tid, uint la
 }  // namespace gk
 """
 
-_METAL_BODY = r"""
-  threadgroup float smem[32];
-  const int n = x_shape[x_ndim - 1];
-  const float eps = as_type<float>(EPS);
-  const size_t off = size_t(threadgroup_position_in_grid.x) * n;
+_METAL_BODY = METAL_NORM_ROW_START + r"""
   gk::rms_norm_row<T, NT, HAS_W>(x + off, w, out + off, eps, n, thread_position_in_threadgroup.x,
                                     thread_index_in_simdgroup, simdgroup_index_in_threadgroup, smem);
 """
