@@ -55,8 +55,8 @@ def _structure(model: nn.Module) -> list[Any]:
 
 
 def _offsets_erased(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Cache states with their int attributes (offset, ring index) blanked: what calls that differ
-    only in where the cache stands have in common."""
+    """Cache states with every int attribute (offset, ring index, also fixed sizes) blanked: what
+    calls that differ only in where the cache stands have in common."""
     return [{k: int if v.__class__ is int else v for k, v in state.items()} for state in states]
 
 
