@@ -165,17 +165,21 @@ def measure_trace(mode: str, primitives: int, with_tracemalloc: bool) -> dict[st
             "tracemalloc_peak": heap_peak}
 
 
-def run_child(mode: str, primitives: int, with_tracemalloc: bool) -> dict[str, Any]:
-    """``measure_trace`` in a fresh interpreter, so peaks of one mode never hide another's."""
-    cmd = [sys.executable, __file__, "--child", mode, "--primitives", str(primitives)]
-    if with_tracemalloc:
-        cmd.append("--tracemalloc")
+def _in_child(args: list[str], what: str, timeout: int) -> dict[str, Any]:
+    """This script with ``--child args`` in a fresh interpreter; its last stdout line, as JSON."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
                                                                      os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=1800)
+    done = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True,
+                          env=env, check=False, timeout=timeout)
     if done.returncode != 0:
-        raise RuntimeError(f"{mode} measurement failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{what} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def run_child(mode: str, primitives: int, with_tracemalloc: bool) -> dict[str, Any]:
+    """``measure_trace`` in a fresh interpreter, so peaks of one mode never hide another's."""
+    args = [mode, "--primitives", str(primitives)] + (["--tracemalloc"] if with_tracemalloc else [])
+    return _in_child(args, f"{mode} measurement", timeout=1800)
 
 
 def compare(primitives: int, with_tracemalloc: bool = False) -> dict[str, Any]:
@@ -251,14 +255,8 @@ def leak_check(repeats: int, warmup: int, every: int) -> dict[str, Any]:
 
 
 def run_leak_child(repeats: int, warmup: int, every: int) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", "leak", "--repeats", str(repeats), "--warmup",
-           str(warmup), "--every", str(every)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
-                                                                     os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError(f"leak check failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _in_child(["leak", "--repeats", str(repeats), "--warmup", str(warmup), "--every", str(every)],
+                     "leak check", timeout=3600)
 
 
 def _mib(n: float) -> str:
