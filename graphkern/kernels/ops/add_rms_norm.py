@@ -16,16 +16,11 @@ from graphkern.kernels._base import (
     LibraryEntry,
     Plan,
     check_dtype,
-    check_vector,
-    eps_template,
-    row_config,
-    row_launch,
     run,
-    unused_input,
 )
 from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
-from graphkern.kernels.ops.rms_norm import RMS_CUDA, RMS_METAL, rms_norm_reference
-from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name
+from graphkern.kernels.ops.rms_norm import RMS_CUDA, RMS_METAL, rms_launch, rms_norm_reference
+from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, dtype_name
 
 __all__ = ["ADD_RMS_NORM", "add_rms_norm", "add_rms_norm_reference", "plan_add_rms_norm"]
 
@@ -105,16 +100,9 @@ def plan_add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array | None =
     if residual.dtype != x.dtype:
         raise KernelError(op, f"dtype mismatch: residual is {dtype_name(residual.dtype)} but x is "
                           f"{dtype_name(x.dtype)}", Status.INVALID_INPUT)
-    if weight is not None:
-        check_vector(op, weight, x, "weight")
-    n = x.shape[-1]
-    cfg = row_config(n, x.dtype)
-    grid, group = row_launch(op, x, cfg)
-    w = weight if weight is not None else unused_input(x.dtype)
-    template = [TemplateArg.dtype("T", x.dtype), *cfg.template(), eps_template(eps, op),
-                TemplateArg.bool("HAS_W", weight is not None)]
+    grid, group, w, template = rms_launch(op, x, weight, eps)
     spec = OutputSpec(x.shape, x.dtype)
-    return Plan(ADD_RMS_NORM, (x, residual, w), (spec, spec), grid, group, tuple(template))
+    return Plan(ADD_RMS_NORM, (x, residual, w), (spec, spec), grid, group, template)
 
 
 def add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array | None = None,

@@ -27,7 +27,7 @@ from graphkern.kernels._base import (
 from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.nodes import Kernel, OutputSpec, TemplateArg
 
-__all__ = ["RMS_CUDA", "RMS_NORM", "plan_rms_norm", "rms_norm", "rms_norm_reference"]
+__all__ = ["RMS_CUDA", "RMS_NORM", "plan_rms_norm", "rms_launch", "rms_norm", "rms_norm_reference"]
 
 #: The second half of an RMSNorm row, shared with the fused residual-add kernel.
 RMS_CUDA = r"""
@@ -134,15 +134,25 @@ def plan_rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1e-5
     """The launch :func:`rms_norm` makes (validated)."""
     op = "rms_norm"
     check_dtype(op, x)
+    grid, group, w, template = rms_launch(op, x, weight, eps)
+    return Plan(RMS_NORM, (x, w), (OutputSpec(x.shape, x.dtype),), grid, group, template)
+
+
+Dim3 = tuple[int, int, int]
+
+
+def rms_launch(op: str, x: mx.array, weight: mx.array | None,
+               eps: float) -> tuple[Dim3, Dim3, mx.array, tuple[TemplateArg, ...]]:
+    """Grid, threadgroup, weight input and template of an RMSNorm row kernel over ``x`` (checked
+    ``weight``; an absent one becomes the unused stand-in)."""
     if weight is not None:
         check_vector(op, weight, x, "weight")
-    n = x.shape[-1]
-    cfg = row_config(n, x.dtype)
+    cfg = row_config(x.shape[-1], x.dtype)
     grid, group = row_launch(op, x, cfg)
     w = weight if weight is not None else unused_input(x.dtype)
-    template = [TemplateArg.dtype("T", x.dtype), *cfg.template(), eps_template(eps, op),
-                TemplateArg.bool("HAS_W", weight is not None)]
-    return Plan(RMS_NORM, (x, w), (OutputSpec(x.shape, x.dtype),), grid, group, tuple(template))
+    template = (TemplateArg.dtype("T", x.dtype), *cfg.template(), eps_template(eps, op),
+                TemplateArg.bool("HAS_W", weight is not None))
+    return grid, group, w, template
 
 
 def rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1e-5) -> mx.array:
