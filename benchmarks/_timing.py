@@ -25,22 +25,39 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 7, warmup: int = 1, num
     return statistics.median(samples)
 
 
-def interleaved_stats(fns: dict[str, Callable[[], Any]], rounds: int = 7, number: int = 1,
-                      warmup: int = 1) -> dict[str, dict[str, float]]:
-    """Seconds per call of each function (median, min, max over ``rounds`` rounds of ``number``
-    calls), the functions taking turns within each round so that drift hits all alike."""
+def interleaved_samples(fns: dict[str, Callable[[], Any]], rounds: int = 7, number: int = 1,
+                        warmup: int = 1, rotate: bool = False) -> dict[str, list[float]]:
+    """Seconds per call of each function in each of ``rounds`` rounds of ``number`` calls, the
+    functions taking turns within each round so that drift hits all alike. ``rotate`` starts each
+    round with the next function, so that none always runs right after the same other one."""
     for fn in fns.values():  # warm-up: builds, compiles, NVRTC, caches
         for _ in range(warmup):
             fn()
+    names = list(fns)
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for i in range(rounds):
+        shift = i % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
+            fn = fns[name]
             start = time.perf_counter()
             for _ in range(number):
                 fn()
             samples[name].append((time.perf_counter() - start) / number)
+    return samples
+
+
+def interleaved_stats(fns: dict[str, Callable[[], Any]], rounds: int = 7, number: int = 1,
+                      warmup: int = 1, rotate: bool = False) -> dict[str, dict[str, float]]:
+    """Median, min and max seconds per call of each function (see ``interleaved_samples``)."""
+    samples = interleaved_samples(fns, rounds, number, warmup, rotate)
     return {name: {"median": statistics.median(v), "min": min(v), "max": max(v)}
             for name, v in samples.items()}
+
+
+def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of ``a``'s time over ``b``'s in the same round: drift between rounds
+    (clocks, other processes) cancels, which a ratio of the two medians does not ensure."""
+    return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], rounds: int = 7, number: int = 1) -> dict[str, float]:

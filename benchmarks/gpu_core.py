@@ -20,6 +20,7 @@ import argparse
 import functools
 import json
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -33,11 +34,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, if
 import graphkern as gk  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import interleaved_stats  # noqa: E402
+from _timing import interleaved_samples, paired_ratio  # noqa: E402
+
+
+def samples(fns: dict[str, Callable[[], Any]], rounds: int, number: int) -> dict[str, list[float]]:
+    """Per-call seconds of each function in each round, timed in turns that start with a
+    different function each round."""
+    return interleaved_samples(fns, rounds, number, warmup=3, rotate=True)
+
+
+def summary(raw: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Median, min and max of each function's samples."""
+    return {name: {"median": statistics.median(v), "min": min(v), "max": max(v)} for name, v in raw.items()}
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, number: int) -> dict[str, dict[str, float]]:
-    return interleaved_stats(fns, rounds, number, warmup=3)
+    """Median, min and max per-call seconds of each function (see ``samples``)."""
+    return summary(samples(fns, rounds, number))
 
 CUDA = mx.cuda.is_available()
 BACKEND = "cuda" if CUDA else "reference"
@@ -142,23 +155,29 @@ def bench_compiled(sizes: list[int], depths: list[int], rounds: int, budget_s: f
             one = max(time.perf_counter() - start, 1e-6)
             number = max(3, min(2000, int(budget_s / rounds / 2 / one)))
             inner_fn = next(iter(cf._compiled.values()))  # the one mx.compile'd function it holds
-            t = interleaved({"mx.compile": evaluating(hand, x, y),
-                             "gk.compile": functools.partial(cf, x, y),
-                             # diagnosis: graphkern's mx.compile'd function without the
-                             # CompiledGraph.__call__ wrapper (signature lookup, state, eval)
-                             "gk graph only": evaluating(inner_fn, x, y)},
-                            rounds, number)
+            raw = samples({"mx.compile": evaluating(hand, x, y),
+                           "gk.compile": functools.partial(cf, x, y),
+                           # diagnosis: graphkern's mx.compile'd function without the
+                           # CompiledGraph.__call__ wrapper (signature lookup, state, eval)
+                           "gk graph only": evaluating(inner_fn, x, y)},
+                          rounds, number)
+            t = summary(raw)
             g, h = t["gk.compile"]["median"], t["mx.compile"]["median"]
             inner = t["gk graph only"]["median"]
             rows.append({"elements": n, "depth": depth, "kernels": 2 * depth, "calls": number * rounds,
-                         "gk_us": g * 1e6, "mx_us": h * 1e6, "ratio": g / h,
+                         "gk_us": g * 1e6, "mx_us": h * 1e6,
+                         "ratio": paired_ratio(raw, "gk.compile", "mx.compile"),
+                         "ratio_of_medians": g / h,
+                         "wrapper_ratio": paired_ratio(raw, "gk.compile", "gk graph only"),
                          "gk_spread_us": [t["gk.compile"]["min"] * 1e6, t["gk.compile"]["max"] * 1e6],
                          "mx_spread_us": [t["mx.compile"]["min"] * 1e6, t["mx.compile"]["max"] * 1e6],
                          "graph_only_us": inner * 1e6, "max_rel_diff": err})
             r = rows[-1]
             print(f"compiled  n={n:>9} depth={depth} kernels={2 * depth:>2}: gk.compile "
-                  f"{r['gk_us']:9.1f} us  mx.compile {r['mx_us']:9.1f} us  ratio {r['ratio']:.4f}  "
-                  f"[gk graph without wrapper {inner * 1e6:9.1f} us]  (over {r['calls']} calls each)",
+                  f"{r['gk_us']:9.1f} us  mx.compile {r['mx_us']:9.1f} us  ratio {r['ratio']:.4f} "
+                  f"(of medians {r['ratio_of_medians']:.4f})  [gk graph without wrapper "
+                  f"{inner * 1e6:9.1f} us, wrapper ratio {r['wrapper_ratio']:.4f}]  "
+                  f"(over {r['calls']} calls each)",
                   flush=True)
     return rows
 
@@ -250,14 +269,18 @@ def markdown(meta: dict[str, str], compiled: list[dict[str, Any]], eager: list[d
         "`mx.fast.cuda_kernel` objects. Each block: custom kernel, `tanh`, multiply, custom kernel, "
         "add; float32 vectors of the given length.",
         "",
+        "Ratio: the median over rounds of gk.compile's time over mx.compile's in the same round "
+        "(each round times the three in turn, starting with a different one each round); "
+        "the wrapper ratio compares gk.compile with its own `mx.compile`d function called directly.",
+        "",
         "| elements | blocks | kernels | gk.compile (us) | mx.compile (us) | ratio | gap (us) "
-        "| gk graph without wrapper (us) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| gk graph without wrapper (us) | wrapper ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in compiled:
         lines.append(f"| {r['elements']:,} | {r['depth']} | {r['kernels']} | {r['gk_us']:.1f} | "
                      f"{r['mx_us']:.1f} | {r['ratio']:.4f} | {r['gk_us'] - r['mx_us']:+.1f} | "
-                     f"{r['graph_only_us']:.1f} |")
+                     f"{r['graph_only_us']:.1f} | {r['wrapper_ratio']:.4f} |")
     lines += [
         "",
         "## Eager gk.apply overhead over the bare kernel object (target: <= 2 us a call)",
@@ -295,7 +318,7 @@ def main() -> None:
         compiled = bench_compiled([1 << 12, 1 << 20], [1], rounds=3, budget_s=0.5)
         eager = bench_eager(rounds=3, number_lazy=2000, number_eval=200)
     else:
-        compiled = bench_compiled([1 << 12, 1 << 20, 1 << 24, 1 << 26], [1, 4], rounds=9, budget_s=4.0)
+        compiled = bench_compiled([1 << 12, 1 << 20, 1 << 24, 1 << 26], [1, 4], rounds=21, budget_s=5.0)
         eager = bench_eager(rounds=15, number_lazy=20000, number_eval=2000)
     text = markdown(meta, compiled, eager)
     print(text)

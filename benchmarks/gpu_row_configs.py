@@ -1,11 +1,13 @@
-"""Sweep the launch shapes of the library's row kernels on the GPU: which (threads, vector, chunks)
-is fastest for a dtype and row length, against the stock MLX op, by GPU time (CUPTI).
+"""Sweep the launch shapes of the library's row kernels and RoPE on the GPU: which launch is
+fastest for a dtype and shape, against the stock MLX op, by GPU time (CUPTI).
 
-For each row kernel (RMSNorm, LayerNorm, add+RMSNorm, softmax), dtype and shape, every candidate
-launch is checked against the stock op's output, then timed; the one the kernel's plan picks today is
-marked ``*``. One device call answers what a tuning session would otherwise need several for.
+Row kernels (RMSNorm, LayerNorm, add+RMSNorm, softmax): every (threads, vector, chunks) that covers
+the row. RoPE (both forms): rows a thread rotates at one position (``R``), pairs a thread takes
+(``V``) and threads a block. Every candidate is checked against the stock op's output, then timed;
+the one the kernel's plan picks today is marked ``*``. One device call answers what a tuning session
+would otherwise need several for.
 
-    python benchmarks/gpu_row_configs.py [--kernels rms_norm,softmax] [--shapes 8192x4096,4096x16384]
+    python benchmarks/gpu_row_configs.py [--kernels rms_norm,softmax,rope] [--shapes 8192x4096]
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from graphkern.kernels import LIBRARY  # noqa: E402
 from graphkern.kernels._base import Plan, RowConfig, row_launch, run  # noqa: E402
 
 ROW_KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "softmax")
+ROPE_KERNELS = ("rope", "rope_traditional")
+DEFAULT_SHAPES = {"row": "8192x4096,4096x16384", "rope": "4x32x2048x128"}
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -52,10 +56,39 @@ def candidates(n: int, dtype: mx.Dtype, chosen: RowConfig) -> Iterator[RowConfig
         threads *= 2
 
 
-def with_config(plan: Plan, x: mx.array, cfg: RowConfig) -> Plan:
-    grid, group = row_launch("sweep", x, cfg)
-    template = tuple(t for t in plan.template if t.name not in ("NT", "V", "CH")) + tuple(cfg.template())
+def with_template(plan: Plan, values: dict[str, int], grid: tuple[int, int, int],
+                  group: tuple[int, int, int]) -> Plan:
+    """``plan`` with these int template arguments and this launch."""
+    template = tuple(replace(t, value=values[t.name]) if t.name in values else t for t in plan.template)
     return replace(plan, grid=grid, threadgroup=group, template=template)
+
+
+def row_variants(plan: Plan, x: mx.array) -> Iterator[tuple[str, bool, Plan]]:
+    chosen = chosen_config(plan)
+    for cfg in candidates(x.shape[-1], x.dtype, chosen):
+        grid, group = row_launch("sweep", x, cfg)
+        values = {t.name: t.value for t in cfg.template() if isinstance(t.value, int)}
+        label = f"threads {cfg.threads:4} vector {cfg.vector} chunks {cfg.chunks:2}"
+        yield label, cfg == chosen, with_template(plan, values, grid, group)
+
+
+def rope_variants(plan: Plan, x: mx.array) -> Iterator[tuple[str, bool, Plan]]:
+    """RoPE launches: R rows a thread (sharing their angles), V pairs a thread, block size. The
+    grid follows ``plan_rope``: one thread per (R rows, position, V pairs)."""
+    values = {t.name: t.value for t in plan.template if isinstance(t.value, int)}
+    half = plan.inputs[2].shape[0]  # the inverse frequencies: dims / 2
+    length, d = x.shape[-2], x.shape[-1]
+    outer = x.size // d // length
+    best_v = int(values["V"])
+    for rows in (1, 2, 4, 8, 16):
+        v = best_v
+        while v >= max(1, best_v // 4):
+            for block in (128, 256, 512):
+                threads = -(-outer // rows) * length * (half // v)
+                chosen = (rows, v, block) == (values["R"], best_v, plan.threadgroup[0])
+                yield (f"rows {rows:2} pairs {v} block {block:3}", chosen,
+                       with_template(plan, {"R": rows, "V": v}, (threads, 1, 1), (block, 1, 1)))
+            v //= 2
 
 
 def sweep(name: str, shape: tuple[int, ...], dtype: mx.Dtype) -> list[dict[str, Any]]:
@@ -71,15 +104,14 @@ def sweep(name: str, shape: tuple[int, ...], dtype: mx.Dtype) -> list[dict[str, 
     plan = entry.plan(*case.args, **case.kwargs)
     x = case.args[0]
     rows = []
-    chosen = chosen_config(plan)
-    for cfg in candidates(shape[-1], dtype, chosen):
-        variant = with_config(plan, x, cfg)
+    variants = rope_variants(plan, x) if name in ROPE_KERNELS else row_variants(plan, x)
+    for label, chosen, variant in variants:
         try:  # too many registers for the block, say: MLX raises when it launches
             outs = run(variant)
             err = max(mx.abs(o.astype(mx.float32) - s.astype(mx.float32)).max().tolist()  # type: ignore[type-var]
                       for o, s in zip(outs, stock))
         except Exception as exc:
-            print(f"  {cfg}: failed: {exc}", flush=True)
+            print(f"  {label}: failed: {exc}", flush=True)
             continue
 
         def step(a: mx.array, v: Plan = variant) -> mx.array:
@@ -87,7 +119,7 @@ def sweep(name: str, shape: tuple[int, ...], dtype: mx.Dtype) -> list[dict[str, 
 
         us = _gpu_time(step, x) * 1e6
         rows.append({"kernel": name, "dtype": str(dtype).split(".")[-1], "shape": "x".join(map(str, shape)),
-                     "config": cfg, "chosen": cfg == chosen, "us": us,
+                     "config": label, "chosen": chosen, "us": us,
                      "stock_us": stock_us, "max_err": err})
     return rows
 
@@ -96,21 +128,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", default=",".join(ROW_KERNELS))
     parser.add_argument("--dtypes", default=",".join(DTYPES))
-    parser.add_argument("--shapes", default="8192x4096,4096x16384")
+    parser.add_argument("--shapes", help=f"default: {DEFAULT_SHAPES}")
     args = parser.parse_args()
     if not mx.cuda.is_available():
         print("no CUDA backend: nothing to sweep", file=sys.stderr)
         return 0
     for name in args.kernels.split(","):
         for dtype_name in args.dtypes.split(","):
-            for text in args.shapes.split(","):
+            family = "rope" if name in ROPE_KERNELS else "row"
+            for text in (args.shapes or DEFAULT_SHAPES[family]).split(","):
                 shape = tuple(int(d) for d in text.split("x"))
                 rows = sorted(sweep(name, shape, DTYPES[dtype_name]), key=lambda r: r["us"])
                 print(f"\n{name} {dtype_name} {text}: stock {rows[0]['stock_us']:.1f} us")
                 for r in rows:
-                    c = r["config"]
-                    print(f"  {'*' if r['chosen'] else ' '} threads {c.threads:4} vector {c.vector} "
-                          f"chunks {c.chunks:2}  {r['us']:8.1f} us  "
+                    print(f"  {'*' if r['chosen'] else ' '} {r['config']}  {r['us']:8.1f} us  "
                           f"stock/ours {r['stock_us'] / r['us']:5.2f}x  max err {r['max_err']:.2g}",
                           flush=True)
     return 0

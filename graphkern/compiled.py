@@ -121,6 +121,18 @@ class _KernelSlots:
         return cls(slots)
 
 
+def _array_signature(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Shapes and dtypes of ``args`` (flat: shape, dtype, shape, ...), or None when one is not an
+    ``mx.array``: the key of the compiled call's fast path."""
+    signature: list[Any] = []
+    for a in args:
+        if a.__class__ is not mx.array:
+            return None
+        signature.append(a.shape)
+        signature.append(a.dtype)
+    return tuple(signature)
+
+
 def _constant(value: Any) -> Callable[[], Any]:
     return lambda: value
 
@@ -256,12 +268,8 @@ class CompiledGraph:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # the common call, arrays only, with a signature seen before: a few dict lookups
-        plain = not kwargs
-        for a in args:
-            if a.__class__ is not mx.array:
-                plain = False
-                break
-        signature = tuple([(a.shape, a.dtype) for a in args]) if plain else None
+        signature = None if kwargs else _array_signature(args)
+        plain = signature is not None
         prepared = self._fast.get(signature) if plain else None
         if prepared is None or prepared.slots.changed():  # new, or a kernel was replaced: re-trace
             prepared = self._prepare(Flat.of(args, kwargs, self._traceable.arg_names))
