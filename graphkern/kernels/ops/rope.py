@@ -34,6 +34,11 @@ __all__ = ["ROPE", "plan_rope", "rope", "rope_reference"]
 
 #: Rows (heads, batch entries) one thread rotates at a position: their angles are computed once.
 ROWS_PER_THREAD = 4
+#: Threads that share a row's pairs, at least (narrower accesses otherwise): with 16-byte accesses a
+#: 16-bit partial rotation (64 of 128 features) gave each row 4 threads, 1.45x slower on an H200.
+MIN_THREADS_PER_ROW = 8
+#: Threads a block (an H200 sweep of 128-512, benchmarks/data/rope_configs_h200.txt).
+BLOCK = 128
 
 _CUDA = r"""
 namespace gk {
@@ -88,12 +93,30 @@ __device__ __forceinline__ void rope_pairs(const T* x, T* out, int k, int half, 
   }
 }
 
+// Copy elements e, e + step, ... below D (the features past dims), TW at a time when aligned.
+template <typename T, int TW>
+__device__ __forceinline__ void copy_tail(const T* x, T* out, int e, int D, int step, bool vectors) {
+  if (vectors) {
+    for (; e < D; e += step) {
+      *reinterpret_cast<Vec<T, TW>*>(out + e) = *reinterpret_cast<const Vec<T, TW>*>(x + e);
+    }
+  } else {
+    for (; e < D; e += step) {
+#pragma unroll
+      for (int j = 0; j < TW; ++j) {
+        out[e + j] = x[e + j];
+      }
+    }
+  }
+}
+
 }  // namespace gk
 """
 
 # x is (outer, L, D) as rows: row = o * L + l. One thread rotates pairs t*V .. t*V + V - 1 at position
 # l of R rows o0 .. o0 + R - 1 (one angle computation for all of them; R is 1 with per-batch offsets)
-# and copies its share of the features past dims. D, L and half (dims / 2) come from the shapes.
+# and copies its share of the features past dims, TW at a time. D, L and half (dims / 2) come from
+# the shapes.
 _CUDA_BODY = r"""
   const int D = x_shape[x_ndim - 1];
   const int L = x_shape[x_ndim - 2];
@@ -114,6 +137,7 @@ _CUDA_BODY = r"""
   float s[V];
   gk::rope_angles<V>(pos, inv_freq, t * V, c, s);
   const bool vectors = gk::aligned<TRADITIONAL ? 2 * V : V>(x) && gk::aligned<TRADITIONAL ? 2 * V : V>(out);
+  const bool tail_vectors = gk::aligned<TW>(x) && gk::aligned<TW>(out);
   for (int r = 0; r < R && o0 + r < outer; ++r) {
     const long long row = (o0 + r) * L + l;
     const T* xr = x + row * D;
@@ -128,9 +152,7 @@ _CUDA_BODY = r"""
         gk::rope_pairs<T, 1, TRADITIONAL>(xr, outr, t * V + j, half, cj, sj);
       }
     }
-    for (int e = 2 * half + t; e < D; e += P) {
-      outr[e] = xr[e];
-    }
+    gk::copy_tail<T, TW>(xr, outr, 2 * half + t * TW, D, P * TW, tail_vectors);
   }
 """
 
@@ -170,17 +192,20 @@ _METAL_BODY = r"""
   }
   for (size_t o = o0; o < o0 + R && o < outer; ++o) {
     const size_t base = (o * size_t(L) + size_t(l)) * size_t(D);
-    for (int e = 2 * HALF + t; e < D; e += P) {
-      out[base + e] = x[base + e];
+    for (int e = 2 * HALF + t * TW; e < D; e += P * TW) {
+      for (int j = 0; j < TW; ++j) {
+        out[base + e + j] = x[base + e + j];
+      }
     }
   }
 """
 
 
 def rope_reference(x: mx.array, offset: mx.array, inv_freq: mx.array, *, SCALE: int, TRADITIONAL: bool,
-                   PER_BATCH: bool = False, R: int = 1) -> list[mx.array]:
+                   PER_BATCH: bool = False, R: int = 1, TW: int = 1) -> list[mx.array]:
     """Pure-MLX RoPE in float32 with the given inverse frequencies (dims = 2 * their number; SCALE:
-    the position scale's float32 bits; R, how many rows a GPU thread rotates, changes nothing here)."""
+    the position scale's float32 bits; R and TW, how many rows a GPU thread rotates and how many
+    features past dims it copies at once, change nothing here)."""
     scale = float_from_bits(SCALE)
     half = inv_freq.shape[0]
     dims = 2 * half
@@ -274,21 +299,24 @@ def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float 
         raise KernelError(op, f"scale must be a finite number, got {scale!r}", Status.INVALID_INPUT)
     half = dims // 2
     v = vector_width(half, x.dtype) if not traditional else min(vector_width(dims, x.dtype) // 2, half)
-    while v > 1 and (half % v or d % (2 * v if traditional else v)):
+    while v > 1 and (half % v or d % (2 * v if traditional else v) or half // v < MIN_THREADS_PER_ROW):
         v //= 2
     v = max(v, 1)
     length = x.shape[-2]
     outer = x.size // d // length if x.size else 0
     rows_each = 1 if per_batch else ROWS_PER_THREAD  # per-batch offsets: a position per row
     threads = -(-outer // rows_each) * length * (half // v)
+    tail = vector_width(math.gcd(d, dims), x.dtype) if d > dims else 1  # copied TW at a time
     if threads > MAX_GRID:
         raise KernelError(op, f"input too large: {threads} threads exceed MLX's int32 grid",
                           Status.INVALID_LAUNCH)
     template = [TemplateArg.dtype("T", x.dtype), TemplateArg.int("V", v),
                 TemplateArg.bool("TRADITIONAL", bool(traditional)), TemplateArg.bool("PER_BATCH", per_batch),
-                TemplateArg.int("SCALE", float_bits(scale)), TemplateArg.int("R", rows_each)]
+                TemplateArg.int("SCALE", float_bits(scale)), TemplateArg.int("R", rows_each),
+                TemplateArg.int("TW", tail)]
     inputs = (x, off, inverse_frequencies(dims, base, freqs))
-    return Plan(ROPE, inputs, (OutputSpec(x.shape, x.dtype),), (threads, 1, 1), (256, 1, 1), tuple(template))
+    return Plan(ROPE, inputs, (OutputSpec(x.shape, x.dtype),), (threads, 1, 1), (BLOCK, 1, 1),
+                tuple(template))
 
 
 def rope(x: mx.array, dims: int, *, traditional: bool = False, base: float | None = 10000.0,
