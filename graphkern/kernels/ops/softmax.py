@@ -18,6 +18,9 @@ from graphkern.nodes import Kernel, OutputSpec, TemplateArg
 
 __all__ = ["SOFTMAX", "plan_softmax", "softmax", "softmax_reference"]
 
+#: float32 rows this long (1024 threads of 16 elements) or longer take 8-byte accesses.
+LONG_FLOAT32_ROW = 16384
+
 _CUDA = r"""
 namespace gk {
 
@@ -124,8 +127,10 @@ def plan_softmax(x: mx.array) -> Plan:
     check_dtype(op, x)
     n = x.shape[-1]
     # streamed (max, sum and output in one read each; the second read hits L2), 16-byte accesses,
-    # 64 bytes a thread: what ran fastest on an H200 (benchmarks/gpu_row_configs.py)
-    cfg = row_config(n, x.dtype, vector=8, items=64 // x.dtype.size, streamed=True, max_threads=1024)
+    # 64 bytes a thread: what ran fastest on an H200 (benchmarks/gpu_row_configs.py); float32 rows
+    # that fill a 1024-thread block, 8-byte accesses (4096x16384: 144-147 us against 151-154)
+    vector = 2 if x.dtype == mx.float32 and n >= LONG_FLOAT32_ROW else 8
+    cfg = row_config(n, x.dtype, vector=vector, items=64 // x.dtype.size, streamed=True, max_threads=1024)
     grid, group = row_launch(op, x, cfg)
     template = [TemplateArg.dtype("T", x.dtype), *cfg.template()]
     return Plan(SOFTMAX, (x,), (OutputSpec(x.shape, x.dtype),), grid, group, tuple(template))
