@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -26,18 +27,21 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 7, warmup: int = 1, num
 
 
 def interleaved_samples(fns: dict[str, Callable[[], Any]], rounds: int = 7, number: int = 1,
-                        warmup: int = 1, rotate: bool = False) -> dict[str, list[float]]:
+                        warmup: int = 1, shuffle: bool = False) -> dict[str, list[float]]:
     """Seconds per call of each function in each of ``rounds`` rounds of ``number`` calls, the
-    functions taking turns within each round so that drift hits all alike. ``rotate`` starts each
-    round with the next function, so that none always runs right after the same other one."""
+    functions taking turns within each round so that drift hits all alike. ``shuffle`` orders each
+    round afresh (seeded), so that no function always runs right after the same other one (what
+    one leaves behind, freed buffers of its sizes for one, can speed up or slow down the next)."""
     for fn in fns.values():  # warm-up: builds, compiles, NVRTC, caches
         for _ in range(warmup):
             fn()
     names = list(fns)
+    order = random.Random(0)
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for i in range(rounds):
-        shift = i % len(names) if rotate else 0
-        for name in names[shift:] + names[:shift]:
+    for _ in range(rounds):
+        if shuffle:
+            order.shuffle(names)
+        for name in names:
             fn = fns[name]
             start = time.perf_counter()
             for _ in range(number):
@@ -47,9 +51,9 @@ def interleaved_samples(fns: dict[str, Callable[[], Any]], rounds: int = 7, numb
 
 
 def interleaved_stats(fns: dict[str, Callable[[], Any]], rounds: int = 7, number: int = 1,
-                      warmup: int = 1, rotate: bool = False) -> dict[str, dict[str, float]]:
+                      warmup: int = 1, shuffle: bool = False) -> dict[str, dict[str, float]]:
     """Median, min and max seconds per call of each function (see ``interleaved_samples``)."""
-    samples = interleaved_samples(fns, rounds, number, warmup, rotate)
+    samples = interleaved_samples(fns, rounds, number, warmup, shuffle)
     return {name: {"median": statistics.median(v), "min": min(v), "max": max(v)}
             for name, v in samples.items()}
 

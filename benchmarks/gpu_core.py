@@ -38,9 +38,8 @@ from _timing import interleaved_samples, paired_ratio  # noqa: E402
 
 
 def samples(fns: dict[str, Callable[[], Any]], rounds: int, number: int) -> dict[str, list[float]]:
-    """Per-call seconds of each function in each round, timed in turns that start with a
-    different function each round."""
-    return interleaved_samples(fns, rounds, number, warmup=3, rotate=True)
+    """Per-call seconds of each function in each round, timed in turns in a new order each round."""
+    return interleaved_samples(fns, rounds, number, warmup=3, shuffle=True)
 
 
 def summary(raw: dict[str, list[float]]) -> dict[str, dict[str, float]]:
@@ -270,7 +269,7 @@ def markdown(meta: dict[str, str], compiled: list[dict[str, Any]], eager: list[d
         "add; float32 vectors of the given length.",
         "",
         "Ratio: the median over rounds of gk.compile's time over mx.compile's in the same round "
-        "(each round times the three in turn, starting with a different one each round); "
+        "(each round times the three in turn, in a new random order each round); "
         "the wrapper ratio compares gk.compile with its own `mx.compile`d function called directly.",
         "",
         "| elements | blocks | kernels | gk.compile (us) | mx.compile (us) | ratio | gap (us) "

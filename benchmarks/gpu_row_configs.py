@@ -80,7 +80,7 @@ def rope_variants(plan: Plan, x: mx.array) -> Iterator[tuple[str, bool, Plan]]:
     length, d = x.shape[-2], x.shape[-1]
     outer = x.size // d // length
     best_v = int(values["V"])
-    for rows in (1, 2, 4, 8, 16):
+    for rows in (1, 2, 4, 8):
         v = best_v
         while v >= max(1, best_v // 4):
             for block in (128, 256, 512):
@@ -91,9 +91,14 @@ def rope_variants(plan: Plan, x: mx.array) -> Iterator[tuple[str, bool, Plan]]:
             v //= 2
 
 
-def sweep(name: str, shape: tuple[int, ...], dtype: mx.Dtype) -> list[dict[str, Any]]:
+def sweep(name: str, shape: tuple[int, ...], dtype: mx.Dtype,
+          rotate: str = "partial") -> list[dict[str, Any]]:
+    """Time every launch variant of kernel ``name`` on the library's test input of this shape.
+    RoPE's input rotates part of each row (``rotate="partial"``) or, ``"full"``, all of it."""
     entry = LIBRARY[name]
     case = entry.make_inputs(shape, dtype, mx.random.key(0))
+    if name in ROPE_KERNELS and rotate == "full":
+        case = replace(case, args=(case.args[0], shape[-1]))
     mx.eval(case.args)
     stock = entry.stock_outputs(case)
 
@@ -129,6 +134,7 @@ def main() -> int:
     parser.add_argument("--kernels", default=",".join(ROW_KERNELS))
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--shapes", help=f"default: {DEFAULT_SHAPES}")
+    parser.add_argument("--rotate", default="full,partial", help="RoPE cases: all features or part")
     args = parser.parse_args()
     if not mx.cuda.is_available():
         print("no CUDA backend: nothing to sweep", file=sys.stderr)
@@ -137,13 +143,14 @@ def main() -> int:
         for dtype_name in args.dtypes.split(","):
             family = "rope" if name in ROPE_KERNELS else "row"
             for text in (args.shapes or DEFAULT_SHAPES[family]).split(","):
-                shape = tuple(int(d) for d in text.split("x"))
-                rows = sorted(sweep(name, shape, DTYPES[dtype_name]), key=lambda r: r["us"])
-                print(f"\n{name} {dtype_name} {text}: stock {rows[0]['stock_us']:.1f} us")
-                for r in rows:
-                    print(f"  {'*' if r['chosen'] else ' '} {r['config']}  {r['us']:8.1f} us  "
-                          f"stock/ours {r['stock_us'] / r['us']:5.2f}x  max err {r['max_err']:.2g}",
-                          flush=True)
+                for rotate in args.rotate.split(",") if family == "rope" else [""]:
+                    shape = tuple(int(d) for d in text.split("x"))
+                    rows = sorted(sweep(name, shape, DTYPES[dtype_name], rotate), key=lambda r: r["us"])
+                    print(f"\n{name} {dtype_name} {text} {rotate}: stock {rows[0]['stock_us']:.1f} us")
+                    for r in rows:
+                        print(f"  {'*' if r['chosen'] else ' '} {r['config']}  {r['us']:8.1f} us  "
+                              f"stock/ours {r['stock_us'] / r['us']:5.2f}x  max err {r['max_err']:.2g}",
+                              flush=True)
     return 0
 
 
