@@ -91,14 +91,19 @@ def rope_variants(plan: Plan, x: mx.array) -> Iterator[tuple[str, bool, Plan]]:
             v //= 2
 
 
-def sweep(name: str, shape: tuple[int, ...], dtype: mx.Dtype,
-          rotate: str = "partial") -> list[dict[str, Any]]:
+def sweep(name: str, shape: tuple[int, ...], dtype: mx.Dtype, rotate: str = "partial",
+          positions: tuple[float, int] = (1.0, 5)) -> list[dict[str, Any]]:
     """Time every launch variant of kernel ``name`` on the library's test input of this shape.
-    RoPE's input rotates part of each row (``rotate="partial"``) or, ``"full"``, all of it."""
+    RoPE's input rotates part of each row (``rotate="partial"``) or, ``"full"``, all of it, at
+    positions ``(l + offset) * scale`` with ``positions = (scale, offset)``: by default those of
+    ``gpu_kernels.py``, so the sweep tunes what the benchmark measures."""
     entry = LIBRARY[name]
     case = entry.make_inputs(shape, dtype, mx.random.key(0))
-    if name in ROPE_KERNELS and rotate == "full":
-        case = replace(case, args=(case.args[0], shape[-1]))
+    if name in ROPE_KERNELS:
+        scale, offset = positions
+        dims = shape[-1] if rotate == "full" else case.args[1]
+        kwargs = {**case.kwargs, "scale": scale, "offset": offset}
+        case = replace(case, args=(case.args[0], dims), kwargs=kwargs)
     mx.eval(case.args)
     stock = entry.stock_outputs(case)
 
@@ -135,6 +140,7 @@ def main() -> int:
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--shapes", help=f"default: {DEFAULT_SHAPES}")
     parser.add_argument("--rotate", default="full,partial", help="RoPE cases: all features or part")
+    parser.add_argument("--positions", default="1.0,5", help="RoPE's scale,offset (gpu_kernels.py's)")
     args = parser.parse_args()
     if not mx.cuda.is_available():
         print("no CUDA backend: nothing to sweep", file=sys.stderr)
@@ -145,7 +151,9 @@ def main() -> int:
             for text in (args.shapes or DEFAULT_SHAPES[family]).split(","):
                 for rotate in args.rotate.split(",") if family == "rope" else [""]:
                     shape = tuple(int(d) for d in text.split("x"))
-                    rows = sorted(sweep(name, shape, DTYPES[dtype_name], rotate), key=lambda r: r["us"])
+                    scale, offset = args.positions.split(",")
+                    rows = sorted(sweep(name, shape, DTYPES[dtype_name], rotate, (float(scale), int(offset))),
+                                  key=lambda r: r["us"])
                     print(f"\n{name} {dtype_name} {text} {rotate}: stock {rows[0]['stock_us']:.1f} us")
                     for r in rows:
                         print(f"  {'*' if r['chosen'] else ' '} {r['config']}  {r['us']:8.1f} us  "
