@@ -53,7 +53,11 @@ def interleaved_samples(fns: dict[str, Callable[[], Any]], rounds: int = 7, numb
 def interleaved_stats(fns: dict[str, Callable[[], Any]], rounds: int = 7, number: int = 1,
                       warmup: int = 1, shuffle: bool = False) -> dict[str, dict[str, float]]:
     """Median, min and max seconds per call of each function (see ``interleaved_samples``)."""
-    samples = interleaved_samples(fns, rounds, number, warmup, shuffle)
+    return summary(interleaved_samples(fns, rounds, number, warmup, shuffle))
+
+
+def summary(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Median, min and max of each function's samples."""
     return {name: {"median": statistics.median(v), "min": min(v), "max": max(v)}
             for name, v in samples.items()}
 

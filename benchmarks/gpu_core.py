@@ -20,7 +20,6 @@ import argparse
 import functools
 import json
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -34,17 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, if
 import graphkern as gk  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import interleaved_samples, paired_ratio  # noqa: E402
+from _timing import interleaved_samples, paired_ratio, summary  # noqa: E402
 
 
 def samples(fns: dict[str, Callable[[], Any]], rounds: int, number: int) -> dict[str, list[float]]:
     """Per-call seconds of each function in each round, timed in turns in a new order each round."""
     return interleaved_samples(fns, rounds, number, warmup=3, shuffle=True)
-
-
-def summary(raw: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    """Median, min and max of each function's samples."""
-    return {name: {"median": statistics.median(v), "min": min(v), "max": max(v)} for name, v in raw.items()}
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, number: int) -> dict[str, dict[str, float]]:

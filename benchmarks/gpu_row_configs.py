@@ -145,15 +145,16 @@ def main() -> int:
     if not mx.cuda.is_available():
         print("no CUDA backend: nothing to sweep", file=sys.stderr)
         return 0
+    scale, offset = args.positions.split(",")
+    positions = (float(scale), int(offset))
     for name in args.kernels.split(","):
         for dtype_name in args.dtypes.split(","):
             family = "rope" if name in ROPE_KERNELS else "row"
             for text in (args.shapes or DEFAULT_SHAPES[family]).split(","):
                 for rotate in args.rotate.split(",") if family == "rope" else [""]:
                     shape = tuple(int(d) for d in text.split("x"))
-                    scale, offset = args.positions.split(",")
-                    rows = sorted(sweep(name, shape, DTYPES[dtype_name], rotate, (float(scale), int(offset))),
-                                  key=lambda r: r["us"])
+                    rows = sweep(name, shape, DTYPES[dtype_name], rotate, positions)
+                    rows.sort(key=lambda r: r["us"])
                     print(f"\n{name} {dtype_name} {text} {rotate}: stock {rows[0]['stock_us']:.1f} us")
                     for r in rows:
                         print(f"  {'*' if r['chosen'] else ' '} {r['config']}  {r['us']:8.1f} us  "

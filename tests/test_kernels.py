@@ -15,7 +15,7 @@ import graphkern as gk
 import graphkern.kernels as gkk
 from graphkern.check import compare, strided
 from graphkern.kernels import LIBRARY, apply_plan
-from graphkern.kernels._base import MAX_ROW_ITEMS, row_config
+from graphkern.kernels._base import MAX_ROW_ITEMS, Plan, row_config
 from graphkern.kernels.ops.rope import ROWS_PER_THREAD, inverse_frequencies, plan_rope
 from graphkern.kernels.ops.softmax import plan_softmax
 from graphkern.nodes import KernelError, Status
@@ -108,27 +108,32 @@ def test_rope_frequencies_are_mx_fast_fallbacks() -> None:
     assert abs(inv[-1].item() - 10000.0 ** (-31 / 32)) < 1e-9
 
 
+def template_of(plan: Plan) -> dict[str, object]:
+    """A plan's template arguments by name."""
+    return {t.name: t.value for t in plan.template}
+
+
 def test_rope_launch_shares_angles_across_rows_unless_offsets_are_per_batch() -> None:
     x = mx.zeros((2, 3, 16, 128), mx.bfloat16)  # 6 rows of 16 positions, 64 pairs in 8 vectors of 8
-    shared = {t.name: t.value for t in plan_rope(x, 128).template}
+    shared = template_of(plan_rope(x, 128))
     assert shared["R"] == ROWS_PER_THREAD == 4 and shared["V"] == 8 and shared["TW"] == 1
     assert plan_rope(x, 128).grid == (2 * 16 * 8, 1, 1)  # ceil(6 / 4) row groups x 16 positions x 8
     per_batch = plan_rope(x, 128, offset=mx.array([0, 5]))
-    assert {t.name: t.value for t in per_batch.template}["R"] == 1 and per_batch.grid == (6 * 16 * 8, 1, 1)
+    assert template_of(per_batch)["R"] == 1 and per_batch.grid == (6 * 16 * 8, 1, 1)
     assert plan_rope(mx.zeros((1, 0, 64)), 64).grid == (0, 1, 1)
 
 
 def test_rope_partial_rotation_keeps_threads_per_row_and_copies_the_rest_in_vectors() -> None:
     x = mx.zeros((1, 4, 16, 128), mx.bfloat16)
-    partial = {t.name: t.value for t in plan_rope(x, 64).template}  # 32 pairs: 8 threads of 4 pairs
+    partial = template_of(plan_rope(x, 64))  # 32 pairs: 8 threads of 4 pairs
     assert partial["V"] == 4 and partial["TW"] == 8
-    assert {t.name: t.value for t in plan_rope(x, 4).template}["V"] == 1  # 2 pairs: one a thread
-    assert {t.name: t.value for t in plan_rope(mx.zeros((1, 1, 2, 100)), 64).template}["TW"] == 4
+    assert template_of(plan_rope(x, 4))["V"] == 1  # 2 pairs: one a thread
+    assert template_of(plan_rope(mx.zeros((1, 1, 2, 100)), 64))["TW"] == 4
 
 
 def test_softmax_launch_takes_8_byte_accesses_for_long_float32_rows() -> None:
     def launch(n: int, dtype: mx.Dtype) -> dict[str, object]:
-        return {t.name: t.value for t in plan_softmax(mx.zeros((2, n), dtype)).template}
+        return template_of(plan_softmax(mx.zeros((2, n), dtype)))
 
     assert launch(16384, mx.float32) == {"T": mx.float32, "NT": 1024, "V": 2, "CH": 0}
     assert launch(4096, mx.float32)["V"] == 4 and launch(16384, mx.bfloat16)["V"] == 8
