@@ -30,6 +30,7 @@ __all__ = ["CompiledGraph", "compile"]
 
 _SLOT_DEPTH = 6
 _SLOT_BUDGET = 20_000  # containers visited per trace, at most
+_Path = tuple[tuple[Any, bool], ...]  # (key or attribute name, is it an attribute) from a root
 
 
 class _KernelSlots:
@@ -47,31 +48,33 @@ class _KernelSlots:
     False
     """
 
-    def __init__(self, slots: list[tuple[Callable[[], Any], Kernel]]):
-        self.slots = slots
+    def __init__(self, slots: list[tuple[Any, _Path, Kernel]]):
+        self.slots = slots  # (root, path from it, the kernel found there)
 
     def changed(self) -> bool:
-        for read, kernel in self.slots:
+        for value, path, kernel in self.slots:
             try:
-                if read() is not kernel:
-                    return True
+                for key, attribute in path:  # read afresh: a container replaced is seen too
+                    value = getattr(value, key) if attribute else value[key]
             except Exception:  # the place is gone (a key deleted, an attribute removed)
+                return True
+            if value is not kernel:
                 return True
         return False
 
     @classmethod
     def find(cls, fn: Callable[..., Any], used: list[Kernel]) -> _KernelSlots:
         wanted = {id(k) for k in used}
-        slots: list[tuple[Callable[[], Any], Kernel]] = []
+        slots: list[tuple[Any, _Path, Kernel]] = []
         if not wanted:
             return cls(slots)
         seen: set[int] = set()
         budget = [_SLOT_BUDGET]
 
-        def visit(value: Any, read: Callable[[], Any], depth: int) -> None:
+        def visit(value: Any, root: Any, path: _Path, depth: int) -> None:
             if isinstance(value, Kernel):
                 if id(value) in wanted:
-                    slots.append((read, value))
+                    slots.append((root, path, value))
                 return
             if depth > _SLOT_DEPTH or budget[0] <= 0 or id(value) in seen:
                 return
@@ -84,10 +87,10 @@ class _KernelSlots:
             seen.add(id(value))
             budget[0] -= 1
             for key, item in items:
-                visit(item, _reader(read, key, False), depth + 1)
+                visit(item, root, (*path, (key, False)), depth + 1)
             if isinstance(value, nn.Module):
                 for key, item in list(vars(value).items()):
-                    visit(item, _reader(read, key, True), depth + 1)
+                    visit(item, root, (*path, (key, True)), depth + 1)
                 call = getattr(type(value).__call__, "__wrapped__", type(value).__call__)
                 visit_function(call)
 
@@ -102,20 +105,20 @@ class _KernelSlots:
                     value = cell.cell_contents
                 except ValueError:  # an empty cell
                     continue
-                visit(value, _cell_reader(cell), 1)
+                visit(value, cell, (("cell_contents", True),), 1)
             names = set(code.co_names)
             for name in names & set(func.__globals__):
                 value = func.__globals__[name]
-                read = _reader(_constant(func.__globals__), name, False)
+                path: _Path = ((name, False),)
                 if isinstance(value, types.ModuleType):  # an imported module: the attributes fn names
                     for attr in names & set(vars(value)):
-                        visit(getattr(value, attr), _reader(read, attr, True), 2)
+                        visit(getattr(value, attr), func.__globals__, (*path, (attr, True)), 2)
                 else:
-                    visit(value, read, 1)
+                    visit(value, func.__globals__, path, 1)
 
         root = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
         if isinstance(root, nn.Module):
-            visit(root, _constant(root), 0)
+            visit(root, root, (), 0)
         if not isinstance(fn, nn.Module):
             visit_function(fn)
         return cls(slots)
@@ -131,22 +134,6 @@ def _array_signature(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         signature.append(a.shape)
         signature.append(a.dtype)
     return tuple(signature)
-
-
-def _constant(value: Any) -> Callable[[], Any]:
-    return lambda: value
-
-
-def _cell_reader(cell: Any) -> Callable[[], Any]:
-    return lambda: cell.cell_contents
-
-
-def _reader(parent: Callable[[], Any], key: Any, attribute: bool) -> Callable[[], Any]:
-    """Read ``parent()[key]`` (or its attribute) afresh each time, so replacing any container
-    on the way is seen too."""
-    if attribute:
-        return lambda: getattr(parent(), key)
-    return lambda: parent()[key]
 
 
 # ----------------------------------------------------------------------------- compile
@@ -203,6 +190,9 @@ class CompiledGraph:
     are always seen. A kernel replaced where ``fn`` finds it (a registry entry, a module
     attribute: see ``_KernelSlots``) makes the next call trace again, so the new source runs.
     Evaluation failures (a kernel that does not compile) are attributed to their kernel node.
+    While a single signature has run, a call is MLX's compiled call plus the kernel check: MLX's
+    own cache lookup stands for graphkern's, and a new signature makes MLX trace first, which
+    sends the call through the full guard before anything is evaluated.
 
     >>> import mlx.core as mx, graphkern as gk
     >>> cf = gk.compile(lambda x: mx.exp(x) * 2)
@@ -216,6 +206,7 @@ class CompiledGraph:
         self.fn = fn
         self.backend = backend
         self._traceable = _Traceable(fn, state)
+        self._state = self._traceable.state
         self._graphs: dict[Any, tuple[Graph, Any]] = {}
         self._slots: dict[Any, _KernelSlots] = {}
         self._last: Graph | None = None
@@ -226,14 +217,46 @@ class CompiledGraph:
         self._compiled: dict[Any, Callable[..., Any]] = {}
         # the common call, positional arrays only: shapes and dtypes -> everything a call needs
         self._fast: dict[Any, _Prepared] = {}
+        # signatures each mx.compile'd function has run, and the steady call (see __call__)
+        self._served: dict[Any, set[Any]] = {}
+        self._hot: _Prepared | None = None
+        self._pending: tuple[Any, ...] | None = None  # a steady call's arguments, while it runs
+        self._unseen: str | None = None  # what _run_unseen left in MLX's cache, during a call
 
     def _run_flat(self, *arrays: mx.array) -> list[mx.array]:
-        assert self._flat is not None
+        flat = self._flat
+        if flat is None:  # MLX traces inside a steady call: a signature it has not run yet
+            return self._run_unseen(arrays)
         # no custom-vjp wrapper around GPU launches: a compiled graph evaluates its own outputs,
         # so nothing differentiates through it, and each wrapper is one more primitive to run
-        with self._traceable.state.cells_from_captured(), recording(self._recorder), \
+        with self._state.cells_from_captured(), recording(self._recorder), \
                 without_vjp():  # type: ignore[arg-type]
-            return self._traceable.call_flat(self._flat, arrays, {})
+            return self._traceable.call_flat(flat, arrays, {})
+
+    def _run_unseen(self, arrays: tuple[mx.array, ...]) -> list[mx.array]:
+        """MLX's trace of a signature met in a steady call. Arrays alone are traced as usual, so
+        the long way the call then takes (graph traced, a failed one refused, before anything is
+        evaluated) finds the trace in MLX's cache. Nothing may raise here: MLX would leave its
+        tracers in the state containers. A trace that fails is left empty, and the compiled
+        functions are dropped after the call."""
+        hot, args = self._hot, self._pending
+        self._unseen, self._recorder = "empty", _PassThrough()
+        if hot is None or args is None:
+            return []
+        self._served[hot.key[0]].add(None)  # two signatures met: no more steady calls through it
+        if _array_signature(args) is None:  # nested or static arguments: MLX orders them its own
+            self._unseen = "elsewhere"  # way, and the long way runs them through another function
+            return []
+        try:
+            self._flat = Flat.of(args, {}, self._traceable.arg_names)
+            outputs = self._run_flat(*arrays)
+        except Exception:  # the long way traces the graph and says what is wrong
+            return []
+        finally:
+            self._flat = None
+        if self._recorder.failed is None:
+            self._unseen = "traced"
+        return outputs
 
     @property
     def graph(self) -> Graph | None:
@@ -267,7 +290,37 @@ class CompiledGraph:
             return None, exc.status
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # the common call, arrays only, with a signature seen before: a few dict lookups
+        hot = self._hot
+        if hot is not None and not kwargs and not hot.slots.changed():
+            # the steady call: one signature ever ran through this mx.compile'd function, so
+            # MLX's own cache check (shapes, dtypes, tree, constants) stands for the signature
+            # lookup; a signature it has not run makes MLX trace (_run_unseen) and the call
+            # takes the long way
+            state = self._state
+            if state.cells:
+                state.refresh_cells()
+            self._last = hot.graph
+            self._pending = args
+            try:
+                outputs = hot.compiled(*args)
+            except Exception:  # arguments MLX refuses: the long way says what is wrong
+                outputs = None
+            self._pending = None
+            if self._unseen is not None:
+                if self._unseen == "empty":
+                    self._forget_compiled()
+                self._unseen = self._hot = None
+            elif outputs is not None:
+                try:
+                    mx.eval(outputs)
+                except Exception as exc:
+                    flat = Flat.of(args, kwargs, self._traceable.arg_names)
+                    raise self._attribute(hot.graph, flat, exc, self._recorder) from exc
+                return unflatten_outputs(hot.spec, outputs)
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The long way: signature lookup, trace and compile if new, guards."""
         signature = None if kwargs else _array_signature(args)
         plain = signature is not None
         prepared = self._fast.get(signature) if plain else None
@@ -279,12 +332,12 @@ class CompiledGraph:
         if not graph.ok:
             raise graph.error()  # type: ignore[misc]
         arrays = list(args) if plain else Flat.of(args, kwargs, self._traceable.arg_names).arrays
-        self._flat = prepared.flat  # its structure, for when MLX traces _run_flat
         if self._recorder.calls:  # only an MLX trace of _run_flat uses it: then start afresh
             self._recorder = _PassThrough()
-        state = self._traceable.state
+        state = self._state
         if state.cells:
             state.refresh_cells()
+        self._flat = prepared.flat  # its structure, for when MLX traces _run_flat
         try:
             if self.backend is None:
                 outputs = self._run_compiled(prepared.compiled, arrays)
@@ -294,7 +347,20 @@ class CompiledGraph:
         except Exception as exc:
             flat = Flat.of(args, kwargs, self._traceable.arg_names)
             raise self._attribute(prepared.graph, flat, exc, self._recorder) from exc
+        finally:
+            self._flat = None
+        served = self._served.setdefault(prepared.key[0], set())  # signatures MLX has run
+        served.add(prepared.key)
+        self._hot = prepared if plain and self.backend is None and len(served) == 1 else None
         return unflatten_outputs(prepared.spec, outputs)
+
+    def _forget_compiled(self) -> None:
+        """MLX cached an empty trace (see _run_unseen): drop the compiled functions, keep the
+        graphkern traces."""
+        self._hot = None
+        self._compiled.clear()
+        self._served.clear()
+        self._fast.clear()
 
     def _prepare(self, flat: Flat) -> _Prepared:
         """Trace (if new) and compile (if new) for this call's signature."""
@@ -346,6 +412,8 @@ class CompiledGraph:
         self._slots.clear()
         self._compiled.clear()
         self._fast.clear()
+        self._served.clear()
+        self._hot = None
         self._last = None
 
     def traces(self) -> Iterator[Graph]:

@@ -114,6 +114,62 @@ def test_new_shapes_and_dtypes_retrace_and_known_ones_reuse_their_trace() -> Non
     assert runs == [(8,), (8,), (3,), (3,), (16,), (16,)]
 
 
+def test_steady_calls_skip_the_signature_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphkern.compiled as compiled_module
+
+    cf = gk.compile(lambda x, y: mx.tanh(call(_kernel("steady_axpy", 2.0), x, y)))
+    lookups = []
+    signature = compiled_module._array_signature
+    monkeypatch.setattr(compiled_module, "_array_signature", lambda a: lookups.append(1) or signature(a))
+    for _ in range(4):
+        assert mx.allclose(cf(X, Y), mx.tanh(X * 2 + Y)).item()
+    assert len(lookups) == 1  # the first call only: MLX's cache check stands for it afterwards
+    assert mx.allclose(cf(X[:3], Y[:3]), mx.tanh(X[:3] * 2 + Y[:3])).item()
+    assert len(lookups) > 1  # a new signature takes the long way again
+
+
+def test_static_arguments_after_steady_calls_get_their_own_trace() -> None:
+    k = _kernel("static_axpy", 2.0)
+    cf = gk.compile(lambda x, y: call(k, x, x * y))
+    for y in [Y, Y, Y, 3.0, 5.0, Y * 2, 3.0, [Y][0]]:
+        assert mx.allclose(cf(X, y), X * 2 + X * y).item()
+    assert len(list(cf.traces())) == 3
+
+
+class ShapeFussyNet(nn.Module):
+    """A linear layer, then a kernel whose launch is invalid for 3 rows; 5 rows make Python raise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(N, N)
+        self.kernel = _kernel("fussy_axpy", 2.0)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.shape[0] == 5:
+            raise ValueError("five rows are not welcome")
+        h = self.proj(x).reshape(-1)
+        launch = dict(grid=(h.size, 1, 1), threadgroup=(0 if x.shape[0] == 3 else 8, 1, 1))
+        return gk.apply_in_graph(self.kernel, [h, h], [gk.OutputSpec(h.shape, h.dtype)],
+                                 template=[("T", h.dtype)], **launch).outputs[0]
+
+
+def test_a_failing_new_signature_after_steady_calls_is_refused_and_leaves_the_state_intact() -> None:
+    net = ShapeFussyNet()
+    weight = net.proj.weight
+    cf = gk.compile(net)
+    x2 = mx.ones((2, N))
+    expected = net(x2)
+    for rows, error in [(3, gk.GraphError), (5, gk.KernelError)]:
+        for _ in range(3):  # steady calls, then MLX meets the new signature first
+            assert mx.allclose(cf(x2), expected).item()
+        with pytest.raises(error) as failed:
+            cf(mx.ones((rows, N)))
+        assert failed.value.status == (gk.Status.INVALID_LAUNCH if rows == 3 else gk.Status.MODULE_ERROR)
+    assert mx.array_equal(net.proj.weight, weight).item()  # no MLX tracer left in the module
+    assert mx.allclose(cf(x2), expected).item()
+    assert mx.allclose(cf(mx.ones((4, N))), net(mx.ones((4, N)))).item()
+
+
 # ----------------------------------------------------------------------------- kernels replaced
 
 
