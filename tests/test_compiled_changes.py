@@ -14,6 +14,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import graphkern as gk
 
@@ -265,3 +267,45 @@ def test_a_kernel_swapped_on_a_module_runs_the_new_source() -> None:
     after = cf(x)
     assert mx.allclose(after, net(x)).item() and not mx.allclose(after, before).item()
     assert cf.graph.node("net_axpy")["source_hash"] == net.kernel.source_hash
+
+
+# ----------------------------------------------------------------------------- any order of calls
+
+_ROWS = st.sampled_from([2, 4, 3, 5])  # 3: an invalid launch, 5: the module raises
+_SCALES = st.sampled_from(["array", "array", "array", 2.0, 3.0])  # mostly all-array calls, the
+_KEYWORD = st.sampled_from([False, False, False, True])  # ones that take the steady path
+_CALLS = st.lists(st.tuples(_ROWS, _SCALES, _KEYWORD, st.booleans(), st.integers(1, 3)),
+                  min_size=1, max_size=8)  # (rows, scale, as a keyword, new weights, times in a row)
+
+
+class ScaledFussyNet(ShapeFussyNet):
+    def __call__(self, x: mx.array, scale: Any = 1.0) -> mx.array:
+        return super().__call__(x * scale)
+
+
+@settings(max_examples=30)
+@given(_CALLS)
+def test_any_sequence_of_calls_behaves_as_eager(calls: list[tuple[int, Any, bool, bool, int]]) -> None:
+    """Steady calls, new shapes, static arguments, keywords, failing signatures and weight updates in
+    any order: every call returns what the module returns eagerly, or refuses as it must."""
+    net = ScaledFussyNet()
+    cf = gk.compile(net)
+    steps = [call[:4] for call in calls for _ in range(call[4])]
+    for step, (rows, scale, as_keyword, update) in enumerate(steps):
+        if update:
+            net.proj.weight = mx.full((N, N), 0.01 * step)
+        value = mx.array(1.5) if scale == "array" else scale
+        x = mx.arange(rows * N, dtype=mx.float32).reshape(rows, N) / 10
+        args, kwargs = ((x,), {"scale": value}) if as_keyword else ((x, value), {})
+        if rows == 3:
+            with pytest.raises(gk.GraphError) as refused:
+                cf(*args, **kwargs)
+            assert refused.value.status == gk.Status.INVALID_LAUNCH
+        elif rows == 5:
+            with pytest.raises(gk.KernelError) as raised:
+                cf(*args, **kwargs)
+            assert raised.value.status == gk.Status.MODULE_ERROR
+        else:
+            assert mx.allclose(cf(*args, **kwargs), net(x, value), atol=1e-5).item()
+    for weight in (net.proj.weight, net.proj.bias):  # no MLX tracer left behind
+        assert mx.isfinite(weight).all().item()
