@@ -30,28 +30,11 @@ from graphkern import runtime
 from graphkern.compiled import CompiledGraph
 from graphkern.graph import Graph
 from graphkern.models.cache import cache_states, snapshot, stand_ins, states_of, write_back
+from graphkern.models.structure import StructureWatch
 from graphkern.nodes import KernelError, Status
 from graphkern.state import Flat, argument_names
 
 __all__ = ["WrappedModel", "wrap"]
-
-
-def _structure(model: nn.Module) -> list[Any]:
-    """What invalidates a wrapped model's traces: which modules it holds, its parameters' shapes
-    and dtypes (new values of the same shape are state, not structure). Runs on every call."""
-    found: list[Any] = []
-    stack: list[Any] = [model]
-    while stack:
-        tree = stack.pop()
-        if isinstance(tree, nn.Module):
-            found.append(id(tree))
-        for value in tree.values() if isinstance(tree, dict) else tree:
-            if value.__class__ is mx.array:
-                found.append(value.shape)
-                found.append(value.dtype)
-            elif isinstance(value, (dict, list)):
-                stack.append(value)
-    return found
 
 
 def _offsets_erased(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -91,7 +74,7 @@ class WrappedModel:
         self.max_traces = max_traces
         self._graphs: OrderedDict[Any, CompiledGraph] = OrderedDict()
         self.trace_each_offset = trace_each_offset
-        self._structure: list[Any] | None = None
+        self._structure: StructureWatch | None = None
         self._last: CompiledGraph | None = None
         self._arg_names = argument_names(model)
         self._cache_calls_traced: set[Any] = set()  # such calls, offsets blanked
@@ -108,10 +91,10 @@ class WrappedModel:
         """The compiled graph for these arguments' static part (tree structure, Python scalars,
         cache offsets); array shapes and dtypes are told apart inside it. None: run eagerly (a cache
         call traced before at another offset, unless ``trace_each_offset``)."""
-        structure = _structure(self.model)
-        if structure != self._structure:  # modules swapped (patch, unpatch) or parameters reshaped
+        if self._structure is None:
+            self._structure = StructureWatch(self.model)
+        elif self._structure.changed():  # modules swapped (patch, unpatch) or parameters reshaped
             self.clear()
-            self._structure = structure
         static = Flat.of(args, kwargs, self._arg_names).key()[0]
         compiled = self._graphs.get(static)
         if compiled is None:
