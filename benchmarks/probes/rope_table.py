@@ -41,22 +41,13 @@ _TABLE_BODY = r"""
   cs[2 * g + 1] = s;
 """
 
-# x is (outer, L, D) as rows, D = 2 * half (full rotation). One thread: pairs t*V .. t*V + V - 1 of
-# rows o0 .. o0 + R - 1 at position l, their (cos, sin) read once from the table.
-_APPLY_BODY = r"""
-  const int D = x_shape[x_ndim - 1];
-  const int L = x_shape[x_ndim - 2];
-  const int half = D / 2;
-  const int P = half / V;
-  const long long outer = gk::numel(x_shape, x_ndim) / D / L;
-  const long long g = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (g >= (outer + R - 1) / R * L * P) {
-    return;
-  }
-  const int t = static_cast<int>(g % P);
-  const long long rest = g / P;
-  const int l = static_cast<int>(rest % L);
-  const long long o0 = rest / L * R;
+# The library kernel's thread mapping (its body up to the angles: x is (outer, L, D) as rows, one
+# thread has pairs t*V .. t*V + V - 1 of rows o0 .. o0 + R - 1 at position l), full rotation, the
+# (cos, sin) read once from the table instead of computed.
+_MAPPING = R._CUDA_BODY[: R._CUDA_BODY.index("  const int b = PER_BATCH")]
+_APPLY_BODY = (
+    _MAPPING
+    + r"""
   float c[V];
   float s[V];
   const float* table = cs + (static_cast<long long>(l) * half + t * V) * 2;
@@ -70,6 +61,7 @@ _APPLY_BODY = r"""
     gk::rope_pairs<T, V, false>(x + row * D, out + row * D, t * V, half, c, s);
   }
 """
+)
 
 
 def _table_reference(offset: mx.array, inv_freq: mx.array, length: int, *, SCALE: int) -> list[mx.array]:
@@ -79,7 +71,7 @@ def _table_reference(offset: mx.array, inv_freq: mx.array, length: int, *, SCALE
     return [mx.stack([mx.cos(angles), mx.sin(angles)], axis=-1)]
 
 
-def _apply_reference(x: mx.array, cs: mx.array, **_: object) -> list[mx.array]:
+def _apply_reference(x: mx.array, inv_freq: mx.array, cs: mx.array, **_: object) -> list[mx.array]:
     half = x.shape[-1] // 2
     a, b = x[..., :half].astype(mx.float32), x[..., half:].astype(mx.float32)
     c, s = cs[..., 0], cs[..., 1]
@@ -95,7 +87,12 @@ TABLE = Kernel(
     reference=_table_reference,
 )
 APPLY = Kernel(
-    "gk_rope_apply", ["x", "cs"], ["out"], cuda=_APPLY_BODY, header=R.ROPE.header, reference=_apply_reference
+    "gk_rope_apply",
+    ["x", "inv_freq", "cs"],
+    ["out"],
+    cuda=_APPLY_BODY,
+    header=R.ROPE.header,
+    reference=_apply_reference,
 )
 
 
@@ -116,7 +113,8 @@ def apply_plan(x: mx.array, cs: mx.array, rows: int, v: int) -> Plan:
     outer, length, half = x.size // x.shape[-1] // x.shape[-2], x.shape[-2], x.shape[-1] // 2
     threads = -(-outer // rows) * length * (half // v)
     template = (TemplateArg.dtype("T", x.dtype), TemplateArg.int("V", v), TemplateArg.int("R", rows))
-    return Plan(APPLY, (x, cs), (OutputSpec(x.shape, x.dtype),), (threads, 1, 1), (BLOCK, 1, 1), template)
+    inputs = (x, R.inverse_frequencies(x.shape[-1], 10000.0, None), cs)  # its shape gives half
+    return Plan(APPLY, inputs, (OutputSpec(x.shape, x.dtype),), (threads, 1, 1), (BLOCK, 1, 1), template)
 
 
 def probe(
@@ -142,10 +140,10 @@ def probe(
     one_row = apply_plan(x, cs, 1, 4)
 
     def with_its_table(a: mx.array) -> mx.array:
-        return run(replace(one_row, inputs=(a, run(tplan)[0])))[0]
+        return run(replace(one_row, inputs=(a, one_row.inputs[1], run(tplan)[0])))[0]
 
     def from_table(plan: Plan) -> Callable[[mx.array], mx.array]:
-        return lambda a: run(replace(plan, inputs=(a, cs)))[0]
+        return lambda a: run(replace(plan, inputs=(a, *plan.inputs[1:])))[0]
 
     timed: dict[str, Callable[[mx.array], mx.array]] = {"mx.fast.rope": stock, "library": ours}
     for rows in (1, 2, 4):
