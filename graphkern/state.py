@@ -32,6 +32,9 @@ class _Leaf:
         self.index = index
 
 
+_LEAF_KEY = ("leaf",)  # what a _Leaf contributes to a static key
+
+
 def _flatten(tree: Any, path: str, arrays: list[mx.array], names: list[str]) -> Any:
     if isinstance(tree, mx.array):
         arrays.append(tree)
@@ -60,7 +63,7 @@ def _unflatten(spec: Any, arrays: list[mx.array] | tuple[mx.array, ...]) -> Any:
 def _spec_key(spec: Any) -> Any:
     """A hashable description of a tree's structure and its non-array leaves."""
     if isinstance(spec, _Leaf):
-        return ("leaf",)
+        return _LEAF_KEY
     if isinstance(spec, (list, tuple)):
         return (type(spec).__name__, tuple(_spec_key(v) for v in spec))
     if isinstance(spec, dict):
@@ -70,6 +73,29 @@ def _spec_key(spec: Any) -> Any:
         return spec
     except TypeError:
         return ("id", id(spec))
+
+
+def static_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``Flat.of(args, kwargs, names).key()[0]`` without flattening: the tree structure and non-array
+    values that set a call's trace apart (array shapes and dtypes aside).
+
+    >>> x = mx.ones(2)
+    >>> static_key((x, [x, 3]), {"y": x}) == Flat.of((x, [x, 3]), {"y": x}, ["x", "z"]).key()[0]
+    True
+    """
+    return ("tuple", (("list", tuple(map(_tree_key, args))),
+                      ("dict", tuple((k, _tree_key(v)) for k, v in kwargs.items()))))
+
+
+def _tree_key(tree: Any) -> Any:
+    """``_spec_key`` of the spec ``_flatten`` would make of ``tree``."""
+    if isinstance(tree, mx.array):
+        return _LEAF_KEY
+    if isinstance(tree, (list, tuple)):
+        return (type(tree).__name__, tuple(map(_tree_key, tree)))
+    if isinstance(tree, dict) and not isinstance(tree, nn.Module):
+        return ("dict", tuple((k, _tree_key(v)) for k, v in tree.items()))
+    return _spec_key(tree)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from graphkern.graph import Graph
 from graphkern.models.cache import cache_states, snapshot, stand_ins, states_of, write_back
 from graphkern.models.structure import StructureWatch
 from graphkern.nodes import KernelError, Status
-from graphkern.state import Flat, argument_names
+from graphkern.state import argument_names, static_key
 
 __all__ = ["WrappedModel", "wrap"]
 
@@ -95,12 +95,12 @@ class WrappedModel:
             self._structure = StructureWatch(self.model)
         elif self._structure.changed():  # modules swapped (patch, unpatch) or parameters reshaped
             self.clear()
-        static = Flat.of(args, kwargs, self._arg_names).key()[0]
+        static = static_key(args, kwargs)
         compiled = self._graphs.get(static)
         if compiled is None:
             if "cache" in kwargs and not self.trace_each_offset:
                 blanked = {**kwargs, "cache": _offsets_erased(kwargs["cache"])}
-                family = Flat.of(args, blanked, self._arg_names).key()[0]
+                family = static_key(args, blanked)
                 if family in self._cache_calls_traced:
                     return None
                 self._cache_calls_traced.add(family)
