@@ -4,11 +4,12 @@
 #   bash scripts/gpu_check.sh core     # conformance, NVRTC failures, precompiled kernels; gpu_core.py
 #   bash scripts/gpu_check.sh models   # patched mlx-lm models: gpu tests, then benchmarks/models.py
 #   bash scripts/gpu_check.sh bench    # the full kernel benchmark (all sizes)
+#   bash scripts/gpu_check.sh probes   # the RoPE probes not yet run (benchmarks/probes/rope_structure.py, rope_table.py)
 #   bash scripts/gpu_check.sh tune     # launch-shape sweep of the row kernels (benchmarks/gpu_row_configs.py);
 #                                      # arguments after it go to the sweep: tune --kernels softmax --dtypes float32
 # Output goes to $OUT (the device tool brings it back) or ./gpu-results.
 set -uo pipefail
-part=${1:?usage: gpu_check.sh kernels|core|models|bench|tune [sweep arguments]}
+part=${1:?usage: gpu_check.sh kernels|core|models|bench|probes|tune [sweep arguments]}
 shift
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -29,7 +30,11 @@ case "$part" in
     python3 benchmarks/models.py --sizes tiny,medium --length 128 --rounds 9 2>&1 | tee "$out/models.txt" ;;
   bench)
     python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels_full.json" 2>&1 | tee "$out/gpu_kernels_full.txt" ;;
+  probes)
+    for probe in rope_structure rope_table; do
+      python3 "benchmarks/probes/$probe.py" 2>&1 | grep -v -i "warn" | tee "$out/$probe.txt"
+    done ;;
   tune)
     python3 benchmarks/gpu_row_configs.py --dtypes bfloat16,float32 "$@" 2>&1 | tee "$out/row_configs.txt" ;;
-  *) echo "unknown part '$part': use kernels, core, models, bench or tune" >&2; exit 2 ;;
+  *) echo "unknown part '$part': use kernels, core, models, bench, probes or tune" >&2; exit 2 ;;
 esac
