@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import platform
 import random
 import statistics
@@ -77,3 +78,13 @@ def header(title: str) -> str:
     device = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else "cpu"
     return (f"# {title}\n# {date.today()} | mlx {getattr(mx, '__version__', '?')} | device {device} | "
             f"{platform.processor() or platform.machine()} | python {platform.python_version()}")
+
+
+def forward_arguments(batch: int) -> argparse.ArgumentParser:
+    """The options of a model forward benchmark: token batch and length, rounds, calls a sample."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--length", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--number", type=int, default=20)
+    return parser

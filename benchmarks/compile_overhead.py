@@ -7,25 +7,20 @@ Run: python benchmarks/compile_overhead.py [--batch 8 --length 128]
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import header, interleaved  # noqa: E402
+from _timing import forward_arguments, header, interleaved  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 from graphkern.demo import DemoModel, demo_inputs  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--length", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--number", type=int, default=20)
+    parser = forward_arguments(batch=4)
     args = parser.parse_args()
     print(header("compiled graph vs hand-written mx.compile (demo model)"))
     mx.random.seed(0)

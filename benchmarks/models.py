@@ -16,7 +16,6 @@ Run: python benchmarks/models.py [--sizes tiny,small --length 32 --rounds 15 --n
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import header, interleaved  # noqa: E402
+from _timing import forward_arguments, header, interleaved  # noqa: E402
 
 from graphkern.models import patch, wrap  # noqa: E402
 from graphkern.models.tiny import TINY_CONFIGS, tiny_model  # noqa: E402
@@ -95,11 +94,7 @@ def decode(size: str, length: int, steps: int, rounds: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--length", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--number", type=int, default=20)
+    parser = forward_arguments(batch=1)
     parser.add_argument("--sizes", default="tiny,small", help=f"comma-separated, of {sorted(SIZES)}")
     parser.add_argument("--decode", type=int, default=0, help="also time decoding this many tokens")
     args = parser.parse_args()
