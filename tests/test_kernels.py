@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -16,7 +17,13 @@ import graphkern.kernels as gkk
 from graphkern.check import compare, strided
 from graphkern.kernels import LIBRARY, apply_plan
 from graphkern.kernels._base import MAX_ROW_ITEMS, Plan, row_config
-from graphkern.kernels.ops.rope import ROWS_PER_THREAD, inverse_frequencies, plan_rope
+from graphkern.kernels.ops.rope import (
+    OFFSET_BIAS,
+    ROWS_PER_THREAD,
+    _offset_array,
+    inverse_frequencies,
+    plan_rope,
+)
 from graphkern.kernels.ops.softmax import plan_softmax
 from graphkern.nodes import KernelError, Status
 
@@ -129,6 +136,25 @@ def test_rope_partial_rotation_keeps_threads_per_row_and_copies_the_rest_in_vect
     assert partial["V"] == 4 and partial["TW"] == 8
     assert template_of(plan_rope(x, 4))["V"] == 1  # 2 pairs: one a thread
     assert template_of(plan_rope(mx.zeros((1, 1, 2, 100)), 64))["TW"] == 4
+
+
+@pytest.mark.parametrize("offset", [0, 7, -3, 123_456])
+def test_rope_int_offset_carried_in_a_shape_gives_the_same_rotation(offset: int) -> None:
+    # On CUDA an int offset travels as the shape of an empty array (no read of host-mapped memory).
+    x = mx.random.normal((2, 3, 5, 64), key=mx.random.key(1))
+    plan = plan_rope(x, 64, offset=offset)
+    carried = _offset_array(offset, True)
+    assert carried.size == 0 and carried.shape == (0, offset + OFFSET_BIAS)
+    shaped = replace(plan, inputs=(x, carried, plan.inputs[2]), template=tuple(
+        replace(t, value=True) if t.name == "SHAPED_OFFSET" else t for t in plan.template))
+    assert template_of(plan)["SHAPED_OFFSET"] is False  # no CUDA here
+    assert_close(apply_plan(shaped, "reference"), mx.fast.rope(x, 64, traditional=False, base=10000.0,
+                                                               scale=1.0, offset=offset), mx.float32)
+
+
+def test_rope_refuses_an_offset_no_kernel_can_carry() -> None:
+    with pytest.raises(KernelError, match=r"rope.*offset must be in"):
+        plan_rope(mx.zeros((1, 2, 4)), 4, offset=2**30)
 
 
 def test_softmax_launch_takes_8_byte_accesses_for_long_float32_rows() -> None:

@@ -40,6 +40,7 @@ MIN_THREADS_PER_ROW = 8
 #: Threads a block (an H200 sweep of 128-512, benchmarks/data/rope_configs_h200.txt).
 BLOCK = 128
 
+
 _CUDA = r"""
 namespace gk {
 
@@ -132,7 +133,8 @@ _CUDA_BODY = r"""
   const int l = static_cast<int>(rest % L);
   const long long o0 = rest / L * R;
   const int b = PER_BATCH ? static_cast<int>(o0 / (outer / x_shape[0])) : 0;
-  const float pos = static_cast<float>(l + offset[b]) * __int_as_float(SCALE);
+  const int off = SHAPED_OFFSET ? offset_shape[1] - (1 << 30) : offset[b];  // OFFSET_BIAS
+  const float pos = static_cast<float>(l + off) * __int_as_float(SCALE);
   float c[V];
   float s[V];
   gk::rope_angles<V>(pos, inv_freq, t * V, c, s);
@@ -202,13 +204,17 @@ _METAL_BODY = r"""
 
 
 def rope_reference(x: mx.array, offset: mx.array, inv_freq: mx.array, *, SCALE: int, TRADITIONAL: bool,
-                   PER_BATCH: bool = False, R: int = 1, TW: int = 1) -> list[mx.array]:
+                   PER_BATCH: bool = False, SHAPED_OFFSET: bool = False, R: int = 1,
+                   TW: int = 1) -> list[mx.array]:
     """Pure-MLX RoPE in float32 with the given inverse frequencies (dims = 2 * their number; SCALE:
-    the position scale's float32 bits; R and TW, how many rows a GPU thread rotates and how many
-    features past dims it copies at once, change nothing here)."""
+    the position scale's float32 bits; SHAPED_OFFSET: the offset is carried by ``offset``'s shape,
+    see :func:`_offset_array`; R and TW, how many rows a GPU thread rotates and how many features
+    past dims it copies at once, change nothing here)."""
     scale = float_from_bits(SCALE)
     half = inv_freq.shape[0]
     dims = 2 * half
+    if SHAPED_OFFSET:
+        offset = mx.array([offset.shape[1] - OFFSET_BIAS])
     off = offset.astype(mx.float32)
     if PER_BATCH:
         off = off.reshape((-1,) + (1,) * (x.ndim - 2))
@@ -260,9 +266,30 @@ def _base_frequencies(dims: int, base: float) -> mx.array:
     return freqs
 
 
+#: An int offset on CUDA travels as the shape ``(0, offset + OFFSET_BIAS)`` of an empty array.
+OFFSET_BIAS = 1 << 30
+
+
+def shaped_offsets() -> bool:
+    """True where int offsets travel in a shape (MLX's CUDA backend, the default device)."""
+    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+
+
 @functools.lru_cache(maxsize=1024)
-def _offset_array(offset: int) -> mx.array:
-    """One int32 array per offset value, reused across calls (and layers) at that position."""
+def _offset_array(offset: int, in_shape: bool) -> mx.array:
+    """The ``offset`` input for an int offset, one array per value (reused by every layer at that
+    position): ``[offset]`` as int32, or, ``in_shape``, an empty array of shape
+    ``(0, offset + OFFSET_BIAS)`` that the kernel reads the offset from.
+
+    MLX passes input shapes to a CUDA kernel by value, while it keeps an array of at most 8 bytes in
+    host-mapped managed memory (the small pool of mlx/backend/cuda/allocator.cpp), where reading
+    it from every warp costs a crossing to the host: 48 vs 38 us for a bfloat16 4x32x2048x128 RoPE,
+    19 vs 6 us for a float32 1x8x2048x128 one on an H200 (benchmarks/data/rope_offset_h200.txt).
+    A copy made on the GPU in every call was no cure (48 us in the benchmark): MLX's buffer cache
+    does not tell device buffers from managed ones. A shape is passed by value: nothing to read.
+    """
+    if in_shape:
+        return mx.array(np.zeros((0, offset + OFFSET_BIAS), dtype=np.int32))
     return mx.array([offset], dtype=mx.int32)
 
 
@@ -283,6 +310,7 @@ def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float 
     if freqs is not None and (freqs.ndim != 1 or freqs.shape[0] != dims // 2):
         raise KernelError(op, f"freqs must have shape ({dims // 2},), got {tuple(freqs.shape)}",
                           Status.INVALID_INPUT)
+    shaped = False
     if isinstance(offset, mx.array):
         if offset.ndim > 1 or offset.size not in (1, x.shape[0]) or offset.dtype not in (
                 mx.int32, mx.int64, mx.uint32, mx.int16, mx.int8, mx.uint8, mx.uint16):
@@ -291,7 +319,10 @@ def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float 
         per_batch = offset.size > 1
         off = offset.reshape(-1).astype(mx.int32)
     elif isinstance(offset, int) and not isinstance(offset, bool):
-        per_batch, off = False, _offset_array(offset)
+        if not -OFFSET_BIAS <= offset < 2**31 - OFFSET_BIAS:
+            raise KernelError(op, f"offset must be in [-2**30, 2**30), got {offset}", Status.INVALID_INPUT)
+        shaped = shaped_offsets()
+        per_batch, off = False, _offset_array(offset, shaped)
     else:
         raise KernelError(op, f"offset must be an int or an mx.array, got {type(offset).__name__}",
                           Status.INVALID_INPUT)
@@ -312,6 +343,7 @@ def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float 
                           Status.INVALID_LAUNCH)
     template = [TemplateArg.dtype("T", x.dtype), TemplateArg.int("V", v),
                 TemplateArg.bool("TRADITIONAL", bool(traditional)), TemplateArg.bool("PER_BATCH", per_batch),
+                TemplateArg.bool("SHAPED_OFFSET", shaped),
                 TemplateArg.int("SCALE", float_bits(scale)), TemplateArg.int("R", rows_each),
                 TemplateArg.int("TW", tail)]
     inputs = (x, off, inverse_frequencies(dims, base, freqs))
