@@ -1,8 +1,9 @@
-"""Probe (not yet run on a GPU): does the 16-bit RoPE kernel's thread structure set its speed? Times
+"""Probe: does the 16-bit RoPE kernel's thread structure set its speed? Times
 the kernel with no angle math (timing only) at R rows a thread in 1, 2, 4, 8 and V pairs a thread in
 2, 4, 8, against a copy of the same tensor (``x + 0`` compiled). If one row a thread without math
 reaches the copy's time, the fix is angles shared another way (a cos/sin table per call, reused by
 every layer at that offset, or a warp shuffle), not a new launch shape.
+Ran on an H200 on 2026-11-30: benchmarks/data/rope_offset_h200.txt (it was the offset's read).
 Run from the checkout: python benchmarks/probes/rope_structure.py
 """
 

@@ -1,10 +1,11 @@
-"""Probe (not yet run on a GPU): RoPE from a cos/sin table. One small kernel writes the table of
+"""Probe: RoPE from a cos/sin table. One small kernel writes the table of
 (cos, sin) for every position and pair (a model builds it once per forward pass and every layer at
 that offset reads it); the rotation kernel then reads x, the table (L2-resident: 1 MiB at 2048 x 64
 pairs) and writes out, R rows and V pairs a thread. Timed against the library kernel and
 ``mx.fast.rope`` (16-bit and float32, 4x32x2048x128, full rotation), with the table's own launch
 counted or not, and checked against ``mx.fast.rope``. If one row a thread from a table reaches
 75% of copy, the library's RoPE takes this form.
+Ran on an H200 on 2026-11-30: benchmarks/data/rope_offset_h200.txt (it was the offset's read).
 Run from the checkout: python benchmarks/probes/rope_table.py
 """
 
