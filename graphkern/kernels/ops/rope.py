@@ -270,7 +270,7 @@ def _base_frequencies(dims: int, base: float) -> mx.array:
 OFFSET_BIAS = 1 << 30
 
 
-def shaped_offsets() -> bool:
+def _offsets_in_shape() -> bool:
     """True where int offsets travel in a shape (MLX's CUDA backend, the default device)."""
     return mx.cuda.is_available() and mx.default_device() == mx.gpu
 
@@ -321,7 +321,7 @@ def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float 
     elif isinstance(offset, int) and not isinstance(offset, bool):
         if not -OFFSET_BIAS <= offset < 2**31 - OFFSET_BIAS:
             raise KernelError(op, f"offset must be in [-2**30, 2**30), got {offset}", Status.INVALID_INPUT)
-        shaped = shaped_offsets()
+        shaped = _offsets_in_shape()
         per_batch, off = False, _offset_array(offset, shaped)
     else:
         raise KernelError(op, f"offset must be an int or an mx.array, got {type(offset).__name__}",
