@@ -178,11 +178,12 @@ class KernelCache:
         first sight."""
         found = self._by_kernel.get((backend, kernel))
         if found is None:
+            key = self.key(backend, kernel)
             with self._lock:
-                found = self._objects.get(self.key(backend, kernel))
+                found = self._objects.get(key)
                 if found is None:
                     self.misses += 1
-                    found = self._objects[self.key(backend, kernel)] = _build_mlx_kernel(backend, kernel)
+                    found = self._objects[key] = _build_mlx_kernel(backend, kernel)
                     self._by_kernel[(backend, kernel)] = found
                     return found
                 self._by_kernel[(backend, kernel)] = found

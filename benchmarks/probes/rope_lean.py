@@ -37,8 +37,7 @@ _COPY_BODY = r"""
 COPY = Kernel("gk_copy_probe", ["x"], ["out"], cuda=_COPY_BODY, header=R.ROPE.header,
               reference=lambda x, **_: [x])
 
-_MAPPING = R._CUDA_BODY[: R._CUDA_BODY.index("  const int b = PER_BATCH")]
-_LEAN_BODY = _MAPPING + r"""
+_LEAN_BODY = RT._MAPPING + r"""
   const int off = SHAPED_OFFSET ? offset_shape[1] - (1 << 30) : offset[0];  // as the library reads it
   const float pos = static_cast<float>(l + off) * __int_as_float(SCALE);
   float c[V];

@@ -10,7 +10,6 @@ Run from the checkout: python benchmarks/probes/rope_offset.py
 
 import statistics
 import sys
-from collections.abc import Callable
 from dataclasses import replace
 
 sys.path.insert(0, "benchmarks")
@@ -23,10 +22,6 @@ from gpu_kernels import _gpu_time
 
 from graphkern.kernels._base import Plan, run
 from graphkern.kernels.ops import rope as R
-
-
-def launcher(plan: Plan) -> Callable[[mx.array], mx.array]:
-    return lambda a: run(replace(plan, inputs=(a, *plan.inputs[1:])))[0]
 
 
 def with_offset(plan: Plan, offset: mx.array) -> Plan:
@@ -59,7 +54,7 @@ def probe(dt: mx.Dtype, shape: tuple[int, ...], rounds: int = 5) -> None:
         errors[name] = mx.abs(run(plan)[0].astype(mx.float32) - ref.astype(mx.float32)).max().item()
     for _ in range(rounds):
         for name, plan in plans.items():
-            times[name].append(_gpu_time(launcher(plan), x) * 1e6)
+            times[name].append(_gpu_time(RL.launcher(plan), x) * 1e6)
     print(dt, shape, flush=True)
     for name, us in times.items():
         print(f"  {name:30} median {statistics.median(us):6.1f} us  err {errors[name]:.3g}"

@@ -23,6 +23,7 @@ sys.path.insert(0, "benchmarks/probes")
 import mlx.core as mx
 import rope_table as RT
 from gpu_kernels import _gpu_time
+from rope_lean import launcher
 
 from graphkern.kernels._base import Plan, run
 from graphkern.kernels.ops import rope as R
@@ -85,10 +86,6 @@ def tile_plan(library: Plan, x: mx.array, rows: int, v: int) -> Plan:
     )
     return replace(library, kernel=TILE, template=template, grid=(blocks * tl * p, 1, 1),
                    threadgroup=(tl * p, 1, 1))
-
-
-def launcher(plan: Plan) -> Callable[[mx.array], mx.array]:
-    return lambda a: run(replace(plan, inputs=(a, *plan.inputs[1:])))[0]
 
 
 @mx.compile

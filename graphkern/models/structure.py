@@ -16,7 +16,6 @@ import mlx.nn as nn
 __all__ = ["StructureWatch", "structure_of"]
 
 
-
 def structure_of(model: nn.Module) -> list[Any]:
     """What invalidates a wrapped model's traces: which modules it holds, its parameters' shapes
     and dtypes (new values of the same shape are state, not structure).
