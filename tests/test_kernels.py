@@ -17,6 +17,7 @@ import graphkern.kernels as gkk
 from graphkern.check import compare, strided
 from graphkern.kernels import LIBRARY, apply_plan
 from graphkern.kernels._base import MAX_ROW_ITEMS, Plan, row_config
+from graphkern.kernels.ops import softmax as softmax_module
 from graphkern.kernels.ops.rope import (
     OFFSET_BIAS,
     ROWS_PER_THREAD,
@@ -158,12 +159,31 @@ def test_rope_refuses_an_offset_no_kernel_can_carry() -> None:
         plan_rope(mx.zeros((1, 2, 4)), 4, offset=2**30)
 
 
-def test_softmax_launch_takes_8_byte_accesses_for_long_float32_rows() -> None:
+def test_softmax_streams_long_float32_rows_with_8_byte_accesses() -> None:
     def launch(n: int, dtype: mx.Dtype) -> dict[str, object]:
         return template_of(plan_softmax(mx.zeros((2, n), dtype)))
 
-    assert launch(16384, mx.float32) == {"T": mx.float32, "NT": 1024, "V": 2, "CH": 0}
-    assert launch(4096, mx.float32)["V"] == 4 and launch(16384, mx.bfloat16)["V"] == 8
+    assert launch(32768, mx.float32) == {"T": mx.float32, "NT": 1024, "V": 2, "CH": 0, "SHARED": False}
+    assert launch(16384, mx.bfloat16)["V"] == 8
+
+
+def test_softmax_keeps_float32_rows_up_to_64_kib_in_shared_memory_on_cuda(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(softmax_module, "active_backend", lambda: "cuda")
+
+    def plan(n: int, dtype: mx.Dtype = mx.float32) -> Plan:
+        return plan_softmax(mx.zeros((3, n), dtype))
+
+    assert template_of(plan(16384)) == {"T": mx.float32, "NT": 512, "V": 4, "CH": 0, "SHARED": True}
+    assert plan(16384).kernel.shared_memory == 64 * 1024
+    assert plan(4097).kernel.shared_memory == 20480 and template_of(plan(4097))["V"] == 1
+    assert plan(4096).threadgroup == (256, 1, 1) and plan(4096).grid == (3 * 256, 1, 1)
+    assert plan(4096).kernel is plan(4000).kernel  # one kernel object per 4 KiB of row
+    for streamed in (plan(16385), plan(4096, mx.bfloat16), plan(4096, mx.float16)):
+        assert streamed.kernel is softmax_module.SOFTMAX and template_of(streamed)["SHARED"] is False
+    # the reference (the oracle) sees neither launch detail
+    x = mx.random.normal((3, 4096), key=mx.random.key(0))
+    assert mx.allclose(apply_plan(replace(plan(4096), inputs=(x,)))[0], mx.softmax(x, axis=-1), atol=1e-6)
 
 
 def test_zero_size_inputs_give_empty_outputs() -> None:

@@ -5,7 +5,8 @@ takes 16 bytes in blocks of 256. Times every block of 128-1024 threads with 16- 
 vectors. (2) float32 softmax on 16384-wide rows, 0.97x ``mx.softmax``: both read each row twice
 (the second read mostly from L2). A variant keeps the row in dynamic shared memory (64 KiB a
 block, three blocks an SM), so it reads DRAM once.
-Run from the checkout: python benchmarks/probes/wide_rows.py
+(3) ``shared16``: the library's shared-memory softmax on bfloat16 rows (where it was not chosen).
+Run from the checkout: python benchmarks/probes/wide_rows.py [shared16]
 """
 
 import statistics
@@ -163,7 +164,27 @@ def softmax_smem(shape: tuple[int, int], dt: mx.Dtype) -> None:
     report(f"softmax {dt} {shape}", times, errors)
 
 
-if __name__ == "__main__":
+def softmax_shared_16bit(shape: tuple[int, int], dt: mx.Dtype) -> None:
+    """The library's shared-memory softmax (float32 only) on 16-bit rows, against its streamed one."""
+    x = (4.0 * mx.random.normal(shape, key=mx.random.key(0))).astype(dt)
+    mx.eval(x)
+    ref = mx.softmax(x.astype(mx.float32), axis=-1)
+    forms = {"stock mx.softmax": mx.compile(lambda a: mx.softmax(a, axis=-1)),
+             "library (streamed)": S._plan(x, False), "library shared": S._plan(x, True)}
+    times: dict[str, list[float]] = {name: [] for name in forms}
+    errors = {name: mx.abs(run(form)[0].astype(mx.float32) - ref).max().item()
+              for name, form in forms.items() if isinstance(form, Plan)}
+    for _ in range(ROUNDS):
+        for name, form in forms.items():
+            step = (lambda a, p=form: run(replace(p, inputs=(a,)))[0]) if isinstance(form, Plan) else form
+            times[name].append(_gpu_time(step, x) * 1e6)
+    report(f"softmax {dt} {shape}", times, errors)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["shared16"]:
+    for shape in ((8192, 4096), (4096, 16384)):
+        softmax_shared_16bit(shape, mx.bfloat16)
+elif __name__ == "__main__":
     for shape in ((8192, 4096), (4096, 16384)):
         softmax_smem(shape, mx.float32)
     for shape in ((8192, 4096), (16384, 8192)):

@@ -2,12 +2,15 @@
 
 One block per row, online softmax: one pass computes each thread's running max and the sum of
 ``exp(x - max)`` rescaled as the max grows, the block combines them, and a second pass writes the
-output from the row kept in registers (or, for a row too long for them, such as a vocabulary's
-logits, re-read from memory).
+output. On CUDA a float32 row of up to 64 KiB is kept in the block's shared memory by the first pass,
+so the second reads it from there; longer rows (a vocabulary's logits) and 16-bit rows are read
+again from memory (mostly from L2).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -15,11 +18,14 @@ import mlx.core as mx
 from graphkern.kernels._base import Case, LibraryEntry, Plan, check_dtype, row_config, row_launch, run
 from graphkern.kernels._headers import dual_header
 from graphkern.nodes import Kernel, OutputSpec, TemplateArg
+from graphkern.runtime import active_backend
 
 __all__ = ["SOFTMAX", "plan_softmax", "softmax", "softmax_reference"]
 
-#: float32 rows this long (1024 threads of 16 elements) or longer take 8-byte accesses.
+#: float32 rows this long (1024 threads of 16 elements) or longer take 8-byte accesses when streamed.
 LONG_FLOAT32_ROW = 16384
+#: The most shared memory a block keeps its row in (three such blocks fit an H200 SM).
+SHARED_ROW_BYTES = 64 * 1024
 
 _CUDA = r"""
 namespace gk {
@@ -60,13 +66,65 @@ __device__ __forceinline__ void softmax_row(const T* x, T* out, int n) {
   });
 }
 
+// The same with the row kept in dynamic shared memory (the kernel's shared_memory) as it is read:
+// DRAM is read once, the output pass reads shared memory.
+template <typename T, int NT, int V>
+__device__ __forceinline__ void softmax_row_shared(const T* x, T* out, int n) {
+  extern __shared__ __align__(16) unsigned char gk_row[];
+  __shared__ float smem[32];
+  using VT = Vec<T, V>;
+  VT* buf = reinterpret_cast<VT*>(gk_row);
+  const VT* src = reinterpret_cast<const VT*>(x);
+  const int nv = n / V;
+  float m = Max::identity();
+  float s = 0.0f;
+  for (int k = threadIdx.x; k < nv; k += NT) {
+    const VT r = src[k];
+    buf[k] = r;
+    float v[V];
+    unpack<T, V>(r, v);
+    float cm = v[0];
+#pragma unroll
+    for (int j = 1; j < V; ++j) {
+      cm = fmaxf(cm, v[j]);
+    }
+    if (cm > m) {
+      s *= __expf(m - cm);
+      m = cm;
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      s += __expf(v[j] - m);
+    }
+  }
+  const float gm = block_max<NT>(m, smem);
+  const float inv = 1.0f / block_sum<NT>(s * __expf(m - gm), smem);
+  VT* dst = reinterpret_cast<VT*>(out);
+  for (int k = threadIdx.x; k < nv; k += NT) {
+    float v[V];
+    unpack<T, V>(buf[k], v);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      v[j] = __expf(v[j] - gm) * inv;
+    }
+    dst[k] = pack<T, V>(v);
+  }
+}
+
 }  // namespace gk
 """
 
 _CUDA_BODY = r"""
   const int n = x_shape[x_ndim - 1];
   const long long off = static_cast<long long>(blockIdx.x) * n;
-  if (gk::aligned<V>(x) && gk::aligned<V>(out)) {
+  const bool vectors = gk::aligned<V>(x) && gk::aligned<V>(out);
+  if constexpr (SHARED) {
+    if (vectors) {
+      gk::softmax_row_shared<T, NT, V>(x + off, out + off, n);
+    } else {
+      gk::softmax_row_shared<T, NT, 1>(x + off, out + off, n);
+    }
+  } else if (vectors) {
     gk::softmax_row<T, NT, V, CH>(x + off, out + off, n);
   } else {
     gk::softmax_row<T, NT, 1, 0>(x + off, out + off, n);
@@ -121,19 +179,39 @@ SOFTMAX = Kernel(
 )
 
 
+@functools.cache
+def _shared_kernel(nbytes: int) -> Kernel:
+    """SOFTMAX with ``nbytes`` of shared memory for its row (one MLX kernel object per size)."""
+    return dataclasses.replace(SOFTMAX, shared_memory=nbytes)
+
+
 def plan_softmax(x: mx.array) -> Plan:
     """The launch :func:`softmax` makes (validated)."""
-    op = "softmax"
-    check_dtype(op, x)
+    check_dtype("softmax", x)
+    shared = (x.dtype == mx.float32 and 0 < x.shape[-1] * x.dtype.size <= SHARED_ROW_BYTES
+              and active_backend() == "cuda")
+    return _plan(x, shared)
+
+
+def _plan(x: mx.array, shared: bool) -> Plan:
     n = x.shape[-1]
-    # streamed (max, sum and output in one read each; the second read hits L2), 16-byte accesses,
-    # 64 bytes a thread: what ran fastest on an H200 (benchmarks/gpu_row_configs.py); float32 rows
-    # that fill a 1024-thread block, 8-byte accesses (4096x16384: 144-147 us against 151-154)
-    vector = 2 if x.dtype == mx.float32 and n >= LONG_FLOAT32_ROW else 8
-    cfg = row_config(n, x.dtype, vector=vector, items=64 // x.dtype.size, streamed=True, max_threads=1024)
-    grid, group = row_launch(op, x, cfg)
-    template = [TemplateArg.dtype("T", x.dtype), *cfg.template()]
-    return Plan(SOFTMAX, (x,), (OutputSpec(x.shape, x.dtype),), grid, group, tuple(template))
+    if shared:
+        # the row in shared memory, 16 elements a thread (512 threads at most, so three blocks of
+        # 64 KiB fit an SM): float32 8192x4096 72.0 -> 66.5 us, 4096x16384 142.9 -> 131.3 us
+        # on an H200, where mx.softmax took 111.3 / 138.4 (benchmarks/probes/wide_rows.py)
+        cfg = row_config(n, x.dtype, vector=4, streamed=True, max_threads=512)
+        kernel = _shared_kernel(-(-n * x.dtype.size // 4096) * 4096)
+    else:
+        # streamed (max, sum and output in one read each; the second read hits L2), 16-byte
+        # accesses, 64 bytes a thread: what ran fastest on an H200 (benchmarks/gpu_row_configs.py);
+        # float32 rows that fill a 1024-thread block, 8-byte accesses (4096x16384: 144-147 us
+        # against 151-154)
+        vector = 2 if x.dtype == mx.float32 and n >= LONG_FLOAT32_ROW else 8
+        cfg = row_config(n, x.dtype, vector=vector, items=64 // x.dtype.size, streamed=True, max_threads=1024)
+        kernel = SOFTMAX
+    grid, group = row_launch("softmax", x, cfg)
+    template = (TemplateArg.dtype("T", x.dtype), *cfg.template(), TemplateArg.bool("SHARED", shared))
+    return Plan(kernel, (x,), (OutputSpec(x.shape, x.dtype),), grid, group, template)
 
 
 def softmax(x: mx.array) -> mx.array:
