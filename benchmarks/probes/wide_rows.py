@@ -6,7 +6,8 @@ vectors. (2) float32 softmax on 16384-wide rows, 0.97x ``mx.softmax``: both read
 (the second read mostly from L2). A variant keeps the row in dynamic shared memory (64 KiB a
 block, three blocks an SM), so it reads DRAM once.
 (3) ``shared16``: the library's shared-memory softmax on bfloat16 rows (where it was not chosen).
-Run from the checkout: python benchmarks/probes/wide_rows.py [shared16]
+(4) ``small-blocks``: float32 SwiGLU in blocks of 32-256.
+Run from the checkout: python benchmarks/probes/wide_rows.py [shared16 | small-blocks]
 """
 
 import statistics
@@ -35,7 +36,8 @@ def report(title: str, times: dict[str, list[float]], errors: dict[str, float]) 
               f"  err {errors.get(name, 0.0):.3g}", flush=True)
 
 
-def swiglu_launches(shape: tuple[int, int], dt: mx.Dtype) -> None:
+def swiglu_launches(shape: tuple[int, int], dt: mx.Dtype, blocks: tuple[int, ...] = (128, 256, 512, 1024),
+                    widths: tuple[int, ...] = (1, 2)) -> None:
     g = (2.0 * mx.random.normal(shape, key=mx.random.key(0))).astype(dt)
     u = mx.random.normal(shape, key=mx.random.key(1)).astype(dt)
     mx.eval(g, u)
@@ -43,8 +45,8 @@ def swiglu_launches(shape: tuple[int, int], dt: mx.Dtype) -> None:
     base = W.plan_swiglu(g, u)
     v0 = base.template_values["V"]
     forms: dict[str, object] = {"stock (compiled)": mx.compile(lambda s: (nn.silu(s[0]) * s[1], s[1]))}
-    for v in (v0, 2 * v0):
-        for block in (128, 256, 512, 1024):
+    for v in (v0 * w for w in widths):
+        for block in blocks:
             template = tuple(replace(t, value=v) if t.name == "V" else t for t in base.template)
             plan = replace(base, grid=(g.size // v, 1, 1), threadgroup=(block, 1, 1), template=template)
             forms[f"V{v} block {block}"] = plan
@@ -181,7 +183,10 @@ def softmax_shared_16bit(shape: tuple[int, int], dt: mx.Dtype) -> None:
     report(f"softmax {dt} {shape}", times, errors)
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["shared16"]:
+if __name__ == "__main__" and sys.argv[1:] == ["small-blocks"]:
+    for shape in ((8192, 4096), (16384, 8192), (4096, 16384)):
+        swiglu_launches(shape, mx.float32, blocks=(32, 64, 128, 256), widths=(1,))
+elif __name__ == "__main__" and sys.argv[1:] == ["shared16"]:
     for shape in ((8192, 4096), (4096, 16384)):
         softmax_shared_16bit(shape, mx.bfloat16)
 elif __name__ == "__main__":
