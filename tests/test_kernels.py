@@ -167,7 +167,7 @@ def test_softmax_streams_long_float32_rows_with_8_byte_accesses() -> None:
     assert launch(16384, mx.bfloat16)["V"] == 8
 
 
-def test_softmax_keeps_float32_rows_up_to_64_kib_in_shared_memory_on_cuda(
+def test_softmax_keeps_rows_up_to_64_kib_in_shared_memory_on_cuda(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(softmax_module, "active_backend", lambda: "cuda")
 
@@ -179,7 +179,9 @@ def test_softmax_keeps_float32_rows_up_to_64_kib_in_shared_memory_on_cuda(
     assert plan(4097).kernel.shared_memory == 20480 and template_of(plan(4097))["V"] == 1
     assert plan(4096).threadgroup == (256, 1, 1) and plan(4096).grid == (3 * 256, 1, 1)
     assert plan(4096).kernel is plan(4000).kernel  # one kernel object per 4 KiB of row
-    for streamed in (plan(16385), plan(4096, mx.bfloat16), plan(4096, mx.float16)):
+    assert plan(32000, mx.bfloat16).kernel.shared_memory == 64 * 1024  # a 32000-token vocabulary
+    assert plan(16384, mx.float16).kernel.shared_memory == 32 * 1024
+    for streamed in (plan(16385), plan(4096, mx.bfloat16), plan(16383, mx.float16), plan(32769, mx.bfloat16)):
         assert streamed.kernel is softmax_module.SOFTMAX and template_of(streamed)["SHARED"] is False
     # the reference (the oracle) sees neither launch detail
     x = mx.random.normal((3, 4096), key=mx.random.key(0))

@@ -2,9 +2,9 @@
 
 One block per row, online softmax: one pass computes each thread's running max and the sum of
 ``exp(x - max)`` rescaled as the max grows, the block combines them, and a second pass writes the
-output. On CUDA a float32 row of up to 64 KiB is kept in the block's shared memory by the first pass,
-so the second reads it from there; longer rows (a vocabulary's logits) and 16-bit rows are read
-again from memory (mostly from L2).
+output. On CUDA a row of up to 64 KiB (float32, or 16-bit from 32 KiB) is kept in the block's shared
+memory by the first pass, so the second reads it from there; other rows (a 128K vocabulary's logits)
+are read again from memory (mostly from L2).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from graphkern.kernels._headers import dual_header
 from graphkern.nodes import Kernel, OutputSpec, TemplateArg
 from graphkern.runtime import active_backend
 
-__all__ = ["SOFTMAX", "plan_softmax", "softmax", "softmax_reference"]
+__all__ = ["SOFTMAX", "in_shared_memory", "plan_softmax", "softmax", "softmax_reference"]
 
 #: float32 rows this long (1024 threads of 16 elements) or longer take 8-byte accesses when streamed.
 LONG_FLOAT32_ROW = 16384
@@ -188,17 +188,30 @@ def _shared_kernel(nbytes: int) -> Kernel:
 def plan_softmax(x: mx.array) -> Plan:
     """The launch :func:`softmax` makes (validated)."""
     check_dtype("softmax", x)
-    shared = (x.dtype == mx.float32 and 0 < x.shape[-1] * x.dtype.size <= SHARED_ROW_BYTES
-              and active_backend() == "cuda")
-    return _plan(x, shared)
+    return _plan(x, active_backend() == "cuda" and in_shared_memory(x.shape[-1], x.dtype))
+
+
+def in_shared_memory(n: int, dtype: mx.Dtype) -> bool:
+    """Whether a CUDA softmax keeps rows of ``n`` elements of ``dtype`` in shared memory: float32
+    rows up to 64 KiB, 16-bit rows of 32-64 KiB. On an H200 (benchmarks/probes/wide_rows.py):
+    float32 8192x4096 72.0 -> 66.5 us, 4096x16384 142.9 -> 131.3 us (mx.softmax 111.3 / 138.4);
+    bfloat16 4096x16384 80.8 -> 73.4 us, but 8192x4096 (8 KiB rows) 40.9 -> 41.6.
+
+    >>> in_shared_memory(4096, mx.float32), in_shared_memory(4096, mx.bfloat16)
+    (True, False)
+    >>> in_shared_memory(32000, mx.bfloat16), in_shared_memory(32000, mx.float32)
+    (True, False)
+    """
+    nbytes = n * dtype.size
+    least = 1 if dtype == mx.float32 else SHARED_ROW_BYTES // 2
+    return least <= nbytes <= SHARED_ROW_BYTES
 
 
 def _plan(x: mx.array, shared: bool) -> Plan:
     n = x.shape[-1]
     if shared:
-        # the row in shared memory, 16 elements a thread (512 threads at most, so three blocks of
-        # 64 KiB fit an SM): float32 8192x4096 72.0 -> 66.5 us, 4096x16384 142.9 -> 131.3 us
-        # on an H200, where mx.softmax took 111.3 / 138.4 (benchmarks/probes/wide_rows.py)
+        # the row in shared memory (in_shared_memory), 16 elements a thread, 512 threads at most
+        # so that three blocks of 64 KiB fit an SM
         cfg = row_config(n, x.dtype, vector=4, streamed=True, max_threads=512)
         kernel = _shared_kernel(-(-n * x.dtype.size // 4096) * 4096)
     else:
