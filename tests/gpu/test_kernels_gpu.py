@@ -28,7 +28,8 @@ GPU_SHAPES: dict[str, list[tuple[int, ...]]] = {
     "layer_norm": ROWS,
     "layer_norm_no_bias": [(64, 4096), (3, 4097)],
     "add_rms_norm": ROWS,
-    "softmax": [(4, 64), (64, 4096), (3, 4097), (2, 50000)],
+    # + rows kept in shared memory: float32 up to 16384 elements, 16-bit 16384-32768 (2x20000)
+    "softmax": [(4, 64), (64, 4096), (3, 4097), (2, 20000), (2, 50000)],
     "rope": [(2, 8, 64, 128), (2, 2, 7, 100)],
     "rope_traditional": [(2, 8, 64, 128), (2, 2, 7, 100)],
     "swiglu": [(64, 14336), (3, 1001)],
