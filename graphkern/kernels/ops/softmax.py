@@ -33,35 +33,44 @@ namespace gk {
 // exp is __expf (ex2.approx, a few ulp for the non-positive arguments here), as MLX's own softmax.
 // Online softmax (one read of x): each thread keeps a running max m and the sum s of exp(v - m),
 // rescaling s when m grows; the block then combines them, and a second pass writes the output.
+template <int V>
+__device__ __forceinline__ void online_add(const float (&v)[V], float& m, float& s) {
+  float cm = v[0];
+#pragma unroll
+  for (int j = 1; j < V; ++j) {
+    cm = fmaxf(cm, v[j]);
+  }
+  if (cm > m) {
+    s *= __expf(m - cm);
+    m = cm;
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    s += __expf(v[j] - m);
+  }
+}
+
+// o = exp(v - gm) * inv: the output, once the block has the row's max gm and 1 / sum inv.
+template <int V>
+__device__ __forceinline__ void online_output(const float (&v)[V], float (&o)[V], float gm, float inv) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    o[j] = __expf(v[j] - gm) * inv;
+  }
+}
+
 template <typename T, int NT, int V, int CH>
 __device__ __forceinline__ void softmax_row(const T* x, T* out, int n) {
   __shared__ float smem[32];
   Row<T, NT, V, CH> row(x, n);
   float m = Max::identity();
   float s = 0.0f;
-  row.read([&](float (&v)[V], long long) {
-    float cm = v[0];
-#pragma unroll
-    for (int j = 1; j < V; ++j) {
-      cm = fmaxf(cm, v[j]);
-    }
-    if (cm > m) {
-      s *= __expf(m - cm);
-      m = cm;
-    }
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      s += __expf(v[j] - m);
-    }
-  });
+  row.read([&](float (&v)[V], long long) { online_add(v, m, s); });
   const float gm = block_max<NT>(m, smem);
   const float inv = 1.0f / block_sum<NT>(s * __expf(m - gm), smem);
   row.visit([&](float (&v)[V], long long i) {
     float o[V];
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      o[j] = __expf(v[j] - gm) * inv;
-    }
+    online_output(v, o, gm, inv);
     store<T, V>(out, i, o);
   });
 }
@@ -83,19 +92,7 @@ __device__ __forceinline__ void softmax_row_shared(const T* x, T* out, int n) {
     buf[k] = r;
     float v[V];
     unpack<T, V>(r, v);
-    float cm = v[0];
-#pragma unroll
-    for (int j = 1; j < V; ++j) {
-      cm = fmaxf(cm, v[j]);
-    }
-    if (cm > m) {
-      s *= __expf(m - cm);
-      m = cm;
-    }
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      s += __expf(v[j] - m);
-    }
+    online_add(v, m, s);
   }
   const float gm = block_max<NT>(m, smem);
   const float inv = 1.0f / block_sum<NT>(s * __expf(m - gm), smem);
@@ -103,11 +100,9 @@ __device__ __forceinline__ void softmax_row_shared(const T* x, T* out, int n) {
   for (int k = threadIdx.x; k < nv; k += NT) {
     float v[V];
     unpack<T, V>(buf[k], v);
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      v[j] = __expf(v[j] - gm) * inv;
-    }
-    dst[k] = pack<T, V>(v);
+    float o[V];
+    online_output(v, o, gm, inv);
+    dst[k] = pack<T, V>(o);
   }
 }
 
