@@ -1,3 +1,4 @@
+import dataclasses
 import threading
 
 import mlx.core as mx
@@ -238,3 +239,13 @@ def test_same_metal_source_with_different_cuda_sources_are_separate_mlx_kernels(
     a = gk.Kernel("twin", ["x"], ["out"], metal="out[0] = x[0];", cuda="out[0] = x[0];")
     b = gk.Kernel("twin", ["x"], ["out"], metal="out[0] = x[0];", cuda="out[0] = 2 * x[0];")
     assert cache.get("metal", a) is not cache.get("metal", b)  # each carries its own hashed name
+
+
+def test_kernels_differing_only_in_shared_memory_get_their_own_mlx_names():
+    # MLX's CUDA backend caches a custom kernel's module by name and source and allows more than
+    # 48 KB of shared memory on its function only when the module is first loaded: a second kernel
+    # with the same name and source but more shared memory would launch against the first limit.
+    small = gk.Kernel("rows", ["x"], ["out"], cuda="out[0] = x[0];", shared_memory=16 * 1024)
+    large = dataclasses.replace(small, shared_memory=64 * 1024)
+    assert runtime.mlx_kernel_name(small) != runtime.mlx_kernel_name(large)
+    assert runtime.KernelCache.key("cuda", small) != runtime.KernelCache.key("cuda", large)
