@@ -35,6 +35,16 @@ def with_template(plan: Plan, **values: int) -> Plan:
     return replace(plan, template=tuple(replace(t, value=values.get(t.name, t.value)) for t in plan.template))
 
 
+def chained(plan: Plan, pair: bool) -> Callable[[Any], Any]:
+    """One step of a timed chain: ``plan`` on the chain's state, which replaces its first input
+    (``pair``: the state is ``(x, other)``, both inputs, and ``other`` is passed on)."""
+    def step(state: Any) -> Any:
+        if pair:
+            return run(replace(plan, inputs=state))[0], state[1]
+        return run(replace(plan, inputs=(state, *plan.inputs[1:])))[0]
+    return step
+
+
 def compare(title: str, stock: Callable[[Any], Any], plans: dict[str, Plan], init: Any,
             ref: mx.array) -> None:
     """Time the stock step and each plan (its first input fed from the chain) in turns, ROUNDS times."""
@@ -42,10 +52,7 @@ def compare(title: str, stock: Callable[[Any], Any], plans: dict[str, Plan], ini
     errors = {}
     for name, plan in plans.items():
         errors[name] = mx.abs(run(plan)[0].astype(mx.float32) - ref).max().item()
-        if isinstance(init, tuple):
-            steps[name] = lambda s, p=plan: (run(replace(p, inputs=s))[0], s[1])
-        else:
-            steps[name] = lambda a, p=plan: run(replace(p, inputs=(a,)))[0]
+        steps[name] = chained(plan, isinstance(init, tuple))
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(ROUNDS):
         for name, step in steps.items():
