@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -167,9 +168,21 @@ def test_softmax_streams_long_float32_rows_with_8_byte_accesses() -> None:
     assert launch(16384, mx.bfloat16)["V"] == 8
 
 
-def test_softmax_keeps_rows_up_to_64_kib_in_shared_memory_on_cuda(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(softmax_module, "active_backend", lambda: "cuda")
+@pytest.fixture
+def on_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[tuple[int, int]], None]]:
+    """Plans as on a CUDA GPU of the given compute capability."""
+    def use(capability: tuple[int, int]) -> None:
+        monkeypatch.setattr(softmax_module, "active_backend", lambda: "cuda")
+        monkeypatch.setattr(mx, "device_info", lambda: {"compute_capability_major": capability[0],
+                                                        "compute_capability_minor": capability[1]})
+        softmax_module.shared_row_bytes.cache_clear()
+
+    yield use
+    softmax_module.shared_row_bytes.cache_clear()
+
+
+def test_softmax_keeps_rows_up_to_64_kib_in_shared_memory_on_an_h200(on_cuda: Any) -> None:
+    on_cuda((9, 0))
 
     def plan(n: int, dtype: mx.Dtype = mx.float32) -> Plan:
         return plan_softmax(mx.zeros((3, n), dtype))
@@ -186,6 +199,17 @@ def test_softmax_keeps_rows_up_to_64_kib_in_shared_memory_on_cuda(
     # the reference (the oracle) sees neither launch detail
     x = mx.random.normal((3, 4096), key=mx.random.key(0))
     assert mx.allclose(apply_plan(replace(plan(4096), inputs=(x,)))[0], mx.softmax(x, axis=-1), atol=1e-6)
+
+
+def test_softmax_rows_in_shared_memory_fit_three_blocks_an_sm_on_every_gpu(on_cuda: Any) -> None:
+    # sm_75 allows at most 64 KB a block: a 64 KiB row (plus the reduction's floats) would not launch
+    for capability, limit in (((7, 5), 20 * 1024), ((8, 6), 32 * 1024), ((8, 0), 52 * 1024),
+                              ((12, 0), 32 * 1024), ((9, 0), 64 * 1024)):
+        on_cuda(capability)
+        assert softmax_module.shared_row_bytes() == limit
+        widest = plan_softmax(mx.zeros((2, limit // 4)))
+        assert widest.kernel.shared_memory == limit and template_of(widest)["SHARED"] is True
+        assert template_of(plan_softmax(mx.zeros((2, limit // 4 + 1))))["SHARED"] is False
 
 
 def test_zero_size_inputs_give_empty_outputs() -> None:

@@ -20,12 +20,16 @@ from graphkern.kernels._headers import dual_header
 from graphkern.nodes import Kernel, OutputSpec, TemplateArg
 from graphkern.runtime import active_backend
 
-__all__ = ["SOFTMAX", "in_shared_memory", "plan_softmax", "softmax", "softmax_reference"]
+__all__ = ["SOFTMAX", "in_shared_memory", "plan_softmax", "shared_row_bytes", "softmax", "softmax_reference"]
 
 #: float32 rows this long (1024 threads of 16 elements) or longer take 8-byte accesses when streamed.
 LONG_FLOAT32_ROW = 16384
 #: The most shared memory a block keeps its row in (three such blocks fit an H200 SM).
 SHARED_ROW_BYTES = 64 * 1024
+#: Shared memory per SM in KB by compute capability (CUDA C++ Programming Guide, technical
+#: specifications); architectures not listed have 100 KB (8.6, 8.9, 12.x).
+_SHARED_KB_PER_SM = {(7, 0): 96, (7, 2): 96, (7, 5): 64, (8, 0): 164, (8, 7): 164, (9, 0): 228,
+                     (10, 0): 228, (10, 3): 228}
 
 _CUDA = r"""
 namespace gk {
@@ -183,14 +187,16 @@ def _shared_kernel(nbytes: int) -> Kernel:
 def plan_softmax(x: mx.array) -> Plan:
     """The launch :func:`softmax` makes (validated)."""
     check_dtype("softmax", x)
-    return _plan(x, active_backend() == "cuda" and in_shared_memory(x.shape[-1], x.dtype))
+    shared = active_backend() == "cuda" and in_shared_memory(x.shape[-1], x.dtype, shared_row_bytes())
+    return _plan(x, shared)
 
 
-def in_shared_memory(n: int, dtype: mx.Dtype) -> bool:
+def in_shared_memory(n: int, dtype: mx.Dtype, limit: int = SHARED_ROW_BYTES) -> bool:
     """Whether a CUDA softmax keeps rows of ``n`` elements of ``dtype`` in shared memory: float32
-    rows up to 64 KiB, 16-bit rows of 32-64 KiB. On an H200 (benchmarks/probes/wide_rows.py):
-    float32 8192x4096 72.0 -> 66.5 us, 4096x16384 142.9 -> 131.3 us (mx.softmax 111.3 / 138.4);
-    bfloat16 4096x16384 80.8 -> 73.4 us, but 8192x4096 (8 KiB rows) 40.9 -> 41.6.
+    rows up to ``limit`` bytes, 16-bit rows from half of it. On an H200, whose limit is 64 KiB
+    (benchmarks/probes/wide_rows.py): float32 8192x4096 72.0 -> 66.5 us, 4096x16384 142.9 ->
+    131.3 us (mx.softmax 111.3 / 138.4); bfloat16 4096x16384 80.8 -> 73.4 us, but 8192x4096 (8 KiB
+    rows) 40.9 -> 41.6.
 
     >>> in_shared_memory(4096, mx.float32), in_shared_memory(4096, mx.bfloat16)
     (True, False)
@@ -198,8 +204,24 @@ def in_shared_memory(n: int, dtype: mx.Dtype) -> bool:
     (True, False)
     """
     nbytes = n * dtype.size
-    least = 1 if dtype == mx.float32 else SHARED_ROW_BYTES // 2
-    return least <= nbytes <= SHARED_ROW_BYTES
+    least = 1 if dtype == mx.float32 else limit // 2
+    return least <= nbytes <= limit
+
+
+@functools.cache
+def shared_row_bytes() -> int:
+    """The longest row, in bytes, that a CUDA softmax keeps in shared memory on this GPU: three
+    blocks of it fit an SM, as on the H200 where it was measured (64 KiB at most). An sm_75 GPU
+    (64 KB an SM, at most 64 KB a block) gets 20 KiB, an sm_86 one 32 KiB, an A100 52 KiB.
+
+    >>> shared_row_bytes() % 4096, shared_row_bytes() <= SHARED_ROW_BYTES
+    (0, True)
+    """
+    info = mx.device_info()
+    capability = (int(info.get("compute_capability_major", 0)), int(info.get("compute_capability_minor", 0)))
+    # a third of the SM, less the 1 KB the system keeps per block and the reduction's 32 floats
+    per_block = _SHARED_KB_PER_SM.get(capability, 100) * 1024 // 3 - 1024 - 128
+    return min(SHARED_ROW_BYTES, per_block // 4096 * 4096)
 
 
 def _plan(x: mx.array, shared: bool) -> Plan:
