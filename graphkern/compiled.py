@@ -369,7 +369,7 @@ class CompiledGraph:
         compiled = self._compiled.get(key[0])
         if compiled is None:
             compiled = self._compiled[key[0]] = mx.compile(
-                self._run_flat, inputs=self._traceable.state.containers)
+                self._run_flat, inputs=self._state.containers)
         return _Prepared(key, flat, graph, spec, compiled, self._slots[key])
 
     def _run_compiled(self, compiled: Callable[..., Any], arrays: list[mx.array]) -> list[mx.array]:
@@ -410,10 +410,7 @@ class CompiledGraph:
         """Forget every trace (the next call re-traces)."""
         self._graphs.clear()
         self._slots.clear()
-        self._compiled.clear()
-        self._fast.clear()
-        self._served.clear()
-        self._hot = None
+        self._forget_compiled()
         self._last = None
 
     def traces(self) -> Iterator[Graph]:

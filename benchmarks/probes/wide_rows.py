@@ -23,16 +23,13 @@ sys.path.insert(0, "benchmarks")
 import mlx.core as mx
 import mlx.nn as nn
 from gpu_kernels import _gpu_time
+from gpu_row_configs import with_template
 
 from graphkern.kernels._base import Plan, run
 from graphkern.kernels.ops import softmax as S
 from graphkern.kernels.ops import swiglu as W
 
 ROUNDS = 5
-
-
-def with_template(plan: Plan, **values: int) -> Plan:
-    return replace(plan, template=tuple(replace(t, value=values.get(t.name, t.value)) for t in plan.template))
 
 
 def chained(plan: Plan, pair: bool) -> Callable[[Any], Any]:
@@ -70,8 +67,7 @@ def swiglu_launches(shape: tuple[int, int], dt: mx.Dtype, blocks: tuple[int, ...
     mx.eval(g, u)
     base = W.plan_swiglu(g, u)
     v0 = base.template_values["V"]
-    plans = {f"V{v} block {block}": replace(with_template(base, V=v), grid=(g.size // v, 1, 1),
-                                             threadgroup=(block, 1, 1))
+    plans = {f"V{v} block {block}": with_template(base, {"V": v}, (g.size // v, 1, 1), (block, 1, 1))
              for v in (v0 * w for w in widths) for block in blocks}
     compare(f"swiglu {dt} {shape}", mx.compile(lambda s: (nn.silu(s[0]) * s[1], s[1])), plans, (g, u),
             nn.silu(g.astype(mx.float32)) * u.astype(mx.float32))
@@ -84,8 +80,8 @@ def softmax_rows(shape: tuple[int, int], dt: mx.Dtype, threads: tuple[int, ...] 
     shared = S._plan(x, True)
     rows = x.size // shape[-1]
     plans = {"library streamed": S._plan(x, False), "library shared": shared}
-    plans |= {f"shared NT{nt}": replace(with_template(shared, NT=nt), grid=(rows * nt, 1, 1),
-                                        threadgroup=(nt, 1, 1)) for nt in threads}
+    plans |= {f"shared NT{nt}": with_template(shared, {"NT": nt}, (rows * nt, 1, 1), (nt, 1, 1))
+              for nt in threads}
     compare(f"softmax {dt} {shape}", mx.compile(lambda a: mx.softmax(a, axis=-1)), plans, x,
             mx.softmax(x.astype(mx.float32), axis=-1))
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_map
 
 from graphkern.nodes import KernelError, Status
 
@@ -93,12 +94,6 @@ def snapshot(caches: Sequence[Any]) -> list[dict[str, Any]]:
     after a failed eager call: mlx-lm updates a cache's arrays in place (``keys[..., a:b, :] = k``),
     which a shared handle would see."""
     def own(value: Any) -> Any:
-        if isinstance(value, mx.array):
-            return mx.array(value)
-        if isinstance(value, (list, tuple)):
-            return type(value)(own(v) for v in value)
-        if isinstance(value, dict):
-            return {k: own(v) for k, v in value.items()}
-        return value
+        return mx.array(value) if isinstance(value, mx.array) else value
 
-    return [{name: own(value) for name, value in vars(cache).items()} for cache in caches]
+    return [tree_map(own, dict(vars(cache))) for cache in caches]
