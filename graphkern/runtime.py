@@ -309,7 +309,8 @@ class Launch:
 
     @functools.cached_property
     def differentiable_forms(self) -> dict[tuple[Any, ...], Callable[..., list[mx.array]]]:
-        """This launch wrapped in ``mx.custom_function``, one per set of scalar inputs."""
+        """This launch wrapped in ``mx.custom_function``, one per set of scalar inputs (on a GPU
+        backend, ``mx.compile``d: see ``differentiable_launch``)."""
         return {}
 
     @functools.cached_property
@@ -647,22 +648,29 @@ def differentiable_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
 
     Inside graphkern's inspection traces and ``autodiff.without_vjp()`` the launch runs plain:
     ``mx.export_function`` cannot export a custom function with a vjp, and a trace only records.
+
+    On a GPU backend the custom function goes through ``mx.compile`` too: an eager call replays
+    the recorded kernel and custom-vjp nodes instead of running MLX's kernel call and custom
+    function again in Python (most of an eager launch's cost); under a transformation
+    (``mx.grad``, ``mx.compile``, ``mx.vmap``, an export) the inputs are tracers, and MLX calls the
+    custom function itself, as it would without ``mx.compile``. The reference backend is left
+    uncompiled, since ``mx.compile`` may fuse its ops.
     """
-    forward = run_reference if launch.backend == "reference" else _run_native
+    native = launch.backend != "reference"
+    forward = _run_native if native else run_reference
     kernel = launch.kernel
     if (not vjp_enabled() or (kernel.vjp is None and kernel.reference is None)
             or _inside_inspection_trace()):
         return forward(launch, inputs)
-    # one custom function per launch and scalar inputs, built on first use (building costs ~10 us)
     arrays = [v for v in inputs if v.__class__ is mx.array]
     scalars = () if len(arrays) == len(inputs) else tuple(
         (i, v.__class__, v) for i, v in enumerate(inputs) if v.__class__ is not mx.array)
     fn = launch.differentiable_forms.get(scalars)
-    if fn is None:
+    if fn is None:  # built on first use (a custom function costs ~10 us to build)
         reference = functools.partial(run_reference, launch) if kernel.reference is not None else None
         fn = differentiable(functools.partial(forward, launch), inputs, reference=reference,
                             vjp=kernel.vjp, name=f"kernel {kernel.name!r}")
-        launch.differentiable_forms[scalars] = fn
+        launch.differentiable_forms[scalars] = fn = mx.compile(fn) if native else fn
     return fn(*arrays)
 
 

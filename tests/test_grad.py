@@ -184,3 +184,51 @@ def test_without_vjp_is_public_nests_and_is_undone_by_an_exception():
     with pytest.raises(RuntimeError, match="inside"), gk.without_vjp():
         raise RuntimeError("inside")
     assert vjp_enabled()
+
+
+def scaling(name):
+    """A kernel of its own (launches are cached per kernel, with their compiled forms)."""
+    kernel = gk.Kernel(name, ["x"], ["out"], cuda="/* stands in */", reference=lambda x: [x * 3])
+    return lambda x: gk.apply(kernel, [x], [gk.OutputSpec(x.shape, x.dtype)], grid=(x.size, 1, 1),
+                              threadgroup=(1, 1, 1))[0]
+
+
+def test_eager_gpu_launches_replay_a_compiled_launch_with_the_new_inputs(opaque_gpu):
+    # a differentiable GPU launch goes through mx.compile: eager calls after the first replay the
+    # recorded kernel node on their own inputs instead of calling MLX's kernel object again
+    scale = scaling("replayed")
+    xs = [mx.arange(4, dtype=mx.float32) + i for i in range(3)]
+    assert [scale(x).tolist() for x in xs] == [(x * 3).tolist() for x in xs]
+    assert opaque_gpu.count("replayed") == 1
+    y = mx.arange(6, dtype=mx.float32)  # another shape: traced once more
+    assert scale(y).tolist() == (y * 3).tolist() and opaque_gpu.count("replayed") == 2
+    with mx.stream(mx.new_stream(mx.cpu)):  # another default stream: its own trace
+        assert scale(xs[0]).tolist() == (xs[0] * 3).tolist()
+    assert opaque_gpu.count("replayed") == 3
+
+
+def test_gradients_and_outer_compiles_trace_the_launch_itself(opaque_gpu):
+    scale = scaling("traced")
+    x = mx.arange(4, dtype=mx.float32)
+    scale(x)
+    assert mx.grad(lambda v: scale(v).sum())(x).tolist() == [3.0] * 4  # tracers: not a replay
+    assert mx.compile(lambda v: scale(v) + 1)(x).tolist() == (x * 3 + 1).tolist()
+    assert opaque_gpu.count("traced") == 3
+
+
+def test_a_launch_that_fails_while_compiled_raises_and_the_next_one_runs(monkeypatch):
+    def fail_once(launch, inputs):
+        if not fail_once.failed:
+            fail_once.failed = True
+            raise gk.KernelError("launch the cuda kernel 'flaky'", "no such template argument")
+        return [mx.stop_gradient(o) for o in runtime.run_reference(launch, inputs)]
+
+    fail_once.failed = False
+    monkeypatch.setattr(runtime, "_run_native", fail_once)
+    scale = scaling("flaky")
+    x = mx.arange(4, dtype=mx.float32)
+    with runtime.using_backend("cuda"):
+        with pytest.raises(gk.KernelError, match="no such template argument"):
+            scale(x)
+        assert scale(x).tolist() == (x * 3).tolist()
+        assert mx.grad(lambda v: scale(v).sum())(x).tolist() == [3.0] * 4
