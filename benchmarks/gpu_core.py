@@ -189,9 +189,12 @@ def bench_eager(rounds: int, number_lazy: int, number_eval: int) -> list[dict[st
     if CUDA:
         obj = gk.kernel_cache.get("cuda", SCALE_ADD)  # the very object gk.apply calls
 
-        def bare() -> Any:
-            return obj(inputs=[x, y], output_shapes=[x.shape], output_dtypes=[x.dtype],
+        def bare_call(a: mx.array, b: mx.array) -> Any:
+            return obj(inputs=[a, b], output_shapes=[a.shape], output_dtypes=[a.dtype],
                        grid=(n, 1, 1), threadgroup=(TG, 1, 1), template=template)
+
+        def bare() -> Any:
+            return bare_call(x, y)
     else:
         reference = SCALE_ADD.reference
         assert reference is not None
@@ -216,7 +219,9 @@ def bench_eager(rounds: int, number_lazy: int, number_eval: int) -> list[dict[st
         try:
             launch, checked = runtime.validate(SCALE_ADD, [x, y], spec, kw["grid"], kw["threadgroup"],
                                                template)
+            replayed = mx.compile(bare_call)  # what compiling the plain launch too would cost
             layers = {"bare": bare,
+                      "bare, replayed by mx.compile": lambda: replayed(x, y),
                       "+ cache lookup (_run_native)": lambda: runtime._run_native(launch, checked),
                       "+ vjp wrapper (run_launch)": lambda: runtime.run_launch(launch, checked),
                       "+ validation (gk.apply)": gk_apply}
@@ -279,7 +284,8 @@ def markdown(meta: dict[str, str], compiled: list[dict[str, Any]], eager: list[d
         "## Eager gk.apply overhead over the bare kernel object (target: <= 2 us a call)",
         "",
         "1024-element float32 kernel; `bare` calls the MLX kernel object graphkern caches for it. "
-        "`gk.apply` wraps each GPU launch in a cached `mx.custom_function` so `mx.grad` works through it; "
+        "`gk.apply` wraps each GPU launch in a cached, `mx.compile`d `mx.custom_function` so `mx.grad` "
+        "works through it (an eager call replays the recorded nodes); "
         "inside `gk.without_vjp()` (entered on every call here) it launches plain, as the bare call does.",
         "",
         "| mode | bare (us) | gk.apply (us) | overhead (us) | gk.apply_in_graph (us) | its overhead (us) "
