@@ -80,6 +80,7 @@ def test_without_the_wrapper_an_opaque_launch_has_no_gradient(opaque_gpu, monkey
     assert mx.allclose(mx.grad(loss)(w), mx.grad(lambda w: mx.fast.rms_norm(x, w, 1e-5).sum())(w),
                        atol=1e-5).item()
     monkeypatch.setattr(runtime, "differentiable_launch", runtime._run_native)
+    x = mx.random.normal((5, 16), key=mx.random.key(1))  # a new launch: none of its forms is cached
     assert mx.grad(loss)(w).abs().max().item() == 0.0  # what MLX alone would give (or raise, on a GPU)
 
 
@@ -205,6 +206,9 @@ def test_eager_gpu_launches_replay_a_compiled_launch_with_the_new_inputs(opaque_
     with mx.stream(mx.new_stream(mx.cpu)):  # another default stream: its own trace
         assert scale(xs[0]).tolist() == (xs[0] * 3).tolist()
     assert opaque_gpu.count("replayed") == 3
+    with gk.without_vjp():  # plain launches: every call runs the kernel call itself
+        assert [scale(xs[0]).tolist() for _ in range(2)] == [(xs[0] * 3).tolist()] * 2
+    assert opaque_gpu.count("replayed") == 5
 
 
 def test_gradients_and_outer_compiles_trace_the_launch_itself(opaque_gpu):
