@@ -56,9 +56,9 @@ def candidates(n: int, dtype: mx.Dtype, chosen: RowConfig) -> Iterator[RowConfig
         threads *= 2
 
 
-def with_template(plan: Plan, values: dict[str, int | bool], grid: tuple[int, int, int],
+def with_template(plan: Plan, values: dict[str, int], grid: tuple[int, int, int],
                   group: tuple[int, int, int]) -> Plan:
-    """``plan`` with these int or bool template arguments and this launch."""
+    """``plan`` with these int template arguments and this launch."""
     template = tuple(replace(t, value=values[t.name]) if t.name in values else t for t in plan.template)
     return replace(plan, grid=grid, threadgroup=group, template=template)
 

@@ -118,8 +118,7 @@ __device__ __forceinline__ float block_max(float v, float* smem) {
 //   read(f):    the first pass, the slot's values read from src;
 //   produce(f): the first pass, f computes the slot's values (each exactly representable in T);
 //   visit(f):   a later pass over the same values, from the registers or re-read from src (so a
-//               streamed row needs src to hold them by then); changes f makes to v are dropped;
-//   fetch():    instead of read, the registers filled ahead of time, so that visit is the first pass.
+//               streamed row needs src to hold them by then); changes f makes to v are dropped.
 template <typename T, int NT, int V, int CH>
 struct Row {
   static constexpr bool cached = CH > 0;
@@ -144,13 +143,6 @@ struct Row {
       for (long long i = threadIdx.x * V; i < n; i += NT * V) {
         f(0, i);
       }
-    }
-  }
-
-  // Load a cached row's registers ahead of its first pass (a streamed row reads as it goes).
-  __device__ __forceinline__ void fetch() {
-    if constexpr (cached) {
-      each([&](int c, long long i) { r[c] = *reinterpret_cast<const Vec<T, V>*>(src + i); });
     }
   }
 

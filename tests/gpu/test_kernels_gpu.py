@@ -92,22 +92,6 @@ def test_kernel_agrees_with_stock_mlx_on_device(name: str, dtype: mx.Dtype) -> N
     _stock_agree(entry, GPU_SHAPES[name][0], dtype)
 
 
-@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_rms_norm_resident_blocks_walk_every_row(dtype: mx.Dtype) -> None:
-    # 8200 short 16-bit rows: 513 resident blocks of 16 rows (the last rows of a block are fewer),
-    # aligned (vectors in registers) and misaligned (the scalar path), against the reference
-    entry = LIBRARY["rms_norm"]
-    case = entry.make_inputs((8200, 64), dtype, mx.random.key(5))
-    plan = entry.plan(*case.args, **case.kwargs)
-    if CUDA:
-        assert plan.template_values["RESIDENT"] and plan.grid[0] == 513 * plan.threadgroup[0]
-    atol, rtol = TOLERANCES[dtype]
-    for x in (case.args[0], _misaligned(case.args[0])):
-        plan = entry.plan(x, *case.args[1:], **case.kwargs)
-        assert compare(apply_plan(plan), apply_plan(plan, "reference"), atol, rtol)[2]
-    _stock_agree(entry, (8200, 64), dtype)
-
-
 def test_rope_per_batch_offsets_and_freqs_match_mx_fast() -> None:
     x = mx.random.normal((3, 2, 5, 64), key=mx.random.key(1))
     offset = mx.array([0, 5, 17], dtype=mx.int32)

@@ -1,9 +1,8 @@
 """RMSNorm over the last axis: ``x * rsqrt(mean(x**2) + eps) * weight``, as ``mx.fast.rms_norm``.
 
-One block per row, or on CUDA, for many short 16-bit rows, resident blocks that each walk
-``ROWS_PER_BLOCK`` rows (``walks_rows``); the row stays in registers between the sum of squares
-and the output, so ``x`` is read once. Rounding follows MLX: the normalized value is cast to the
-dtype, then multiplied by the weight in that dtype.
+One block per row; the row stays in registers between the sum of squares and the output, so ``x``
+is read once. Rounding follows MLX: the normalized value is cast to the dtype, then multiplied by
+the weight in that dtype.
 """
 
 from __future__ import annotations
@@ -27,10 +26,8 @@ from graphkern.kernels._base import (
 )
 from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.nodes import Kernel, OutputSpec, TemplateArg
-from graphkern.runtime import active_backend
 
-__all__ = ["RMS_CUDA", "RMS_NORM", "plan_rms_norm", "rms_launch", "rms_norm", "rms_norm_reference",
-           "walks_rows"]
+__all__ = ["RMS_CUDA", "RMS_NORM", "plan_rms_norm", "rms_launch", "rms_norm", "rms_norm_reference"]
 
 #: The second half of an RMSNorm row, shared with the fused residual-add kernel.
 RMS_CUDA = r"""
@@ -75,48 +72,8 @@ __device__ __forceinline__ void rms_norm_row(const T* x, const T* w, T* out, flo
 }  // namespace gk
 """
 
-#: A resident block walks rows blockIdx.x, blockIdx.x + gridDim.x, ...; the next row's loads are
-#: issued before this row is reduced, so they overlap its reduction and its stores.
-RMS_ROWS_CUDA = r"""
-namespace gk {
-
-template <typename T, int NT, int V, int CH, bool HAS_W>
-__device__ __forceinline__ void rms_norm_rows(const T* x, const T* w, T* out, float eps, int n,
-                                              long long rows) {
-  __shared__ float smem[32];
-  long long r = blockIdx.x;
-  Row<T, NT, V, CH> row(x + r * n, n);
-  row.fetch();
-  for (; r < rows; r += gridDim.x) {
-    Row<T, NT, V, CH> next(x + (r + gridDim.x) * n, n);
-    if (r + gridDim.x < rows) {
-      next.fetch();
-    }
-    float ss = 0.0f;
-    row.visit([&](float (&v)[V], long long) {
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        ss += v[j] * v[j];
-      }
-    });
-    rms_finish<T, NT, V, CH, HAS_W>(row, ss, w, out + r * n, eps, n, smem);
-    row = next;
-  }
-}
-
-}  // namespace gk
-"""
-
 _CUDA_BODY = CUDA_NORM_ROW_START + r"""
-  const bool vectors = gk::aligned<V>(x) && gk::aligned<V>(out) && (!HAS_W || gk::aligned<V>(w));
-  if constexpr (RESIDENT) {
-    const long long rows = gk::numel(x_shape, x_ndim) / n;
-    if (vectors) {
-      gk::rms_norm_rows<T, NT, V, CH, HAS_W>(x, w, out, eps, n, rows);
-    } else {
-      gk::rms_norm_rows<T, NT, 1, 0, HAS_W>(x, w, out, eps, n, rows);
-    }
-  } else if (vectors) {
+  if (gk::aligned<V>(x) && gk::aligned<V>(out) && (!HAS_W || gk::aligned<V>(w))) {
     gk::rms_norm_row<T, NT, V, CH, HAS_W>(x + off, w, out + off, eps, n);
   } else {
     gk::rms_norm_row<T, NT, 1, 0, HAS_W>(x + off, w, out + off, eps, n);
@@ -168,12 +125,9 @@ RMS_NORM = Kernel(
     output_names=["out"],
     metal=_METAL_BODY,
     cuda=_CUDA_BODY,
-    header=dual_header(RMS_CUDA + RMS_ROWS_CUDA, RMS_METAL),
+    header=dual_header(RMS_CUDA, RMS_METAL),
     reference=rms_norm_reference,
 )
-
-#: Rows a resident block walks (``walks_rows``).
-ROWS_PER_BLOCK = 16
 
 
 def plan_rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1e-5) -> Plan:
@@ -181,28 +135,7 @@ def plan_rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1e-5
     op = "rms_norm"
     check_dtype(op, x)
     grid, group, w, template = rms_launch(op, x, weight, eps)
-    rows = grid[0] // group[0]
-    resident = active_backend() == "cuda" and walks_rows(rows, x.shape[-1], x.dtype)
-    if resident:
-        grid = (-(-rows // ROWS_PER_BLOCK) * group[0], 1, 1)
-    return Plan(RMS_NORM, (x, w), (OutputSpec(x.shape, x.dtype),), grid, group,
-                (*template, TemplateArg.bool("RESIDENT", resident)))
-
-
-def walks_rows(rows: int, n: int, dtype: mx.Dtype) -> bool:
-    """Whether a CUDA RMSNorm runs resident blocks that walk ``ROWS_PER_BLOCK`` rows each, loading
-    the next row while reducing this one, instead of one block a row: 16-bit rows of at most 8 KiB
-    (kept in registers), at least 8192 of them (512 blocks or more: about four an SM on an H200).
-    There a row's loads are too short to hide its reduction; on an H200, 8192x4096 bfloat16
-    goes from 36.0 to 35.3 us against 36.2 for ``mx.fast.rms_norm`` (benchmarks/probes/
-    rms_pipelined.py), while 16384x8192 rows were slower walked (137 against 132 us).
-
-    >>> walks_rows(8192, 4096, mx.bfloat16), walks_rows(8192, 8192, mx.bfloat16)
-    (True, False)
-    >>> walks_rows(8192, 4096, mx.float32), walks_rows(1024, 4096, mx.float16)
-    (False, False)
-    """
-    return dtype.size == 2 and n * dtype.size <= 8192 and rows >= 512 * ROWS_PER_BLOCK
+    return Plan(RMS_NORM, (x, w), (OutputSpec(x.shape, x.dtype),), grid, group, template)
 
 
 Dim3 = tuple[int, int, int]
