@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,14 @@ def candidates(n: int, dtype: mx.Dtype, chosen: RowConfig) -> Iterator[RowConfig
                 if cfg != chosen and cfg.chunks * vector * dtype.size <= 128:
                     yield cfg
         threads *= 2
+
+
+def on_first_input(plan: Plan) -> Callable[[mx.array], mx.array]:
+    """``plan`` as a step of a timed chain: its first input replaced by the chain's array, its last
+    output returned."""
+    def step(a: mx.array) -> mx.array:
+        return run(replace(plan, inputs=(a, *plan.inputs[1:])))[-1]
+    return step
 
 
 def with_template(plan: Plan, values: dict[str, int], grid: tuple[int, int, int],
@@ -124,10 +132,7 @@ def sweep(name: str, shape: tuple[int, ...], dtype: mx.Dtype, rotate: str = "par
             print(f"  {label}: failed: {exc}", flush=True)
             continue
 
-        def step(a: mx.array, v: Plan = variant) -> mx.array:
-            return run(replace(v, inputs=(a, *v.inputs[1:])))[-1]
-
-        us = _gpu_time(step, x) * 1e6
+        us = _gpu_time(on_first_input(variant), x) * 1e6
         rows.append({"kernel": name, "dtype": str(dtype).split(".")[-1], "shape": "x".join(map(str, shape)),
                      "config": label, "chosen": chosen, "us": us,
                      "stock_us": stock_us, "max_err": err})

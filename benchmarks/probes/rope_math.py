@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 from gpu_kernels import _gpu_time
+from gpu_row_configs import on_first_input
 
 from graphkern.kernels._base import run
 from graphkern.kernels.ops import rope as R
@@ -40,7 +41,7 @@ for dt in (mx.bfloat16, mx.float32):
         for rnd in range(3):
             for name, k in variants.items():
                 p = replace(plan, kernel=k)
-                us = _gpu_time(lambda a, p=p: run(replace(p, inputs=(a, *p.inputs[1:])))[-1], x) * 1e6
+                us = _gpu_time(on_first_input(p), x) * 1e6
                 err = (
                     mx.abs(run(p)[-1].astype(mx.float32) - ref.astype(mx.float32)).max().item()
                     if rnd == 0

@@ -19,6 +19,7 @@ import mlx.core as mx
 import rope_lean as RL
 import rope_table as RT
 from gpu_kernels import _gpu_time
+from gpu_row_configs import on_first_input
 
 from graphkern.kernels._base import Plan, run
 from graphkern.kernels.ops import rope as R
@@ -54,7 +55,7 @@ def probe(dt: mx.Dtype, shape: tuple[int, ...], rounds: int = 5) -> None:
         errors[name] = mx.abs(run(plan)[0].astype(mx.float32) - ref.astype(mx.float32)).max().item()
     for _ in range(rounds):
         for name, plan in plans.items():
-            times[name].append(_gpu_time(RL.launcher(plan), x) * 1e6)
+            times[name].append(_gpu_time(on_first_input(plan), x) * 1e6)
     print(dt, shape, flush=True)
     for name, us in times.items():
         print(f"  {name:30} median {statistics.median(us):6.1f} us  err {errors[name]:.3g}"

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 from gpu_kernels import _gpu_time
+from gpu_row_configs import on_first_input
 
 from graphkern.kernels._base import run
 from graphkern.kernels._headers import dual_header
@@ -108,6 +109,6 @@ for dt in (mx.bfloat16, mx.float16, mx.float32):
                 for _round in range(3):
                     for name, k in variants.items():
                         p = replace(plan, kernel=k)
-                        us = _gpu_time(lambda a, p=p: run(replace(p, inputs=(a, *p.inputs[1:])))[-1], x)
+                        us = _gpu_time(on_first_input(p), x)
                         out.append(f"{name} {us * 1e6:.1f}")
                 print(dt, shape, "trad" if trad else "full", "errs", errs, "; ".join(out), flush=True)

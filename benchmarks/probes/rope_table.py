@@ -18,6 +18,7 @@ sys.path.insert(0, "benchmarks")
 
 import mlx.core as mx
 from gpu_kernels import _gpu_time
+from gpu_row_configs import on_first_input
 
 from graphkern.kernels._base import Plan, run
 from graphkern.kernels._headers import dual_header
@@ -135,23 +136,18 @@ def probe(
     def stock(a: mx.array) -> mx.array:
         return mx.fast.rope(a, dims, traditional=False, base=10000.0, scale=scale, offset=offset)
 
-    def ours(a: mx.array) -> mx.array:
-        return run(replace(library, inputs=(a, *library.inputs[1:])))[0]
-
     one_row = apply_plan(x, cs, 1, 4)
 
     def with_its_table(a: mx.array) -> mx.array:
         return run(replace(one_row, inputs=(a, one_row.inputs[1], run(tplan)[0])))[0]
 
-    def from_table(plan: Plan) -> Callable[[mx.array], mx.array]:
-        return lambda a: run(replace(plan, inputs=(a, *plan.inputs[1:])))[0]
-
-    timed: dict[str, Callable[[mx.array], mx.array]] = {"mx.fast.rope": stock, "library": ours}
+    timed: dict[str, Callable[[mx.array], mx.array]] = {"mx.fast.rope": stock,
+                                                        "library": on_first_input(library)}
     for rows in (1, 2, 4):
         for v in (2, 4, 8) if dt.size == 2 else (1, 2, 4):
             plan = apply_plan(x, cs, rows, v)
             err = mx.abs(run(plan)[0].astype(mx.float32) - ref.astype(mx.float32)).max().item()
-            timed[f"table R{rows} V{v} (err {err:.3g})"] = from_table(plan)
+            timed[f"table R{rows} V{v} (err {err:.3g})"] = on_first_input(plan)
     timed["table R1 V4 + its table"] = with_its_table
     return "; ".join(f"{name} {_gpu_time(fn, x) * 1e6:.1f}" for name, fn in timed.items())
 

@@ -23,7 +23,7 @@ sys.path.insert(0, "benchmarks/probes")
 import mlx.core as mx
 import rope_table as RT
 from gpu_kernels import _gpu_time
-from rope_lean import launcher
+from gpu_row_configs import on_first_input
 
 from graphkern.kernels._base import Plan, run
 from graphkern.kernels.ops import rope as R
@@ -107,8 +107,8 @@ def probe(dt: mx.Dtype, shape: tuple[int, ...], rounds: int = 5) -> None:
     mx.eval(cs, positions)
     apply = RT.apply_plan(x, cs, 4, 4)
     forms: dict[str, Callable[[mx.array], mx.array]] = {
-        "library": launcher(library),
-        "table R4 V4 (table made once)": launcher(apply),
+        "library": on_first_input(library),
+        "table R4 V4 (table made once)": on_first_input(apply),
         "table kernel": lambda a: run(tplan)[0],
         "table ops": lambda a: _ops_table(positions, inv_freq),
         "table kernel + apply": lambda a: run(replace(apply, inputs=(a, inv_freq, run(tplan)[0])))[0],
@@ -120,7 +120,7 @@ def probe(dt: mx.Dtype, shape: tuple[int, ...], rounds: int = 5) -> None:
         for v in (4, 8) if dt.size == 2 else (2, 4):
             plan = tile_plan(library, x, rows, v)
             err = mx.abs(run(plan)[0].astype(mx.float32) - ref.astype(mx.float32)).max().item()
-            forms[f"tile R{rows} V{v} (err {err:.3g})"] = launcher(plan)
+            forms[f"tile R{rows} V{v} (err {err:.3g})"] = on_first_input(plan)
     times: dict[str, list[float]] = {name: [] for name in forms}
     for _ in range(rounds):
         for name, fn in forms.items():
