@@ -18,6 +18,7 @@ import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from threading import get_ident
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -309,8 +310,9 @@ class Launch:
 
     @functools.cached_property
     def differentiable_forms(self) -> dict[tuple[Any, ...], Callable[..., list[mx.array]]]:
-        """This launch wrapped in ``mx.custom_function``, one per set of scalar inputs (on a GPU
-        backend, ``mx.compile``d: see ``differentiable_launch``)."""
+        """This launch wrapped in ``mx.custom_function``, one per thread and set of scalar inputs,
+        keyed ``(thread ident, scalars)`` (on a GPU backend, ``mx.compile``d: see
+        ``differentiable_launch``)."""
         return {}
 
     @functools.cached_property
@@ -654,7 +656,10 @@ def differentiable_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
     function again in Python (most of an eager launch's cost); under a transformation
     (``mx.grad``, ``mx.compile``, ``mx.vmap``, an export) the inputs are tracers, and MLX calls the
     custom function itself, as it would without ``mx.compile``. The reference backend is left
-    uncompiled, since ``mx.compile`` may fuse its ops.
+    uncompiled, since ``mx.compile`` may fuse its ops. Each thread gets its own form: MLX keeps a
+    compile cache per thread, and a compiled function erases its entries only from the cache of
+    the thread that called it last, so one shared across threads would leave stale entries that
+    a later function at the same address could be handed (ml-explore/mlx#3940, #4248).
     """
     native = launch.backend != "reference"
     forward = _run_native if native else run_reference
@@ -665,12 +670,13 @@ def differentiable_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
     arrays = [v for v in inputs if v.__class__ is mx.array]
     scalars = () if len(arrays) == len(inputs) else tuple(
         (i, v.__class__, v) for i, v in enumerate(inputs) if v.__class__ is not mx.array)
-    fn = launch.differentiable_forms.get(scalars)
+    key = (get_ident(), scalars)
+    fn = launch.differentiable_forms.get(key)
     if fn is None:  # built on first use (a custom function costs ~10 us to build)
         reference = functools.partial(run_reference, launch) if kernel.reference is not None else None
         fn = differentiable(functools.partial(forward, launch), inputs, reference=reference,
                             vjp=kernel.vjp, name=f"kernel {kernel.name!r}")
-        launch.differentiable_forms[scalars] = fn = mx.compile(fn) if native else fn
+        launch.differentiable_forms[key] = fn = mx.compile(fn) if native else fn
     return fn(*arrays)
 
 
@@ -720,7 +726,7 @@ def apply(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence[OutputSp
         # a launch run before with all-array inputs, outside traces and without_vjp: what
         # differentiable_launch would look up, called without its frames (a third of the overhead)
         if checked is inputs and _local.recorder is None and vjp_enabled():
-            replay = launch.differentiable_forms.get(())
+            replay = launch.differentiable_forms.get((get_ident(), ()))
             if replay is not None:
                 return replay(*checked)
     return launch.run(checked)

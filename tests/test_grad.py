@@ -6,6 +6,8 @@ CPU by making the "GPU" launch opaque to autodiff (its outputs under stop_gradie
 is), so a gradient can only come from graphkern's wrapper.
 """
 
+import threading
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -209,6 +211,33 @@ def test_eager_gpu_launches_replay_a_compiled_launch_with_the_new_inputs(opaque_
     with gk.without_vjp():  # plain launches: every call runs the kernel call itself
         assert [scale(xs[0]).tolist() for _ in range(2)] == [(xs[0] * 3).tolist()] * 2
     assert opaque_gpu.count("replayed") == 5
+
+
+def test_each_thread_replays_its_own_compiled_launch(opaque_gpu):
+    # MLX's compile cache is per thread and a compiled function erases its entries only from the
+    # cache of its last caller: a form shared by two threads would leave a stale entry behind
+    scale = scaling("threaded")
+    x = mx.arange(4, dtype=mx.float32)
+    results, lock, alive = [], threading.Lock(), threading.Barrier(2)
+
+    def worker():
+        with lock, runtime.using_backend("cuda"):  # one at a time; the backend is per thread
+            y = mx.arange(4, dtype=mx.float32)  # MLX streams are per thread: its own arrays
+            results.append([scale(y + i).tolist() for i in range(3)])
+        alive.wait()  # both alive at once, so their idents differ
+
+    scale(x)
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [[((x + i) * 3).tolist() for i in range(3)]] * 2
+    [launch] = [v for v in runtime._VALIDATED.values() if v.kernel.name == "threaded"]
+    idents = {threading.get_ident(), *(t.ident for t in threads)}
+    assert set(launch.differentiable_forms) == {(ident, ()) for ident in idents}
+    assert len({id(f) for f in launch.differentiable_forms.values()}) == 3
+    assert opaque_gpu.count("threaded") == 3  # traced once a thread, replayed after
 
 
 def test_gradients_and_outer_compiles_trace_the_launch_itself(opaque_gpu):
