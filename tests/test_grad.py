@@ -222,7 +222,7 @@ def test_each_thread_replays_its_own_compiled_launch(opaque_gpu):
 
     def worker():
         with lock, runtime.using_backend("cuda"):  # one at a time; the backend is per thread
-            y = mx.arange(4, dtype=mx.float32)  # MLX streams are per thread: its own arrays
+            y = mx.arange(4, dtype=mx.float32)  # default streams are per thread: x is unevaluated
             results.append([scale(y + i).tolist() for i in range(3)])
         alive.wait()  # both alive at once, so their idents differ
 
