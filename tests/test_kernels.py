@@ -18,6 +18,7 @@ import graphkern.kernels as gkk
 from graphkern.check import compare, strided
 from graphkern.kernels import LIBRARY, apply_plan
 from graphkern.kernels._base import MAX_ROW_ITEMS, Plan, row_config
+from graphkern.kernels.ops import rope as rope_module
 from graphkern.kernels.ops import softmax as softmax_module
 from graphkern.kernels.ops.rope import (
     OFFSET_BIAS,
@@ -172,13 +173,23 @@ def test_softmax_streams_long_float32_rows_with_8_byte_accesses() -> None:
 def on_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[tuple[int, int]], None]]:
     """Plans as on a CUDA GPU of the given compute capability."""
     def use(capability: tuple[int, int]) -> None:
-        monkeypatch.setattr(softmax_module, "active_backend", lambda: "cuda")
+        for module in (softmax_module, rope_module):
+            monkeypatch.setattr(module, "active_backend", lambda: "cuda")
         monkeypatch.setattr(mx, "device_info", lambda: {"compute_capability_major": capability[0],
                                                         "compute_capability_minor": capability[1]})
         softmax_module.shared_row_bytes.cache_clear()
 
     yield use
     softmax_module.shared_row_bytes.cache_clear()
+
+
+def test_rope_int_offsets_travel_in_a_shape_where_the_kernel_runs_on_cuda(on_cuda: Any) -> None:
+    x = mx.zeros((1, 2, 4, 64))
+    on_cuda((9, 0))
+    plan = plan_rope(x, 64, offset=9)
+    assert template_of(plan)["SHAPED_OFFSET"] is True and plan.inputs[1].shape == (0, 9 + OFFSET_BIAS)
+    per_batch = plan_rope(x, 64, offset=mx.array([9]))  # an array offset stays an array
+    assert template_of(per_batch)["SHAPED_OFFSET"] is False and per_batch.inputs[1].shape == (1,)
 
 
 def test_softmax_keeps_rows_up_to_64_kib_in_shared_memory_on_an_h200(on_cuda: Any) -> None:
