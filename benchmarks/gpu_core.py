@@ -303,7 +303,7 @@ def markdown(meta: dict[str, str], compiled: list[dict[str, Any]], eager: list[d
                      f"{r['no_vjp_overhead_us']:+.2f} |")
     if layers:
         lines += ["", "Where the eager time goes (lazy calls): the bare call, its `mx.compile` replay, "
-                  "the plain launch (`without_vjp`), the compiled custom function a known launch "
+                  "the plain launch uncompiled, the compiled custom function a known launch "
                   "replays, and `gk.apply` (that plus the launch check):", "",
                   "| layer | us per call |", "|---|---:|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in layers[0].items() if k != "mode"]
