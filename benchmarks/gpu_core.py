@@ -289,7 +289,8 @@ def markdown(meta: dict[str, str], compiled: list[dict[str, Any]], eager: list[d
         "1024-element float32 kernel; `bare` calls the MLX kernel object graphkern caches for it. "
         "`gk.apply` wraps each GPU launch in a cached, `mx.compile`d `mx.custom_function` so `mx.grad` "
         "works through it (an eager call replays the recorded nodes); "
-        "inside `gk.without_vjp()` (entered on every call here) it launches plain, as the bare call does.",
+        "inside `gk.without_vjp()` (entered on every call here) it launches plain: the bare kernel "
+        "call, also replayed through `mx.compile`.",
         "",
         "| mode | bare (us) | gk.apply (us) | overhead (us) | gk.apply_in_graph (us) | its overhead (us) "
         "| gk.apply in without_vjp (us) | its overhead (us) |",

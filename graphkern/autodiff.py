@@ -39,8 +39,8 @@ _switch = _Switch()
 class without_vjp:  # noqa: N801 - used like a function, as contextlib's context managers are
     """Launch kernels plain on this thread for the duration: no custom vjp, so ``mx.export_function``
     can export them, ``mx.grad`` cannot differentiate through GPU kernels launched meanwhile, and
-    an eager GPU launch is the bare ``mx.fast`` kernel call (no ``mx.custom_function`` around it,
-    and no compiled replay of one): for export and for code that never differentiates, as
+    an eager GPU launch is the bare ``mx.fast`` kernel call, replayed through ``mx.compile`` (no
+    ``mx.custom_function`` around it): for export and for code that never differentiates, as
     ``torch.no_grad()`` is for PyTorch.
 
     >>> with without_vjp():

@@ -208,9 +208,23 @@ def test_eager_gpu_launches_replay_a_compiled_launch_with_the_new_inputs(opaque_
     with mx.stream(mx.new_stream(mx.cpu)):  # another default stream: its own trace
         assert scale(xs[0]).tolist() == (xs[0] * 3).tolist()
     assert opaque_gpu.count("replayed") == 3
-    with gk.without_vjp():  # plain launches: every call runs the kernel call itself
-        assert [scale(xs[0]).tolist() for _ in range(2)] == [(xs[0] * 3).tolist()] * 2
-    assert opaque_gpu.count("replayed") == 5
+    with gk.without_vjp():  # the plain launch, compiled as well: traced once, then replayed
+        assert [scale(x).tolist() for x in xs] == [(x * 3).tolist() for x in xs]
+    assert opaque_gpu.count("replayed") == 4
+
+
+def test_plain_launches_replay_eagerly_and_trace_themselves_under_export(opaque_gpu):
+    scale = scaling("plain")
+    x = mx.arange(4, dtype=mx.float32)
+    events = []
+    with gk.without_vjp():
+        assert [scale(x + i).tolist() for i in range(3)] == [((x + i) * 3).tolist() for i in range(3)]
+        # the first call validates and runs it, the second compiles it, the third replays
+        assert opaque_gpu.count("plain") == 2
+        mx.export_function(events.append, scale, x)  # tracers: the launch runs, not its recording
+        assert mx.grad(lambda v: scale(v).sum())(x).abs().max().item() == 0.0  # plain: no gradient
+    assert opaque_gpu.count("plain") == 4
+    assert "Multiply" in [e["name"] for e in events if e["type"] == "primitive"]
 
 
 def test_each_thread_replays_its_own_compiled_launch(opaque_gpu):
@@ -265,3 +279,8 @@ def test_a_launch_that_fails_while_compiled_raises_and_the_next_one_runs(monkeyp
             scale(x)
         assert scale(x).tolist() == (x * 3).tolist()
         assert mx.grad(lambda v: scale(v).sum())(x).tolist() == [3.0] * 4
+        fail_once.failed = False
+        with gk.without_vjp():  # the plain launch's first, compiling call fails the same way
+            with pytest.raises(gk.KernelError, match="no such template argument"):
+                scale(x)
+            assert [scale(x).tolist() for _ in range(2)] == [(x * 3).tolist()] * 2
