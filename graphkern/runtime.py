@@ -40,10 +40,14 @@ __all__ = [
 
 BACKENDS = ("metal", "cuda", "reference")
 class _ThreadState(threading.local):
-    """This thread's trace recorder and backend override (class defaults make reads cheap)."""
+    """This thread's trace recorder and backend override (class defaults make reads cheap), and
+    the key of its launches' compiled forms for all-array inputs (see ``differentiable_launch``)."""
 
     recorder: Any = None
     backend: str | None = None
+
+    def __init__(self) -> None:  # runs once in each thread that reads the state
+        self.array_forms_key = (get_ident(), ())
 
 
 _local = _ThreadState()
@@ -690,7 +694,7 @@ def differentiable_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
     arrays = [v for v in inputs if v.__class__ is mx.array]
     scalars = () if len(arrays) == len(inputs) else tuple(
         (i, v.__class__, v) for i, v in enumerate(inputs) if v.__class__ is not mx.array)
-    key = (get_ident(), scalars)
+    key = _local.array_forms_key if not scalars else (get_ident(), scalars)
     fn = launch.differentiable_forms.get(key)
     if fn is None:  # built on first use (a custom function costs ~10 us to build)
         reference = functools.partial(run_reference, launch) if kernel.reference is not None else None
@@ -748,7 +752,7 @@ def apply(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence[OutputSp
         # the plain launch, compiled too
         if checked is inputs and _local.recorder is None:
             if vjp_enabled():
-                replay = launch.differentiable_forms.get((get_ident(), ()))
+                replay = launch.differentiable_forms.get(_local.array_forms_key)
             else:
                 replay = launch.replayed()
             if replay is not None:
