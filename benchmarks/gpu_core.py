@@ -209,11 +209,17 @@ def bench_eager(rounds: int, number_lazy: int, number_eval: int) -> list[dict[st
     def gk_in_graph() -> Any:
         return gk.apply_in_graph(SCALE_ADD, [x, y], spec, **kw).outputs
 
+    bound = gk.bind(SCALE_ADD, spec, **kw)
+
+    def gk_bound() -> Any:
+        return bound(x, y)
+
     def gk_apply_no_vjp() -> Any:  # as inside `with gk.without_vjp():` (entering it is counted)
         with gk.without_vjp():
             return gk.apply(SCALE_ADD, [x, y], spec, **kw)
 
     assert mx.allclose(gk_apply()[0], bare()[0]).item()
+    assert mx.allclose(gk_bound()[0], bare()[0]).item()
     rows = []
     if CUDA:  # diagnosis: where graphkern's time goes, layer by layer (private functions)
         from graphkern import runtime
@@ -227,7 +233,8 @@ def bench_eager(rounds: int, number_lazy: int, number_eval: int) -> list[dict[st
                       "bare, replayed by mx.compile": lambda: replayed(x, y),
                       "plain launch (_run_native)": lambda: runtime._run_native(launch, checked),
                       "vjp wrapper, replayed": lambda: form(x, y),
-                      "+ validation (gk.apply)": gk_apply}
+                      "+ input check (bound launch)": gk_bound,
+                      "+ launch check (gk.apply)": gk_apply}
             t = interleaved(layers, rounds, number_lazy)
             for name, v in t.items():
                 print(f"eager layers, lazy: {name:>30}: {v['median'] * 1e6:7.2f} us", flush=True)
@@ -236,16 +243,19 @@ def bench_eager(rounds: int, number_lazy: int, number_eval: int) -> list[dict[st
             print(f"eager layers: skipped ({exc})")
     for label, number, wrap in (("lazy (no eval)", number_lazy, lambda f: f),
                                 ("with mx.eval", number_eval, lambda f: (lambda: mx.eval(f())))):
-        t = interleaved({"bare": wrap(bare), "gk.apply": wrap(gk_apply),
+        t = interleaved({"bare": wrap(bare), "gk.apply": wrap(gk_apply), "gk.bind": wrap(gk_bound),
                          "gk.apply_in_graph": wrap(gk_in_graph), "no vjp": wrap(gk_apply_no_vjp)},
                         rounds, number)
-        b, a, ig, nv = (t[k]["median"] * 1e6 for k in ("bare", "gk.apply", "gk.apply_in_graph", "no vjp"))
+        b, a, bd, ig, nv = (t[k]["median"] * 1e6
+                            for k in ("bare", "gk.apply", "gk.bind", "gk.apply_in_graph", "no vjp"))
         rows.append({"mode": label, "calls": number * rounds, "bare_us": b, "gk_apply_us": a,
-                     "overhead_us": a - b, "gk_apply_in_graph_us": ig, "in_graph_overhead_us": ig - b,
+                     "overhead_us": a - b, "bound_us": bd, "bound_overhead_us": bd - b,
+                     "gk_apply_in_graph_us": ig, "in_graph_overhead_us": ig - b,
                      "no_vjp_us": nv, "no_vjp_overhead_us": nv - b,
                      "bare_spread_us": [t["bare"]["min"] * 1e6, t["bare"]["max"] * 1e6],
                      "gk_spread_us": [t["gk.apply"]["min"] * 1e6, t["gk.apply"]["max"] * 1e6]})
         print(f"eager {label:>15}: bare {b:7.2f} us  gk.apply {a:7.2f} us  overhead {a - b:+6.2f} us  "
+              f"bound launch {bd:7.2f} us ({bd - b:+6.2f})  "
               f"apply_in_graph {ig:7.2f} us ({ig - b:+6.2f})  without_vjp {nv:7.2f} us ({nv - b:+6.2f})  "
               f"(over {number * rounds} calls each)",
               flush=True)
@@ -290,22 +300,26 @@ def markdown(meta: dict[str, str], compiled: list[dict[str, Any]], eager: list[d
         "`gk.apply` wraps each GPU launch in a cached, `mx.compile`d `mx.custom_function` so `mx.grad` "
         "works through it (an eager call replays the recorded nodes); "
         "inside `gk.without_vjp()` (entered on every call here) it launches plain: the bare kernel "
-        "call, also replayed through `mx.compile`.",
+        "call, also replayed through `mx.compile`. A bound launch (`gk.bind`) is the same launch "
+        "with its configuration checked once, when it was bound.",
         "",
-        "| mode | bare (us) | gk.apply (us) | overhead (us) | gk.apply_in_graph (us) | its overhead (us) "
-        "| gk.apply in without_vjp (us) | its overhead (us) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | bare (us) | gk.apply (us) | overhead (us) | bound launch (us) | its overhead (us) "
+        "| gk.apply_in_graph (us) | its overhead (us) | gk.apply in without_vjp (us) "
+        "| its overhead (us) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     layers = [r for r in eager if r["mode"] == "layers"]
     for r in (r for r in eager if r["mode"] != "layers"):
         lines.append(f"| {r['mode']} | {r['bare_us']:.2f} | {r['gk_apply_us']:.2f} | "
-                     f"{r['overhead_us']:+.2f} | {r['gk_apply_in_graph_us']:.2f} | "
+                     f"{r['overhead_us']:+.2f} | {r['bound_us']:.2f} | {r['bound_overhead_us']:+.2f} | "
+                     f"{r['gk_apply_in_graph_us']:.2f} | "
                      f"{r['in_graph_overhead_us']:+.2f} | {r['no_vjp_us']:.2f} | "
                      f"{r['no_vjp_overhead_us']:+.2f} |")
     if layers:
         lines += ["", "Where the eager time goes (lazy calls): the bare call, its `mx.compile` replay, "
                   "the plain launch uncompiled, the compiled custom function a known launch "
-                  "replays, and `gk.apply` (that plus the launch check):", "",
+                  "replays, a bound launch (that plus the input check) and `gk.apply` (plus the "
+                  "launch check):", "",
                   "| layer | us per call |", "|---|---:|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in layers[0].items() if k != "mode"]
     return "\n".join(lines) + "\n"

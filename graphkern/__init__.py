@@ -8,6 +8,7 @@ True
 from __future__ import annotations
 
 from .autodiff import without_vjp
+from .bound import BoundLaunch, bind
 from .compiled import CompiledGraph, compile
 from .graph import Failure, Graph, GraphError
 from .nodes import Kernel, KernelError, KernelResult, NodeKind, OutputSpec, Status, TemplateArg
@@ -34,6 +35,7 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'graphkern' has no attribute {name!r}")
 
 __all__ = [
+    "BoundLaunch",
     "CompiledGraph",
     "Failure",
     "Graph",
@@ -51,6 +53,7 @@ __all__ = [
     "active_backend",
     "apply",
     "apply_in_graph",
+    "bind",
     "check",
     "check_model",
     "diff",

@@ -86,6 +86,12 @@ def _backend_variable() -> str | None:
     return (raw.decode() if isinstance(raw, bytes) else raw) or None
 
 
+def backend_setting() -> Any:
+    """This thread's backend choice as launch caches key it: the ``using_backend`` override, else
+    ``GRAPHKERN_BACKEND`` as the environment holds it (bytes on POSIX), or None."""
+    return _local.backend or _raw_backend_variable(_BACKEND_KEY)
+
+
 @contextlib.contextmanager
 def using_backend(backend: str | None) -> Iterator[None]:
     """Run this thread's kernels on ``backend`` for the duration (None: no change).
@@ -324,6 +330,14 @@ class Launch:
         """This launch's ``replayed`` forms, by thread ident."""
         return {}
 
+    def eager_form(self) -> Callable[..., list[mx.array]] | None:
+        """What an eager call of all-array inputs on this thread replays, outside traces: the
+        compiled custom function (``differentiable_launch``) or, inside ``without_vjp``, the
+        compiled plain launch; None until the first call built it."""
+        if vjp_enabled():
+            return self.differentiable_forms.get(_local.array_forms_key)
+        return self.replayed()
+
     def replayed(self) -> Callable[..., list[mx.array]] | None:
         """The plain launch of all-array inputs through ``mx.compile``, this thread's (see
         ``differentiable_launch`` for why one a thread), or None for the reference backend, whose
@@ -556,23 +570,32 @@ def validate(kernel: Kernel, inputs: object, output_specs: object, grid: object,
     Launch configurations that passed once are remembered (keyed by exact types, so ``8.0``
     never reuses the check of ``8``); the inputs are checked on every call.
     """
-    try:  # a launch seen before (only Kernels get there): its inputs are all that is left to check
+    if not isinstance(kernel, Kernel):
+        raise KernelError(APPLY, f"expected a graphkern Kernel, got {type(kernel).__name__}",
+                          Status.INVALID_KERNEL)
+    checked_inputs = _check_inputs(kernel, inputs)
+    return validated_launch(kernel, output_specs, grid, threadgroup, template, init_value,
+                            backend), checked_inputs
+
+
+def validated_launch(kernel: Kernel, output_specs: object, grid: object, threadgroup: object,
+                     template: object = (), init_value: object = None,
+                     backend: str | None = None) -> Launch:
+    """The launch configuration checked (inputs aside), or ``KernelError``; remembered, as in
+    ``validate``, so a configuration is checked once."""
+    try:  # a launch seen before
         key = _launch_key(kernel, output_specs, grid, threadgroup, template, init_value, backend)
         known = _VALIDATED.get(key)
     except (TypeError, ValueError, AttributeError, LookupError):  # malformed: take the slow path
         key = known = None
     if known is not None:
-        return known, _check_inputs(kernel, inputs)
-    if not isinstance(kernel, Kernel):
-        raise KernelError(APPLY, f"expected a graphkern Kernel, got {type(kernel).__name__}",
-                          Status.INVALID_KERNEL)
-    checked_inputs = _check_inputs(kernel, inputs)
+        return known
     launch = _validate_launch(kernel, output_specs, grid, threadgroup, template, init_value, backend)
     if key is not None:
         if len(_VALIDATED) >= _VALIDATED_MAX:
             _VALIDATED.clear()
         _VALIDATED[key] = launch
-    return launch, checked_inputs
+    return launch
 
 
 def _validate_launch(kernel: Kernel, output_specs: object, grid: object, threadgroup: object,
@@ -737,7 +760,7 @@ def apply(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence[OutputSp
     >>> apply(k, [x], [OutputSpec(x.shape, x.dtype)], grid=(4, 1, 1), threadgroup=(4, 1, 1))[0]
     array([0, 2, 4, 6], dtype=float32)
     """
-    try:  # validate's lookup of a known launch, inlined: a call frame is a tenth of the overhead
+    try:  # validated_launch's lookup, inlined: a call frame is a tenth of the overhead
         launch = _VALIDATED.get(_launch_key(kernel, output_specs, grid, threadgroup, template,
                                             init_value, backend))
     except (TypeError, ValueError, AttributeError, LookupError):
@@ -750,7 +773,7 @@ def apply(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence[OutputSp
         # a launch run before with all-array inputs, outside traces: what differentiable_launch
         # would call, called without its frames (a third of the overhead); inside without_vjp,
         # the plain launch, compiled too
-        if checked is inputs and _local.recorder is None:
+        if checked is inputs and _local.recorder is None:  # launch.eager_form(), inlined
             if vjp_enabled():
                 replay = launch.differentiable_forms.get(_local.array_forms_key)
             else:

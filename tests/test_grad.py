@@ -3,7 +3,7 @@
 On CPU kernels run their reference, which MLX differentiates as it is. A GPU launch (MLX's
 CustomKernel) has no vjp; graphkern runs it inside mx.custom_function. These tests force that path on
 CPU by making the "GPU" launch opaque to autodiff (its outputs under stop_gradient, as a CustomKernel
-is), so a gradient can only come from graphkern's wrapper.
+is: the ``opaque_gpu`` fixture of conftest.py), so a gradient can only come from graphkern's wrapper.
 """
 
 import threading
@@ -38,20 +38,6 @@ def assert_same_grads(expected, got, atol=1e-5):
     assert grads_e.keys() == grads_g.keys()
     for key in grads_e:
         assert mx.allclose(grads_e[key], grads_g[key], atol=atol, rtol=1e-4).item(), key
-
-
-@pytest.fixture
-def opaque_gpu(monkeypatch):
-    """Launches resolve to the CUDA backend and run the reference with no gradient through it."""
-    calls = []
-
-    def run_native(launch, inputs):
-        calls.append(launch.kernel.name)
-        return [mx.stop_gradient(o) for o in runtime.run_reference(launch, inputs)]
-
-    monkeypatch.setattr(runtime, "_run_native", run_native)
-    with runtime.using_backend("cuda"):
-        yield calls
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma", "mixtral"])

@@ -536,3 +536,24 @@ def test_eager_launches_from_several_threads() -> None:
     for seed, (*outs, x) in results.items():
         for i, out in enumerate(outs):
             np.testing.assert_allclose(out, x + i + 1, rtol=1e-6, err_msg=f"thread {seed}, call {i}")
+
+
+def test_a_bound_launch_replays_on_the_gpu_and_differentiates_through_the_reference() -> None:
+    """``gk.bind``: the configuration checked once; eager calls replay the compiled launch on new
+    inputs, ``mx.grad`` goes through the reference's vjp, ``without_vjp`` launches plain, and a
+    trace records the kernel node."""
+    spec = [gk.OutputSpec((4096,), mx.float32)]
+    bound = gk.bind(AFFINE, spec, grid=(4096, 1, 1), threadgroup=(256, 1, 1),
+                    template=[("T", mx.float32), ("N", 4096)], backend=BACKEND)
+    assert bound.launch.backend == BACKEND
+    xs = [_normal((4096,), seed=s) for s in range(3)]
+    for x in xs:
+        assert_close(bound(x), [x * 2 + 1], "bound launch")
+    grad = mx.grad(lambda v: (bound(v)[0] * v).sum())(xs[0])  # d/dv (2v + 1) v = 4v + 1
+    assert_close([grad], [xs[0] * 4 + 1], "gradient through a bound launch")
+    with gk.without_vjp():
+        for x in xs:
+            assert_close(bound(x), [x * 2 + 1], "bound launch without vjp")
+    graph = gk.trace(lambda v: bound(v)[0] + 1, xs[1])
+    assert graph.ok
+    check_kernel_node(graph, AFFINE)
