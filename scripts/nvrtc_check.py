@@ -10,6 +10,7 @@ checkout or bare mirror (``--mlx-src`` or ``$MLX_SRC``).
 
     python scripts/nvrtc_check.py            # every LIBRARY entry; exit status 1 if any fails
     python scripts/nvrtc_check.py softmax -d float16 -s 8192,4096 --print-source
+    python scripts/nvrtc_check.py --unique --memory   # plus global loads/stores by width (SASS)
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import importlib.util
 import math
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -352,6 +355,58 @@ def compile_plan(plan: Plan, **options: Any) -> Result:
     return compile_source(generate_plan(plan), dynamic_smem=plan.kernel.shared_memory, **options)
 
 
+# ----------------------------------------------------------------------------- memory accesses
+
+_ACCESS = re.compile(r"\b(LDG|STG)((?:\.[A-Z0-9:]+)*)")
+_WIDTHS = {"128": 128, "64": 64, "U16": 16, "S16": 16, "U8": 8, "S8": 8}
+
+
+_DISASSEMBLERS = "pip install nvidia-cuda-cuobjdump==13.* nvidia-cuda-nvdisasm==13.*"
+
+
+def cuobjdump() -> tuple[str, dict[str, str]]:
+    """cuobjdump and the environment it finds nvdisasm in: the nvidia-cuda-cuobjdump and
+    nvidia-cuda-nvdisasm wheels (site-packages/nvidia/cu13/bin), else PATH."""
+    for root in _wheel_roots():
+        tool, disasm = root / "bin" / "cuobjdump", root / "bin" / "nvdisasm"
+        if tool.exists() and disasm.exists():
+            return str(tool), {**os.environ, "NVDISASM_PATH": str(disasm.parent)}
+    found = shutil.which("cuobjdump")
+    if found is None or shutil.which("nvdisasm") is None:
+        raise RuntimeError(f"cuobjdump and nvdisasm not found: {_DISASSEMBLERS}")
+    return found, dict(os.environ)
+
+
+def global_accesses(sass: str) -> dict[str, dict[int, int]]:
+    """Global loads and stores in ``sass`` (cuobjdump's listing) counted by width in bits, e.g.
+    ``{"ld": {64: 4, 16: 55}, "st": {64: 4, 16: 5}}``: a vector path that should load 8 bytes at a
+    time but shows 2-byte loads was split by the compiler.
+
+    >>> global_accesses("LDG.E.64 R2, desc[UR4][R2.64] ; LDG.E.EF.128 R4 ; STG.E desc[UR4][R6.64], R9 ;")
+    {'ld': {64: 1, 128: 1}, 'st': {32: 1}}
+    """
+    counts: dict[str, dict[int, int]] = {"ld": {}, "st": {}}
+    for op, suffix in _ACCESS.findall(sass):
+        width = next((_WIDTHS[t] for t in suffix.split(".") if t in _WIDTHS), 32)
+        kind = counts["ld" if op == "LDG" else "st"]
+        kind[width] = kind.get(width, 0) + 1
+    return counts
+
+
+def accesses_text(cubin: bytes) -> str:
+    """``global_accesses`` of a CUBIN as ``ld 64x4 16x55 st 64x4 16x5`` (widest first)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        tool, env = cuobjdump()
+        done = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"cuobjdump failed: {done.stderr.strip()} ({_DISASSEMBLERS})")
+    sass = done.stdout
+    return " ".join(f"{kind} " + " ".join(f"{w}x{n}" for w, n in sorted(c.items(), reverse=True))
+                    for kind, c in global_accesses(sass).items())
+
+
 # ----------------------------------------------------------------------------- occupancy
 
 
@@ -428,7 +483,7 @@ _HEAD = (f"{'entry':<19}{'dtype':<9}{'shape':<17}{'template':<40}{'regs':>5}{'sp
          f"{'smem':>6}{'block':>6}{'blk/SM':>7}{'occ':>6}  status")
 
 
-def _row(v: Variant, r: Result) -> str:
+def _row(v: Variant, r: Result, memory: bool = False) -> str:
     shape = "x".join(map(str, v.shape))
     text = f"{v.entry:<19}{dtype_name(v.dtype):<9}{shape:<17}{_template_text(v.plan):<40}"
     if not (r.ok and r.registers is not None and r.spills is not None and r.smem is not None):
@@ -437,8 +492,9 @@ def _row(v: Variant, r: Result) -> str:
     blocks, occ = occupancy(r.registers, r.smem, block)
     spills = f"{r.spills[0]}/{r.spills[1]}"
     status = "ok (ptxas and the CUBIN disagree)" if "nvrtc_check:" in r.log else "ok"
-    return (f"{text}{r.registers:>5}{spills:>12}{r.stack:>6}{r.smem:>6}{block:>6}{blocks:>7}{occ:>6.0%}"
-            f"  {status}")
+    row = (f"{text}{r.registers:>5}{spills:>12}{r.stack:>6}{r.smem:>6}{block:>6}{blocks:>7}{occ:>6.0%}"
+           f"  {status}")
+    return f"{row}  {accesses_text(r.cubin)}" if memory else row
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -456,6 +512,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(an unpacked nvidia/cu13 of other nvidia-cuda-nvrtc/-runtime wheels)")
     parser.add_argument("--unique", action="store_true", help="one row per distinct compiled kernel")
     parser.add_argument("--print-source", action="store_true", help="print each generated .cu source")
+    parser.add_argument("--memory", action="store_true",
+                        help="add each kernel's global loads and stores by width in bits, from its SASS "
+                             f"(needs cuobjdump and nvdisasm: {_DISASSEMBLERS})")
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="compiles at a time")
     args = parser.parse_args(argv)
 
@@ -483,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     seen: set[Generated] = set()
     for v in todo:
         if not (args.unique and v.generated in seen):
-            print(_row(v, results[v.generated]))
+            print(_row(v, results[v.generated], args.memory))
             if args.print_source:
                 print(v.generated.source)
         seen.add(v.generated)
