@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh core     # conformance, NVRTC failures, precompiled kernels; gpu_core.py
 #   bash scripts/gpu_check.sh models   # patched mlx-lm models: gpu tests, then benchmarks/models.py
 #   bash scripts/gpu_check.sh bench    # the full kernel benchmark (all sizes)
-#   bash scripts/gpu_check.sh probes   # the latest probes: rope_offset.py, wide_rows.py, rms_pipelined.py
+#   bash scripts/gpu_check.sh probes   # the latest probes: rms_cache_hints.py, rms_pipelined.py, wide_rows.py
 #   bash scripts/gpu_check.sh tune     # launch-shape sweep of the row kernels (benchmarks/gpu_row_configs.py);
 #                                      # arguments after it go to the sweep: tune --kernels softmax --dtypes float32
 # Output goes to $OUT (the device tool brings it back) or ./gpu-results.
@@ -31,7 +31,7 @@ case "$part" in
   bench)
     python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels_full.json" 2>&1 | tee "$out/gpu_kernels_full.txt" ;;
   probes)
-    for probe in rope_offset wide_rows rms_pipelined; do
+    for probe in rms_cache_hints rms_pipelined wide_rows; do
       python3 "benchmarks/probes/$probe.py" 2>&1 | grep -v -i "warn" | tee "$out/$probe.txt"
     done ;;
   tune)
