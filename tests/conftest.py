@@ -4,6 +4,9 @@ stand-in GPU backend for the CPU (``opaque_gpu``)."""
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -43,3 +46,29 @@ def opaque_gpu(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     monkeypatch.setattr(runtime, "_run_native", run_native)
     with runtime.using_backend("cuda"):
         yield calls
+
+
+@pytest.fixture
+def two_live_threads() -> Callable[[Callable[[], Any]], tuple[list[Any], list[threading.Thread]]]:
+    """``run(work)`` calls ``work()`` in two threads that take turns (one lock) and are alive at
+    once (so their idents differ); returns the two results and the threads."""
+
+    def run(work: Callable[[], Any]) -> tuple[list[Any], list[threading.Thread]]:
+        results: list[Any] = []
+        lock, alive = threading.Lock(), threading.Barrier(2)
+
+        def worker() -> None:
+            try:
+                with lock:
+                    results.append(work())
+            finally:
+                alive.wait()
+
+        threads = [threading.Thread(target=worker) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results, threads
+
+    return run

@@ -1,8 +1,6 @@
 """Bound launches (``gk.bind``): the configuration checked once, each call checks its inputs and
 behaves as ``gk.apply`` outside traces and ``gk.apply_in_graph`` inside them."""
 
-import threading
-
 import mlx.core as mx
 import pytest
 from kernels_fixture import SCALE_ADD
@@ -92,22 +90,16 @@ def test_a_backend_chosen_after_binding_is_the_one_used(opaque_gpu):
     assert opaque_gpu.count("bound_backend") == 1
 
 
-def test_threads_each_replay_their_own_form_of_a_bound_launch(opaque_gpu):
+def test_threads_each_replay_their_own_form_of_a_bound_launch(opaque_gpu, two_live_threads):
     kernel = scaled_kernel("bound_threads")
     bound = gk.bind(kernel, SPEC[:1], grid=(8, 1, 1), threadgroup=(8, 1, 1))
-    results, lock, alive = [], threading.Lock(), threading.Barrier(2)
 
-    def worker():
-        with lock, runtime.using_backend("cuda"):  # the backend override is per thread
+    def work():
+        with runtime.using_backend("cuda"):  # the backend override is per thread
             x, s = mx.arange(8, dtype=mx.float32), mx.array(2.0)  # default streams are per thread
-            results.append([bound(x + i, s)[0].tolist() for i in range(3)])
-        alive.wait()  # both alive at once: distinct idents
+            return [bound(x + i, s)[0].tolist() for i in range(3)]
 
-    threads = [threading.Thread(target=worker) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results, threads = two_live_threads(work)
     assert results == [[((X + i) * 2).tolist() for i in range(3)]] * 2
     assert set(bound.launch.differentiable_forms) == {(t.ident, ()) for t in threads}
     assert opaque_gpu.count("bound_threads") == 2  # traced once a thread, replayed after

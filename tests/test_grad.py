@@ -213,25 +213,19 @@ def test_plain_launches_replay_eagerly_and_trace_themselves_under_export(opaque_
     assert "Multiply" in [e["name"] for e in events if e["type"] == "primitive"]
 
 
-def test_each_thread_replays_its_own_compiled_launch(opaque_gpu):
+def test_each_thread_replays_its_own_compiled_launch(opaque_gpu, two_live_threads):
     # MLX's compile cache is per thread and a compiled function erases its entries only from the
     # cache of its last caller: a form shared by two threads would leave a stale entry behind
     scale = scaling("threaded")
     x = mx.arange(4, dtype=mx.float32)
-    results, lock, alive = [], threading.Lock(), threading.Barrier(2)
 
-    def worker():
-        with lock, runtime.using_backend("cuda"):  # one at a time; the backend is per thread
+    def work():
+        with runtime.using_backend("cuda"):  # the backend override is per thread
             y = mx.arange(4, dtype=mx.float32)  # default streams are per thread: x is unevaluated
-            results.append([scale(y + i).tolist() for i in range(3)])
-        alive.wait()  # both alive at once, so their idents differ
+            return [scale(y + i).tolist() for i in range(3)]
 
     scale(x)
-    threads = [threading.Thread(target=worker) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results, threads = two_live_threads(work)
     assert results == [[((x + i) * 3).tolist() for i in range(3)]] * 2
     [launch] = [v for v in runtime._VALIDATED.values() if v.kernel.name == "threaded"]
     idents = {threading.get_ident(), *(t.ident for t in threads)}
