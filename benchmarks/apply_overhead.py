@@ -50,20 +50,40 @@ def main() -> None:
         obj = gk.kernel_cache.get(backend, KERNEL)
         direct = lambda: obj(inputs=[x, y], output_shapes=[x.shape], output_dtypes=[x.dtype],  # noqa: E731
                              grid=(1024, 1, 1), threadgroup=(256, 1, 1), template=template)
+    bound = gk.bind(KERNEL, spec, grid=(1024, 1, 1), threadgroup=(256, 1, 1), template=template)
     times = interleaved({
         "direct": direct,
         "gk.apply": lambda: gk.apply(KERNEL, [x, y], spec, grid=(1024, 1, 1),
                                      threadgroup=(256, 1, 1), template=template),
+        "gk.bind": lambda: bound(x, y),
         "gk.apply_in_graph": lambda: gk.apply_in_graph(KERNEL, [x, y], spec, grid=(1024, 1, 1),
                                                        threadgroup=(256, 1, 1), template=template),
     }, rounds=15, number=20_000)
     print(f"backend {backend}")
     for name, seconds in times.items():
         print(f"{name:>18}: {seconds * 1e6:7.2f} us/call")
-    for name in ("gk.apply", "gk.apply_in_graph"):
+    for name in ("gk.apply", "gk.bind", "gk.apply_in_graph"):
         print(f"{name} overhead: {(times[name] - times['direct']) * 1e6:.2f} us/call (target <= 2)")
     if backend == "reference":
         cuda_path_with_a_stand_in(x, y, spec, template)
+    library_layer()
+
+
+def library_layer() -> None:
+    """A library layer call (``gkk.rms_norm``: its launch plan, then ``gk.apply``) against
+    ``mx.fast.rms_norm``, one decoding step's row; and the plan alone."""
+    import graphkern.kernels as gkk
+    from graphkern.kernels.ops.rms_norm import plan_rms_norm
+
+    x, w = mx.ones((1, 4096)), mx.ones((4096,))
+    times = interleaved({
+        "mx.fast.rms_norm": lambda: mx.fast.rms_norm(x, w, 1e-5),
+        "gkk.rms_norm": lambda: gkk.rms_norm(x, w, 1e-5),
+        "its plan": lambda: plan_rms_norm(x, w, 1e-5),
+    }, rounds=15, number=20_000)
+    print("library layer, one row of 4096 (graph building only)")
+    for name, seconds in times.items():
+        print(f"{name:>18}: {seconds * 1e6:7.2f} us/call")
 
 
 def cuda_path_with_a_stand_in(x: mx.array, y: mx.array, spec: list[gk.OutputSpec], template: Any) -> None:

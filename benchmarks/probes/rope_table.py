@@ -20,7 +20,7 @@ import mlx.core as mx
 from gpu_kernels import _gpu_time
 from gpu_row_configs import on_first_input
 
-from graphkern.kernels._base import Plan, run
+from graphkern.kernels._base import Plan, float_bits, run
 from graphkern.kernels._headers import dual_header
 from graphkern.kernels.ops import rope as R
 from graphkern.nodes import Kernel, OutputSpec, TemplateArg
@@ -107,7 +107,7 @@ def table_plan(length: int, offset: int, scale: float, dims: int) -> Plan:
         (OutputSpec((length, half, 2), mx.float32),),
         (length * half, 1, 1),
         (BLOCK, 1, 1),
-        (TemplateArg.int("SCALE", R.float_bits(scale)),),
+        (TemplateArg.int("SCALE", float_bits(scale)),),
     )
 
 

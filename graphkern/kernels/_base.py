@@ -123,6 +123,28 @@ def check_grid(op: str, threads: int) -> None:
                           Status.INVALID_LAUNCH)
 
 
+# ----------------------------------------------------------------------------- plan parts
+# A layer function builds its plan on every eager call; these immutable parts are made once.
+
+
+@functools.lru_cache(maxsize=1024, typed=True)  # typed: True and 1 are different arguments
+def template_arg(name: str, value: mx.Dtype | int | bool) -> TemplateArg:
+    """``TemplateArg(name, value)``, made once per name and value.
+
+    >>> template_arg("V", 4) is template_arg("V", 4)
+    True
+    >>> template_arg("B", True).value, template_arg("B", 1).value   # not one cache entry
+    (True, 1)
+    """
+    return TemplateArg(name, value)
+
+
+@functools.lru_cache(maxsize=1024)
+def output_spec(shape: tuple[int, ...], dtype: mx.Dtype) -> OutputSpec:
+    """``OutputSpec(shape, dtype)``, made once per shape and dtype."""
+    return OutputSpec(shape, dtype)
+
+
 # ----------------------------------------------------------------------------- launch sizes
 
 
@@ -151,11 +173,12 @@ class RowConfig:
     vector: int
     chunks: int  # 0: the row does not fit in registers and is streamed
 
-    def template(self) -> list[TemplateArg]:
-        return [TemplateArg.int("NT", self.threads), TemplateArg.int("V", self.vector),
-                TemplateArg.int("CH", self.chunks)]
+    def template(self) -> tuple[TemplateArg, ...]:
+        return (template_arg("NT", self.threads), template_arg("V", self.vector),
+                template_arg("CH", self.chunks))
 
 
+@functools.lru_cache(maxsize=1024)
 def row_config(n: int, dtype: mx.Dtype, *, vector: int = 4, items: int = 16, streamed: bool = False,
                max_threads: int = MAX_THREADS) -> RowConfig:
     """How a one-block-per-row kernel spreads a row of ``n`` elements of ``dtype``: ``vector``-element
@@ -219,7 +242,18 @@ def eps_template(eps: float, op: str) -> TemplateArg:
     """``eps`` validated, as the ``EPS`` template argument (its float32 bits)."""
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not math.isfinite(eps) or eps < 0:
         raise KernelError(op, f"eps must be a finite number >= 0, got {eps!r}", Status.INVALID_INPUT)
-    return TemplateArg.int("EPS", float_bits(eps))
+    return float_template("EPS", float(eps))
+
+
+@functools.lru_cache(maxsize=1024)
+def float_template(name: str, value: float) -> TemplateArg:
+    """An int template argument holding ``value``'s float32 bits, made once per value (a Python
+    float: the callers check their numbers first).
+
+    >>> float_template("EPS", 1.0).value == float_bits(1.0)
+    True
+    """
+    return template_arg(name, float_bits(value))
 
 
 @functools.lru_cache(maxsize=16)

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._base import Plan, elementwise_config
-from graphkern.nodes import Kernel, OutputSpec, TemplateArg
+from graphkern.kernels._base import Plan, elementwise_config, output_spec, template_arg
+from graphkern.nodes import Kernel, TemplateArg
 
 __all__ = ["cuda_map_body", "metal_map_body", "plan_elementwise"]
 
@@ -38,5 +38,5 @@ def plan_elementwise(op: str, kernel: Kernel, inputs: Sequence[mx.array],
     x = inputs[0]
     flat = [a.reshape(1) if a.ndim == 0 else a for a in inputs]
     v, grid, group = elementwise_config(op, x.size, x.dtype)
-    template = (TemplateArg.dtype("T", x.dtype), TemplateArg.int("V", v), *extra)
-    return Plan(kernel, tuple(flat), (OutputSpec(flat[0].shape, x.dtype),), grid, group, template)
+    template = (template_arg("T", x.dtype), template_arg("V", v), *extra)
+    return Plan(kernel, tuple(flat), (output_spec(flat[0].shape, x.dtype),), grid, group, template)

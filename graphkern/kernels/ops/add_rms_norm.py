@@ -16,11 +16,12 @@ from graphkern.kernels._base import (
     LibraryEntry,
     Plan,
     check_dtype,
+    output_spec,
     run,
 )
 from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.kernels.ops.rms_norm import RMS_CUDA, RMS_METAL, rms_launch, rms_norm_reference
-from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, dtype_name
+from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
 __all__ = ["ADD_RMS_NORM", "add_rms_norm", "add_rms_norm_reference", "plan_add_rms_norm"]
 
@@ -101,7 +102,7 @@ def plan_add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array | None =
         raise KernelError(op, f"dtype mismatch: residual is {dtype_name(residual.dtype)} but x is "
                           f"{dtype_name(x.dtype)}", Status.INVALID_INPUT)
     grid, group, w, template = rms_launch(op, x, weight, eps)
-    spec = OutputSpec(x.shape, x.dtype)
+    spec = output_spec(x.shape, x.dtype)
     return Plan(ADD_RMS_NORM, (x, residual, w), (spec, spec), grid, group, template)
 
 

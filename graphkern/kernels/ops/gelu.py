@@ -9,10 +9,10 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern.kernels._base import Case, LibraryEntry, Plan, check_dtype, run
+from graphkern.kernels._base import Case, LibraryEntry, Plan, check_dtype, run, template_arg
 from graphkern.kernels._elementwise import cuda_map_body, metal_map_body, plan_elementwise
 from graphkern.kernels._headers import dual_header
-from graphkern.nodes import Kernel, TemplateArg
+from graphkern.nodes import Kernel
 
 __all__ = ["GELU", "gelu", "gelu_reference", "plan_gelu"]
 
@@ -83,7 +83,7 @@ def plan_gelu(x: mx.array, approx: bool = False) -> Plan:
     if isinstance(x, mx.array) and x.ndim == 0:
         x = x.reshape(1)
     check_dtype(op, x)
-    return plan_elementwise(op, GELU, [x], [TemplateArg.bool("APPROX", bool(approx))])
+    return plan_elementwise(op, GELU, [x], [template_arg("APPROX", bool(approx))])
 
 
 def gelu(x: mx.array, approx: bool = False) -> mx.array:

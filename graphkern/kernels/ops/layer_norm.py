@@ -20,13 +20,15 @@ from graphkern.kernels._base import (
     check_vector,
     eps_template,
     float_from_bits,
+    output_spec,
     row_config,
     row_launch,
     run,
+    template_arg,
     unused_input,
 )
 from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
-from graphkern.nodes import Kernel, OutputSpec, TemplateArg
+from graphkern.nodes import Kernel
 
 __all__ = ["LAYER_NORM", "layer_norm", "layer_norm_reference", "plan_layer_norm"]
 
@@ -167,10 +169,10 @@ def plan_layer_norm(x: mx.array, weight: mx.array | None = None, bias: mx.array 
     cfg = row_config(n, x.dtype, items=32)  # two reductions a row: fewer, fuller threads win
     grid, group = row_launch(op, x, cfg)
     unused = unused_input(x.dtype)
-    template = [TemplateArg.dtype("T", x.dtype), *cfg.template(), eps_template(eps, op),
-                TemplateArg.bool("HAS_W", weight is not None), TemplateArg.bool("HAS_B", bias is not None)]
+    template = [template_arg("T", x.dtype), *cfg.template(), eps_template(eps, op),
+                template_arg("HAS_W", weight is not None), template_arg("HAS_B", bias is not None)]
     inputs = (x, weight if weight is not None else unused, bias if bias is not None else unused)
-    return Plan(LAYER_NORM, inputs, (OutputSpec(x.shape, x.dtype),), grid, group, tuple(template))
+    return Plan(LAYER_NORM, inputs, (output_spec(x.shape, x.dtype),), grid, group, tuple(template))
 
 
 def layer_norm(x: mx.array, weight: mx.array | None = None, bias: mx.array | None = None,

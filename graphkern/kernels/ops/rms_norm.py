@@ -19,13 +19,15 @@ from graphkern.kernels._base import (
     check_vector,
     eps_template,
     float_from_bits,
+    output_spec,
     row_config,
     row_launch,
     run,
+    template_arg,
     unused_input,
 )
 from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
-from graphkern.nodes import Kernel, OutputSpec, TemplateArg
+from graphkern.nodes import Kernel, TemplateArg
 
 __all__ = ["RMS_CUDA", "RMS_NORM", "plan_rms_norm", "rms_launch", "rms_norm", "rms_norm_reference"]
 
@@ -135,7 +137,7 @@ def plan_rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1e-5
     op = "rms_norm"
     check_dtype(op, x)
     grid, group, w, template = rms_launch(op, x, weight, eps)
-    return Plan(RMS_NORM, (x, w), (OutputSpec(x.shape, x.dtype),), grid, group, template)
+    return Plan(RMS_NORM, (x, w), (output_spec(x.shape, x.dtype),), grid, group, template)
 
 
 Dim3 = tuple[int, int, int]
@@ -150,8 +152,8 @@ def rms_launch(op: str, x: mx.array, weight: mx.array | None,
     cfg = row_config(x.shape[-1], x.dtype)
     grid, group = row_launch(op, x, cfg)
     w = weight if weight is not None else unused_input(x.dtype)
-    template = (TemplateArg.dtype("T", x.dtype), *cfg.template(), eps_template(eps, op),
-                TemplateArg.bool("HAS_W", weight is not None))
+    template = (template_arg("T", x.dtype), *cfg.template(), eps_template(eps, op),
+                template_arg("HAS_W", weight is not None))
     return grid, group, w, template
 
 

@@ -22,13 +22,15 @@ from graphkern.kernels._base import (
     LibraryEntry,
     Plan,
     check_dtype,
-    float_bits,
     float_from_bits,
+    float_template,
+    output_spec,
     run,
+    template_arg,
     vector_width,
 )
 from graphkern.kernels._headers import dual_header
-from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg
+from graphkern.nodes import Kernel, KernelError, Status
 from graphkern.runtime import active_backend
 
 __all__ = ["ROPE", "plan_rope", "rope", "rope_reference"]
@@ -343,13 +345,13 @@ def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float 
     if threads > MAX_GRID:
         raise KernelError(op, f"input too large: {threads} threads exceed MLX's int32 grid",
                           Status.INVALID_LAUNCH)
-    template = [TemplateArg.dtype("T", x.dtype), TemplateArg.int("V", v),
-                TemplateArg.bool("TRADITIONAL", bool(traditional)), TemplateArg.bool("PER_BATCH", per_batch),
-                TemplateArg.bool("SHAPED_OFFSET", shaped),
-                TemplateArg.int("SCALE", float_bits(scale)), TemplateArg.int("R", rows_each),
-                TemplateArg.int("TW", tail)]
+    template = [template_arg("T", x.dtype), template_arg("V", v),
+                template_arg("TRADITIONAL", bool(traditional)), template_arg("PER_BATCH", per_batch),
+                template_arg("SHAPED_OFFSET", shaped),
+                float_template("SCALE", float(scale)), template_arg("R", rows_each),
+                template_arg("TW", tail)]
     inputs = (x, off, inverse_frequencies(dims, base, freqs))
-    return Plan(ROPE, inputs, (OutputSpec(x.shape, x.dtype),), (threads, 1, 1), (BLOCK, 1, 1),
+    return Plan(ROPE, inputs, (output_spec(x.shape, x.dtype),), (threads, 1, 1), (BLOCK, 1, 1),
                 tuple(template))
 
 

@@ -15,9 +15,19 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._base import Case, LibraryEntry, Plan, check_dtype, row_config, row_launch, run
+from graphkern.kernels._base import (
+    Case,
+    LibraryEntry,
+    Plan,
+    check_dtype,
+    output_spec,
+    row_config,
+    row_launch,
+    run,
+    template_arg,
+)
 from graphkern.kernels._headers import dual_header
-from graphkern.nodes import Kernel, OutputSpec, TemplateArg
+from graphkern.nodes import Kernel
 from graphkern.runtime import active_backend
 
 __all__ = ["SOFTMAX", "in_shared_memory", "plan_softmax", "shared_row_bytes", "softmax", "softmax_reference"]
@@ -240,8 +250,8 @@ def _plan(x: mx.array, shared: bool) -> Plan:
         cfg = row_config(n, x.dtype, vector=vector, items=64 // x.dtype.size, streamed=True, max_threads=1024)
         kernel = SOFTMAX
     grid, group = row_launch("softmax", x, cfg)
-    template = (TemplateArg.dtype("T", x.dtype), *cfg.template(), TemplateArg.bool("SHARED", shared))
-    return Plan(kernel, (x,), (OutputSpec(x.shape, x.dtype),), grid, group, template)
+    template = (template_arg("T", x.dtype), *cfg.template(), template_arg("SHARED", shared))
+    return Plan(kernel, (x,), (output_spec(x.shape, x.dtype),), grid, group, template)
 
 
 def softmax(x: mx.array) -> mx.array:
