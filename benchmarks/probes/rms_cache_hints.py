@@ -64,7 +64,7 @@ __device__ __forceinline__ void store_hinted(void* p, const R& value) {
 }  // namespace gk
 """
 
-ROW_LOAD = "r[c] = *reinterpret_cast<const Vec<T, V>*>(src + i);"
+ROW_LOAD = "r[c] = load_vec<T, V>(src + i);"
 OUT_STORE = "store<T, V>(out, i, o);"
 
 VARIANTS = {  # name: (load instruction, store instruction), without the vector suffix

@@ -56,10 +56,30 @@ __device__ __forceinline__ Vec<T, V> pack(const float (&in)[V]) {
   return t;
 }
 
+// The V elements at p (aligned to V elements) in one vector load. A Vec read element by element
+// may be split into V scalar loads (NVRTC does so for 16-bit T and for float), so it travels as the
+// builtin vector type of its size: one LDG.64 or LDG.128, the elements unpacked in registers.
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> load_vec(const T* p) {
+  constexpr int bytes = sizeof(Vec<T, V>);
+  if constexpr (bytes == 16) {
+    const uint4 b = *reinterpret_cast<const uint4*>(p);
+    return *reinterpret_cast<const Vec<T, V>*>(&b);
+  } else if constexpr (bytes == 8) {
+    const uint2 b = *reinterpret_cast<const uint2*>(p);
+    return *reinterpret_cast<const Vec<T, V>*>(&b);
+  } else if constexpr (bytes == 4) {
+    const unsigned int b = *reinterpret_cast<const unsigned int*>(p);
+    return *reinterpret_cast<const Vec<T, V>*>(&b);
+  } else {
+    return *reinterpret_cast<const Vec<T, V>*>(p);
+  }
+}
+
 // V elements starting at element i (i % V == 0; p aligned to V elements) as floats.
 template <typename T, int V>
 __device__ __forceinline__ void load(const T* p, long long i, float (&out)[V]) {
-  unpack<T, V>(*reinterpret_cast<const Vec<T, V>*>(p + i), out);
+  unpack<T, V>(load_vec<T, V>(p + i), out);
 }
 
 template <typename T, int V>
@@ -150,7 +170,7 @@ struct Row {
   __device__ __forceinline__ void read(F&& f) {
     each([&](int c, long long i) {
       float v[V];
-      r[c] = *reinterpret_cast<const Vec<T, V>*>(src + i);
+      r[c] = load_vec<T, V>(src + i);
       unpack<T, V>(r[c], v);
       f(v, i);
     });
@@ -207,7 +227,7 @@ __device__ __forceinline__ void map(T* out, long long n, F f, const In*... in) {
         o[j] = f(static_cast<float>(vs.v[j])...);
       }
     };
-    apply(*reinterpret_cast<const Vec<In, V>*>(in + i)...);
+    apply(load_vec<In, V>(in + i)...);
     store<T, V>(out, i, o);
   } else {
 #pragma unroll
