@@ -214,8 +214,8 @@ def row_launch(op: str, x: mx.array, cfg: RowConfig) -> tuple[tuple[int, int, in
 def elementwise_config(op: str, n: int, dtype: mx.Dtype, block: int = 128) -> tuple[int, tuple[int, int, int],
                                                                                      tuple[int, int, int]]:
     """(V, grid, threadgroup) for an elementwise kernel: one thread per 16-byte vector, in blocks of
-    128 (float32 SwiGLU on an H200: 366.9 us at 128, 370.3 at 256, 400.2 at 1024 for 16384x8192;
-    benchmarks/probes/wide_rows.py)."""
+    ``block`` (128: GELU on an H200, float32 8192x4096: 67.7 us at 128, 73.4 at 1024; bfloat16 SwiGLU:
+    49.4 us at 128, 53.7 at 1024; benchmarks/probes/wide_rows.py, RESULTS_kernels.md step 15)."""
     v = vector_width(n, dtype)
     threads = n // v
     check_grid(op, threads)

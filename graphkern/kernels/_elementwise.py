@@ -33,10 +33,11 @@ def metal_map_body(inputs: Sequence[str], expr: str) -> str:
 
 
 def plan_elementwise(op: str, kernel: Kernel, inputs: Sequence[mx.array],
-                     extra: Sequence[TemplateArg] = ()) -> Plan:
-    """One thread per V-element vector of ``inputs[0]`` (all inputs of the same shape and dtype)."""
+                     extra: Sequence[TemplateArg] = (), block: int = 128) -> Plan:
+    """One thread per V-element vector of ``inputs[0]`` (all inputs of the same shape and dtype), in
+    threadgroups of ``block``."""
     x = inputs[0]
     flat = [a.reshape(1) if a.ndim == 0 else a for a in inputs]
-    v, grid, group = elementwise_config(op, x.size, x.dtype)
+    v, grid, group = elementwise_config(op, x.size, x.dtype, block)
     template = (template_arg("T", x.dtype), template_arg("V", v), *extra)
     return Plan(kernel, tuple(flat), (output_spec(flat[0].shape, x.dtype),), grid, group, template)

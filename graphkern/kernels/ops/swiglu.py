@@ -45,7 +45,9 @@ def plan_swiglu(gate: mx.array, up: mx.array) -> Plan:
     if gate.dtype != up.dtype:
         raise KernelError(op, f"dtype mismatch: gate is {dtype_name(gate.dtype)} but up is "
                           f"{dtype_name(up.dtype)}", Status.INVALID_INPUT)
-    return plan_elementwise(op, SWIGLU, [gate, up])
+    # float32 in blocks of 1024, as MLX's compiled kernels launch: 364.7 us against 368.4 at 128 for
+    # 16384x8192 on an H200, level with the compiled nn.silu(g) * u's 366.6 (RESULTS_kernels step 15).
+    return plan_elementwise(op, SWIGLU, [gate, up], block=1024 if gate.dtype.size == 4 else 128)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
