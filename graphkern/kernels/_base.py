@@ -179,20 +179,21 @@ class RowConfig:
 
 
 @functools.lru_cache(maxsize=1024)
-def row_config(n: int, dtype: mx.Dtype, *, vector: int = 4, items: int = 16, streamed: bool = False,
+def row_config(n: int, dtype: mx.Dtype, *, vector: int = 8, items: int = 16, streamed: bool = False,
                max_threads: int = MAX_THREADS) -> RowConfig:
     """How a one-block-per-row kernel spreads a row of ``n`` elements of ``dtype``: ``vector``-element
     accesses, about ``items`` elements a thread (so ``n / items`` threads, 32 to ``max_threads``), kept
     in registers up to ``MAX_ROW_ITEMS``, else (or when ``streamed``) read from memory in a loop
     (``chunks == 0``). The defaults are what the norms ran fastest with on an H200 across float32 and
-    bfloat16 rows of 4096 and 16384 (``benchmarks/gpu_row_configs.py``, RESULTS_kernels.md).
+    16-bit rows of 4096 and 16384 (``benchmarks/gpu_row_configs.py``, RESULTS_kernels.md): 16-byte
+    vectors, which beat 8-byte ones by 1-7% once a vector is loaded whole (``gk::load_vec``).
 
     >>> row_config(4096, mx.float32)
     RowConfig(threads=256, vector=4, chunks=4)
-    >>> row_config(4096, mx.bfloat16)   # 8-byte accesses: 16-byte ones were slower for 16-bit rows
-    RowConfig(threads=256, vector=4, chunks=4)
+    >>> row_config(4096, mx.bfloat16)   # 16-byte accesses: 8 elements
+    RowConfig(threads=256, vector=8, chunks=2)
     >>> row_config(16384, mx.float16)   # 512 threads: 32 elements a thread
-    RowConfig(threads=512, vector=4, chunks=8)
+    RowConfig(threads=512, vector=8, chunks=4)
     >>> row_config(50000, mx.float16).chunks   # too long for registers: streamed
     0
     """
