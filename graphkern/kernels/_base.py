@@ -186,7 +186,7 @@ def row_config(n: int, dtype: mx.Dtype, *, vector: int = 8, items: int = 16, str
     in registers up to ``MAX_ROW_ITEMS``, else (or when ``streamed``) read from memory in a loop
     (``chunks == 0``). The defaults are what the norms ran fastest with on an H200 across float32 and
     16-bit rows of 4096 and 16384 (``benchmarks/gpu_row_configs.py``, RESULTS_kernels.md): 16-byte
-    vectors, which beat 8-byte ones by 1-7% once a vector is loaded whole (``gk::load_vec``).
+    vectors, which beat 8-byte ones by 2-8% once a vector is loaded whole (``gk::load_vec``).
 
     >>> row_config(4096, mx.float32)
     RowConfig(threads=256, vector=4, chunks=4)
