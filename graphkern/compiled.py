@@ -7,6 +7,7 @@ updates are seen; run failures are attributed to their kernel node.
 
 from __future__ import annotations
 
+import operator
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,16 +51,18 @@ class _KernelSlots:
 
     def __init__(self, slots: list[tuple[Any, _Path, Kernel]]):
         self.slots = slots  # (root, path from it, the kernel found there)
+        # each slot as (read, argument, kernel), read(argument) giving what sits there now: one C
+        # call for the usual one-step places (a global, a closure cell), which every steady call
+        # of a compiled graph checks
+        self._reads = [_one_step_read(root, path) + (kernel,) for root, path, kernel in slots]
 
     def changed(self) -> bool:
-        for value, path, kernel in self.slots:
-            try:
-                for key, attribute in path:  # read afresh: a container replaced is seen too
-                    value = getattr(value, key) if attribute else value[key]
-            except Exception:  # the place is gone (a key deleted, an attribute removed)
-                return True
-            if value is not kernel:
-                return True
+        try:
+            for read, argument, kernel in self._reads:
+                if read(argument) is not kernel:
+                    return True
+        except Exception:  # the place is gone (a key deleted, an attribute removed)
+            return True
         return False
 
     @classmethod
@@ -122,6 +125,22 @@ class _KernelSlots:
         if not isinstance(fn, nn.Module):
             visit_function(fn)
         return cls(slots)
+
+
+def _one_step_read(root: Any, path: _Path) -> tuple[Callable[[Any], Any], Any]:
+    """``(read, argument)`` with ``read(argument)`` the value at ``path`` from ``root``, read
+    afresh on every call (a container replaced on the way is seen too)."""
+    if len(path) == 1:
+        (key, attribute), = path
+        return (operator.attrgetter(key), root) if attribute else (root.__getitem__, key)
+    return _walk, (root, path)
+
+
+def _walk(place: tuple[Any, _Path]) -> Any:
+    value, path = place
+    for key, attribute in path:
+        value = getattr(value, key) if attribute else value[key]
+    return value
 
 
 def _array_signature(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -368,8 +387,12 @@ class CompiledGraph:
         graph, spec = self._entry(flat, key)
         compiled = self._compiled.get(key[0])
         if compiled is None:
+            state = self._state
+            # nothing to capture (no module, no closure arrays): MLX need not walk an empty
+            # state tree on every call (0.25 us of a 1.5 us compiled call on CPU)
             compiled = self._compiled[key[0]] = mx.compile(
-                self._run_flat, inputs=self._state.containers)
+                self._run_flat, inputs=state.containers) if state.roots or state.cells else \
+                mx.compile(self._run_flat)
         return _Prepared(key, flat, graph, spec, compiled, self._slots[key])
 
     def _run_compiled(self, compiled: Callable[..., Any], arrays: list[mx.array]) -> list[mx.array]:
