@@ -269,6 +269,34 @@ def test_a_kernel_swapped_on_a_module_runs_the_new_source() -> None:
     assert cf.graph.node("net_axpy")["source_hash"] == net.kernel.source_hash
 
 
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = KernelNet()
+        self.table = {"scale": [_kernel("nested_axpy", 3.0)]}
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = self.inner(x)
+        return call(self.table["scale"][0], h.reshape(-1), h.reshape(-1)).reshape(h.shape)
+
+
+def test_kernels_deep_in_a_module_tree_are_watched_and_a_removed_place_retraces() -> None:
+    """A kernel several steps from the root (a child module's attribute, an item of a list in a
+    dict) is read afresh on every steady call; a place that is gone makes the call trace again."""
+    outer = Outer()
+    x = mx.ones((2, N))
+    cf = gk.compile(outer)
+    assert mx.allclose(cf(x), outer(x)).item() and mx.allclose(cf(x), outer(x)).item()
+    outer.inner.kernel = _kernel("net_axpy", -5.0)
+    outer.table["scale"] = [_kernel("nested_axpy", 0.5)]  # the list itself replaced
+    assert mx.allclose(cf(x), outer(x)).item()
+    assert cf.graph.node("nested_axpy")["source_hash"] == outer.table["scale"][0].source_hash
+    del outer.table["scale"]
+    with pytest.raises(gk.KernelError, match="Outer raised KeyError") as info:  # traced again
+        cf(x)
+    assert info.value.status == gk.Status.MODULE_ERROR
+
+
 # ----------------------------------------------------------------------------- any order of calls
 
 _ROWS = st.sampled_from([2, 4, 3, 5])  # 3: an invalid launch, 5: the module raises
