@@ -13,7 +13,8 @@ For each kernel at large sizes, the library kernel and its mx.fast / stock MLX e
 Ratios are stock / ours (> 1: the library kernel is faster); GB/s counts the bytes each kernel must
 read and write once. Medians over repeats after warm-up.
 
-    python benchmarks/gpu_kernels.py [--json out.json] [--quick]
+    python benchmarks/gpu_kernels.py [--json out.json] [--quick] [--kernels swiglu,gelu]
+                                     [--dtypes float32]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import graphkern.kernels as gkk
+
+Wanted = Callable[[str], bool]  # is this kernel to be measured?
 
 CHAIN = 10
 REPEATS = 9
@@ -139,7 +142,7 @@ def _bench(name: str, shape: tuple[int, ...], dtype: mx.Dtype, nbytes: int, ours
                nbytes / g_stock / copy_bps, w_ours * 1e6, w_stock * 1e6, w_stock / w_ours, stock_name)
 
 
-def _row_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float) -> list[Row]:
+def _row_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float, wanted: Wanted) -> list[Row]:
     n, size = shape[0] * shape[1], dt.size
     x = mx.random.normal(shape, key=mx.random.key(0)).astype(dt)
     r = mx.random.normal(shape, key=mx.random.key(1)).astype(dt)
@@ -151,28 +154,33 @@ def _row_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float) -> list[
         h = s[0] + s[1]
         return h, mx.fast.rms_norm(h, w, 1e-5)
 
-    return [
-        _bench("rms_norm", shape, dt, 2 * n * size, lambda a: gkk.rms_norm(a, w, 1e-5),
-               lambda a: mx.fast.rms_norm(a, w, 1e-5), x, "mx.fast.rms_norm", copy_bps),
-        _bench("layer_norm", shape, dt, 2 * n * size, lambda a: gkk.layer_norm(a, w, b, 1e-5),
-               lambda a: mx.fast.layer_norm(a, w, b, 1e-5), x, "mx.fast.layer_norm", copy_bps),
-        _bench("add_rms_norm", shape, dt, 4 * n * size, lambda s: gkk.add_rms_norm(s[0], s[1], w, 1e-5),
-               add_norm_stock, (x, r), "x + r; mx.fast.rms_norm", copy_bps),
-        _bench("softmax", shape, dt, 2 * n * size, gkk.softmax, lambda a: mx.softmax(a, axis=-1), x,
-               "mx.softmax", copy_bps),
-        _bench("swiglu", shape, dt, 3 * n * size, lambda s: (gkk.swiglu(s[0], s[1]), s[1]),
-               lambda s: (nn.silu(s[0]) * s[1], s[1]), (x, r), "nn.silu(g) * u (compiled)", copy_bps),
-        _bench("gelu", shape, dt, 2 * n * size, gkk.gelu, nn.gelu, x, "nn.gelu (compiled)", copy_bps),
-        _bench("gelu_approx", shape, dt, 2 * n * size, lambda a: gkk.gelu(a, approx=True), nn.gelu_approx, x,
-               "nn.gelu_approx (compiled)", copy_bps),
+    # (name, tensors moved, ours, stock, input, stock's label)
+    cases: list[tuple[str, int, Callable[[Any], Any], Callable[[Any], Any], Any, str]] = [
+        ("rms_norm", 2, lambda a: gkk.rms_norm(a, w, 1e-5), lambda a: mx.fast.rms_norm(a, w, 1e-5), x,
+         "mx.fast.rms_norm"),
+        ("layer_norm", 2, lambda a: gkk.layer_norm(a, w, b, 1e-5),
+         lambda a: mx.fast.layer_norm(a, w, b, 1e-5), x, "mx.fast.layer_norm"),
+        ("add_rms_norm", 4, lambda s: gkk.add_rms_norm(s[0], s[1], w, 1e-5), add_norm_stock, (x, r),
+         "x + r; mx.fast.rms_norm"),
+        ("softmax", 2, gkk.softmax, lambda a: mx.softmax(a, axis=-1), x, "mx.softmax"),
+        ("swiglu", 3, lambda s: (gkk.swiglu(s[0], s[1]), s[1]),
+         lambda s: (nn.silu(s[0]) * s[1], s[1]), (x, r), "nn.silu(g) * u (compiled)"),
+        ("gelu", 2, gkk.gelu, nn.gelu, x, "nn.gelu (compiled)"),
+        ("gelu_approx", 2, lambda a: gkk.gelu(a, approx=True), nn.gelu_approx, x,
+         "nn.gelu_approx (compiled)"),
     ]
+    return [_bench(name, shape, dt, moved * n * size, ours, stock, init, label, copy_bps)
+            for name, moved, ours, stock, init, label in cases if wanted(name)]
 
 
-def _rope_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float) -> list[Row]:
+def _rope_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float, wanted: Wanted) -> list[Row]:
     x = mx.random.normal(shape, key=mx.random.key(0)).astype(dt)
     mx.eval(x)
     rows = []
     for trad in (False, True):
+        name = "rope" + ("_traditional" if trad else "")
+        if not wanted(name):
+            continue
 
         def ours(a: mx.array, t: bool = trad) -> mx.array:
             return gkk.rope(a, 128, traditional=t, base=10000.0, offset=5)
@@ -180,9 +188,13 @@ def _rope_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float) -> list
         def stock(a: mx.array, t: bool = trad) -> mx.array:
             return mx.fast.rope(a, 128, traditional=t, base=10000.0, scale=1.0, offset=5)
 
-        rows.append(_bench("rope" + ("_traditional" if trad else ""), shape, dt, 2 * x.size * dt.size, ours,
-                           stock, x, "mx.fast.rope", copy_bps))
+        rows.append(_bench(name, shape, dt, 2 * x.size * dt.size, ours, stock, x, "mx.fast.rope", copy_bps))
     return rows
+
+
+ROW_KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "softmax", "swiglu", "gelu", "gelu_approx")
+ROPE_KERNELS = ("rope", "rope_traditional")
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 HEADER = (f"{'kernel':<17}{'shape':<18}{'dtype':<10}{'ours us':>9}{'stock us':>10}{'stock/ours':>11}"
@@ -197,24 +209,43 @@ def format_row(r: dict[str, Any]) -> str:
             f"{r['wall_speedup']:>10.2f}x  {r['stock']}")
 
 
-def run(quick: bool = False, progress: bool = False) -> dict[str, Any]:
-    """Measure everything; with ``progress`` print each row as soon as it is measured (a run cut
-    short by a time limit still shows what it got)."""
+def selection(kernels: Sequence[str] | None, dtypes: Sequence[str] | None) -> tuple[set[str], list[mx.Dtype]]:
+    """The kernel names and dtypes to measure (None: all); ValueError names what is unknown.
+
+    >>> selection(["swiglu"], ["float32"])
+    ({'swiglu'}, [mlx.core.float32])
+    """
+    names = set(ROW_KERNELS + ROPE_KERNELS if kernels is None else kernels)
+    for given, known, what in ((names, ROW_KERNELS + ROPE_KERNELS, "kernels"),
+                               (set(dtypes or ()), tuple(DTYPES), "dtypes")):
+        if given - set(known):
+            raise ValueError(f"unknown {what} {sorted(given - set(known))}: choose from {','.join(known)}")
+    return names, [DTYPES[d] for d in (DTYPES if dtypes is None else dtypes)]
+
+
+def run(quick: bool = False, progress: bool = False, kernels: Sequence[str] | None = None,
+        dtypes: Sequence[str] | None = None) -> dict[str, Any]:
+    """Measure every kernel (or those named in ``kernels``) in every dtype (or ``dtypes``); with
+    ``progress`` print each row as soon as it is measured (a run cut short by a time limit still
+    shows what it got)."""
+    names, chosen = selection(kernels, dtypes)
+    wanted: Wanted = names.__contains__
     bw = copy_bandwidth()
     copy_bps = max(bw.values())
     if progress:
         print("copy bandwidth (GB/s, read+write): " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in bw.items()))
         print(HEADER, flush=True)
     rows: list[Row] = []
-    dtypes = (mx.float32, mx.bfloat16, mx.float16)
-    groups: list[tuple[Callable[[tuple[int, ...], mx.Dtype, float], list[Row]], tuple[int, ...]]]
-    groups = [(_row_kernels, shape) for shape in ([(8192, 4096)] if quick else
-                                                  [(8192, 4096), (16384, 8192), (4096, 16384)])]
-    groups += [(_rope_kernels, shape) for shape in ([(4, 32, 2048, 128)] if quick else
-                                                    [(4, 32, 2048, 128), (1, 32, 8192, 128)])]
+    groups: list[tuple[Callable[[tuple[int, ...], mx.Dtype, float, Wanted], list[Row]], tuple[int, ...]]] = []
+    if names & set(ROW_KERNELS):
+        groups += [(_row_kernels, shape) for shape in ([(8192, 4096)] if quick else
+                                                       [(8192, 4096), (16384, 8192), (4096, 16384)])]
+    if names & set(ROPE_KERNELS):
+        groups += [(_rope_kernels, shape) for shape in ([(4, 32, 2048, 128)] if quick else
+                                                        [(4, 32, 2048, 128), (1, 32, 8192, 128)])]
     for bench, shape in groups:
-        for dt in dtypes:
-            new = bench(shape, dt, copy_bps)
+        for dt in chosen:
+            new = bench(shape, dt, copy_bps, wanted)
             rows += new
             if progress:
                 for r in new:
@@ -242,11 +273,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--quick", action="store_true", help="one size per kernel")
+    parser.add_argument("--kernels", help=f"comma-separated, of {','.join(ROW_KERNELS + ROPE_KERNELS)}")
+    parser.add_argument("--dtypes", help=f"comma-separated, of {','.join(DTYPES)}")
     args = parser.parse_args(argv)
+    kernels = args.kernels.split(",") if args.kernels else None
+    dtypes = args.dtypes.split(",") if args.dtypes else None
+    try:
+        selection(kernels, dtypes)
+    except ValueError as exc:
+        parser.error(str(exc))
     if not mx.cuda.is_available() and not mx.metal.is_available():
         print("no GPU backend: the library would run its references; nothing to benchmark", file=sys.stderr)
         return 0
-    result = run(quick=args.quick, progress=True)
+    result = run(quick=args.quick, progress=True, kernels=kernels, dtypes=dtypes)
     print()
     print(format_table(result))
     if args.json:

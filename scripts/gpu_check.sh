@@ -3,7 +3,8 @@
 #   bash scripts/gpu_check.sh kernels  # library kernels: gpu tests, then benchmarks/gpu_kernels.py --quick
 #   bash scripts/gpu_check.sh core     # conformance, NVRTC failures, precompiled kernels; gpu_core.py
 #   bash scripts/gpu_check.sh models   # patched mlx-lm models: gpu tests, then benchmarks/models.py
-#   bash scripts/gpu_check.sh bench    # the full kernel benchmark (all sizes)
+#   bash scripts/gpu_check.sh bench    # the full kernel benchmark (all sizes); arguments after it go
+#                                      # to it: bench --kernels swiglu,gelu --dtypes float32
 #   bash scripts/gpu_check.sh probes   # the latest probes: rms_cache_hints.py, rms_pipelined.py, wide_rows.py
 #   bash scripts/gpu_check.sh tune     # launch-shape sweep of the row kernels (benchmarks/gpu_row_configs.py);
 #                                      # arguments after it go to the sweep: tune --kernels softmax --dtypes float32
@@ -29,7 +30,7 @@ case "$part" in
     gpu_tests tests/gpu/test_models_gpu.py | tee "$out/pytest_models.txt" | tail -15
     python3 benchmarks/models.py --sizes tiny,medium --length 128 --rounds 9 2>&1 | tee "$out/models.txt" ;;
   bench)
-    python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels_full.json" 2>&1 | tee "$out/gpu_kernels_full.txt" ;;
+    python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels_full.json" "$@" 2>&1 | tee "$out/gpu_kernels_full.txt" ;;
   probes)
     for probe in rms_cache_hints rms_pipelined wide_rows; do
       python3 "benchmarks/probes/$probe.py" 2>&1 | grep -v -i "warn" | tee "$out/$probe.txt"
