@@ -17,14 +17,13 @@ import graphkern as gk
 import graphkern.kernels as gkk
 from graphkern.check import compare, strided
 from graphkern.kernels import LIBRARY, apply_plan
-from graphkern.kernels._base import MAX_ROW_ITEMS, Plan, row_config
-from graphkern.kernels.ops import rope as rope_module
+from graphkern.kernels import _base as kernels_base
+from graphkern.kernels._base import MAX_ROW_ITEMS, Plan, row_config, runs_on_cuda
 from graphkern.kernels.ops import softmax as softmax_module
 from graphkern.kernels.ops.rope import (
     OFFSET_BIAS,
     ROWS_PER_THREAD,
     _offset_array,
-    _offsets_in_shape,
     inverse_frequencies,
     plan_rope,
 )
@@ -151,7 +150,7 @@ def test_rope_int_offset_carried_in_a_shape_gives_the_same_rotation(offset: int)
     assert carried.size == 0 and carried.shape == (0, offset + OFFSET_BIAS)
     shaped = replace(plan, inputs=(x, carried, plan.inputs[2]), template=tuple(
         replace(t, value=True) if t.name == "SHAPED_OFFSET" else t for t in plan.template))
-    assert template_of(plan)["SHAPED_OFFSET"] is _offsets_in_shape()  # on CUDA only
+    assert template_of(plan)["SHAPED_OFFSET"] is runs_on_cuda()  # on CUDA only
     assert_close(apply_plan(shaped, "reference"), mx.fast.rope(x, 64, traditional=False, base=10000.0,
                                                                scale=1.0, offset=offset), mx.float32)
 
@@ -173,8 +172,7 @@ def test_softmax_streams_long_float32_rows_with_8_byte_accesses() -> None:
 def on_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[tuple[int, int]], None]]:
     """Plans as on a CUDA GPU of the given compute capability."""
     def use(capability: tuple[int, int]) -> None:
-        for module in (softmax_module, rope_module):
-            monkeypatch.setattr(module, "active_backend", lambda: "cuda")
+        monkeypatch.setattr(kernels_base, "active_backend", lambda: "cuda")  # runs_on_cuda() reads it
         monkeypatch.setattr(mx, "device_info", lambda: {"compute_capability_major": capability[0],
                                                         "compute_capability_minor": capability[1]})
         softmax_module.shared_row_bytes.cache_clear()

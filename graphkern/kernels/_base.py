@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name
-from graphkern.runtime import apply, launch
+from graphkern.runtime import active_backend, apply, launch
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -121,6 +121,13 @@ def check_grid(op: str, threads: int) -> None:
     if threads > MAX_GRID:
         raise KernelError(op, f"input too large: {threads} threads exceed MLX's int32 grid",
                           Status.INVALID_LAUNCH)
+
+
+def runs_on_cuda() -> bool:
+    """Whether library launches now run CUDA kernels (the active backend): the plans that lay data
+    out for CUDA alone ask this (RoPE's int offset in a shape, softmax's rows in shared memory);
+    the references read either layout."""
+    return active_backend() == "cuda"
 
 
 # ----------------------------------------------------------------------------- plan parts

@@ -26,12 +26,12 @@ from graphkern.kernels._base import (
     float_template,
     output_spec,
     run,
+    runs_on_cuda,
     template_arg,
     vector_width,
 )
 from graphkern.kernels._headers import dual_header
 from graphkern.nodes import Kernel, KernelError, Status
-from graphkern.runtime import active_backend
 
 __all__ = ["ROPE", "plan_rope", "rope", "rope_reference"]
 
@@ -273,12 +273,6 @@ def _base_frequencies(dims: int, base: float) -> mx.array:
 OFFSET_BIAS = 1 << 30
 
 
-def _offsets_in_shape() -> bool:
-    """True where int offsets travel in a shape: where the kernel runs on CUDA (the reference reads
-    either form), the same test softmax makes for its shared-memory rows."""
-    return active_backend() == "cuda"
-
-
 @functools.lru_cache(maxsize=1024)
 def _offset_array(offset: int, in_shape: bool) -> mx.array:
     """The ``offset`` input for an int offset, one array per value (reused by every layer at that
@@ -325,7 +319,7 @@ def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float 
     elif isinstance(offset, int) and not isinstance(offset, bool):
         if not -OFFSET_BIAS <= offset < 2**31 - OFFSET_BIAS:
             raise KernelError(op, f"offset must be in [-2**30, 2**30), got {offset}", Status.INVALID_INPUT)
-        shaped = _offsets_in_shape()
+        shaped = runs_on_cuda()  # the offset in a shape
         per_batch, off = False, _offset_array(offset, shaped)
     else:
         raise KernelError(op, f"offset must be an int or an mx.array, got {type(offset).__name__}",

@@ -24,11 +24,11 @@ from graphkern.kernels._base import (
     row_config,
     row_launch,
     run,
+    runs_on_cuda,
     template_arg,
 )
 from graphkern.kernels._headers import dual_header
 from graphkern.nodes import Kernel
-from graphkern.runtime import active_backend
 
 __all__ = ["SOFTMAX", "in_shared_memory", "plan_softmax", "shared_row_bytes", "softmax", "softmax_reference"]
 
@@ -197,7 +197,7 @@ def _shared_kernel(nbytes: int) -> Kernel:
 def plan_softmax(x: mx.array) -> Plan:
     """The launch :func:`softmax` makes (validated)."""
     check_dtype("softmax", x)
-    shared = active_backend() == "cuda" and in_shared_memory(x.shape[-1], x.dtype, shared_row_bytes())
+    shared = runs_on_cuda() and in_shared_memory(x.shape[-1], x.dtype, shared_row_bytes())
     return _plan(x, shared)
 
 
