@@ -123,6 +123,13 @@ def template_of(plan: Plan) -> dict[str, object]:
     return {t.name: t.value for t in plan.template}
 
 
+def test_cached_float_templates_keep_the_sign_of_zero() -> None:
+    # 0.0 == -0.0 and they hash alike: a cache keyed on the float alone handed -0.0 the bits of 0.0
+    x = mx.zeros((1, 2, 4, 8))
+    bits = [template_of(plan_rope(x, 8, scale=s))["SCALE"] for s in (0.0, -0.0, 0.0)]
+    assert bits == [0, -(2**31), 0]
+
+
 def test_rope_launch_shares_angles_across_rows_unless_offsets_are_per_batch() -> None:
     x = mx.zeros((2, 3, 16, 128), mx.bfloat16)  # 6 rows of 16 positions, 64 pairs in 8 vectors of 8
     shared = template_of(plan_rope(x, 128))

@@ -253,14 +253,21 @@ def eps_template(eps: float, op: str) -> TemplateArg:
     return float_template("EPS", float(eps))
 
 
-@functools.lru_cache(maxsize=1024)
 def float_template(name: str, value: float) -> TemplateArg:
     """An int template argument holding ``value``'s float32 bits, made once per value (a Python
-    float: the callers check their numbers first).
+    float: the callers check their numbers first). 0.0 and -0.0, one key to a cache, keep their
+    own bits.
 
     >>> float_template("EPS", 1.0).value == float_bits(1.0)
     True
+    >>> float_template("SCALE", -0.0).value == float_bits(-0.0) != float_template("SCALE", 0.0).value
+    True
     """
+    return _float_template(name, value, math.copysign(1.0, value))
+
+
+@functools.lru_cache(maxsize=1024)
+def _float_template(name: str, value: float, sign: float) -> TemplateArg:
     return template_arg(name, float_bits(value))
 
 
