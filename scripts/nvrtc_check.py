@@ -364,9 +364,10 @@ _WIDTHS = {"128": 128, "64": 64, "U16": 16, "S16": 16, "U8": 8, "S8": 8}
 _DISASSEMBLERS = "pip install nvidia-cuda-cuobjdump==13.* nvidia-cuda-nvdisasm==13.*"
 
 
+@functools.cache
 def cuobjdump() -> tuple[str, dict[str, str]]:
     """cuobjdump and the environment it finds nvdisasm in: the nvidia-cuda-cuobjdump and
-    nvidia-cuda-nvdisasm wheels (site-packages/nvidia/cu13/bin), else PATH."""
+    nvidia-cuda-nvdisasm wheels (site-packages/nvidia/cu13/bin), else PATH (looked up once)."""
     for root in _wheel_roots():
         tool, disasm = root / "bin" / "cuobjdump", root / "bin" / "nvdisasm"
         if tool.exists() and disasm.exists():
@@ -402,9 +403,8 @@ def accesses_text(cubin: bytes) -> str:
         done = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"cuobjdump failed: {done.stderr.strip()} ({_DISASSEMBLERS})")
-    sass = done.stdout
     return " ".join(f"{kind} " + " ".join(f"{w}x{n}" for w, n in sorted(c.items(), reverse=True))
-                    for kind, c in global_accesses(sass).items())
+                    for kind, c in global_accesses(done.stdout).items())
 
 
 # ----------------------------------------------------------------------------- occupancy
