@@ -505,35 +505,24 @@ def test_chain_of_kernels_and_ops_compiled() -> None:
         check_kernel_node(g, k)
 
 
-def test_eager_launches_from_several_threads() -> None:
+def test_eager_launches_from_several_threads(two_live_threads: Any) -> None:
     """The same launch from two live threads, eagerly and repeatedly: each thread replays its own
     compiled form (MLX's compile cache is per thread) and gets its own inputs' results. The
-    threads take turns (one lock): this is about graphkern's forms, not MLX's concurrency."""
-    import threading
+    threads take turns (the fixture's lock): this is about graphkern's forms, not MLX's
+    concurrency."""
+    seeds = iter((1, 2))
 
-    results: dict[int, list[Any]] = {}
-    errors: list[BaseException] = []
-    turn, alive = threading.Lock(), threading.Barrier(2)
+    def work() -> tuple[int, list[Any], Any]:
+        seed = next(seeds)
+        x = mx.arange(1024, dtype=mx.float32) * seed  # here: default streams are per thread
+        spec = [gk.OutputSpec(x.shape, x.dtype)]
+        outs = [gk.apply(COPY_PLUS, [x + i], spec, grid=(1024, 1, 1), threadgroup=(256, 1, 1),
+                         template=[("N", 1024)], backend=BACKEND)[0] for i in range(4)]
+        return seed, [np.array(o) for o in outs], np.array(x)
 
-    def worker(seed: int) -> None:
-        try:
-            with turn:
-                x = mx.arange(1024, dtype=mx.float32) * seed  # here: default streams are per thread
-                spec = [gk.OutputSpec(x.shape, x.dtype)]
-                outs = [gk.apply(COPY_PLUS, [x + i], spec, grid=(1024, 1, 1), threadgroup=(256, 1, 1),
-                                 template=[("N", 1024)], backend=BACKEND)[0] for i in range(4)]
-                results[seed] = [np.array(o) for o in outs] + [np.array(x)]
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
-        alive.wait()  # both alive together: distinct thread idents
-
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    for seed, (*outs, x) in results.items():
+    results, _ = two_live_threads(work)
+    assert sorted(seed for seed, _, _ in results) == [1, 2]  # neither thread failed
+    for seed, outs, x in results:
         for i, out in enumerate(outs):
             np.testing.assert_allclose(out, x + i + 1, rtol=1e-6, err_msg=f"thread {seed}, call {i}")
 
