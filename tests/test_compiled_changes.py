@@ -130,6 +130,33 @@ def test_steady_calls_skip_the_signature_lookup(monkeypatch: pytest.MonkeyPatch)
     assert len(lookups) > 1  # a new signature takes the long way again
 
 
+def test_a_steady_call_schedules_its_outputs_and_blames_a_kernel_failing_there(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The steady call hands its outputs to ``mx.async_eval`` (kernels are compiled and encoded
+    there, so a failure still raises in the call) and leaves waiting to the caller."""
+    kernel = _kernel("steady_scheduled", 2.0)
+    cf = gk.compile(lambda x, y: mx.tanh(call(kernel, x, y)))
+    for _ in range(2):
+        cf(X, Y)
+    scheduled: list[list[mx.array]] = []
+    async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda arrays: scheduled.append(arrays) or async_eval(arrays))
+    out = cf(X, Y)
+    assert len(scheduled) == 1 and scheduled[0][0] is out
+    assert mx.allclose(out, mx.tanh(X * 2 + Y)).item()
+
+    def failing(arrays: list[mx.array]) -> None:
+        raise RuntimeError("[custom_kernel] Failed to compile kernel: error: boom")
+
+    monkeypatch.setattr(mx, "async_eval", failing)
+    with pytest.raises(gk.GraphError) as caught:
+        cf(X, Y)
+    # the reference backend names no generated kernel, so the error names the evaluation
+    assert caught.value.status == gk.Status.COMPILE_ERROR and "boom" in str(caught.value)
+    monkeypatch.setattr(mx, "async_eval", async_eval)
+    assert mx.allclose(cf(X, Y), mx.tanh(X * 2 + Y)).item()  # MLX and the graph stay usable
+
+
 def test_static_arguments_after_steady_calls_get_their_own_trace() -> None:
     k = _kernel("static_axpy", 2.0)
     cf = gk.compile(lambda x, y: call(k, x, x * y))
