@@ -1,9 +1,10 @@
 """graphkern's core on an NVIDIA GPU (MLX's CUDA backend): what graphkern costs over plain MLX.
 
 1. Compiled graph: ``gk.compile(fn)`` against a hand-written ``mx.compile`` of the same function
-   calling the bare ``mx.fast.cuda_kernel`` objects (same sources, same launches). Both evaluate
-   their outputs on every call and are timed in alternation. Target: ratio <= 1.02 where the GPU
-   work is not negligible; the small sizes show the fixed per-call cost.
+   calling the bare ``mx.fast.cuda_kernel`` objects (same sources, same launches). Every call is
+   followed by ``mx.eval`` of its outputs (a steady ``gk.compile`` call only schedules them); the
+   two are timed in alternation. Target: ratio <= 1.02; the small sizes show the fixed per-call
+   cost.
 2. Eager overhead: ``gk.apply`` against calling the very MLX kernel object graphkern caches for the
    kernel (``gk.kernel_cache.get``), many calls without evaluation (graphkern's Python cost alone),
    and with ``mx.eval`` after each call. Target: <= 2 us a call.
