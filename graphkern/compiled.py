@@ -339,6 +339,7 @@ class CompiledGraph:
                     # still raises in this call, while the GPU runs during what follows
                     mx.async_eval(outputs)
                 except Exception as exc:
+                    self._hot = None  # the graph now has a failed node: later calls are refused
                     flat = Flat.of(args, kwargs, self._traceable.arg_names)
                     raise self._attribute(hot.graph, flat, exc, self._recorder) from exc
                 return unflatten_outputs(hot.spec, outputs)

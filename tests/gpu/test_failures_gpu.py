@@ -130,6 +130,33 @@ def test_nvrtc_error_is_a_compile_error_on_its_node(cuda_only: None, bad: gk.Ker
     _assert_mlx_usable()
 
 
+def test_steady_calls_schedule_and_blame_the_kernel_a_failure_names(
+        cuda_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After its first call a compiled graph schedules its outputs (``mx.async_eval``), right once
+    evaluated; a failure raised while scheduling (injected here, carrying a generated kernel name
+    as NVRTC's errors do) marks that kernel's node, and the graph is refused afterwards."""
+    x, y = _xy()
+    cf = gk.compile(lambda x, y: _launch(PLUS_ONE, [_launch(SCALE_ADD, [x, y]).outputs[0]]).outputs[0])
+    want = np.array(x * 2 + y + 1)
+    for _ in range(3):
+        np.testing.assert_allclose(np.array(cf(x, y)), want, rtol=1e-6)
+    g = cf.graph
+    assert g is not None
+    [plus_one] = [n for n in g.kernels() if g.node(n)["kernel"] == "fail_plus_one"]
+    name = g.node(plus_one)["generated_name"]  # MLX's name for the launch, as NVRTC's log has it
+
+    def failing(arrays: list[mx.array]) -> None:
+        raise RuntimeError(f"[custom_kernel] Failed to compile kernel {name}: error: injected")
+
+    monkeypatch.setattr(mx, "async_eval", failing)
+    with pytest.raises(gk.GraphError) as info:
+        cf(x, y)
+    monkeypatch.undo()
+    assert info.value.status == gk.Status.COMPILE_ERROR and info.value.node == plus_one
+    assert cf.call_with_status(x, y) == (None, gk.Status.COMPILE_ERROR)  # refused, not re-run
+    _assert_mlx_usable()
+
+
 def test_nvrtc_error_eagerly(cuda_only: None) -> None:
     """Eagerly, MLX raises at evaluation; the message names graphkern's kernel and maps to
     COMPILE_ERROR."""
