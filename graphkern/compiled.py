@@ -215,7 +215,7 @@ class CompiledGraph:
     schedules its outputs (``mx.async_eval``) rather than waiting for them: kernels compile and
     are encoded there, so a failure still raises from the call, and the GPU runs while Python
     returns (on an H200, a 4K-element call of two kernels: level with a hand-written
-    ``mx.compile``, against 0.3-2 us behind when it waited).
+    ``mx.compile``, where it was up to 2 us behind when it waited).
 
     >>> import mlx.core as mx, graphkern as gk
     >>> cf = gk.compile(lambda x: mx.exp(x) * 2)
@@ -339,7 +339,8 @@ class CompiledGraph:
                     # still raises in this call, while the GPU runs during what follows
                     mx.async_eval(outputs)
                 except Exception as exc:
-                    self._hot = None  # the graph now has a failed node: later calls are refused
+                    self._hot = None  # the next call takes the long way, which refuses a
+                    # graph whose node this failure marks
                     flat = Flat.of(args, kwargs, self._traceable.arg_names)
                     raise self._attribute(hot.graph, flat, exc, self._recorder) from exc
                 return unflatten_outputs(hot.spec, outputs)

@@ -2,7 +2,7 @@
 launch-bound sizes if it schedules its outputs (``mx.async_eval``: kernels compile and encode in
 the call, so failures still raise there) instead of waiting for them (``mx.eval``)? Every figure
 is a compiled call followed by the caller's ``mx.eval``: hand-written ``mx.compile``, graphkern
-scheduling (the library's steady call), graphkern waiting inside (the call before this probe), in
+scheduling (the library's steady call), graphkern waiting inside (the steady call before 3585f72), in
 alternation, at 4K and 1M elements with 2 and 8 kernels (``benchmarks/gpu_core.py``'s functions).
 Without CUDA it runs the kernels' references, to check the script.
 Run from the checkout: python benchmarks/probes/compiled_async.py
