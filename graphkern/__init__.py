@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 _LAZY = {  # heavier parts, imported on first use so `import graphkern` stays light
     "wrap": "graphkern.models", "patch": "graphkern.models", "unpatch": "graphkern.models",
-    "check_model": "graphkern.models", "check": "graphkern.check", "diff": "graphkern.viz.diff",
+    "check_model": "graphkern.models", "check": "graphkern.kernel_checks", "diff": "graphkern.viz.graph_diff",
     "kernels": "graphkern.kernels",
 }
 

@@ -394,7 +394,7 @@ def diff_cmd(before: str, after: str, html: str | None, json_path: str | None, q
     """
     import json
 
-    from graphkern.viz.diff import diff
+    from graphkern.viz.graph_diff import diff
 
     _check_outputs({"--html": html, "--json": json_path})
     a, b = load_graph(before), load_graph(after)

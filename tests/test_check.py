@@ -1,4 +1,4 @@
-"""graphkern.check on CPU: report contents, tolerances, failure detection and the no-GPU note."""
+"""graphkern.kernel_checks on CPU: report contents, tolerances, failure detection and the no-GPU note."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphkern.check import TOLERANCES, CheckReport, check, compare, strided
+from graphkern.kernel_checks import TOLERANCES, CheckReport, check, compare, strided
 from graphkern.kernels import LIBRARY, RMS_NORM, Case
 from graphkern.nodes import KernelError
 from graphkern.runtime import active_backend
@@ -54,7 +54,7 @@ def test_unknown_targets_and_dtypes_are_refused() -> None:
 
 
 def test_a_wrong_kernel_fails_with_its_worst_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    import graphkern.check as check_module
+    import graphkern.kernel_checks as check_module
 
     real_apply = check_module.apply_plan
     calls: list[str | None] = []
@@ -74,7 +74,7 @@ def test_a_wrong_kernel_fails_with_its_worst_error(monkeypatch: pytest.MonkeyPat
 
 
 def test_a_kernel_error_becomes_a_failed_case(monkeypatch: pytest.MonkeyPatch) -> None:
-    import graphkern.check as check_module
+    import graphkern.kernel_checks as check_module
 
     def broken(plan, backend=None):  # type: ignore[no-untyped-def]
         raise KernelError("launch the cuda kernel 'gk_rms_norm'", "Failed to compile kernel: x.cu(3): error")

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import graphkern as gk
 import graphkern.kernels as gkk
-from graphkern.check import compare, strided
+from graphkern.kernel_checks import compare, strided
 from graphkern.kernels import LIBRARY, apply_plan
 from graphkern.kernels import _base as kernels_base
 from graphkern.kernels._base import MAX_ROW_ITEMS, Plan, row_config, runs_on_cuda

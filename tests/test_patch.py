@@ -7,7 +7,7 @@ from mlx.utils import tree_flatten
 
 import graphkern as gk
 from graphkern.models import Forward, KernelLayer, kernel_names, patch, patched_layers, unpatch
-from graphkern.models.patch import PATCH
+from graphkern.models.patching import PATCH
 
 X = mx.random.normal((2, 3, 8), key=mx.random.key(0))
 

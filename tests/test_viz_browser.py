@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import viz_graphs as vg
 
-from graphkern.viz.diff import diff
+from graphkern.viz.graph_diff import diff
 from graphkern.viz.html import to_html
 
 CHROMIUM = os.environ.get("GRAPHKERN_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"

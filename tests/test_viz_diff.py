@@ -8,7 +8,7 @@ import re
 
 import viz_graphs as vg
 
-from graphkern.viz.diff import diff
+from graphkern.viz.graph_diff import diff
 
 
 def test_identical_traces_have_no_differences() -> None:
@@ -89,7 +89,7 @@ def test_diff_before_and_after_patch_of_a_tiny_llama() -> None:
     import mlx.core as mx
 
     import graphkern as gk
-    from graphkern.models.patch import patch
+    from graphkern.models.patching import patch
     from graphkern.models.tiny import tiny_model
 
     model = tiny_model("llama")

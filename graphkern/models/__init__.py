@@ -12,11 +12,11 @@
 
 from __future__ import annotations
 
-from graphkern.models.check_model import MODEL_TOLERANCES, check_model
 from graphkern.models.layers import KernelLayer
-from graphkern.models.patch import RULES, Patched, Rule, kernel_names, patch, patched_layers, unpatch
+from graphkern.models.model_checks import MODEL_TOLERANCES, check_model
+from graphkern.models.patching import RULES, Patched, Rule, kernel_names, patch, patched_layers, unpatch
 from graphkern.models.patterns import Forward
-from graphkern.models.wrap import WrappedModel, wrap
+from graphkern.models.wrapping import WrappedModel, wrap
 
 __all__ = [
     "RULES",

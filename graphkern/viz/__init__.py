@@ -32,8 +32,8 @@ _WHERE = {
     "repr_html": "html",
     "to_model_explorer": "model_explorer",
     "to_model_explorer_node_data": "model_explorer",
-    "diff": "diff",
-    "GraphDiff": "diff",
+    "diff": "graph_diff",
+    "GraphDiff": "graph_diff",
 }
 
 

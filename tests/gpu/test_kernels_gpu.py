@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 import graphkern.kernels as gkk
-from graphkern.check import TOLERANCES, check_kernel, compare
+from graphkern.kernel_checks import TOLERANCES, check_kernel, compare
 from graphkern.kernels import LIBRARY, Case, LibraryEntry, apply_plan
 
 pytestmark = pytest.mark.gpu

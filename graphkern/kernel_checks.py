@@ -1,4 +1,4 @@
-"""``graphkern.check``: a kernel against its reference on random inputs, across dtypes and shapes.
+"""``graphkern.kernel_checks``: a kernel against its reference on random inputs, across dtypes and shapes.
 
 For each library entry, dtype, shape and layout (contiguous, and strided: every float argument a
 non-contiguous view), the same launch plan runs twice: on the active backend (the kernel's CUDA or

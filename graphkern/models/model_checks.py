@@ -2,8 +2,8 @@
 
 For each dtype the model is cast, run stock, patched with the selected kernels and run again,
 eagerly and as a wrapped compiled graph; the worst difference against per-dtype tolerances is
-reported in a ``graphkern.check.CheckReport`` (one case per dtype and mode). The model is left as
-it was: same dtype, same parameter arrays, same patched layers. ``graphkern.check()`` hands
+reported in a ``graphkern.kernel_checks.CheckReport`` (one case per dtype and mode). The model is left as
+it was: same dtype, same parameter arrays, same patched layers. ``graphkern.kernel_checks()`` hands
 ``nn.Module`` targets here.
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern.check import CheckCase, CheckReport, compare
+from graphkern.kernel_checks import CheckCase, CheckReport, compare
 from graphkern.kernels._base import FLOAT_DTYPES
-from graphkern.models.patch import patch, patched_layers, unpatch
-from graphkern.models.wrap import wrap
+from graphkern.models.patching import patch, patched_layers, unpatch
+from graphkern.models.wrapping import wrap
 from graphkern.nodes import KernelError, Status, dtype_name
 from graphkern.runtime import active_backend
 

@@ -1,0 +1,73 @@
+"""Public names resolve to what the README says, whatever has been imported before.
+
+A package attribute that names both a submodule and a public function flips from one to the other
+when the submodule is first imported; so every public name is checked after importing every
+module of the package, and the README's Python blocks run in one fresh process after ``gk.patch``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import graphkern
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ["graphkern", "graphkern.viz", "graphkern.models", "graphkern.kernels"]
+#: Public names that are subpackages on purpose.
+SUBPACKAGES = {("graphkern", "kernels")}
+
+
+def _import_everything() -> list[str]:
+    names = []
+    for info in pkgutil.walk_packages(graphkern.__path__, "graphkern."):
+        if info.name.endswith("__main__"):
+            continue
+        importlib.import_module(info.name)
+        names.append(info.name)
+    return names
+
+
+def test_no_public_name_is_a_module_after_every_module_was_imported() -> None:
+    assert len(_import_everything()) > 30
+    shadowed = []
+    for package_name in PACKAGES:
+        package = importlib.import_module(package_name)
+        for name in package.__all__:
+            value = getattr(package, name)
+            if isinstance(value, types.ModuleType) and (package_name, name) not in SUBPACKAGES:
+                shadowed.append(f"{package_name}.{name}")
+    assert shadowed == []
+
+
+def test_no_module_is_named_like_a_public_function_beside_it() -> None:
+    _import_everything()
+    clashes = []
+    for package_name in PACKAGES:
+        package = importlib.import_module(package_name)
+        modules = {info.name for info in pkgutil.iter_modules(package.__path__)}
+        # graphkern/trace.py holds gk.trace: the one clash the package layout keeps
+        clashes += [f"{package_name}.{name}" for name in sorted(modules & set(package.__all__))
+                    if (package_name, name) not in SUBPACKAGES | {("graphkern", "trace")}]
+    assert clashes == []
+    assert callable(graphkern.trace) and not isinstance(graphkern.trace, types.ModuleType)
+
+
+def test_gk_check_is_the_function_after_the_models_were_used() -> None:
+    code = textwrap.dedent("""
+        import mlx.core as mx, mlx.nn as nn, graphkern as gk
+        gk.patch(nn.Sequential(nn.RMSNorm(8)))
+        import graphkern.models, graphkern.viz
+        report = gk.check("rms_norm")
+        assert report.ok, report
+        assert callable(gk.diff) and callable(gk.check_model) and callable(gk.wrap)
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
