@@ -1,9 +1,7 @@
 """``Graph``: one traced function as a networkx MultiDiGraph, with status codes and inspection.
 
-Node attributes: ``kind`` (input, constant, op, kernel, output), ``label``, ``op``, ``scope``,
-``status``, ``root_cause``, ``message``, ``order``; kernel nodes add ``kernel``, ``backend``,
-``grid``, ``threadgroup``, ``template``, ``source_hash``, ``source``, ``generated_name``.
-Edges are keyed by array name and carry ``shape``, ``dtype`` and ``index`` (argument position).
+The nodes, edges and their attributes are defined in :mod:`graphkern.schema`; ``Graph.lint()``
+checks a graph against it.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ from typing import Any
 import networkx as nx
 
 from .nodes import KernelError, NodeKind, Status
+from .schema import EDGE_FIELDS, NODE_FIELDS, ROOT_FAILURES, lint
 
 __all__ = ["Failure", "Graph", "GraphError", "SCHEMA", "SCHEMA_VERSION", "propagate_status"]
 
@@ -23,7 +22,6 @@ SCHEMA = "graphkern.graph"
 SCHEMA_VERSION = 1
 MAX_JSON_BYTES = 512 * 1024 * 1024
 _LOAD = "load a graphkern graph from JSON"
-_ROOT_FAILURES = frozenset(s for s in Status if s not in (Status.OK, Status.UPSTREAM_FAILED))
 
 
 def propagate_status(g: nx.MultiDiGraph) -> list[str]:
@@ -47,7 +45,7 @@ def propagate_status(g: nx.MultiDiGraph) -> list[str]:
         data = node_data[node]
         data["order"] = order
         causes = [earliest[p] for p in pred[node] if p in earliest]
-        if data.get("status", 0) in _ROOT_FAILURES:
+        if data.get("status", 0) in ROOT_FAILURES:
             data["root_cause"] = node
             rank[node] = len(roots)
             roots.append(node)
@@ -264,6 +262,19 @@ class Graph:
                 out.add_edge(gu, gv, key=k, **d)
         return out
 
+    def lint(self) -> None:
+        """Check the graph against its contract (:mod:`graphkern.schema`), as ``torch.fx``'s
+        ``Graph.lint()`` does; raises ``KernelError`` listing every problem.
+
+        >>> import mlx.core as mx, graphkern as gk
+        >>> gk.trace(lambda x: x + 1, mx.ones((2,))).lint()
+        """
+        problems = lint(self.nx)
+        if problems:
+            more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+            shown = "; ".join(problems[:10]) + more
+            raise KernelError("lint a graphkern graph", shown, Status.INVALID_INPUT)
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Graph):
             return NotImplemented
@@ -357,7 +368,7 @@ class Graph:
         graph = cls.__new__(cls)
         graph.nx = g
         graph._roots = [n for n in sorted(g.nodes, key=lambda n: g.nodes[n]["order"])
-                        if g.nodes[n]["status"] in _ROOT_FAILURES]
+                        if g.nodes[n]["status"] in ROOT_FAILURES]
         return graph
 
     # ------------------------------------------------------------------ pictures (graphkern.viz)
@@ -406,9 +417,9 @@ def _load_error(description: str) -> KernelError:
 _KINDS = frozenset(k.value for k in NodeKind)
 _STATUSES = frozenset(int(s) for s in Status)
 #: what every node and edge of a document must have, and of which JSON type (ints exclude bools)
-_NODE_FIELDS = {"id": str, "kind": str, "label": str, "op": str, "scope": str, "status": int,
-                "order": int}
-_EDGE_FIELDS = {"source": str, "target": str, "key": str, "shape": list, "dtype": str, "index": int}
+_NODE_FIELDS = {"id": str, **{name: types[0] for name, (types, _) in NODE_FIELDS.items()}}
+_EDGE_FIELDS = {"source": str, "target": str, "key": str, "shape": list,
+                **{name: types[0] for name, (types, _) in EDGE_FIELDS.items() if name != "shape"}}
 
 
 def _require(item: Any, fields: dict[str, type], what: str) -> None:

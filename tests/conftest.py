@@ -72,3 +72,22 @@ def two_live_threads() -> Callable[[Callable[[], Any]], tuple[list[Any], list[th
         return results, threads
 
     return run
+
+
+@pytest.fixture(autouse=True, scope="session")
+def lint_every_trace():  # type: ignore[no-untyped-def]
+    """Every graph a test captures is checked against graphkern.schema (``Graph.lint``), as
+    torch.fx's tests lint every graph they build."""
+    import sys
+
+    trace_module = sys.modules["graphkern.trace"]  # gk.trace is the function of that name
+    original = trace_module._Traceable.trace
+
+    def linted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        graph, spec = original(self, *args, **kwargs)
+        graph.lint()
+        return graph, spec
+
+    trace_module._Traceable.trace = linted  # type: ignore[method-assign]
+    yield
+    trace_module._Traceable.trace = original  # type: ignore[method-assign]

@@ -1,9 +1,6 @@
 """Helpers shared by the drawing back ends: reading the trace graph, scopes, statuses, shapes.
 
-The graph schema (see DESIGN.md, "The graph"): node attributes ``kind``, ``label``, ``op``,
-``scope``, ``status``, ``root_cause``, ``message``, ``order`` and, for kernel nodes, ``kernel``,
-``backend``, ``grid``, ``threadgroup``, ``template``, ``source_hash``, ``source``,
-``generated_name``; edges keyed by array name with ``shape``, ``dtype`` and ``index``.
+The nodes and edges they read are defined in :mod:`graphkern.schema`.
 """
 
 from __future__ import annotations
@@ -19,10 +16,10 @@ from typing import Any
 
 import networkx as nx
 
-UPSTREAM_FAILED = 10
+from graphkern.nodes import Status
 
-#: Status code -> name; filled from graphkern.nodes.Status (falls back to the numbers).
-_STATUS_NAMES: dict[int, str] | None = None
+UPSTREAM_FAILED = int(Status.UPSTREAM_FAILED)
+_STATUS_NAMES = {int(s): s.name for s in Status}
 
 
 def status_names() -> dict[int, str]:
@@ -31,14 +28,6 @@ def status_names() -> dict[int, str]:
     >>> status_names()[0]
     'OK'
     """
-    global _STATUS_NAMES
-    if _STATUS_NAMES is None:
-        try:
-            from graphkern.nodes import Status
-
-            _STATUS_NAMES = {int(s): s.name for s in Status}
-        except Exception:  # pragma: no cover - graphkern.nodes always exists in the package
-            _STATUS_NAMES = {0: "OK", UPSTREAM_FAILED: "UPSTREAM_FAILED"}
     return _STATUS_NAMES
 
 

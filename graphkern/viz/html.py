@@ -16,6 +16,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from graphkern.nodes import NodeKind
 from graphkern.viz._common import (
     all_in_edges,
     as_nx,
@@ -31,7 +32,7 @@ from graphkern.viz._common import (
 
 __all__ = ["to_html", "repr_html", "viewer_data"]
 
-KINDS = ["input", "constant", "op", "kernel", "output"]
+KINDS = [kind.value for kind in NodeKind]
 _DETAIL_KEYS = ("message", "value", "arguments", "kernel", "backend", "grid", "threadgroup",
                 "template", "source_hash", "source", "generated_name")
 

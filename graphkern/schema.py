@@ -1,0 +1,152 @@
+"""The graph's contract in one place: node kinds, node and edge attributes, and ``lint``.
+
+A traced function is one ``networkx.MultiDiGraph``. Its nodes are of the kinds of
+:class:`~graphkern.nodes.NodeKind`:
+
+- ``input``: an argument of the traced function, or a piece of state it reads (a module
+  parameter is named by its path, ``layers.0.mlp.gate_proj.weight``, and sits in that scope);
+- ``constant``: an array MLX captured as a constant (``value`` gives its text);
+- ``op``: one MLX primitive (``op`` is MLX's name, ``arguments`` its state as text);
+- ``kernel``: one graphkern kernel launch, whatever primitives it ran as (the reference's ops on a
+  CPU, ``CustomKernel`` on a GPU);
+- ``output``: one output of the traced function.
+
+Every node carries the attributes of :data:`NODE_FIELDS`; kernel nodes add those of
+:data:`KERNEL_FIELDS`. Each edge is one array flowing from its producer to one consumer, keyed
+by MLX's name for the array, with the attributes of :data:`EDGE_FIELDS` (``index`` is the argument
+position at the consumer). Statuses are :class:`~graphkern.nodes.Status` codes: a failed node is
+its own ``root_cause``; each descendant is ``UPSTREAM_FAILED`` with the root that failed first.
+
+>>> import mlx.core as mx, graphkern as gk
+>>> lint(gk.trace(lambda x: mx.exp(x) * 2, mx.ones((3,))).nx)
+[]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import networkx as nx
+
+from .nodes import NodeKind, Status, dtype_from_name
+
+__all__ = ["EDGE_FIELDS", "KERNEL_FIELDS", "NODE_FIELDS", "OPTIONAL_FIELDS", "ROOT_FAILURES", "lint"]
+
+_NONE = type(None)
+
+#: Attributes every node has: name -> (JSON types allowed, meaning).
+NODE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "kind": ((str,), "one of NodeKind's values"),
+    "label": ((str,), "the name shown for the node"),
+    "op": ((str,), "MLX's primitive name (op nodes) or the kernel's name (kernel nodes); '' otherwise"),
+    "scope": ((str,), "the module path the node ran in ('' outside every module)"),
+    "status": ((int,), "a Status code"),
+    "order": ((int,), "the node's position in topological order"),
+}
+#: Attributes some nodes have.
+OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "root_cause": ((str, _NONE), "the failed node behind a non-OK status (itself for a root)"),
+    "message": ((str,), "what failed, for a failed node"),
+    "value": ((str,), "a constant's value as text"),
+    "arguments": ((str,), "an op's MLX state as text"),
+    "call_index": ((int,), "the launch's position among the traced call's launches"),
+    "generated_name": ((str, _NONE), "the function name MLX generated for a GPU kernel"),
+}
+#: Attributes of kernel nodes.
+KERNEL_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "kernel": ((str,), "the kernel's name"),
+    "backend": ((str,), "metal, cuda or reference ('' when the launch was refused before)"),
+    "source": ((str, _NONE), "the kernel body compiled on the backend"),
+}
+#: Attributes of every edge.
+EDGE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "shape": ((tuple, list), "the array's shape"),
+    "dtype": ((str,), "the array's dtype name"),
+    "index": ((int,), "the argument position at the consumer"),
+}
+ROOT_FAILURES = frozenset(int(s) for s in Status if s not in (Status.OK, Status.UPSTREAM_FAILED))
+_KINDS = frozenset(k.value for k in NodeKind)
+_STATUSES = frozenset(int(s) for s in Status)
+
+
+def _typed(value: Any, types: tuple[type, ...]) -> bool:
+    return isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+
+
+def _field_problems(where: str, data: dict[str, Any],
+                    fields: dict[str, tuple[tuple[type, ...], str]], required: bool) -> list[str]:
+    problems = []
+    for name, (types, _) in fields.items():
+        if name not in data:
+            if required:
+                problems.append(f"{where} lacks {name!r}")
+        elif not _typed(data[name], types):
+            problems.append(f"{where}: {name!r} is {type(data[name]).__name__}, expected "
+                            f"{' or '.join(t.__name__ for t in types)}")
+    return problems
+
+
+def lint(g: nx.MultiDiGraph) -> list[str]:
+    """Every way ``g`` breaks the contract above, as sentences (empty when it holds): missing or
+    mistyped attributes, unknown kinds, statuses or dtypes, inputs with predecessors, outputs
+    with successors, cycles, an ``order`` that is not a topological order, statuses that do not
+    follow from their root causes."""
+    problems: list[str] = []
+    nodes = g.nodes
+    for node, data in nodes(data=True):
+        where = f"node {node!r}"
+        problems += _field_problems(where, data, NODE_FIELDS, required=True)
+        problems += _field_problems(where, data, OPTIONAL_FIELDS, required=False)
+        kind = data.get("kind")
+        if kind not in _KINDS:
+            problems.append(f"{where} has unknown kind {kind!r}")
+        if kind == NodeKind.KERNEL.value:
+            problems += _field_problems(where, data, KERNEL_FIELDS, required=True)
+        if kind in (NodeKind.INPUT.value, NodeKind.CONSTANT.value) and g.in_degree(node):
+            problems.append(f"{where} is an {kind} but has predecessors")
+        if kind == NodeKind.OUTPUT.value and g.out_degree(node):
+            problems.append(f"{where} is an output but has successors")
+        status = data.get("status")
+        if status not in _STATUSES:
+            problems.append(f"{where} has unknown status {status!r}")
+    for u, v, key, data in g.edges(keys=True, data=True):
+        where = f"edge {u!r} -> {v!r} ({key!r})"
+        if not isinstance(key, str):
+            problems.append(f"{where}: the key must be the array's name")
+        problems += _field_problems(where, data, EDGE_FIELDS, required=True)
+        shape = data.get("shape", ())
+        if isinstance(shape, (tuple, list)) and not all(_typed(d, (int,)) and d >= 0 for d in shape):
+            problems.append(f"{where}: shape {shape!r} is not non-negative ints")
+        try:
+            dtype_from_name(data.get("dtype", ""))
+        except KeyError:
+            problems.append(f"{where}: unknown dtype {data.get('dtype')!r}")
+    if problems:
+        return problems
+    if not nx.is_directed_acyclic_graph(g):
+        return ["the edges form a cycle"]
+    orders = sorted(data["order"] for _, data in nodes(data=True))
+    if orders != list(range(len(orders))):
+        problems.append("'order' is not 0 .. n-1, each once")
+    for u, v in g.edges():
+        if nodes[u]["order"] >= nodes[v]["order"]:
+            problems.append(f"'order' puts {v!r} before its input {u!r}")
+    return problems + _status_problems(g)
+
+
+def _status_problems(g: nx.MultiDiGraph) -> list[str]:
+    problems = []
+    for node, data in g.nodes(data=True):
+        status, cause = data["status"], data.get("root_cause")
+        if status in ROOT_FAILURES and cause != node:
+            problems.append(f"node {node!r} failed but its root_cause is {cause!r}")
+        elif status == Status.UPSTREAM_FAILED:
+            if cause not in g or g.nodes[cause]["status"] not in ROOT_FAILURES:
+                problems.append(f"node {node!r} is UPSTREAM_FAILED from {cause!r}, not a failed node")
+            elif not nx.has_path(g, cause, node):
+                problems.append(f"node {node!r} is UPSTREAM_FAILED from {cause!r}, which is not upstream")
+        elif status == Status.OK:
+            failed = [p for p in g.predecessors(node) if g.nodes[p]["status"] != Status.OK]
+            if failed:
+                problems.append(f"node {node!r} is OK below the failed {failed[0]!r}")
+    return problems
