@@ -7,7 +7,9 @@ updates are seen; run failures are attributed to their kernel node.
 
 from __future__ import annotations
 
+import enum
 import operator
+import threading
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from .graph import Failure, Graph, GraphError
 from .nodes import Kernel, KernelError, Status
 from .runtime import Launch, recording
 from .state import Flat, unflatten_outputs
-from .trace import _Traceable
+from .trace import Traceable
 
 __all__ = ["CompiledGraph", "compile"]
 
@@ -188,6 +190,35 @@ class _PassThrough:
         return outputs
 
 
+class _Unseen(enum.Enum):
+    """What MLX's trace of a signature first met inside a steady call left in MLX's cache."""
+
+    #: traced as usual: the long way that follows finds it in MLX's cache
+    TRACED = "traced"
+    #: nothing could be traced (a launch failed, ``fn`` raised): MLX cached an empty function, so
+    #: the compiled functions are dropped after the call
+    EMPTY = "empty"
+    #: nested or static arguments, which MLX orders its own way: the long way runs them through
+    #: another compiled function
+    ELSEWHERE = "elsewhere"
+
+
+class _CallState(threading.local):
+    """What one thread's call in progress shares with MLX's trace of ``_run_flat``, which MLX
+    runs on the calling thread. Per thread, so calls from several threads never see each
+    other's arguments."""
+
+    #: the structure of the long way's call, while it runs
+    flat: Flat | None = None
+    #: a steady call's arguments, while it runs
+    steady_args: tuple[Any, ...] | None = None
+    #: set when MLX traced during a steady call
+    unseen: _Unseen | None = None
+
+    def __init__(self) -> None:
+        self.recorder = _PassThrough()
+
+
 @dataclass
 class _Prepared:
     """What a call with one signature needs: its trace, output structure and compiled function."""
@@ -214,8 +245,15 @@ class CompiledGraph:
     sends the call through the full guard before anything is evaluated. Such a steady call
     schedules its outputs (``mx.async_eval``) rather than waiting for them: kernels compile and
     are encoded there, so a failure still raises from the call, and the GPU runs while Python
-    returns (on an H200, a 4K-element call of two kernels: level with a hand-written
-    ``mx.compile``, where it was up to 2 us behind when it waited).
+    returns.
+
+    Thread safety: a compiled graph may be called from several threads at once. What a call in
+    progress shares with MLX's trace (its arguments, the structure being traced, the recorder of
+    failures) is kept per thread; the tables of traces and compiled functions are dicts written
+    whole, so two threads meeting a new signature together may both trace it, and one trace is
+    kept. MLX keeps its compile cache per thread, so a thread's first call through a compiled
+    function traces it there, as a new signature would: the call then takes the long way, and
+    steady calls stop, since one compiled function has now met two traces.
 
     >>> import mlx.core as mx, graphkern as gk
     >>> cf = gk.compile(lambda x: mx.exp(x) * 2)
@@ -228,31 +266,29 @@ class CompiledGraph:
     def __init__(self, fn: Callable[..., Any], *, state: Any = None, backend: str | None = None):
         self.fn = fn
         self.backend = backend
-        self._traceable = _Traceable(fn, state)
+        self._traceable = Traceable(fn, state)
         self._state = self._traceable.state
         self._graphs: dict[Any, tuple[Graph, Any]] = {}
         self._slots: dict[Any, _KernelSlots] = {}
         self._last: Graph | None = None
-        self._flat: Flat | None = None
-        self._recorder = _PassThrough()
+        self._call_state = _CallState()
         # one mx.compile per static structure: MLX keys its cache on array shapes only, so a
         # Python scalar argument (baked into the trace) must never share a compiled function
         self._compiled: dict[Any, Callable[..., Any]] = {}
         # the common call, positional arrays only: shapes and dtypes -> everything a call needs
         self._fast: dict[Any, _Prepared] = {}
-        # signatures each mx.compile'd function has run, and the steady call (see __call__)
+        # signatures each mx.compile'd function has run; the one a steady call may take (__call__)
         self._served: dict[Any, set[Any]] = {}
-        self._hot: _Prepared | None = None
-        self._pending: tuple[Any, ...] | None = None  # a steady call's arguments, while it runs
-        self._unseen: str | None = None  # what _run_unseen left in MLX's cache, during a call
+        self._steady: _Prepared | None = None
 
     def _run_flat(self, *arrays: mx.array) -> list[mx.array]:
-        flat = self._flat
+        call = self._call_state
+        flat = call.flat
         if flat is None:  # MLX traces inside a steady call: a signature it has not run yet
             return self._run_unseen(arrays)
         # no custom-vjp wrapper around GPU launches: a compiled graph evaluates its own outputs,
         # so nothing differentiates through it, and each wrapper is one more primitive to run
-        with self._state.cells_from_captured(), recording(self._recorder), \
+        with self._state.cells_from_captured(), recording(call.recorder), \
                 without_vjp():  # type: ignore[arg-type]
             return self._traceable.call_flat(flat, arrays, {})
 
@@ -262,23 +298,24 @@ class CompiledGraph:
         evaluated) finds the trace in MLX's cache. Nothing may raise here: MLX would leave its
         tracers in the state containers. A trace that fails is left empty, and the compiled
         functions are dropped after the call."""
-        hot, args = self._hot, self._pending
-        self._unseen, self._recorder = "empty", _PassThrough()
-        if hot is None or args is None:
+        call, steady = self._call_state, self._steady
+        args = call.steady_args
+        call.unseen, call.recorder = _Unseen.EMPTY, _PassThrough()
+        if steady is None or args is None:
             return []
-        self._served[hot.key[0]].add(None)  # two signatures met: no more steady calls through it
-        if _array_signature(args) is None:  # nested or static arguments: MLX orders them its own
-            self._unseen = "elsewhere"  # way, and the long way runs them through another function
+        self._served[steady.key[0]].add(None)  # two signatures met: no more steady calls through it
+        if _array_signature(args) is None:
+            call.unseen = _Unseen.ELSEWHERE
             return []
         try:
-            self._flat = Flat.of(args, {}, self._traceable.arg_names)
+            call.flat = Flat.of(args, {}, self._traceable.arg_names)
             outputs = self._run_flat(*arrays)
         except Exception:  # the long way traces the graph and says what is wrong
             return []
         finally:
-            self._flat = None
-        if self._recorder.failed is None:
-            self._unseen = "traced"
+            call.flat = None
+        if call.recorder.failed is None:
+            call.unseen = _Unseen.TRACED
         return outputs
 
     @property
@@ -313,37 +350,37 @@ class CompiledGraph:
             return None, exc.status
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        hot = self._hot
-        if hot is not None and not kwargs and not hot.slots.changed():
+        steady = self._steady
+        if steady is not None and not kwargs and not steady.slots.changed():
             # the steady call: one signature ever ran through this mx.compile'd function, so
             # MLX's own cache check (shapes, dtypes, tree, constants) stands for the signature
             # lookup; a signature it has not run makes MLX trace (_run_unseen) and the call
             # takes the long way
-            state = self._state
+            state, call = self._state, self._call_state
             if state.cells:
                 state.refresh_cells()
-            self._last = hot.graph
-            self._pending = args
+            self._last = steady.graph
+            call.steady_args = args
             try:
-                outputs = hot.compiled(*args)
+                outputs = steady.compiled(*args)
             except Exception:  # arguments MLX refuses: the long way says what is wrong
                 outputs = None
-            self._pending = None
-            if self._unseen is not None:
-                if self._unseen == "empty":
+            call.steady_args = None
+            if call.unseen is not None:
+                if call.unseen is _Unseen.EMPTY:
                     self._forget_compiled()
-                self._unseen = self._hot = None
+                call.unseen = self._steady = None
             elif outputs is not None:
                 try:
                     # scheduled, not waited for: kernels compile and encode here, so a failure
                     # still raises in this call, while the GPU runs during what follows
                     mx.async_eval(outputs)
                 except Exception as exc:
-                    self._hot = None  # the next call takes the long way, which refuses a
+                    self._steady = None  # the next call takes the long way, which refuses a
                     # graph whose node this failure marks
                     flat = Flat.of(args, kwargs, self._traceable.arg_names)
-                    raise self._attribute(hot.graph, flat, exc, self._recorder) from exc
-                return unflatten_outputs(hot.spec, outputs)
+                    raise self._attribute(steady.graph, flat, exc, call.recorder) from exc
+                return unflatten_outputs(steady.spec, outputs)
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -359,12 +396,13 @@ class CompiledGraph:
         if not graph.ok:
             raise graph.error()  # type: ignore[misc]
         arrays = list(args) if plain else Flat.of(args, kwargs, self._traceable.arg_names).arrays
-        if self._recorder.calls:  # only an MLX trace of _run_flat uses it: then start afresh
-            self._recorder = _PassThrough()
+        call = self._call_state
+        if call.recorder.calls:  # only an MLX trace of _run_flat uses it: then start afresh
+            call.recorder = _PassThrough()
         state = self._state
         if state.cells:
             state.refresh_cells()
-        self._flat = prepared.flat  # its structure, for when MLX traces _run_flat
+        call.flat = prepared.flat  # its structure, for when MLX traces _run_flat
         try:
             if self.backend is None:
                 outputs = self._run_compiled(prepared.compiled, arrays)
@@ -373,18 +411,18 @@ class CompiledGraph:
                     outputs = self._run_compiled(prepared.compiled, arrays)
         except Exception as exc:
             flat = Flat.of(args, kwargs, self._traceable.arg_names)
-            raise self._attribute(prepared.graph, flat, exc, self._recorder) from exc
+            raise self._attribute(prepared.graph, flat, exc, call.recorder) from exc
         finally:
-            self._flat = None
+            call.flat = None
         served = self._served.setdefault(prepared.key[0], set())  # signatures MLX has run
         served.add(prepared.key)
-        self._hot = prepared if plain and self.backend is None and len(served) == 1 else None
+        self._steady = prepared if plain and self.backend is None and len(served) == 1 else None
         return unflatten_outputs(prepared.spec, outputs)
 
     def _forget_compiled(self) -> None:
         """MLX cached an empty trace (see _run_unseen): drop the compiled functions, keep the
         graphkern traces."""
-        self._hot = None
+        self._steady = None
         self._compiled.clear()
         self._served.clear()
         self._fast.clear()
@@ -404,8 +442,9 @@ class CompiledGraph:
 
     def _run_compiled(self, compiled: Callable[..., Any], arrays: list[mx.array]) -> list[mx.array]:
         outputs = compiled(*arrays)
-        if self._recorder.failed is not None:  # a launch failed while MLX traced
-            raise self._recorder.failed[1]
+        failed = self._call_state.recorder.failed
+        if failed is not None:  # a launch failed while MLX traced
+            raise failed[1]
         mx.eval(outputs)
         return outputs  # type: ignore[no-any-return]
 

@@ -84,6 +84,11 @@ def backend_setting() -> Any:
     return _local.backend or _raw_backend_variable(_BACKEND_KEY)
 
 
+def backend_override() -> str | None:
+    """This thread's ``using_backend`` override, if any (a trace hands it to its own thread)."""
+    return _local.backend
+
+
 def _backend_variable() -> str | None:
     """``GRAPHKERN_BACKEND`` (or a thread's ``using_backend`` override) as a string, or None."""
     raw = backend_setting()

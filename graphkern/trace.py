@@ -166,7 +166,7 @@ def _hooked(original: Callable[..., Any]) -> Callable[..., Any]:
 # ----------------------------------------------------------------------------- tracing
 
 
-class _Traceable:
+class Traceable:
     """``fn`` with its arguments and state flattened to arrays, ready for MLX's transforms."""
 
     def __init__(self, fn: Callable[..., Any], state: Any = None):
@@ -204,7 +204,7 @@ class _Traceable:
 
         log = EventLog()
         if backend is None:  # this thread's override (thread-local) must reach the trace thread
-            backend = runtime._local.backend
+            backend = runtime.backend_override()
 
         def capture() -> None:
             with recording(recorder), runtime.using_backend(backend):
@@ -304,6 +304,6 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
     >>> g.nodes("op"), g.nx.nodes["output_0"]["kind"]
     (['matmul'], 'output')
     """
-    traceable = _Traceable(fn)
+    traceable = Traceable(fn)
     graph, _ = traceable.trace(Flat.of(args, kwargs, traceable.arg_names))
     return graph

@@ -81,13 +81,13 @@ def lint_every_trace():  # type: ignore[no-untyped-def]
     import sys
 
     trace_module = sys.modules["graphkern.trace"]  # gk.trace is the function of that name
-    original = trace_module._Traceable.trace
+    original = trace_module.Traceable.trace
 
     def linted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         graph, spec = original(self, *args, **kwargs)
         graph.lint()
         return graph, spec
 
-    trace_module._Traceable.trace = linted  # type: ignore[method-assign]
+    trace_module.Traceable.trace = linted  # type: ignore[method-assign]
     yield
-    trace_module._Traceable.trace = original  # type: ignore[method-assign]
+    trace_module.Traceable.trace = original  # type: ignore[method-assign]

@@ -125,7 +125,7 @@ def test_compiled_path_has_no_tags():
     cf = gk.compile(model_fn)
     cf(X, Y)
     [compiled] = cf._compiled.values()
-    [cf._flat] = [prepared.flat for prepared in cf._fast.values()]  # as __call__ sets it
+    [cf._call_state.flat] = [prepared.flat for prepared in cf._fast.values()]  # as __call__ sets it
     with without_vjp():  # GPU launches carry an mx.custom_function vjp, which cannot be exported
         mx.export_function(lambda e: events.append(e), compiled, X, Y)
     names = [e["name"] for e in events if e["type"] == "primitive"]

@@ -255,3 +255,53 @@ def test_a_threads_backend_override_reaches_its_traces() -> None:
     for t in threads:
         t.join(timeout=120)
     assert seen == {"metal": ("metal", "metal"), "None": ("reference", "reference")}
+
+
+def test_one_compiled_graph_called_from_eight_threads_from_its_steady_path() -> None:
+    """Several threads call one compiled graph while it is on the steady path (one signature,
+    backend left to graphkern): every result matches the eager function, nothing raises, and a
+    second signature from the threads is served the long way, correctly."""
+    import graphkern.kernels as gkk
+
+    def fn(x: mx.array, w: mx.array) -> mx.array:
+        return gkk.swiglu(gkk.rms_norm(x, w), mx.tanh(x))
+
+    cf = gk.compile(fn)
+    x, y = mx.arange(N, dtype=mx.float32) / 7, mx.full((N,), 0.5)
+    x2, y2 = mx.ones((2, 3, N)), mx.full((N,), 2.0)
+    mx.eval(x, y, x2, y2)
+    expected, expected2 = fn(x, y).tolist(), fn(x2, y2).tolist()
+    assert cf(x, y).tolist() == expected  # the long way: traced, compiled, run
+    assert cf._steady is not None  # the next call from this thread is a steady one
+    assert cf(x, y).tolist() == expected
+
+    def work(index: int) -> list[Any]:
+        out = []
+        for i in range(200):
+            if (index + i) % 50 == 0:
+                out.append(cf(x2, y2).tolist() == expected2)
+            else:
+                out.append(cf(x, y).tolist() == expected)
+        return out
+
+    results: list[list[Any]] = [[] for _ in range(THREADS)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(THREADS)
+
+    def target(index: int) -> None:
+        try:
+            barrier.wait()
+            results[index] = work(index)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not errors, errors[0]
+    assert all(len(r) == 200 and all(r) for r in results)
+    assert cf(x, y).tolist() == expected and cf(x2, y2).tolist() == expected2
+    assert len(list(cf.traces())) == 2  # one graphkern trace per signature, whatever the threads
