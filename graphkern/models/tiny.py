@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from graphkern.nodes import KernelError, Status
 
-__all__ = ["TINY_CONFIGS", "tiny_model"]
+__all__ = ["TINY_CONFIGS", "random_model", "tiny_model"]
 
 _BASE: dict[str, Any] = {
     "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
@@ -47,16 +47,26 @@ def tiny_model(arch: str, dtype: mx.Dtype = mx.float32, seed: int = 0) -> nn.Mod
     if arch not in TINY_CONFIGS:
         raise KernelError("build a tiny mlx-lm model", f"unknown architecture {arch!r}; "
                           f"known: {sorted(TINY_CONFIGS)}", Status.INVALID_INPUT)
+    return random_model(TINY_CONFIGS[arch], dtype, seed)
+
+
+def random_model(config: dict[str, Any], dtype: mx.Dtype = mx.float32, seed: int = 0) -> nn.Module:
+    """The mlx-lm model a ``config.json`` dict describes (``model_type`` picks the architecture),
+    with random weights drawn after seeding MLX's generator, cast to ``dtype`` and evaluated.
+
+    >>> config = {**TINY_CONFIGS["llama"], "num_hidden_layers": 4}      # doctest: +SKIP
+    >>> len(random_model(config, mx.bfloat16).layers)                   # doctest: +SKIP
+    4
+    """
     try:
         from mlx_lm.utils import _get_classes
     except ImportError as exc:
-        raise KernelError("build a tiny mlx-lm model", "mlx-lm is not installed "
+        raise KernelError("build an mlx-lm model", "mlx-lm is not installed "
                           "(pip install 'graphkern[models]')", Status.BACKEND_UNAVAILABLE) from exc
-    config = dict(TINY_CONFIGS[arch])
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = _get_classes(dict(config))
     importlib.import_module(model_class.__module__)
     mx.random.seed(seed)
-    model = model_class(args_class.from_dict(config))
+    model = model_class(args_class.from_dict(dict(config)))
     if dtype != mx.float32:
         model.set_dtype(dtype)
     mx.eval(model.parameters())

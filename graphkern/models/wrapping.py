@@ -186,6 +186,14 @@ class WrappedModel:
         self._cache_calls_traced.clear()
         self._last = None
 
+    def __getattr__(self, name: str) -> Any:
+        """The model's own attributes (``layers``, ``make_cache``, ``args``...), so mlx-lm's
+        generators (``generate_step``, ``BatchGenerator``) take a wrapped model as they take the
+        model."""
+        if name.startswith("__") or name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
     def __repr__(self) -> str:
         return f"WrappedModel({type(self.model).__name__}, traces={len(self._graphs)})"
 

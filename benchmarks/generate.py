@@ -1,0 +1,276 @@
+"""mlx-lm generation, stock model against the same model patched onto graphkern's kernels.
+
+What a user runs: random-weight mlx-lm models (llama, qwen3, mixtral) at two sizes, generated with
+mlx-lm's own loops: ``mlx_lm.generate.generate_step`` at batch 1 and ``BatchGenerator`` at batch 8.
+Each model is run stock and patched (``gk.patch`` on a second model object sharing the weights),
+both eagerly (how mlx-lm generates) and through ``gk.wrap``, taking turns within each round:
+
+  decode b1 / b8   tokens per second after the first token (batch 8 counts all 8 sequences)
+  ttft P           time to the first token of a P-token prompt (prefill), milliseconds
+
+``--breakdown`` adds, per decoded token at batch 1, GPU kernel launches (all of them, and
+graphkern's), GPU busy time against wall time, and wall time per launch: CUPTI's kernel records
+through ``torch.profiler``, as ``gpu_kernels.py`` reads them.
+
+    python benchmarks/generate.py                                   # the default grid
+    python benchmarks/generate.py --models llama --sizes large --dtypes bfloat16 --breakdown
+    python benchmarks/generate.py --sizes tiny --rounds 1           # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import mlx.core as mx  # noqa: E402
+from _timing import header  # noqa: E402
+
+import graphkern as gk  # noqa: E402
+from graphkern.models import WrappedModel  # noqa: E402
+from graphkern.models.tiny import random_model  # noqa: E402
+
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256},
+    "small": {"hidden_size": 1024, "num_hidden_layers": 8, "intermediate_size": 2816,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000},
+    "large": {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 5632,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 32000},
+}
+ARCHS: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "llama", "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
+    "qwen3": {"model_type": "qwen3", "rms_norm_eps": 1e-6, "rope_theta": 1e6, "head_dim": 128,
+              "max_position_embeddings": 32768, "tie_word_embeddings": True},
+    "mixtral": {"model_type": "mixtral", "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                "num_local_experts": 8, "num_experts_per_tok": 2},
+}
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+
+
+def config(arch: str, size: str) -> dict[str, Any]:
+    cfg = {**ARCHS[arch], **SIZES[size]}
+    if arch == "qwen3" and size == "tiny":
+        cfg["head_dim"] = 16
+    return cfg
+
+
+def twin_models(arch: str, size: str, dtype: mx.Dtype) -> tuple[Any, Any]:
+    """The stock model and a patched one sharing its weight arrays."""
+    stock = random_model(config(arch, size), dtype)
+    patched = type(stock)(stock.args)
+    patched.update(stock.parameters())
+    gk.patch(patched)
+    return stock, patched
+
+
+# ----------------------------------------------------------------------------- one measurement
+
+
+def _cache_for(model: Any) -> list[Any]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(model.model if isinstance(model, WrappedModel) else model)
+
+
+def generate_b1(model: Any, prompt: mx.array, tokens: int) -> tuple[float, float]:
+    """(seconds to the first token, seconds per later token) of ``generate_step``."""
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(prompt, model, max_tokens=tokens, prompt_cache=_cache_for(model))
+    start = time.perf_counter()
+    next(steps)
+    first = time.perf_counter()
+    count = sum(1 for _ in steps)
+    end = time.perf_counter()
+    return first - start, (end - first) / max(count, 1)
+
+
+def generate_batch(model: Any, prompt: mx.array, tokens: int, batch: int) -> tuple[float, float]:
+    """(seconds to the first tokens, seconds per later step of all ``batch`` sequences) of mlx-lm's
+    ``BatchGenerator``."""
+    from mlx_lm.generate import BatchGenerator
+
+    generator = BatchGenerator(model, max_tokens=tokens, prefill_batch_size=batch,
+                               completion_batch_size=batch)
+    try:
+        generator.insert([prompt.tolist()] * batch, max_tokens=[tokens] * batch)
+        start = time.perf_counter()
+        generator.next_generated()
+        first = time.perf_counter()
+        steps = 0
+        while generator.next_generated():
+            steps += 1
+        end = time.perf_counter()
+    finally:
+        generator.close()
+    return first - start, (end - first) / max(steps, 1)
+
+
+# ----------------------------------------------------------------------------- the grid
+
+
+def measure(arch: str, size: str, dtype_name: str, args: argparse.Namespace) -> dict[str, Any]:
+    dtype = DTYPES[dtype_name]
+    stock, patched = twin_models(arch, size, dtype)
+    vocab = SIZES[size]["vocab_size"]
+    variants: dict[str, Any] = {"stock": stock, "patched": patched}
+    if "wrap" in args.modes:
+        variants |= {"stock wrap": gk.wrap(stock), "patched wrap": gk.wrap(patched)}
+    if "eager" not in args.modes:
+        variants = {k: v for k, v in variants.items() if "wrap" in k}
+    prompts = {p: mx.random.randint(0, vocab, (p,), key=mx.random.key(p)) for p in args.prefill}
+    short = prompts[min(args.prefill)]
+    tasks: dict[str, Callable[[Any], float]] = {}
+    for batch in args.batches:
+        if batch == 1:
+            tasks["decode b1"] = lambda m: 1.0 / generate_b1(m, short, args.tokens)[1]
+        else:
+            tasks[f"decode b{batch}"] = (
+                lambda m, b=batch: b / generate_batch(m, short, args.tokens, b)[1])
+    for length, prompt in prompts.items():
+        tasks[f"ttft {length}"] = lambda m, p=prompt: 1e3 * generate_b1(m, p, 2)[0]
+    samples: dict[tuple[str, str], list[float]] = {}
+    errors: dict[tuple[str, str], str] = {}
+    for round_index in range(args.rounds + 1):  # round 0 warms up: kernels compile, traces run
+        for task, run in tasks.items():
+            for name, model in variants.items():
+                if (task, name) in errors:
+                    continue
+                try:
+                    value = run(model)
+                except Exception as exc:  # a variant that cannot run is reported, the rest go on
+                    errors[(task, name)] = f"{type(exc).__name__}: {exc}"[:160]
+                    continue
+                if round_index:
+                    samples.setdefault((task, name), []).append(value)
+    rows = []
+    for task in tasks:
+        for mode in ("", " wrap"):
+            s, p = samples.get((task, "stock" + mode)), samples.get((task, "patched" + mode))
+            if s is None and p is None and ("stock" + mode) not in variants:
+                continue
+            row = {"task": task, "mode": mode.strip() or "eager",
+                   "stock": statistics.median(s) if s else None,
+                   "patched": statistics.median(p) if p else None,
+                   "errors": [errors[k] for k in ((task, "stock" + mode), (task, "patched" + mode))
+                              if k in errors]}
+            if s and p:  # per round, so drift between rounds cancels
+                pairs = [b / a for a, b in zip(s, p)]
+                row["speedup"] = statistics.median(
+                    pairs if task.startswith("decode") else [1 / r for r in pairs])
+            rows.append(row)
+    result = {"arch": arch, "size": size, "dtype": dtype_name, "rows": rows}
+    if args.breakdown:
+        result["breakdown"] = {name: breakdown(model, short, args.tokens)
+                               for name, model in (("stock", stock), ("patched", patched))}
+    return result
+
+
+# ----------------------------------------------------------------------------- per-token breakdown
+
+
+@contextlib.contextmanager
+def _kernel_records() -> Iterator[list[Any]]:
+    """CUPTI's kernel records of the block, through torch.profiler (empty without torch/CUDA)."""
+    found: list[Any] = []
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        yield found
+        return
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield found
+    found.extend(e for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+                 if e.device_type().name == "CUDA")
+
+
+def breakdown(model: Any, prompt: mx.array, tokens: int) -> dict[str, float]:
+    """Per decoded token at batch 1: launches, graphkern launches, GPU busy and wall time (us)."""
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(prompt, model, max_tokens=tokens, prompt_cache=_cache_for(model))
+    next(steps)
+    next(steps)
+    count = tokens - 2
+    with _kernel_records() as records:
+        start = time.perf_counter()
+        for _ in steps:
+            pass
+        wall = time.perf_counter() - start
+    if not records:
+        return {"wall_us": 1e6 * wall / count}
+    kernels = [r for r in records if "memcpy" not in r.name().lower() and "memset" not in r.name().lower()]
+    ours = sum(1 for r in kernels if "gk_" in r.name())
+    busy = sum(r.duration_ns() for r in kernels) / 1e3
+    launches = len(kernels) / count
+    return {"launches": launches, "graphkern_launches": ours / count, "gpu_busy_us": busy / count,
+            "wall_us": 1e6 * wall / count, "wall_us_per_launch": 1e6 * wall / count / launches}
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _cell(value: float | None, task: str) -> str:
+    if value is None:
+        return "failed"
+    return f"{value:.1f} tok/s" if task.startswith("decode") else f"{value:.1f} ms"
+
+
+def format_result(result: dict[str, Any]) -> str:
+    lines = [f"\n## {result['arch']} {result['size']} {result['dtype']}",
+             "| task | mode | stock | patched | patched speed / stock |", "|---|---|---:|---:|---:|"]
+    for row in result["rows"]:
+        speed = f"{row['speedup']:.3f}x" if "speedup" in row else "-"
+        lines.append(f"| {row['task']} | {row['mode']} | {_cell(row['stock'], row['task'])} | "
+                     f"{_cell(row['patched'], row['task'])} | {speed} |")
+        lines += [f"|  | error | {e} | | |" for e in row["errors"]]
+    for name, b in result.get("breakdown", {}).items():
+        lines.append(f"- per decoded token, {name}: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in b.items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="llama,qwen3,mixtral")
+    parser.add_argument("--sizes", default="small,large")
+    parser.add_argument("--dtypes", default="bfloat16,float16")
+    parser.add_argument("--modes", default="eager,wrap", help="eager, wrap or both")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--prefill", default="256,2048", help="prompt lengths for ttft")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens generated per decode run")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    args.modes = args.modes.split(",")
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.prefill = [int(p) for p in args.prefill.split(",")]
+    print(header("mlx-lm generation: stock vs patched onto graphkern kernels"), flush=True)
+    print(f"# rounds {args.rounds}, {args.tokens} tokens a decode run; speed ratio = patched "
+          "tokens/s over stock (decode) or stock time over patched (ttft), median over rounds")
+    results = []
+    for arch in args.models.split(","):
+        for size in args.sizes.split(","):
+            for dtype_name in args.dtypes.split(","):
+                result = measure(arch, size, dtype_name, args)
+                results.append(result)
+                print(format_result(result), flush=True)
+                mx.clear_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
