@@ -3,7 +3,7 @@
 MLX's ``CustomKernel`` primitive has no vjp, so ``mx.grad`` through a GPU kernel fails. ``with_vjp``
 runs a kernel's forward inside ``mx.custom_function`` whose vjp is the kernel's own backward
 (``Kernel.vjp``) when the user gave one, else the vjp of its pure-MLX reference. The runtime uses it
-for every GPU launch (see ``runtime.differentiable_launch``); graphkern's inspection traces skip it,
+for every GPU launch (see ``launch_paths.differentiable_launch``); graphkern's inspection traces skip it,
 because ``mx.export_function`` cannot export a custom function with a vjp. To export a function with
 GPU kernels yourself, launch them inside ``without_vjp()``.
 

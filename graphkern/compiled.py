@@ -18,13 +18,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import runtime
+from . import backends, mlx_kernels
 from .autodiff import without_vjp
+from .context import recording
 from .graph import Failure, Graph, GraphError
 from .nodes import Kernel, KernelError, Status
-from .runtime import Launch, recording
 from .state import Flat, unflatten_outputs
 from .trace import Traceable
+from .validation import Launch
 
 __all__ = ["CompiledGraph", "compile"]
 
@@ -407,7 +408,7 @@ class CompiledGraph:
             if self.backend is None:
                 outputs = self._run_compiled(prepared.compiled, arrays)
             else:
-                with runtime.using_backend(self.backend):
+                with backends.using_backend(self.backend):
                     outputs = self._run_compiled(prepared.compiled, arrays)
         except Exception as exc:
             flat = Flat.of(args, kwargs, self._traceable.arg_names)
@@ -466,7 +467,7 @@ class CompiledGraph:
             index, found = recorder.failed
             message = str(found)
             culprit = next((n for n in kernels if graph.node(n).get("call_index") == index), None)
-        status = found.status if isinstance(found, KernelError) else runtime.status_of_mlx_error(message)
+        status = found.status if isinstance(found, KernelError) else mlx_kernels.status_of_mlx_error(message)
         if culprit is None:
             outputs = tuple(graph.nodes("output"))
             return GraphError(Failure("<eval>", status, message, outputs))

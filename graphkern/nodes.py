@@ -11,7 +11,7 @@ import hashlib
 import keyword
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, Union
 
 import mlx.core as mx
 
@@ -135,9 +135,9 @@ class OutputSpec:
 
     shape: tuple[int, ...]
     dtype: mx.Dtype
-    #: ``(shape, dtype)`` for the runtime's cache of validated launches when every dim is exactly an
-    #: int, else an unhashable list (so ``8.0`` never reuses the check of ``8``); set on creation.
-    launch_key: ClassVar[Any]
+    #: ``(shape, dtype)`` for the cache of validated launches when every dim is exactly an int,
+    #: else an unhashable list (so ``8.0`` never reuses the check of ``8``); set on creation.
+    launch_key: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.shape, (list, tuple)):
@@ -158,9 +158,9 @@ class TemplateArg:
 
     name: str
     value: Union[mx.Dtype, int, bool]
-    #: What the runtime's cache of validated launches keys this argument by (its value's exact
-    #: type included, so ``True`` never reuses the check of ``1``); set on creation.
-    launch_key: ClassVar[Any]
+    #: What the cache of validated launches keys this argument by (its value's exact type
+    #: included, so ``True`` never reuses the check of ``1``); set on creation.
+    launch_key: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "launch_key", (self.name, self.value, self.value.__class__))

@@ -20,12 +20,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import runtime
+from . import backends
 from .capture import MAGIC, EventLog, Record, build_graph
+from .context import current_recorder, recording
 from .graph import Graph, GraphError
 from .nodes import Kernel, KernelError, Status, dtype_name
-from .runtime import Launch, current_recorder, recording
 from .state import Flat, State, argument_names, flatten_outputs, unflatten_outputs
+from .validation import Launch
 
 __all__ = ["Graph", "GraphError", "TraceRecorder", "trace"]
 
@@ -89,7 +90,7 @@ def _kernel_attrs(launch: Launch | None, kernel: Any) -> dict[str, Any]:
                                 else repr(a.value)] for a in launch.template],
                      source=kernel.source_for(launch.backend))
         if launch.backend != "reference":
-            attrs["generated_name"] = runtime.generated_name(kernel)
+            attrs["generated_name"] = backends.generated_name(kernel)
     return attrs
 
 
@@ -204,10 +205,10 @@ class Traceable:
 
         log = EventLog()
         if backend is None:  # this thread's override (thread-local) must reach the trace thread
-            backend = runtime.backend_override()
+            backend = backends.backend_override()
 
         def capture() -> None:
-            with recording(recorder), runtime.using_backend(backend):
+            with recording(recorder), backends.using_backend(backend):
                 mx.export_function(log, flat_fn, *flat.arrays, *state_arrays)
 
         owners = _ModuleHooks.install([m for _, m in self.state.modules.values()])
@@ -223,7 +224,7 @@ class Traceable:
                 _ModuleHooks.remove(owners)
             if used is not None:
                 used.extend(recorder.kernels.values())
-            attrs = {"name": self.name, "backend": backend or runtime.active_backend(),
+            attrs = {"name": self.name, "backend": backend or backends.active_backend(),
                      "mlx_version": getattr(mx, "__version__", "?")}
             g = build_graph(log, flat.names + self.state.names, recorder.records,
                             recorder.nonce, attrs)

@@ -17,8 +17,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from graphkern.backends import active_backend
 from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name
-from graphkern.runtime import active_backend, apply, launch
+from graphkern.runtime import apply, launch
 
 __all__ = [
     "FLOAT_DTYPES",

@@ -15,12 +15,12 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from graphkern.backends import active_backend
 from graphkern.kernel_checks import CheckCase, CheckReport, compare
 from graphkern.kernels._base import FLOAT_DTYPES
 from graphkern.models.patching import patch, patched_layers, unpatch
 from graphkern.models.wrapping import wrap
 from graphkern.nodes import KernelError, Status, dtype_name
-from graphkern.runtime import active_backend
 
 __all__ = ["MODEL_TOLERANCES", "check_model"]
 

@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern import runtime
+from graphkern import backends
 from graphkern.compiled import CompiledGraph
 from graphkern.graph import Graph
 from graphkern.models.cache import cache_states, snapshot, stand_ins, states_of, write_back
@@ -120,7 +120,7 @@ class WrappedModel:
         kwargs = {k: v for k, v in kwargs.items() if k != "cache"}
         before = snapshot(cache)
         try:
-            with runtime.using_backend(self.backend):
+            with backends.using_backend(self.backend):
                 out = self.model(*args, cache=cache, **kwargs)
             mx.eval(out)
         except BaseException:

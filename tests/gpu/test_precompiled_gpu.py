@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import graphkern as gk
-from graphkern import runtime
+from graphkern import mlx_kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -118,7 +118,7 @@ def test_precompiled_kernels_are_cached_by_binary() -> None:
     if CUDA:
         assert after["misses"] - before["misses"] == 1
         assert after["hits"] - before["hits"] == 2
-        assert runtime.KernelCache.key("cuda", kernel)[2] == kernel.cuda_binary
+        assert mlx_kernels.KernelCache.key("cuda", kernel)[2] == kernel.cuda_binary
 
 
 def test_same_name_different_binaries_each_run_their_own() -> None:
