@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern.kernels._base import Case, LibraryEntry, Plan, check_dtype, run, template_arg
+from graphkern.kernels._base import Case, LayerLaunches, LibraryEntry, Plan, check_dtype, run, template_arg
 from graphkern.kernels._elementwise import cuda_map_body, metal_map_body, plan_elementwise
 from graphkern.kernels._headers import dual_header
 from graphkern.nodes import Kernel
@@ -92,8 +92,13 @@ def gelu(x: mx.array, approx: bool = False) -> mx.array:
     >>> [round(v, 4) for v in gelu(mx.array([-1.0, 0.0, 2.0])).tolist()]
     [-0.1587, 0.0, 1.9545]
     """
-    shape = x.shape if isinstance(x, mx.array) else ()
-    return run(plan_gelu(x, approx))[0].reshape(shape)
+    if x.__class__ is not mx.array or x.ndim == 0:  # scalars and the rest: the plan's checks
+        shape = x.shape if isinstance(x, mx.array) else ()
+        return run(plan_gelu(x, approx))[0].reshape(shape)
+    return _LAUNCHES((x.shape, x.dtype, approx, approx.__class__), (x,), lambda: plan_gelu(x, approx))[0]
+
+
+_LAUNCHES = LayerLaunches()
 
 
 def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, approx: bool) -> Case:

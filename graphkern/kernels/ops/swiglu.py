@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern.kernels._base import Case, LibraryEntry, Plan, check_dtype, run
+from graphkern.kernels._base import Case, LayerLaunches, LibraryEntry, Plan, check_dtype, run
 from graphkern.kernels._elementwise import cuda_map_body, metal_map_body, plan_elementwise
 from graphkern.kernels._headers import dual_header
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
@@ -56,7 +56,14 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     >>> [round(v, 4) for v in swiglu(mx.array([1.0, -2.0]), mx.array([2.0, 3.0])).tolist()]
     [1.4621, -0.7152]
     """
-    return run(plan_swiglu(gate, up))[0]
+    try:
+        key = (gate.shape, gate.dtype, up.shape, up.dtype)
+    except AttributeError:  # not arrays: the plan says what is wrong
+        return run(plan_swiglu(gate, up))[0]
+    return _LAUNCHES(key, (gate, up), lambda: plan_swiglu(gate, up))[0]
+
+
+_LAUNCHES = LayerLaunches()
 
 
 def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
