@@ -84,7 +84,7 @@ def rope_variants(plan: Plan, x: mx.array) -> Iterator[tuple[str, bool, Plan]]:
     """RoPE launches: R rows a thread (sharing their angles), V pairs a thread, block size. The
     grid follows ``plan_rope``: one thread per (R rows, position, V pairs)."""
     values = {t.name: t.value for t in plan.template if isinstance(t.value, int)}
-    half = plan.inputs[2].shape[0]  # the inverse frequencies: dims / 2
+    half = int(values["HALF"])  # dims / 2
     length, d = x.shape[-2], x.shape[-1]
     outer = x.size // d // length
     best_v = int(values["V"])

@@ -457,7 +457,8 @@ def variants(entries: Sequence[str], dtypes: Sequence[mx.Dtype],
 
 
 def _template_text(plan: Plan) -> str:
-    return " ".join(t.describe() for t in plan.template if t.name not in ("T", "EPS", "SCALE"))
+    return " ".join(t.describe() for t in plan.template
+                    if t.name not in ("T", "EPS", "SCALE", "BASE", "LOG2_BASE", "IN_SCALE"))
 
 
 def self_test(**options: Any) -> str | None:
