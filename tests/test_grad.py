@@ -54,7 +54,7 @@ def test_gradients_on_the_gpu_path_come_from_the_wrapper(opaque_gpu):
     expected = value_and_grads(model)
     patch(model)
     got = value_and_grads(model)
-    assert {"gk_rms_norm", "gk_add_rms_norm", "gk_rope", "gk_swiglu"} <= set(opaque_gpu)
+    assert {"gk_rms_norm", "gk_add_rms_norm", "gk_rope_qk", "gk_swiglu"} <= set(opaque_gpu)
     assert_same_grads(expected, got)
 
 

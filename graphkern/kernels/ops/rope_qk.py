@@ -36,7 +36,14 @@ from graphkern.kernels._base import (
 )
 from graphkern.kernels._headers import dual_header
 from graphkern.kernels.ops.rms_norm import rms_norm_reference
-from graphkern.kernels.ops.rope import ROPE_CUDA, ROPE_METAL, call_key, offset_input, rotary_template, rotate_reference
+from graphkern.kernels.ops.rope import (
+    ROPE_CUDA,
+    ROPE_METAL,
+    call_key,
+    offset_input,
+    rotary_template,
+    rotate_reference,
+)
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
 __all__ = ["MAX_HEAD_DIM", "ROPE_QK", "plan_rope_qk", "rope_qk", "rope_qk_reference"]
@@ -129,9 +136,11 @@ _CUDA_BODY = r"""
   const int head = is_q ? h : h - HQ;
   const int off = SHAPED_OFFSET ? offset_shape[1] - (1 << 30) : offset[PER_BATCH ? b : 0];
   const float pos = __int_as_float(SCALE) * static_cast<float>(l + off);
+  const long long src = (bl * H + head) * D;
+  const long long dst = ((static_cast<long long>(b) * H + head) * L + l) * D;
   gk::rope_qk_row<T, D, HALF, TRADITIONAL, FREQS, NORM, IN_SCALE>(
-      (is_q ? q : k) + (bl * H + head) * D, (is_q ? q_out : k_out) + ((static_cast<long long>(b) * H + head) * L + l) * D,
-      is_q ? q_weight : k_weight, freqs, pos, __int_as_float(LOG2_BASE), __int_as_float(EPS), threadIdx.x & 31);
+      (is_q ? q : k) + src, (is_q ? q_out : k_out) + dst, is_q ? q_weight : k_weight, freqs, pos,
+      __int_as_float(LOG2_BASE), __int_as_float(EPS), threadIdx.x & 31);
 """
 
 _METAL = r"""
@@ -287,9 +296,11 @@ def plan_rope_qk(q: mx.array, k: mx.array, heads: int, kv_heads: int, dims: int,
     b, length = q.shape[:2]
     threads = b * length * (heads + kv_heads) * 32
     if threads > MAX_GRID:
-        raise KernelError(op, f"input too large: {threads} threads exceed MLX's int32 grid", Status.INVALID_LAUNCH)
+        raise KernelError(op, f"input too large: {threads} threads exceed MLX's int32 grid",
+                          Status.INVALID_LAUNCH)
     template = (template_arg("T", q.dtype), template_arg("D", d), *rotary, template_arg("NORM", norm),
-                eps_template(eps, op), template_arg("PER_BATCH", per_batch), template_arg("SHAPED_OFFSET", shaped))
+                eps_template(eps, op), template_arg("PER_BATCH", per_batch),
+                template_arg("SHAPED_OFFSET", shaped))
     specs = (output_spec((b, heads, length, d), q.dtype), output_spec((b, kv_heads, length, d), q.dtype))
     return Plan(ROPE_QK, (q, k, off, table, qw, kw), specs, (threads, 1, 1), (BLOCK, 1, 1), template)
 
@@ -308,8 +319,9 @@ def rope_qk(q: mx.array, k: mx.array, heads: int, kv_heads: int, dims: int, *, t
 
     >>> q, k = mx.ones((1, 3, 2 * 8)), mx.ones((1, 3, 8))
     >>> qh, kh = rope_qk(q, k, 2, 1, 8, offset=5)
-    >>> qh.shape, kh.shape, bool(mx.allclose(kh, mx.fast.rope(k.reshape(1, 3, 1, 8).transpose(0, 2, 1, 3),
-    ...                                                    8, traditional=False, base=1e4, scale=1.0, offset=5)))
+    >>> stock = mx.fast.rope(k.reshape(1, 3, 1, 8).transpose(0, 2, 1, 3), 8, traditional=False, base=1e4,
+    ...                      scale=1.0, offset=5)
+    >>> qh.shape, kh.shape, bool(mx.allclose(kh, stock))
     ((1, 2, 3, 8), (1, 1, 3, 8), True)
     """
     def plan() -> Plan:
@@ -318,9 +330,10 @@ def rope_qk(q: mx.array, k: mx.array, heads: int, kv_heads: int, dims: int, *, t
                             k_weight=k_weight, eps=eps)
 
     try:
-        key, arrays, offset, freqs = call_key(q, offset, freqs, heads, kv_heads, dims, traditional, base or 0.0,
-                                              scale, input_scale, eps)
-        key = (key, k.shape, k.dtype, base is None, None if q_weight is None else (q_weight.shape, q_weight.dtype),
+        key, arrays, offset, freqs = call_key(q, offset, freqs, heads, kv_heads, dims, traditional,
+                                              base or 0.0, scale, input_scale, eps)
+        key = (key, k.shape, k.dtype, base is None,
+               None if q_weight is None else (q_weight.shape, q_weight.dtype),
                None if k_weight is None else (k_weight.shape, k_weight.dtype))
     except (AttributeError, TypeError):  # not arrays and numbers: the plan says what is wrong
         q_out, k_out = run(plan())
