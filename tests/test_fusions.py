@@ -334,6 +334,20 @@ def test_updated_weights_are_seen_through_every_fusion() -> None:
     assert mx.allclose(fused, model(TOKENS), atol=1e-5).item()
 
 
+def test_updates_made_after_a_second_patch_survive_unpatch() -> None:
+    """The RMSNorm patched first is left in the stock block when the fused block takes its place;
+    its array is the old one, and must not overwrite the update on the way back."""
+    model = tiny_model("llama")
+    patch(model, kernels=["rms_norm"])
+    patch(model)
+    new = mx.full((64,), 0.25)
+    model.update({"model": {"layers": [{"input_layernorm": {"weight": new}}, {}]}})
+    patched = model(TOKENS)
+    unpatch(model)
+    assert model.model.layers[0].input_layernorm.weight is new
+    assert mx.allclose(model(TOKENS), patched, atol=1e-5).item()
+
+
 @pytest.mark.parametrize("break_it, where, needle", [
     (lambda m: setattr(m.layers[0].self_attn.q_norm, "weight", mx.ones((8,))),
      "model.layers.0.self_attn.q_norm", "weight has shape (8,); expected (16,)"),

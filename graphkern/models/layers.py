@@ -79,11 +79,18 @@ class KernelLayer(nn.Module):
         self._no_grad = set(original._no_grad)  # frozen parameters stay frozen
         self._training = original._training
         self._gk_original = _Held(original)
+        self._gk_shared = _Held({k: v for k, v in original.items() if isinstance(v, mx.array)})
 
     @property
     def original(self) -> nn.Module:
         """The module this one replaced."""
         return self._gk_original.module
+
+    def replaced_arrays(self) -> dict[str, mx.array]:
+        """This layer's arrays that are no longer the ones it shared with the original when built
+        (replaced by training or ``update`` while patched), by name."""
+        shared = self._gk_shared.module
+        return {k: v for k, v in self.items() if isinstance(v, mx.array) and v is not shared.get(k, v)}
 
     def _extra_repr(self) -> str:
         return f"{self.kernel} kernel, replaces {type(self.original).__name__}"

@@ -549,10 +549,12 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> list[Patche
 
 
 def _sync(layer: KernelLayer) -> None:
-    """Carry parameters replaced while patched (training, ``update``) back to the originals."""
+    """Carry parameters replaced while patched (training, ``update``) back to the originals. Only
+    the ones replaced: a layer left out of the model by a later patch (the input norm a fused block
+    took over) holds arrays older than its original's."""
     original = layer.original
-    for key, value in layer.items():
-        if isinstance(value, mx.array) and key in original and original[key] is not value:
+    for key, value in layer.replaced_arrays().items():
+        if key in original:
             original[key] = value
     for _, _, child, _ in _children(layer, ""):
         if isinstance(child, KernelLayer):

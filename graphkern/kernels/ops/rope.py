@@ -446,12 +446,18 @@ def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float 
                 template)
 
 
-def call_key(x: mx.array, offset: int | mx.array, freqs: mx.array | None, *numbers: Any) -> tuple[
-        tuple[Any, ...], tuple[mx.array, ...], int | mx.array, mx.array | None]:
+#: The types a RoPE call's number arguments may have for its launch to be kept.
+_NUMBERS = frozenset({int, float, bool})
+
+
+def call_key(x: mx.array, offset: int | mx.array, freqs: mx.array | None, numbers: tuple[Any, ...],
+             floats: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[mx.array, ...], int | mx.array,
+                                               mx.array | None]:
     """What a RoPE layer call's launch depends on besides its arrays (see ``LayerLaunches``), the
     arrays themselves (offset and freqs as the kernel takes them: int32, float32) and the offset
-    and freqs to plan with. ``numbers``: the call's other arguments. Raises AttributeError or
-    TypeError for arguments that are not arrays and numbers (the plan then says what is wrong)."""
+    and freqs to plan with. ``numbers`` and ``floats`` are the call's other arguments (``floats``:
+    those where 0.0 and -0.0 differ). Raises AttributeError or TypeError for arguments that are not
+    arrays and numbers (the plan then says what is wrong)."""
     if offset.__class__ is int:
         if not -OFFSET_BIAS <= offset < 2**31 - OFFSET_BIAS:  # type: ignore[operator]
             raise TypeError("offset out of range")
@@ -469,10 +475,12 @@ def call_key(x: mx.array, offset: int | mx.array, freqs: mx.array | None, *numbe
         freqs_key = (freqs.shape, freqs.dtype)
         freqs = freqs if freqs.dtype == mx.float32 else freqs.astype(mx.float32)
         arrays = (off, freqs)
-    # 0.0 and -0.0 are one key, True and 1 too: the sign of zero and the type go in as well
-    values = tuple((v.__class__, v, v == 0 and math.copysign(1.0, v)) for v in numbers)
-    key = (x.shape, x.dtype, offset_key, freqs_key, values)
-    hash(key)  # an unhashable argument: TypeError here, where the caller expects it
+    types = tuple(map(type, numbers + floats))  # True and 1 are one key: their types go in too
+    if not _NUMBERS.issuperset(types):
+        raise TypeError("arguments that are not numbers")
+    key: tuple[Any, ...] = (x.shape, x.dtype, offset_key, freqs_key, numbers, floats, types)
+    if 0.0 in floats:  # 0.0 and -0.0 are one key: their signs go in too
+        key = (key, tuple(math.copysign(1.0, v) for v in floats))
     return key, arrays, offset, freqs
 
 
@@ -489,12 +497,12 @@ def rope(x: mx.array, dims: int, *, traditional: bool = False, base: float | Non
     [-0.3012, 0.99, 1.3818, 1.0099]
     """
     try:
-        key, arrays, offset, freqs = call_key(x, offset, freqs, dims, traditional, base or 0.0, scale,
-                                              input_scale)
+        key, arrays, offset, freqs = call_key(x, offset, freqs, (dims, traditional, base is None), (
+            1.0 if base is None else base, scale, input_scale))
     except (AttributeError, TypeError):  # not arrays and numbers: the plan says what is wrong
         return run(plan_rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset,
                              freqs=freqs, input_scale=input_scale))[0]
-    return _LAUNCHES((key, base is None), (x, *arrays), lambda: plan_rope(
+    return _LAUNCHES(key, (x, *arrays), lambda: plan_rope(
         x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs,
         input_scale=input_scale))[0]
 

@@ -330,10 +330,10 @@ def rope_qk(q: mx.array, k: mx.array, heads: int, kv_heads: int, dims: int, *, t
                             k_weight=k_weight, eps=eps)
 
     try:
-        key, arrays, offset, freqs = call_key(q, offset, freqs, heads, kv_heads, dims, traditional,
-                                              base or 0.0, scale, input_scale, eps)
-        key = (key, k.shape, k.dtype, base is None,
-               None if q_weight is None else (q_weight.shape, q_weight.dtype),
+        key, arrays, offset, freqs = call_key(q, offset, freqs, (heads, kv_heads, dims, traditional,
+                                                                 base is None),
+                                              (1.0 if base is None else base, scale, input_scale, eps))
+        key = (key, k.shape, k.dtype, None if q_weight is None else (q_weight.shape, q_weight.dtype),
                None if k_weight is None else (k_weight.shape, k_weight.dtype))
     except (AttributeError, TypeError):  # not arrays and numbers: the plan says what is wrong
         q_out, k_out = run(plan())
