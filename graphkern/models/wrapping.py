@@ -114,15 +114,18 @@ class WrappedModel:
         return compiled
 
     def _eager(self, args: tuple[Any, ...], cache: Any, kwargs: dict[str, Any]) -> Any:
-        """The model itself on the caller's cache, its outputs evaluated as a compiled call's are;
-        if it fails, the cache is put back as it was (a compiled call writes nothing then either)."""
+        """The model itself on the caller's cache, its outputs scheduled as a steady compiled
+        call's are; if it fails, the cache is put back as it was (a compiled call writes nothing
+        then either)."""
         self.calls["eager"] += 1
         kwargs = {k: v for k, v in kwargs.items() if k != "cache"}
         before = snapshot(cache)
         try:
             with backends.using_backend(self.backend):
                 out = self.model(*args, cache=cache, **kwargs)
-            mx.eval(out)
+            # scheduled as a steady compiled call is: MLX compiles and encodes the kernels here,
+            # so a failure still raises in this call, while the GPU runs as the caller goes on
+            mx.async_eval(out)
         except BaseException:
             write_back(cache, before)
             raise
