@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from graphkern import kernels as gkk
+from graphkern.autodiff import without_vjp
 
 __all__ = [
     "KernelAddRMSNorm",
@@ -76,6 +77,19 @@ class KernelLayer(nn.Module):
         """The module this one replaced."""
         return self._gk_original.module
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The layer's ``forward``. In evaluation mode (``model.eval()``, as ``mlx_lm.load`` leaves
+        a model) its launches carry no custom vjp, as inside ``gk.without_vjp()``: an evaluating
+        model is not differentiated, and the wrapper costs every launch host time. In training
+        mode (``model.train()``) they are differentiable."""
+        if self._training:
+            return self.forward(*args, **kwargs)
+        with without_vjp():
+            return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
     def _extra_repr(self) -> str:
         return f"{self.kernel} kernel, replaces {type(self.original).__name__}"
 
@@ -93,7 +107,7 @@ class KernelRMSNorm(KernelLayer):
         weight: mx.array = self["weight"]
         return weight + self._gk_offset if self._gk_offset else weight
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         return gkk.rms_norm(x, self.scale(), self.eps)
 
 
@@ -102,7 +116,7 @@ class KernelAddRMSNorm(KernelRMSNorm):
 
     kernel = "add_rms_norm"
 
-    def __call__(self, x: mx.array, residual: mx.array) -> tuple[mx.array, mx.array]:  # type: ignore[override]
+    def forward(self, x: mx.array, residual: mx.array) -> tuple[mx.array, mx.array]:  # type: ignore[override]
         return gkk.add_rms_norm(x, residual, self.scale(), self.eps)
 
 
@@ -111,7 +125,7 @@ class KernelLayerNorm(KernelLayer):
 
     kernel = "layer_norm"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         weight = self.get("weight", None)
         bias = self.get("bias", None)
         return gkk.layer_norm(x, weight, bias, self.eps)
@@ -122,7 +136,7 @@ class KernelRoPE(KernelLayer):
 
     kernel = "rope"
 
-    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+    def forward(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         return gkk.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale,
                         offset=offset)
 
@@ -132,7 +146,7 @@ class KernelSwiGLU(KernelLayer):
 
     kernel = "swiglu"
 
-    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+    def forward(self, x: mx.array, gate: mx.array) -> mx.array:
         return gkk.swiglu(gate, x)
 
 
@@ -141,7 +155,7 @@ class KernelSwiGLUMLP(KernelLayer):
 
     kernel = "swiglu"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         return self.down_proj(gkk.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -150,7 +164,7 @@ class KernelGateUpMLP(KernelLayer):
 
     kernel = "swiglu"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
         return self.down_proj(gkk.swiglu(gate, up))
 
@@ -164,7 +178,7 @@ class KernelGeGLUMLP(KernelLayer):
         super().__init__(original)
         self._gk_approx = approx
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         return self.down_proj(gkk.gelu(self.gate_proj(x), approx=self._gk_approx) * self.up_proj(x))
 
 
@@ -173,7 +187,7 @@ class KernelGELU(KernelLayer):
 
     kernel = "gelu"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         return gkk.gelu(x, approx=self._approx in ("precise", "tanh"))
 
 
@@ -182,7 +196,7 @@ class KernelSoftmax(KernelLayer):
 
     kernel = "softmax"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         return gkk.softmax(x)
 
 
@@ -201,7 +215,7 @@ class KernelResidualBlock(KernelLayer):
         self._gk_ffn = ffn
         self.post_attention_layernorm = norm
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    def forward(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         r = self.self_attn(self.input_layernorm(x), mask, cache)
         h, normed = self.post_attention_layernorm(x, r)
         return h + self[self._gk_ffn](normed)
