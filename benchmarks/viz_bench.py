@@ -1,6 +1,6 @@
 """Drawing benchmarks on a 10,000-node graph; prints raw figures (milliseconds).
 
-Budgets (issue 4): first render in headless Chromium <= 3 s; JSON and Model Explorer export
+Budgets: first render in headless Chromium <= 3 s; JSON and Model Explorer export
 <= 1 s each; DOT <= 1 s (Graphviz's own rendering excluded).
 
     python benchmarks/viz_bench.py [--nodes 10000] [--repeat 5] [--no-browser]

@@ -18,9 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .nodes import dtype_name
-
-__all__ = ["Flat", "State", "flatten_outputs", "signature"]
+__all__ = ["Flat", "State", "argument_names", "flatten_outputs", "static_key", "unflatten_outputs"]
 
 
 class _Leaf:
@@ -140,13 +138,16 @@ def flatten_outputs(out: Any) -> tuple[list[mx.array], Any]:
 
 
 def unflatten_outputs(spec: Any, arrays: list[mx.array]) -> Any:
+    """The tree ``flatten_outputs`` took apart, rebuilt around ``arrays``.
+
+    >>> arrays, spec = flatten_outputs({"a": mx.ones(1), "b": [mx.zeros(2), 3]})
+    >>> out = unflatten_outputs(spec, arrays)
+    >>> out["b"][0].shape, out["b"][1]
+    ((2,), 3)
+    """
     if spec.__class__ is _Leaf:  # a single array: the common case, on every compiled call
         return arrays[spec.index]
     return _unflatten(spec, arrays)
-
-
-def signature(arrays: list[mx.array]) -> str:
-    return ", ".join(f"{dtype_name(a.dtype)}{list(a.shape)}" for a in arrays)
 
 
 def argument_names(fn: Callable[..., Any]) -> list[str]:

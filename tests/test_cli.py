@@ -168,6 +168,27 @@ def test_trace_bad_input_spec_exits_2(work: Path, spec: str, message: str) -> No
     assert files(work) == {"mymodel.py"}
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "complex64", "int32", "uint8", "bool"])
+def test_random_inputs_have_the_declared_shape_dtype_and_range(dtype: str) -> None:
+    import mlx.core as mx
+    import numpy as np
+
+    from graphkern.cli_commands import make_input
+    from graphkern.nodes import dtype_from_name
+
+    x = make_input((64, 32), dtype, mx.random.key(3))
+    assert x.shape == (64, 32) and x.dtype == dtype_from_name(dtype)
+    values = np.array(x.astype(mx.float32) if dtype == "bfloat16" else x)
+    if dtype in ("float32", "bfloat16", "complex64"):  # normal: mean near 0, deviation near 1
+        real = values.real
+        assert abs(real.mean()) < 0.1 and 0.9 < real.std() < 1.1
+        assert not np.iscomplexobj(values) or not values.imag.any()
+    elif dtype == "bool":
+        assert 0.4 < values.mean() < 0.6
+    else:
+        assert values.min() >= 0 and values.max() < 16 and len(np.unique(values)) == 16
+
+
 def test_trace_missing_output_folder_exits_2_before_tracing(work: Path) -> None:
     r = run("trace", "mymodel:forward", "-i", "8", "-i", "8", "--json", "ok.json",
             "--html", "no/such/dir/g.html")

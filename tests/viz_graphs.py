@@ -1,8 +1,9 @@
 """Hand-built trace graphs in graphkern's schema, for the drawing tests and benchmarks.
 
-They follow DESIGN.md's "The graph" exactly (node kinds, attributes, one edge per array keyed by
-its name), so the viewers can be tested without tracing, at any size, with failures placed where
-a test wants them. ``FakeGraph`` stands in for ``gk.Graph``: it has ``.nx`` and ``.status``.
+They follow the graph's contract in ``graphkern.schema`` exactly (node kinds, attributes, one
+edge per array keyed by its name; ``tests/test_viz_graphs.py`` lints every one), so the viewers
+can be tested without tracing, at any size, with failures placed where a test wants them.
+``FakeGraph`` stands in for ``gk.Graph``: it has ``.nx`` and ``.status``.
 """
 
 from __future__ import annotations

@@ -34,7 +34,9 @@ from graphkern.models.structure import StructureWatch
 from graphkern.nodes import KernelError, Status
 from graphkern.state import argument_names, static_key
 
-__all__ = ["WrappedModel", "wrap"]
+__all__ = ["WRAP_OPERATION", "WrappedModel", "wrap"]
+
+WRAP_OPERATION = "wrap a model as a graphkern compiled graph"
 
 
 def _offsets_erased(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -68,7 +70,8 @@ class WrappedModel:
     def __init__(self, model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
                  trace_each_offset: bool = False):
         if not isinstance(model, nn.Module):
-            raise TypeError(f"wrap expects an mlx.nn.Module, got {type(model).__name__}")
+            raise KernelError(WRAP_OPERATION, f"wrap expects an mlx.nn.Module, got {type(model).__name__}",
+                              Status.INVALID_INPUT)
         self.model = model
         self.backend = backend
         self.max_traces = max_traces
@@ -216,6 +219,7 @@ def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
     tracing every token would cost more than running it. ``trace_each_offset=True`` traces and
     compiles every offset instead; ``max_traces`` bounds how many traces are kept. An eager call that
     fails raises what failed (a kernel's ``KernelError``, MLX's error) and leaves the cache as it was.
+    Anything but an ``nn.Module`` is refused with ``KernelError`` (``Status.INVALID_INPUT``).
 
     >>> import mlx.core as mx, mlx.nn as nn
     >>> model = nn.Linear(2, 2)
