@@ -344,7 +344,7 @@ class CompiledGraph:
 
     def call_with_status(self, *args: Any, **kwargs: Any) -> tuple[Any, Status]:
         """``(outputs, Status.OK)`` or ``(None, status of the root failure)``; never raises for
-        a failed node (the seed's ``Result<_, i32>``)."""
+        a failed node (a ``Result``, in Rust's terms)."""
         try:
             return self(*args, **kwargs), Status.OK
         except GraphError as exc:
@@ -436,7 +436,7 @@ class CompiledGraph:
         if compiled is None:
             state = self._state
             # nothing to capture (no module, no closure arrays): MLX need not walk an empty
-            # state tree on every call (about 0.2 us a call on CPU)
+            # state tree on every call
             inputs = state.containers if state.roots or state.cells else None
             compiled = self._compiled[key[0]] = mx.compile(self._run_flat, inputs=inputs)
         return _Prepared(key, flat, graph, spec, compiled, self._slots[key])
