@@ -81,6 +81,9 @@ class WrappedModel:
         self._last: CompiledGraph | None = None
         self._arg_names = argument_names(model)
         self._cache_calls_traced: set[Any] = set()  # such calls, offsets blanked
+        # the cache list the last call ran eagerly with (decoding): the same call on it runs
+        # eagerly again without computing its keys, as the model itself would run it
+        self._eager_cache: Any = None
         #: How calls ran: ``"compiled"`` (a graphkern compiled graph) or ``"eager"`` (a cache call at
         #: a new offset, see :func:`wrap`).
         self.calls: dict[str, int] = {"compiled": 0, "eager": 0}
@@ -94,10 +97,7 @@ class WrappedModel:
         """The compiled graph for these arguments' static part (tree structure, Python scalars,
         cache offsets); array shapes and dtypes are told apart inside it. None: run eagerly (a cache
         call traced before at another offset, unless ``trace_each_offset``)."""
-        if self._structure is None:
-            self._structure = StructureWatch(self.model)
-        elif self._structure.changed():  # modules swapped (patch, unpatch) or parameters reshaped
-            self.clear()
+        self._structure_changed()
         static = static_key(args, kwargs)
         compiled = self._graphs.get(static)
         if compiled is None:
@@ -115,6 +115,17 @@ class WrappedModel:
             self._graphs.move_to_end(static)
         self._last = compiled
         return compiled
+
+    def _structure_changed(self) -> bool:
+        """Whether modules were swapped (patch, unpatch) or parameters reshaped since the last
+        call; if so every trace is forgotten."""
+        if self._structure is None:
+            self._structure = StructureWatch(self.model)
+            return False
+        if self._structure.changed():
+            self.clear()
+            return True
+        return False
 
     def _eager(self, args: tuple[Any, ...], cache: Any, kwargs: dict[str, Any]) -> Any:
         """The model itself on the caller's cache, its outputs scheduled as a steady compiled
@@ -150,10 +161,15 @@ class WrappedModel:
 
     def __call__(self, *args: Any, cache: Any = None, **kwargs: Any) -> Any:
         """Run the forward pass; with ``cache`` (mlx-lm cache objects), update them as the model would."""
+        if (cache is not None and cache is self._eager_cache and not kwargs
+                and not self._structure_changed()):
+            return self._eager(args, cache, kwargs)  # the next token of an eager decode
         args, kwargs, cache = self._prepare(args, cache, kwargs)
         compiled = self._compiled(args, kwargs)
         if compiled is None:
+            self._eager_cache = cache if len(kwargs) == 1 else None
             return self._eager(args, cache, kwargs)
+        self._eager_cache = None
         self.calls["compiled"] += 1
         out = compiled(*args, **kwargs)
         if cache is None:
@@ -190,6 +206,7 @@ class WrappedModel:
         """Forget every trace."""
         self._graphs.clear()
         self._cache_calls_traced.clear()
+        self._eager_cache = None
         self._last = None
 
     def __getattr__(self, name: str) -> Any:
