@@ -174,7 +174,8 @@ class _PassThrough:
         self.failed: tuple[int, Exception] | None = None
 
     def kernel_call(self, launch: Launch | None, kernel: Any, inputs: list[mx.array],
-                    outputs: list[mx.array], error: KernelError | None) -> list[mx.array]:
+                    outputs: list[mx.array], error: KernelError | None,
+                    request: dict[str, Any] | None = None) -> list[mx.array]:
         index, self.calls = self.calls, self.calls + 1
         if self.failed is None and error is not None:
             self.failed = (index, error)

@@ -118,7 +118,9 @@ def apply_in_graph(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence
     record = None
     if recorder is not None:
         arrays = [a for a in inputs if isinstance(a, mx.array)] if isinstance(inputs, (list, tuple)) else []
-        outputs = recorder.kernel_call(launch, kernel, arrays, outputs, error)
+        request = None if launch is not None else {
+            "grid": grid, "threadgroup": threadgroup, "template": template, "backend": backend}
+        outputs = recorder.kernel_call(launch, kernel, arrays, outputs, error, request)
         record = getattr(recorder, "last_record", None)
     status = error.status if error is not None else Status.OK
     return KernelResult(outputs, status, error, record)
