@@ -202,7 +202,7 @@ def test_nothing_written_when_a_later_output_fails(work: Path, monkeypatch) -> N
     def no_graphviz(*a, **k):
         raise dot.DotError("rendering needs Graphviz's 'dot' program")
 
-    monkeypatch.setattr(dot, "_pipe", no_graphviz)
+    monkeypatch.setattr(dot, "_run_dot", no_graphviz)
     r = run("trace", "mymodel:forward", "-i", "8", "-i", "8", "--json", "g.json", "--svg", "g.svg")
     assert r.exit_code == 2 and "Graphviz" in r.output
     assert files(work) == {"mymodel.py"}
