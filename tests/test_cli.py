@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -235,7 +236,8 @@ def test_show_prints_and_converts(saved: dict[str, Path], tmp_path: Path) -> Non
 def test_show_failed_graph_exits_1(saved: dict[str, Path]) -> None:
     r = run("show", str(saved["bad"]), "--brief")
     assert r.exit_code == 1
-    assert "FAILED: scale_add_1: INVALID_LAUNCH" in r.output and "6 nodes downstream" in r.output
+    assert "FAILED: scale_add_1 in layers.1: INVALID_LAUNCH" in r.output
+    assert "6 nodes downstream" in r.output
 
 
 @pytest.mark.parametrize("content, message", [
@@ -285,10 +287,39 @@ def test_diff_exit_status_and_outputs(saved: dict[str, Path], tmp_path: Path) ->
     r = run("diff", str(saved["before"]), str(saved["ok"]), "--html", str(tmp_path / "d.html"),
             "--json", str(tmp_path / "d.json"))
     assert r.exit_code == 1
-    assert "kernels: +2 added" in r.output and "+ kernel scale_add" in r.output
+    assert "kernels: +2 added" in r.output
+    assert "~ op add (Add) -> float32[4,8] replaced by kernel scale_add -> float32[4,8]" in r.output
     doc = json.loads((tmp_path / "d.json").read_text())
     assert doc["kernels"]["added"] == ["scale_add", "scale_add_1"]
     assert '"diff":{"title"' in (tmp_path / "d.html").read_text()
+
+
+def test_show_draws_with_the_drawing_options(saved: dict[str, Path], tmp_path: Path) -> None:
+    r = run("show", str(saved["bad"]), "--brief", "--html", str(tmp_path / "g.html"),
+            "--dot", str(tmp_path / "g.dot"), "--depth", "0", "--weights")
+    assert r.exit_code == 1, r.output
+    page = (tmp_path / "g.html").read_text()
+    assert '"options":{"collapse_depth":0,"show_weights":true}' in page
+    dot = (tmp_path / "g.dot").read_text()
+    assert "every module closed" in dot and '"module:layers.1"' in dot
+
+
+@pytest.mark.parametrize("option, name, message", [
+    ("--svg", "g.gif", "the suffix .gif is not one of .svg, .png, .pdf"),
+    ("--png", "g.svg", "its suffix says svg"),
+])
+def test_image_outputs_follow_their_suffix(saved: dict[str, Path], tmp_path: Path, option: str,
+                                            name: str, message: str) -> None:
+    r = run("show", str(saved["ok"]), option, str(tmp_path / name))
+    assert r.exit_code == 2 and message in r.output, r.output
+    assert not (tmp_path / name).exists()
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
+def test_show_renders_pdf(saved: dict[str, Path], tmp_path: Path) -> None:
+    r = run("show", str(saved["ok"]), "--brief", "--pdf", str(tmp_path / "g.pdf"))
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "g.pdf").read_bytes()[:5] == b"%PDF-"
 
 
 def test_diff_bad_file_exits_2(saved: dict[str, Path], tmp_path: Path) -> None:

@@ -283,6 +283,14 @@ _PASS_THROUGH = {"Transpose": "ᵀ", "AsType": "", "Broadcast": "", "Reshape": "
                  "StopGradient": ""}
 _LONG_FLOAT = re.compile(r"-?\d+\.\d{8,}(?:e[-+]?\d+)?")
 _DESCRIPTION_CHARS = 160
+_SHORT_CHARS = 16
+
+
+def _array_text(g: nx.MultiDiGraph, n: Any) -> str:
+    """``float32[8]``: the array a node makes, for a value too long to show in place."""
+    for _, _, data in g.out_edges(n, data=True):
+        return format_tensor(data.get("shape"), data.get("dtype"))
+    return str(n)
 
 
 def pretty_numbers(text: str) -> str:
@@ -335,7 +343,7 @@ def weight_like(g: nx.MultiDiGraph, order: list[Any] | None = None) -> dict[Any,
             continue
         if kind == "constant":
             text = pretty_numbers(str(d.get("value") or d.get("label") or n))
-            out[n] = WeightText(text, text)
+            out[n] = WeightText(text, text if len(text) <= _SHORT_CHARS else _array_text(g, n))
         elif kind == "input":
             if is_state_input(d):
                 label = str(d.get("label") or n)

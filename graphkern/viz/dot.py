@@ -357,7 +357,8 @@ def _title(g: nx.MultiDiGraph, order: list[Any], plan: _Plan) -> str:
     if plan.hidden_weights:
         notes.append("weights and constants shown in the nodes that read them")
     if plan.depth is not None:
-        notes.append(f"modules below depth {plan.depth + 1} closed")
+        notes.append("every module closed" if plan.depth == 0 else
+                     f"modules open {plan.depth} level{'s' if plan.depth > 1 else ''} deep")
     if notes:
         label += "\n" + "; ".join(notes)
     roots = [n for n in order if is_root_failure(g.nodes[n])]

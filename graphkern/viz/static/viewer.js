@@ -149,7 +149,9 @@
   // ------------------------------------------------------------------ state
   var collapsed = new Uint8Array(G);
   var showWeights = false;
-  var selected = -1;          // a node index >= 0, or -(group + 1) for a module
+  var selected = -1;          // none, a node index >= 0, or groupKey(g) for a module
+  function groupKey(g) { return -g - 2; }
+  function keyGroup(key) { return -key - 2; }
   var matches = new Uint8Array(N), matchList = [], matchCursor = -1;
   var L = null;               // the current layout
   var transform = d3.zoomIdentity;
@@ -357,7 +359,7 @@
     for (q = 0; q < routes.length; q++) routePoints(routes[q], C, uX, uY, uH);
     var bounds = [0, 0, Math.max(1, root.w), Math.max(1, root.h)];
     var unitOfKey = new Map();
-    for (u = 0; u < U; u++) unitOfKey.set(uBox[u] >= 0 ? -uBox[u] - 1 : dNode[uRef[u]], u);
+    for (u = 0; u < U; u++) unitOfKey.set(uBox[u] >= 0 ? groupKey(uBox[u]) : dNode[uRef[u]], u);
     var frameOf = new Map();
     frames.forEach(function (f) { frameOf.set(f.g, f); });
     // per-unit style facts
@@ -772,16 +774,18 @@
         ctx.fillRect(f.x + 6, f.y + 4, tw + 8, 17);
         ctx.font = BOLD; ctx.fillStyle = gRootFail[f.g] ? "#991b1b" : "#334155";
         ctx.fillText(tt, f.x + 10, f.y + 17);
-        placed.push([f.x + 6, f.y + 4, f.x + 14 + tw, f.y + 21]);
+        placed.push([f.x + 6, f.y + 4, f.x + 14 + tw, f.y + 21, "title"]);
       }
     }
     // dtype[shape] once for each array leaving a unit, where it does not cover anything
     if (k >= 0.7) drawEdgeLabels(visible, placed, hot, vx0, vy0, vx1, vy1);
+    lastPlaced = placed;
     drawMinimap();
   }
+  var lastPlaced = [];   // what the last frame wrote where: box labels, frame titles, edge labels
   function drawUnitLabel(u, k, placed) {
     var x0 = L.x[u] - L.w[u] / 2, w = L.w[u], h = L.h[u], y0 = L.y[u];
-    placed.push([x0, y0, x0 + w, y0 + h]);
+    placed.push([x0, y0, x0 + w, y0 + h, "box"]);
     var st = unitStyle(u), tx = unitText(u), box = L.uBox[u] >= 0;
     var scale = Math.max(1, 9 / (12 * k));   // text grows in the world as the view shrinks
     var room = w - 12;
@@ -811,7 +815,7 @@
       done.add(key);
       var text = ed[4] + "[" + ed[3] + "]", tw = textWidth(text, MONO) + 4;
       var lx = p[0] + 5, ly = p[1] + 4;
-      var box = [lx - 2, ly, lx + tw, ly + 12], clash = false;
+      var box = [lx - 2, ly, lx + tw, ly + 12, "edge"], clash = false;
       for (var z = 0; z < placed.length && !clash; z++) {
         var q = placed[z];
         clash = box[0] < q[2] && q[0] < box[2] && box[1] < q[3] && q[1] < box[3];
@@ -915,19 +919,19 @@
     return best;
   }
   function eventPoint(ev) { var rc = canvas.getBoundingClientRect(); return toWorld(ev.clientX - rc.left, ev.clientY - rc.top); }
-  function unitKey(u) { return L.uBox[u] >= 0 ? -L.uBox[u] - 1 : dNode[L.uRef[u]]; }
+  function unitKey(u) { return L.uBox[u] >= 0 ? groupKey(L.uBox[u]) : dNode[L.uRef[u]]; }
   canvas.addEventListener("click", function (ev) {
     var p = eventPoint(ev), u = unitAt(p[0], p[1]);
     if (u >= 0) { select(unitKey(u)); return; }
     var g = frameTitleAt(p[0], p[1]);
-    if (g >= 0) { setCollapsed(g, true); select(-g - 1); return; }
+    if (g >= 0) { setCollapsed(g, true); select(groupKey(g)); return; }
     select(-1);
   });
   canvas.addEventListener("dblclick", function (ev) {
     var p = eventPoint(ev), u = unitAt(p[0], p[1]);
     if (u < 0) return;
-    if (L.uBox[u] >= 0) { var g = L.uBox[u]; setCollapsed(g, false); select(-g - 1); }
-    else { var n = dNode[L.uRef[u]]; if (nGroup[n] >= 0) { g = nGroup[n]; setCollapsed(g, true); select(-g - 1); } }
+    if (L.uBox[u] >= 0) { var g = L.uBox[u]; setCollapsed(g, false); select(groupKey(g)); }
+    else { var n = dNode[L.uRef[u]]; if (nGroup[n] >= 0) { g = nGroup[n]; setCollapsed(g, true); select(groupKey(g)); } }
   });
   var tip = document.getElementById("gk-tip");
   function hideTip() { tip.style.display = "none"; }
@@ -961,7 +965,7 @@
     if (key === -1 || !L) return null;
     var u = L.unitOfKey.get(key);
     if (u !== undefined) return [L.x[u], L.y[u]];
-    if (key < 0) { var f = L.frameOf.get(-key - 1); if (f) return [f.x + f.w / 2, f.y]; }
+    if (key < 0) { var f = L.frameOf.get(keyGroup(key)); if (f) return [f.x + f.w / 2, f.y]; }
     if (key >= 0 && dOfNode && dOfNode[key] >= 0) { u = L.unitOfDn[dOfNode[key]]; return [L.x[u], L.y[u]]; }
     return null;
   }
@@ -975,6 +979,11 @@
     if (before && after) {
       var k = transform.k;
       setTransform(d3.zoomIdentity.translate(transform.x + (before[0] - after[0]) * k, transform.y + (before[1] - after[1]) * k).scale(k), 0);
+      var u = L.unitOfKey.get(key);   // a box that lands off screen is brought into view
+      if (u !== undefined) {
+        var sx = L.x[u] * k + transform.x, sy0 = L.y[u] * k + transform.y, sy1 = sy0 + L.h[u] * k;
+        if (sx < 0 || sx > cssW || sy1 < 0 || sy0 > cssH) centerOn(L.x[u], L.y[u] + L.h[u] / 2, k, 0);
+      }
     }
     requestDraw();
   }
@@ -982,12 +991,12 @@
   function selectContaining(key) {
     if (key >= 0) {
       var u = dOfNode[key] >= 0 ? L.unitOfDn[dOfNode[key]] : -1;
-      if (u >= 0 && L.uBox[u] >= 0) { select(-L.uBox[u] - 1); return; }
+      if (u >= 0 && L.uBox[u] >= 0) { select(groupKey(L.uBox[u])); return; }
       if (u >= 0) { select(dNode[L.uRef[u]]); return; }
       if (nAttrs && nWeight[key]) { select(-1); return; }
     } else {
-      var g = -key - 1, chain = gChain[g];
-      for (var q = 0; q < chain.length; q++) if (collapsed[chain[q]]) { select(-chain[q] - 1); return; }
+      var g = keyGroup(key), chain = gChain[g];
+      for (var q = 0; q < chain.length; q++) if (collapsed[chain[q]]) { select(groupKey(chain[q])); return; }
       if (L.frameOf.has(g)) { select(key); return; }
     }
     select(-1);
@@ -995,13 +1004,13 @@
   function setCollapsed(g, on) {
     if (!!collapsed[g] === on) return;
     collapsed[g] = on ? 1 : 0;
-    relayout(-g - 1);
+    relayout(groupKey(g));
   }
   function setDepth(depth) {
     applyDepth(depth);
     depthSel.value = String(depth);
     relayout(-1);
-    if (selected !== -1 && !L.unitOfKey.has(selected) && !(selected < 0 && L.frameOf.has(-selected - 1))) selectContaining(selected);
+    if (selected !== -1 && !L.unitOfKey.has(selected) && !(selected < 0 && L.frameOf.has(keyGroup(selected)))) selectContaining(selected);
     fit(0);
   }
   function applyDepth(depth) {
@@ -1057,7 +1066,7 @@
   function select(key) {
     selected = key;
     if (key === -1) { panel.classList.remove("open"); requestDraw(); resize(); return; }
-    panel.innerHTML = key >= 0 ? nodePanel(key) : groupPanel(-key - 1);
+    panel.innerHTML = key >= 0 ? nodePanel(key) : groupPanel(keyGroup(key));
     panel.classList.add("open");
     panel.scrollTop = 0;
     resize();
@@ -1177,7 +1186,7 @@
       panel.querySelectorAll("pre[data-backend]").forEach(function (p) { p.hidden = p.dataset.backend !== t.dataset.source; });
       return;
     }
-    if (t.dataset.expand !== undefined) { var g = +t.dataset.expand; setCollapsed(g, !collapsed[g]); select(-g - 1); }
+    if (t.dataset.expand !== undefined) { var g = +t.dataset.expand; setCollapsed(g, !collapsed[g]); select(groupKey(g)); }
   });
   function focusNode(n, ms) {
     reveal(n);
@@ -1189,8 +1198,8 @@
     var changed = false;
     gChain[g].slice(0, -1).forEach(function (a) { if (collapsed[a]) { collapsed[a] = 0; changed = true; } });
     if (changed) relayout(-1);
-    select(-g - 1);
-    var u = L.unitOfKey.get(-g - 1);
+    select(groupKey(g));
+    var u = L.unitOfKey.get(groupKey(g));
     if (u !== undefined) { centerOn(L.x[u], L.y[u] + L.h[u] / 2, Math.max(transform.k, 0.9), 300); return; }
     var f = L.frameOf.get(g);
     if (f) {
@@ -1404,7 +1413,7 @@
     search: function (q) { search.value = q; return runSearch(q); },
     select: function (id) { select(id == null ? -1 : nodeIndex(id)); },
     focus: function (id) { focusNode(nodeIndex(id), 0); },
-    selected: function () { return selected >= 0 ? nId[selected] : selected === -1 ? null : gPath[-selected - 1]; },
+    selected: function () { return selected >= 0 ? nId[selected] : selected === -1 ? null : gPath[keyGroup(selected)]; },
     collapse: function (path, on) { setCollapsed(groupIndex(path), on !== false); },
     expand: function (path) { setCollapsed(groupIndex(path), false); },
     collapseToDepth: function (d) { setDepth(d); },
@@ -1415,14 +1424,14 @@
       return u < 0 ? null : screenRect(L.x[u] - L.w[u] / 2, L.y[u], L.w[u], L.h[u]);
     },
     groupBox: function (path) {   // a closed module's box, or an open one's frame
-      var g2 = groupIndex(path), u = L.unitOfKey.get(-g2 - 1);
+      var g2 = groupIndex(path), u = L.unitOfKey.get(groupKey(g2));
       if (u !== undefined) return screenRect(L.x[u] - L.w[u] / 2, L.y[u], L.w[u], L.h[u]);
       var f = L.frameOf.get(g2);
       return f ? screenRect(f.x, f.y, f.w, f.h) : null;
     },
     groupState: function (path) {
       var g2 = groupIndex(path);
-      return { collapsed: !!collapsed[g2], box: L.unitOfKey.has(-g2 - 1), frame: L.frameOf.has(g2), failed: gRootFail[g2] > 0 };
+      return { collapsed: !!collapsed[g2], box: L.unitOfKey.has(groupKey(g2)), frame: L.frameOf.has(g2), failed: gRootFail[g2] > 0 };
     },
     nodeState: function (id) {
       var n = nodeIndex(id), u = unitOfNode(n);
@@ -1446,6 +1455,7 @@
     fit: function () { fit(0); },
     fitAll: fitAll,
     redraw: draw,
+    drawnLabels: function () { return lastPlaced.map(function (p) { return { kind: p[4], x: p[0], y: p[1], w: p[2] - p[0], h: p[3] - p[1] }; }); },
     relayoutMs: function () { var t = performance.now(); layout(); draw(); return performance.now() - t; }
   };
   function containerChain2(u) { var g2 = L.uBox[u] >= 0 ? gParent[L.uBox[u]] : dGroup[L.uRef[u]]; return g2 >= 0 ? gPath[g2] : ""; }
