@@ -48,7 +48,8 @@ def screenshot(browser: Any, out: str | os.PathLike[str], layers: int = 8) -> Pa
             page.wait_for_function("window.gk && window.gk.ready", timeout=30_000)
             page.evaluate("""() => {
                 gk.expand('model.layers.1');
-                const kernel = gk.search('model.layers.1.input_layernorm').find(id => id.startsWith('gk_rms_norm'));
+                const kernel = gk.search('model.layers.1.input_layernorm')
+                    .find(id => id.startsWith('gk_rms_norm'));
                 gk.search('');
                 gk.focus(kernel);
             }""")

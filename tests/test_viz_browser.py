@@ -150,7 +150,8 @@ def _assert_nothing_overlaps(v: Viewer) -> None:
                 assert not _overlap(f, other), (f["path"], other["path"])
         for b in boxes:
             inside = b["parent"] == f["path"] or b["parent"].startswith(f["path"] + ".")
-            assert inside == (_overlap(b, f) and b["x"] >= f["x"] and b["x"] + b["w"] <= f["x"] + f["w"]), (b, f)
+            within = _overlap(b, f) and b["x"] >= f["x"] and b["x"] + b["w"] <= f["x"] + f["w"]
+            assert inside == within, (b, f)
         if f["parent"]:
             p = by_path[f["parent"]]
             assert p["x"] <= f["x"] and f["x"] + f["w"] <= p["x"] + p["w"]
@@ -199,7 +200,8 @@ def test_opening_a_layer_keeps_the_rest_still(viewer: Any) -> None:
     st = v.js("gk.groupState('model.layers.3')")
     assert st["frame"] and not st["box"]
     frame = v.group("model.layers.3")
-    assert abs(frame["y"] - b["y"]) < 1 and abs(frame["x"] + frame["width"] / 2 - (b["x"] + b["width"] / 2)) < 1
+    assert abs(frame["y"] - b["y"]) < 1
+    assert abs(frame["x"] + frame["width"] / 2 - (b["x"] + b["width"] / 2)) < 1
     assert v.group("model.layers.2") == above                # what is above does not move
     moved = v.group("model.layers.5")
     assert moved["x"] == below["x"] and moved["y"] > below["y"] + 100   # what is below moves down
@@ -254,7 +256,8 @@ def test_search_and_select_on_a_real_llama(viewer: Any) -> None:
     matmul = next(n for n, d in g.nodes(data=True)
                   if d["op"] == "Matmul" and d["scope"] == "model.layers.6.self_attn.q_proj")
     v.js("id => gk.focus(id)", matmul)
-    assert "Transpose(model.layers.6.self_attn.q_proj.weight)" in v.page.inner_text("[data-testid=panel-inputs]")
+    inputs = v.page.inner_text("[data-testid=panel-inputs]")
+    assert "Transpose(model.layers.6.self_attn.q_proj.weight)" in inputs
     assert v.state(matmul)["text"] == ["Matmul", "weightᵀ"]
     # clearing the search clears the count and the highlights
     v.page.fill("#gk-search", "")
@@ -347,7 +350,8 @@ def test_edge_labels_never_cover_a_title_or_a_box(viewer: Any) -> None:
 
 def test_readme_screenshot_script(browser: Any, tmp_path: Path) -> None:
     """docs/viewer.png is made by scripts/viewer_screenshot.py; the same code makes a sane one."""
-    spec = importlib.util.spec_from_file_location("viewer_screenshot", ROOT / "scripts" / "viewer_screenshot.py")
+    spec = importlib.util.spec_from_file_location("viewer_screenshot",
+                                                  ROOT / "scripts" / "viewer_screenshot.py")
     assert spec and spec.loader
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -362,7 +366,10 @@ def test_readme_screenshot_script(browser: Any, tmp_path: Path) -> None:
         const c = document.createElement('canvas'); c.width = img.width; c.height = img.height;
         const ctx = c.getContext('2d'); ctx.drawImage(img, 0, 0);
         const d = ctx.getImageData(0, 0, c.width, c.height).data, seen = new Map();
-        for (let i = 0; i < d.length; i += 4 * 7) { const k = (d[i] << 16) | (d[i + 1] << 8) | d[i + 2]; seen.set(k, (seen.get(k) || 0) + 1); }
+        for (let i = 0; i < d.length; i += 4 * 7) {
+            const k = (d[i] << 16) | (d[i + 1] << 8) | d[i + 2];
+            seen.set(k, (seen.get(k) || 0) + 1);
+        }
         const top = Math.max(...seen.values()), total = d.length / 28;
         return { colours: seen.size, background: top / total };
     }""", "data:image/png;base64," + __import__("base64").b64encode(data).decode())

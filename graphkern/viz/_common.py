@@ -328,8 +328,10 @@ def weight_like(g: nx.MultiDiGraph, order: list[Any] | None = None) -> dict[Any,
 
     >>> b = nx.MultiDiGraph()
     >>> b.add_node("x", kind="input", scope="", status=0); b.add_node("w", kind="input", scope="m", status=0)
-    >>> b.add_node("t", kind="op", op="Transpose", status=0); b.add_node("mm", kind="op", op="Matmul", status=0)
-    >>> _ = b.add_edge("w", "t", "a", index=0); _ = b.add_edge("x", "mm", "b", index=0); _ = b.add_edge("t", "mm", "c", index=1)
+    >>> b.add_node("t", kind="op", op="Transpose", status=0)
+    >>> b.add_node("mm", kind="op", op="Matmul", status=0)
+    >>> _ = [b.add_edge(u, v, key, index=i) for u, v, key, i in
+    ...      [("w", "t", "a", 0), ("x", "mm", "b", 0), ("t", "mm", "c", 1)]]
     >>> {n: t.short for n, t in weight_like(b).items()}
     {'w': 'w', 't': 'wᵀ'}
     """

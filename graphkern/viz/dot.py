@@ -11,9 +11,11 @@ drawn with its modules closed below a depth. The text is built directly (no Grap
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -92,7 +94,8 @@ class _Plan:
 
     draw: dict[Any, str] = field(default_factory=dict)   # node -> box id it is drawn as
     block_of: dict[Any, tuple[str, str]] = field(default_factory=dict)  # node -> (run, its block)
-    boxes: dict[str, tuple[str, Any]] = field(default_factory=dict)  # box id -> ("node", n) | ("module", path)
+    # box id -> ("node", n) or ("module", path)
+    boxes: dict[str, tuple[str, Any]] = field(default_factory=dict)
     runs: dict[str, list[str]] = field(default_factory=dict)   # first block's path -> every block's path
     attrs: dict[Any, list[str]] = field(default_factory=dict)  # node -> the weights it reads
     depth: int | None = None
@@ -135,7 +138,8 @@ def _runs(g: nx.MultiDiGraph, order: list[Any], shown: set[Any], plan: _Plan) ->
     for block in members:
         m = _REPEAT.match(block)
         if m:
-            siblings.setdefault((m.group(1), str(len(scope_parts(block)))), []).append((int(m.group(2)), block))
+            key = (m.group(1), str(len(scope_parts(block))))
+            siblings.setdefault(key, []).append((int(m.group(2)), block))
     standin: dict[Any, Any] = {}
     runs: dict[str, list[str]] = {}
     for items in siblings.values():
@@ -470,8 +474,9 @@ def _run_dot(dot: str, fmt: str, *, progress: Progress | None = None,
     if exe is None:
         raise DotError("rendering needs Graphviz's 'dot' program: apt-get install graphviz "
                        "(or brew install graphviz)")
+    # its own process group, so that stopping it stops whatever it started too
     proc = subprocess.Popen([exe, f"-T{fmt}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, start_new_session=os.name == "posix")
     result: dict[str, bytes] = {}
 
     def communicate() -> None:
@@ -490,13 +495,20 @@ def _run_dot(dot: str, fmt: str, *, progress: Progress | None = None,
             if worker.is_alive() and progress is not None and elapsed >= 2:
                 progress(f"Graphviz: laying out {what}, {elapsed:.0f} s")
     except BaseException:
-        proc.kill()
+        _stop(proc)
         worker.join()
         raise
     if proc.returncode:
         err = result.get("err", b"").decode(errors="replace").strip()
         raise DotError(f"Graphviz failed: {err or f'exit status {proc.returncode}'}")
     return result["out"]
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if os.name == "posix":
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()
 
 
 def _stderr_progress() -> Progress | None:

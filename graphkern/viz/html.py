@@ -99,8 +99,9 @@ def viewer_data(graph: Any, *, diff: Mapping[str, Any] | None = None,
         nodes.append([str(n), kinds[kind], str(d.get("label") or n), str(d.get("op") or ""),
                       group, node_status(d), index.get(root, -1) if root is not None else -1,
                       WEIGHT if n in weights else 0])
-        extra = {k: node_text(d.get(k)) if k in ("grid", "threadgroup") else str(d.get(k))
-                 for k in _DETAIL_KEYS if d.get(k) not in (None, "", [])}
+        extra: dict[str, Any] = {k: node_text(d.get(k)) if k in ("grid", "threadgroup")
+                                 else str(d.get(k)) for k in _DETAIL_KEYS
+                                 if d.get(k) not in (None, "", [])}
         if d.get("template"):
             extra["template"] = template_text(d)
         if kind == "constant" and "value" in extra:
@@ -204,10 +205,10 @@ def to_html(graph: Any, *, title: str | None = None, collapse_depth: int | None 
     double-click a box to open it in place, click a frame's title to close it;
     ``collapse_depth=1`` starts with everything below the top level closed, ``-1`` with
     everything open. Weights and constants are attributes of the node that uses them (the
-    "weights" toggle, or ``show_weights=True``, draws them as nodes). Search (``/``), a details panel on click (inputs by
-    producer or parameter path, shapes, kernel backend, grid, threadgroup, template, sources,
-    status, root cause), failures red with their blast radius dashed red, pan and zoom, and a
-    minimap. ``diff`` is used by ``GraphDiff.to_html``.
+    "weights" toggle, or ``show_weights=True``, draws them as nodes). Search (``/``), a details
+    panel on click (inputs by producer or parameter path, shapes, kernel backend, grid,
+    threadgroup, template, sources, status, root cause), failures red with their blast radius
+    dashed red, pan and zoom, and a minimap. ``diff`` is used by ``GraphDiff.to_html``.
 
     >>> page = to_html(graph)                             # doctest: +SKIP
     >>> open("trace.html", "w").write(page)               # doctest: +SKIP

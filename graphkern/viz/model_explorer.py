@@ -325,7 +325,7 @@ def initial_ui_state(graph: Any) -> dict[str, Any]:
     """
     g = as_nx(graph)
     parents = set()
-    for path, label, parent, depth in group_tree(g.nodes[n].get("scope") for n in ordered_nodes(g)):
+    for path, label, _, depth in group_tree(g.nodes[n].get("scope") for n in ordered_nodes(g)):
         if re.search(r"\.\d+$", label) and depth:
             parents.add("/".join(scope_parts(path)[:-1]))
     name = graph_name(g)
