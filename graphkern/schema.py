@@ -18,8 +18,9 @@ given. The graph's own attributes (``g.graph``) name the traced function (``name
 ``backend``, ``mlx_version``, each module path's class (``modules``) and the sources of the
 kernels launched by backend, keyed by source hash (``kernel_sources``). Each edge is one array
 flowing from its producer to one consumer, keyed by MLX's name for the array, with the
-attributes of :data:`EDGE_FIELDS` (``index`` is the argument position at the consumer). Statuses are :class:`~graphkern.nodes.Status` codes: a failed node is
-its own ``root_cause``; each descendant is ``UPSTREAM_FAILED`` with the root that failed first.
+attributes of :data:`EDGE_FIELDS` (``index`` is the argument position at the consumer).
+Statuses are :class:`~graphkern.nodes.Status` codes: a failed node is its own ``root_cause``;
+each descendant is ``UPSTREAM_FAILED`` with the root that failed first.
 
 >>> import mlx.core as mx, graphkern as gk
 >>> lint(gk.trace(lambda x: mx.exp(x) * 2, mx.ones((3,))).nx)
