@@ -185,7 +185,7 @@ def llamas(args: argparse.Namespace, results: list[dict[str, Any]], browser: Bro
         budget = 5000 if layers <= 8 else 20000
         with tempfile.TemporaryDirectory() as tmp:
             svg = Path(tmp) / "llama.svg"
-            times, _ = timed(lambda: render(graph, svg, progress=False), args.repeat)
+            times, _ = timed(lambda g=graph, out=svg: render(g, out, progress=False), args.repeat)
             results.append(row(f"Graphviz SVG, llama {layers} layers (render)", times, budget,
                                f"{svg.stat().st_size / 1e6:.2f} MB"))
         whole = [("  every block drawn (repeats=False)", {"repeats": False}),

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -372,7 +373,14 @@ def trace_cmd(target: str, inputs: tuple[str, ...], json_path: str | None, html:
         step(f"tracing {name}")
         t0 = time.perf_counter()
         try:
-            graph = gk.trace(fn, *args)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", gk.ScopeWarning)
+                graph = gk.trace(fn, *args)
+            for w in caught:  # a plain line, not Python's file:line form
+                if issubclass(w.category, gk.ScopeWarning):
+                    click.echo(f"warning: {w.message}", err=True)
+                else:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         except gk.KernelError as e:
             click.echo(f"error: tracing {target} failed: {e}", err=True)
             raise SystemExit(EXIT_FAILED) from None

@@ -322,6 +322,31 @@ def test_show_renders_pdf(saved: dict[str, Path], tmp_path: Path) -> None:
     assert (tmp_path / "g.pdf").read_bytes()[:5] == b"%PDF-"
 
 
+def test_trace_warns_when_scopes_are_lost(work: Path) -> None:
+    (work / "hides.py").write_text(textwrap.dedent('''
+        import mlx.nn as nn
+
+        class Box:
+            pass
+
+        box = Box()
+        box.m = nn.Linear(8, 8)
+
+        def hidden(x):
+            return getattr(box, "m")(x)
+
+        layer = box.m
+
+        def found(x):
+            return layer(x)
+    '''))
+    r = run("trace", "hides.py:hidden", "-i", "8")
+    assert r.exit_code == 0
+    assert "warning: hidden ran the nn.Module Linear but graphkern found no module" in r.output
+    r = run("trace", "hides.py:found", "-i", "8")
+    assert r.exit_code == 0 and "warning" not in r.output
+
+
 def test_diff_bad_file_exits_2(saved: dict[str, Path], tmp_path: Path) -> None:
     f = tmp_path / "junk.json"
     f.write_text("{")

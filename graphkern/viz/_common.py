@@ -266,13 +266,26 @@ def _file_mode(target: str) -> int:
         return 0o666 & ~mask
 
 
+def template_text(data: Mapping[str, Any]) -> str:
+    """A kernel node's template arguments, with those holding float32 bits shown as floats.
+
+    >>> template_text({"template": [["T", "float32"], ["EPS", "925353388"]],
+    ...                "template_floats": {"EPS": 1e-05}})
+    'T=float32, EPS=1e-05'
+    """
+    floats = data.get("template_floats") or {}
+    items = data.get("template") or []
+    return ", ".join(f"{name}={floats[name]:g}" if name in floats else f"{name}={value}"
+                     for name, value in items)
+
+
 def iter_kernel_fields(data: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
     """``(name, text)`` of the kernel attributes worth showing, in a fixed order."""
     for key in ("kernel", "backend", "grid", "threadgroup", "template", "source_hash",
                 "generated_name"):
         value = data.get(key)
         if value not in (None, "", []):
-            yield key, node_text(value)
+            yield key, template_text(data) if key == "template" else node_text(value)
 
 
 # ----------------------------------------------------------------------------- weights and constants

@@ -24,6 +24,7 @@ from graphkern.viz._common import (
     node_text,
     ordered_nodes,
     status_name,
+    template_text,
 )
 
 __all__ = ["diff", "GraphDiff", "NodeChange"]
@@ -137,7 +138,8 @@ class GraphDiff:
         lines.append(f"  kernels: +{len(self.kernels_added)} added, "
                      f"-{len(self.kernels_removed)} removed, ~{len(self.kernels_changed)} changed")
         lines.append(f"  nodes:   +{len(self.added)} added, -{len(self.removed)} removed, "
-                     f"~{len(self.changed)} changed ({len(self.replaced)} replaced)")
+                     f"~{len(self.changed)} changed"
+                     + (f" ({len(self.replaced)} replaced)" if self.replaced else ""))
         sa, sb = self.status_before, self.status_after
         if sa != sb:
             lines.append(f"  status:  {status_name(sa)} -> {status_name(sb)}")
@@ -358,6 +360,8 @@ def diff(before: Any, after: Any) -> GraphDiff:
                     continue
             if f == "status":
                 va, vb = status_name(node_status(da)), status_name(node_status(db))
+            elif f == "template":
+                va, vb = template_text(da), template_text(db)
             if _norm(va) != _norm(vb):
                 changes.append((f, node_text(va) or "-", node_text(vb) or "-"))
         ins_a = [(int(e[3].get("index") or 0), e[0], format_tensor(e[3].get("shape"), e[3].get("dtype")))
@@ -378,6 +382,7 @@ def diff(before: Any, after: Any) -> GraphDiff:
 
 
 def _norm(v: Any) -> Any:
+    """What is compared: sequences as tuples, and no value the same as an empty one."""
     if isinstance(v, (list, tuple)):
-        return tuple(_norm(x) for x in v)
-    return v
+        return tuple(_norm(x) for x in v) or None
+    return None if v == "" else v

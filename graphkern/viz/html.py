@@ -30,6 +30,7 @@ from graphkern.viz._common import (
     pretty_numbers,
     scope_parts,
     status_names,
+    template_text,
     weight_like,
 )
 
@@ -51,19 +52,6 @@ def _static(name: str) -> str:
 def _vendor_js() -> str:
     manifest = json.loads(_static("vendor-manifest.json"))
     return "\n".join(_static(item["file"]) for item in manifest)
-
-
-def template_text(data: Mapping[str, Any]) -> str:
-    """A kernel node's template arguments, with those holding float32 bits shown as floats.
-
-    >>> template_text({"template": [["T", "float32"], ["EPS", "925353388"]],
-    ...                "template_floats": {"EPS": 1e-05}})
-    'T=float32, EPS=1e-05'
-    """
-    floats = data.get("template_floats") or {}
-    items = data.get("template") or []
-    return ", ".join(f"{name}={floats[name]:g}" if name in floats else f"{name}={value}"
-                     for name, value in items)
 
 
 def viewer_data(graph: Any, *, diff: Mapping[str, Any] | None = None,

@@ -219,7 +219,7 @@
       for (n = 0; n < N; n++) if (nWeight[n] && !used[n]) {   // read by nothing drawn: its own place
         dOfNode[n] = dNode.length; dNode.push(n); dGroup.push(nGroup[n]); dRank.push(n);
       }
-      for (n = 0; n < N; n++) if (nWeight[n] && dNode[dOfNode[n]] === n && dGroup[dOfNode[n]] === nGroup[n] && !used[n]) {
+      for (n = 0; n < N; n++) if (nWeight[n] && !used[n]) {
         for (q = 0; q < outE[n].length; q++) {
           var e3 = outE[n][q], t = eDst[e3];
           if (nWeight[t] && !used[t]) { dES.push(dOfNode[n]); dED.push(dOfNode[t]); dEE.push(e3); }
@@ -395,7 +395,7 @@
       else { w[q] = DUMMY_W; rank[q] = Infinity; pouts++; }
       if (it.type < 2 && rank[q] < c.rank) c.rank = rank[q];
     }
-    var pred = [], succ = [], back = [], isBack = new Uint8Array(c.edges.size);
+    var pred = [], succ = [], isBack = new Uint8Array(c.edges.size);
     for (q = 0; q < I; q++) { pred.push([]); succ.push([]); }
     var edges = Array.from(c.edges.values());
     var ea = new Int32Array(edges.length), eb = new Int32Array(edges.length);
@@ -408,7 +408,7 @@
     for (j = 0; j < edges.length; j++) {
       var a = ea[j], b = eb[j];
       if (!isBack[j] && place0[a] < place0[b]) { succ[a].push(b); pred[b].push(a); }
-      else { back.push(j); isBack[j] = 1; }
+      else isBack[j] = 1;
     }
     // layers
     var layer = new Int32Array(I), base = pins ? 1 : 0, maxL = base;
@@ -541,8 +541,7 @@
     if (pouts) { layerTop[nLayers - 1] = c.h; layerH[nLayers - 1] = 0; }
     for (q = 0; q < I; q++) { items[q].x = x[q]; items[q].y = layerTop[layer[q]]; }
     for (q = 0; q < I; q++) if (items[q].type === 2) items[q].y = c.h;
-    c.dummyX = x; c.layerTop = layerTop; c.layerH = layerH; c.lay = lay; c.I = I;
-    c.backEdges = back.map(function (z) { return edges[z]; });
+    c.dummyX = x; c.layerTop = layerTop; c.layerH = layerH; c.lay = lay;
   }
   // Kahn's algorithm taking the lowest rank among the ready items; on a cycle, the lowest-rank
   // item left goes next and its remaining incoming edges are marked in isBack
@@ -795,7 +794,7 @@
     ctx.font = big.replace("12px", size.toFixed(1) + "px");
     var line1 = clip(tx[0], room / scale, big);
     if (!line1) return;
-    ctx.fillText(scale === 1 ? line1 : line1, L.x[u], two ? y0 + h / 2 - 7 * scale : y0 + h / 2 + 1);
+    ctx.fillText(line1, L.x[u], two ? y0 + h / 2 - 7 * scale : y0 + h / 2 + 1);
     if (two) {
       ctx.font = SMALL.replace("10px", (10 * scale).toFixed(1) + "px");
       ctx.fillStyle = st === "failed" ? "#991b1b" : "#475569";
@@ -993,7 +992,6 @@
       var u = dOfNode[key] >= 0 ? L.unitOfDn[dOfNode[key]] : -1;
       if (u >= 0 && L.uBox[u] >= 0) { select(groupKey(L.uBox[u])); return; }
       if (u >= 0) { select(dNode[L.uRef[u]]); return; }
-      if (nAttrs && nWeight[key]) { select(-1); return; }
     } else {
       var g = keyGroup(key), chain = gChain[g];
       for (var q = 0; q < chain.length; q++) if (collapsed[chain[q]]) { select(groupKey(chain[q])); return; }
