@@ -3,7 +3,9 @@
 They follow the graph's contract in ``graphkern.schema`` exactly (node kinds, attributes, one
 edge per array keyed by its name; ``tests/test_viz_graphs.py`` lints every one), so the viewers
 can be tested without tracing, at any size, with failures placed where a test wants them.
-``FakeGraph`` stands in for ``gk.Graph``: it has ``.nx`` and ``.status``.
+``FakeGraph`` stands in for ``gk.Graph``: it has ``.nx`` and ``.status``. ``traced`` and ``llama``
+are real ``gk.trace``s: a two-block module with a graphkern kernel, and a patched random-weight
+mlx-lm llama of any depth.
 """
 
 from __future__ import annotations
