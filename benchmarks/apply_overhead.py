@@ -1,6 +1,6 @@
 """Eager ``gk.apply`` overhead over calling the kernel's backend directly.
 
-Target (issue 2): <= 2 us a call. On a CPU the backend is the kernel's reference; on a GPU it is
+Target: <= 2 us a call. On a CPU the backend is the kernel's reference; on a GPU it is
 the bare ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` object graphkern caches (see
 benchmarks/gpu_core.py for the CUDA figures). Graph building only: nothing is evaluated, so the
 figure is graphkern's own Python cost.

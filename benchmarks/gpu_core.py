@@ -12,7 +12,7 @@
 Prints raw figures and ratios, stamped with date, GPU and MLX version; ``--markdown PATH`` writes
 them as the table kept in benchmarks/RESULTS_gpu.md, ``--json PATH`` as data.
 Without CUDA it runs the kernels' references instead, to check the script, and says so.
-Run: python benchmarks/gpu_core.py [--quick] [--markdown benchmarks/RESULTS_gpu.md]
+Run: python benchmarks/gpu_core.py [--quick] [--markdown gpu_core.md] [--json gpu_core.json]
 """
 
 from __future__ import annotations

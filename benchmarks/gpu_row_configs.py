@@ -4,8 +4,8 @@ fastest for a dtype and shape, against the stock MLX op, by GPU time (CUPTI).
 Row kernels (RMSNorm, LayerNorm, add+RMSNorm, softmax): every (threads, vector, chunks) that covers
 the row. RoPE (both forms): rows a thread rotates at one position (``R``), pairs a thread takes
 (``V``) and threads a block. Every candidate is checked against the stock op's output, then timed;
-the one the kernel's plan picks today is marked ``*``. One device call answers what a tuning session
-would otherwise need several for.
+the one the kernel's plan picks today is marked ``*``; one run sweeps every kernel and dtype asked
+for.
 
     python benchmarks/gpu_row_configs.py [--kernels rms_norm,softmax,rope] [--shapes 8192x4096]
 """

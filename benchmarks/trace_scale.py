@@ -1,6 +1,6 @@
 """Trace cost: gk.trace vs the bare mx.export_function callback, 1k to 100k primitives.
 
-Target (issue 2): <= 2x the bare callback at 10,000 primitives, growing linearly to 100,000.
+Target: <= 2x the bare callback at 10,000 primitives, growing linearly to 100,000.
 Run: python benchmarks/trace_scale.py [--max 100000]
 """
 

@@ -15,7 +15,7 @@ from .graph import Failure, Graph, GraphError
 from .mlx_kernels import kernel_cache
 from .nodes import Kernel, KernelError, KernelResult, NodeKind, OutputSpec, Status, TemplateArg
 from .runtime import apply, apply_in_graph, launch
-from .trace import trace
+from .trace import ScopeWarning, trace
 
 __version__ = "0.1.0"
 
@@ -49,6 +49,7 @@ __all__ = [
     "KernelResult",
     "NodeKind",
     "OutputSpec",
+    "ScopeWarning",
     "Status",
     "TemplateArg",
     "__version__",

@@ -125,7 +125,8 @@ def _tag_id(value: mx.array, nonce: int) -> int | None:
 
 def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record],
                 nonce: int, attrs: dict[str, Any]) -> nx.MultiDiGraph:
-    """Turn the captured events into graphkern's MultiDiGraph (see DESIGN: The graph)."""
+    """Turn the captured events into graphkern's MultiDiGraph (node kinds, attributes and
+    invariants: ``graphkern.schema``)."""
     names = _Names()
     nodes: dict[str, dict[str, Any]] = {}
     producer: dict[str, tuple[str, int]] = {}

@@ -174,7 +174,8 @@ class _PassThrough:
         self.failed: tuple[int, Exception] | None = None
 
     def kernel_call(self, launch: Launch | None, kernel: Any, inputs: list[mx.array],
-                    outputs: list[mx.array], error: KernelError | None) -> list[mx.array]:
+                    outputs: list[mx.array], error: KernelError | None,
+                    request: dict[str, Any] | None = None) -> list[mx.array]:
         index, self.calls = self.calls, self.calls + 1
         if self.failed is None and error is not None:
             self.failed = (index, error)
@@ -344,7 +345,7 @@ class CompiledGraph:
 
     def call_with_status(self, *args: Any, **kwargs: Any) -> tuple[Any, Status]:
         """``(outputs, Status.OK)`` or ``(None, status of the root failure)``; never raises for
-        a failed node (the seed's ``Result<_, i32>``)."""
+        a failed node (a ``Result``, in Rust's terms)."""
         try:
             return self(*args, **kwargs), Status.OK
         except GraphError as exc:
@@ -436,7 +437,7 @@ class CompiledGraph:
         if compiled is None:
             state = self._state
             # nothing to capture (no module, no closure arrays): MLX need not walk an empty
-            # state tree on every call (about 0.2 us a call on CPU)
+            # state tree on every call
             inputs = state.containers if state.roots or state.cells else None
             compiled = self._compiled[key[0]] = mx.compile(self._run_flat, inputs=inputs)
         return _Prepared(key, flat, graph, spec, compiled, self._slots[key])

@@ -37,8 +37,10 @@ class Recorder(Protocol):
     ``inspects = True`` is an inspection trace: launches inside it run without a custom vjp."""
 
     def kernel_call(self, launch: Any, kernel: Any, inputs: list[Any],
-                    outputs: list[mx.array], error: Any) -> list[mx.array]:
-        """Record one call; returns the outputs the caller continues with."""
+                    outputs: list[mx.array], error: Any,
+                    request: dict[str, Any] | None = None) -> list[mx.array]:
+        """Record one call; returns the outputs the caller continues with. ``request`` is the
+        configuration asked for (grid, threadgroup, template, backend) when no launch passed."""
         ...
 
 

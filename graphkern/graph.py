@@ -65,8 +65,8 @@ def propagate_status(g: nx.MultiDiGraph) -> list[str]:
 
 
 def topological_order(g: nx.MultiDiGraph) -> list[str]:
-    """Kahn's algorithm, ties broken by insertion order (deterministic, and 3x faster on
-    multigraphs than ``nx.topological_sort``, which counts parallel edges through views).
+    """Kahn's algorithm, ties broken by insertion order (deterministic; it reads the adjacency
+    dicts directly, where ``nx.topological_sort`` counts parallel edges through views).
 
     >>> g = nx.MultiDiGraph([("b", "c"), ("a", "c"), ("a", "b")])
     >>> topological_order(g)
@@ -96,19 +96,25 @@ class Failure:
     status: Status
     message: str
     affected_outputs: tuple[str, ...]
+    scope: str = ""  # the module path the node ran in ('' outside every module)
+
+    @property
+    def where(self) -> str:
+        """The node with its module path: ``'gk_rms_norm_2' in model.layers.1.input_layernorm``."""
+        return f"{self.node!r}" + (f" in {self.scope}" if self.scope else " (outside any module)")
 
     def __str__(self) -> str:
         outs = ", ".join(self.affected_outputs) or "no outputs"
-        return f"{self.node}: {self.status.name} ({self.message}) -> {outs}"
+        return f"{self.where}: {self.status.name} ({self.message}) -> {outs}"
 
 
 class GraphError(KernelError):
-    """A compiled graph with a failed node was called: names the root node, code, message and
-    the outputs it affects."""
+    """A compiled graph with a failed node was called: names the root node and its module path,
+    code, message and the outputs it affects."""
 
     def __init__(self, failure: Failure):
         super().__init__("run a graphkern compiled graph",
-                         f"node {failure.node!r} failed with {failure.status.name}: "
+                         f"node {failure.where} failed with {failure.status.name}: "
                          f"{failure.message}; affected outputs: {list(failure.affected_outputs)}",
                          failure.status)
         self.failure = failure
@@ -160,7 +166,8 @@ class Graph:
         data = self.nx.nodes[root]
         reached = nx.descendants(self.nx, root)
         outputs = tuple(n for n in self.nodes("output") if n in reached)
-        return Failure(root, Status(data["status"]), data.get("message", ""), outputs)
+        return Failure(root, Status(data["status"]), data.get("message", ""), outputs,
+                       str(data.get("scope") or ""))
 
     def affected_outputs(self) -> list[str]:
         """Output nodes reached by any failure."""
@@ -374,11 +381,12 @@ class Graph:
 
         return to_dot(self, **options)
 
-    def render(self, path: str, format: str = "svg") -> str:
-        """Render through Graphviz to ``path`` (svg or png); returns the written path."""
+    def render(self, path: str, format: str | None = None, **options: Any) -> str:
+        """Render through Graphviz to ``path`` in the format its suffix names (.svg, .png,
+        .pdf); returns the written path. ``options`` go to ``graphkern.viz.dot.render``."""
         from .viz.dot import render
 
-        return render(self, path, format)
+        return render(self, path, format, **options)
 
     def to_html(self, **options: Any) -> str:
         """A self-contained interactive HTML viewer (works offline)."""

@@ -17,6 +17,7 @@ import mlx.core as mx
 from .backends import mlx_kernel_name
 from .context import inside_inspection_trace
 from .nodes import Kernel, KernelError, Status
+from .source_text import for_backend
 
 __all__ = ["KernelCache", "build_mlx_kernel", "kernel_cache", "status_of_mlx_error"]
 
@@ -93,13 +94,15 @@ def build_mlx_kernel(backend: str, kernel: Kernel) -> Any:
         if backend == "metal":
             return mx.fast.metal_kernel(
                 name=name, input_names=list(kernel.input_names),
-                output_names=list(kernel.output_names), source=kernel.metal or "", header=kernel.header,
+                output_names=list(kernel.output_names), source=for_backend(kernel.metal or "", backend),
+                header=for_backend(kernel.header, backend),
                 ensure_row_contiguous=kernel.ensure_row_contiguous,
                 atomic_outputs=kernel.atomic_outputs)
         if kernel.cuda is not None:
             return mx.fast.cuda_kernel(
                 name=name, input_names=list(kernel.input_names),
-                output_names=list(kernel.output_names), source=kernel.cuda, header=kernel.header,
+                output_names=list(kernel.output_names), source=for_backend(kernel.cuda, backend),
+                header=for_backend(kernel.header, backend),
                 ensure_row_contiguous=kernel.ensure_row_contiguous,
                 shared_memory=kernel.shared_memory)
         return _PrecompiledCuda(kernel)

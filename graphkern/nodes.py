@@ -32,8 +32,8 @@ __all__ = [
 class Status(enum.IntEnum):
     """Status code of a kernel launch or a graph node; 0 is success.
 
-    The codes mirror the seed's ``Result<_, i32>``: a failed launch inside a trace returns one of
-    these instead of raising, and the graph carries it to everything downstream.
+    A failed launch inside a trace returns one of these instead of raising, and the graph carries
+    it to everything downstream (``UPSTREAM_FAILED``, with ``root_cause`` naming the node).
     """
 
     OK = 0
@@ -68,8 +68,7 @@ class Status(enum.IntEnum):
 class KernelError(Exception):
     """A failed kernel operation: ``operation`` says what was attempted, ``description`` what was wrong.
 
-    The Python mirror of the seed's ``MlxCError { operation, description }``, plus the status code
-    the same failure gets inside a graph.
+    ``status`` is the code the same failure gets on its node inside a graph.
 
     >>> err = KernelError("apply a graphkern kernel", "grid must be positive", Status.INVALID_LAUNCH)
     >>> str(err)
@@ -127,7 +126,7 @@ def dtype_from_name(name: str) -> mx.Dtype:
 
 @dataclass(frozen=True)
 class OutputSpec:
-    """Shape and dtype of one kernel output, as the seed's ``MlxMetalKernelOutput``.
+    """Shape and dtype of one kernel output.
 
     >>> OutputSpec((4, 8), mx.float16).shape
     (4, 8)
@@ -259,7 +258,6 @@ class Kernel:
     shared_memory: int = 0
     cuda_binary: bytes | None = None
     vjp: Callable[..., Any] | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_identifier(self.name, "kernel name")

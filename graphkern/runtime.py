@@ -1,6 +1,6 @@
 """``apply``, ``apply_in_graph`` and ``launch``: a graphkern kernel launched once.
 
-``apply`` mirrors the seed's ``apply_metal_kernel`` (raises ``KernelError``); ``apply_in_graph``
+``apply`` mirrors ``apply_metal_kernel`` of MLX's Rust binding (raises ``KernelError``); ``apply_in_graph``
 mirrors ``apply_metal_kernel_in_graph`` (returns a ``KernelResult`` with a status, never raises);
 ``launch`` is what layer code calls. The pieces they are made of: ``backends`` (which backend runs
 a kernel), ``validation`` (what MLX does not check), ``mlx_kernels`` (MLX's kernel objects, cached)
@@ -33,7 +33,7 @@ def apply(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence[OutputSp
           backend: str | None = None) -> list[mx.array]:
     """Run ``kernel`` once, eagerly (outputs are lazy MLX arrays); raises ``KernelError``.
 
-    Mirrors the seed's ``apply_metal_kernel`` and, with ``init_value``,
+    Mirrors ``apply_metal_kernel`` of MLX's Rust binding and, with ``init_value``,
     ``apply_metal_kernel_with_output_initialization``.
 
     >>> k = Kernel("twice", ["x"], ["out"], reference=lambda x: [x * 2])
@@ -87,7 +87,7 @@ def apply_in_graph(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence
                    backend: str | None = None) -> KernelResult:
     """Run ``kernel`` as one node of a traced graph; never raises.
 
-    The Python mirror of the seed's ``apply_metal_kernel_in_graph``: a valid launch gives its
+    The Python mirror of ``apply_metal_kernel_in_graph`` (MLX's Rust binding): a valid launch gives its
     outputs with status OK; an invalid one gives zeros of the declared specs and a non-zero
     status, so tracing continues and the graph shows what failed and what it affects.
 
@@ -118,7 +118,9 @@ def apply_in_graph(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence
     record = None
     if recorder is not None:
         arrays = [a for a in inputs if isinstance(a, mx.array)] if isinstance(inputs, (list, tuple)) else []
-        outputs = recorder.kernel_call(launch, kernel, arrays, outputs, error)
+        request = None if launch is not None else {
+            "grid": grid, "threadgroup": threadgroup, "template": template, "backend": backend}
+        outputs = recorder.kernel_call(launch, kernel, arrays, outputs, error, request)
         record = getattr(recorder, "last_record", None)
     status = error.status if error is not None else Status.OK
     return KernelResult(outputs, status, error, record)

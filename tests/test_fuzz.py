@@ -1,7 +1,8 @@
 """Hypothesis fuzzing of kernel definitions and launches, valid and invalid.
 
-Every generated case has an oracle written from the contract (DESIGN.md and the docstrings of
-``graphkern.nodes``): which statuses its invalid parts may produce, or, when it is valid, the
+Every generated case has an oracle written from the contract (the docstrings of
+``graphkern.nodes``: what ``Kernel`` checks when built, what each ``Status`` means; the launch
+checks ``gk.apply`` documents): which statuses its invalid parts may produce, or, when it is valid, the
 outputs of the kernel's reference called directly. The properties hold graphkern to that: every
 outcome is the right outputs or a ``KernelError``/status naming the operation, nothing else
 escapes, nothing hangs, and MLX still computes afterwards.

@@ -58,6 +58,22 @@ def test_gradients_on_the_gpu_path_come_from_the_wrapper(opaque_gpu):
     assert_same_grads(expected, got)
 
 
+def test_an_evaluating_model_launches_plain_and_a_training_one_differentiably(opaque_gpu):
+    """model.eval() (as mlx_lm.load leaves a model): no custom vjp around the launches, so no
+    gradient reaches through them; model.train(): the wrapper is back and gradients match."""
+    model = tiny_model("llama")
+    expected = value_and_grads(model)
+    patch(model)
+    model.eval()
+    logits = model(TOKENS)
+    _, grads = value_and_grads(model)
+    norm_grads = [v for k, v in grads.items() if k.endswith("input_layernorm.weight")]
+    assert norm_grads and all(g.abs().max().item() == 0.0 for g in norm_grads)  # plain launches
+    model.train()
+    assert_same_grads(expected, value_and_grads(model))
+    assert mx.array_equal(model(TOKENS), logits).item()  # the same values either way
+
+
 def test_without_the_wrapper_an_opaque_launch_has_no_gradient(opaque_gpu, monkeypatch):
     x = mx.random.normal((4, 16), key=mx.random.key(0))
     w = mx.ones((16,))

@@ -274,9 +274,9 @@ def row_config(n: int, dtype: mx.Dtype, *, vector: int = 8, items: int = 16, str
     """How a one-block-per-row kernel spreads a row of ``n`` elements of ``dtype``: ``vector``-element
     accesses, about ``items`` elements a thread (so ``n / items`` threads, 32 to ``max_threads``), kept
     in registers up to ``MAX_ROW_ITEMS``, else (or when ``streamed``) read from memory in a loop
-    (``chunks == 0``). The defaults are what the norms ran fastest with on an H200 across float32 and
-    16-bit rows of 4096 and 16384 (``benchmarks/gpu_row_configs.py``, RESULTS_kernels.md): 16-byte
-    vectors, which beat 8-byte ones by 2-8% once a vector is loaded whole (``gk::load_vec``).
+    (``chunks == 0``). The defaults are what the norms ran fastest with across float32 and 16-bit
+    rows of 4096 and 16384 (``benchmarks/gpu_row_configs.py`` sweeps them): 16-byte vectors, which
+    beat 8-byte ones once a vector is loaded whole (``gk::load_vec``).
 
     >>> row_config(4096, mx.float32)
     RowConfig(threads=256, vector=4, chunks=4)
@@ -305,8 +305,7 @@ def row_launch(op: str, x: mx.array, cfg: RowConfig) -> tuple[tuple[int, int, in
 def elementwise_config(op: str, n: int, dtype: mx.Dtype, block: int = 128) -> tuple[int, tuple[int, int, int],
                                                                                      tuple[int, int, int]]:
     """(V, grid, threadgroup) for an elementwise kernel: one thread per 16-byte vector, in blocks of
-    ``block`` (128: GELU on an H200, float32 8192x4096: 67.7 us at 128, 73.4 at 1024; bfloat16 SwiGLU:
-    49.4 us at 128, 53.7 at 1024; benchmarks/probes/wide_rows.py, RESULTS_kernels.md step 15)."""
+    ``block``: 128 ran GELU and 16-bit SwiGLU faster than 1024 (benchmarks/RESULTS_kernels.md)."""
     v = vector_width(n, dtype)
     threads = n // v
     check_grid(op, threads)

@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from graphkern import kernels as gkk
+from graphkern.autodiff import without_vjp
 
 __all__ = [
     "KernelAddRMSNorm",
@@ -92,6 +93,19 @@ class KernelLayer(nn.Module):
         shared = self._gk_shared.module
         return {k: v for k, v in self.items() if isinstance(v, mx.array) and v is not shared.get(k, v)}
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The layer's ``forward``. In evaluation mode (``model.eval()``, as ``mlx_lm.load`` leaves
+        a model) its launches carry no custom vjp, as inside ``gk.without_vjp()``: an evaluating
+        model is not differentiated, and the wrapper costs every launch host time. In training
+        mode (``model.train()``) they are differentiable."""
+        if self._training:
+            return self.forward(*args, **kwargs)
+        with without_vjp():
+            return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
     def _extra_repr(self) -> str:
         return f"{self.kernel} kernel, replaces {type(self.original).__name__}"
 
@@ -109,7 +123,7 @@ class KernelRMSNorm(KernelLayer):
         weight: mx.array = self["weight"]
         return weight + self._gk_offset if self._gk_offset else weight
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         return gkk.rms_norm(x, self.scale(), self.eps)
 
 
@@ -120,7 +134,7 @@ class KernelAddRMSNorm(KernelRMSNorm):
 
     kernel = "add_rms_norm"
 
-    def __call__(self, x: mx.array, residual: mx.array | None = None) -> Any:  # type: ignore[override]
+    def forward(self, x: mx.array, residual: mx.array | None = None) -> Any:  # type: ignore[override]
         if residual is None:
             return gkk.rms_norm(x, self.scale(), self.eps)
         return gkk.add_rms_norm(x, residual, self.scale(), self.eps)
@@ -131,7 +145,7 @@ class KernelLayerNorm(KernelLayer):
 
     kernel = "layer_norm"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         weight = self.get("weight", None)
         bias = self.get("bias", None)
         return gkk.layer_norm(x, weight, bias, self.eps)
@@ -166,7 +180,7 @@ class KernelRoPE(KernelLayer):
         return gkk.rope(x, rotary.dims, traditional=rotary.traditional, base=rotary.base, scale=rotary.scale,
                         offset=offset, freqs=rotary.freqs, input_scale=rotary.input_scale)
 
-    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+    def forward(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         return self._rotate(x, offset, self.rotary(x.shape[-2], offset))
 
 
@@ -200,7 +214,7 @@ class KernelYarnRoPE(KernelRoPE):
         freqs = self._gk_negated.module if inverse else self._freqs
         return Rotary(self.dims, self.traditional, None, freqs, scale, input_scale)
 
-    def __call__(self, x: mx.array, offset: int | mx.array = 0, scale: float = 1.0,  # type: ignore[override]
+    def forward(self, x: mx.array, offset: int | mx.array = 0, scale: float = 1.0,  # type: ignore[override]
                  inverse: bool = False) -> mx.array:
         return self._rotate(x, offset, self.rotary(x.shape[-2], offset, scale, inverse))
 
@@ -227,7 +241,7 @@ class KernelSwiGLU(KernelLayer):
 
     kernel = "swiglu"
 
-    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+    def forward(self, x: mx.array, gate: mx.array) -> mx.array:
         return gkk.swiglu(gate, x)
 
 
@@ -236,7 +250,7 @@ class KernelSwiGLUMLP(KernelLayer):
 
     kernel = "swiglu"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         return self.down_proj(gkk.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -245,7 +259,7 @@ class KernelGateUpMLP(KernelLayer):
 
     kernel = "swiglu"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
         return self.down_proj(gkk.swiglu(gate, up))
 
@@ -259,7 +273,7 @@ class KernelGeGLUMLP(KernelLayer):
         super().__init__(original)
         self._gk_approx = approx
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         return self.down_proj(gkk.gelu(self.gate_proj(x), approx=self._gk_approx) * self.up_proj(x))
 
 
@@ -268,7 +282,7 @@ class KernelGELU(KernelLayer):
 
     kernel = "gelu"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         return gkk.gelu(x, approx=self._approx in ("precise", "tanh"))
 
 
@@ -277,7 +291,7 @@ class KernelSoftmax(KernelLayer):
 
     kernel = "softmax"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         return gkk.softmax(x)
 
 
@@ -301,7 +315,7 @@ class KernelAttention(KernelLayer):
         self._gk_norms = norms
         self._gk_sdpa = sdpa
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    def forward(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
         offset = cache.offset if cache is not None else 0
         rotary = self.rope.rotary(L, offset)
@@ -356,7 +370,7 @@ class KernelResidualBlock(KernelLayer):
         """Whether this block can take a residual from the block before it (its input norm is fused)."""
         return isinstance(self.input_layernorm, KernelAddRMSNorm)
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None, residual: Any = _ALONE) -> Any:
+    def forward(self, x: mx.array, mask: Any = None, cache: Any = None, residual: Any = _ALONE) -> Any:
         if residual is _ALONE:
             r = self.self_attn(self.input_layernorm(x), mask, cache)
             h, normed = self.post_attention_layernorm(x, r)
@@ -401,7 +415,7 @@ class KernelDecoderStack(KernelLayer):
                 h = layer(h, mask_of(layer), c)
         return self.norm(h) if pending is None else self.norm(h, pending)[1]  # type: ignore[no-any-return]
 
-    def __call__(self, inputs: mx.array, cache: Any = None,
+    def forward(self, inputs: mx.array, cache: Any = None,
                  input_embeddings: mx.array | None = None) -> mx.array:
         h, cache = self._embed(inputs, cache, input_embeddings)
         mask = self._gk_create_mask(h, cache[0])
@@ -412,7 +426,7 @@ class KernelSlidingDecoderStack(KernelDecoderStack):
     """mlx-lm's ``LlamaModel``: a :class:`KernelDecoderStack` whose blocks take a full-attention or a
     sliding-window mask (``use_sliding``), as the stock loop gives them."""
 
-    def __call__(self, inputs: mx.array, cache: Any = None,
+    def forward(self, inputs: mx.array, cache: Any = None,
                  input_embeddings: mx.array | None = None) -> mx.array:
         h, cache = self._embed(inputs, cache, input_embeddings)
         fa_mask = self._gk_create_mask(h, cache[self.fa_idx])

@@ -2,7 +2,7 @@
 
 Runs where ``mx.cuda.is_available()`` (the ``gpu`` marker skips elsewhere); with GRAPHKERN_GPU_DRYRUN=1
 on a CPU machine the kernels run their references and the CUDA-only assertions are skipped. Needs
-mlx-lm on the device (``bash ../shared/gpu/prepare.sh mlx-lm==0.32.2``).
+mlx-lm (``pip install 'graphkern[models]'``).
 """
 
 from __future__ import annotations

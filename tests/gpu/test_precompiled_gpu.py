@@ -1,6 +1,6 @@
 """Precompiled CUDA kernels: a ``Kernel`` carrying PTX or a cubin (``cuda_binary``) instead of CUDA
-source runs through ``mx.fast.precompiled_cuda_kernel`` (the seed's ``KernelBuilder`` precompiled
-case), is cached and traced like a source kernel, and matches its reference.
+source runs through ``mx.fast.precompiled_cuda_kernel``, is cached and traced like a source
+kernel, and matches its reference.
 
 MLX calls a precompiled entry point by the kernel's own name with the inputs, then the outputs,
 then the scalars; graphkern's template ints and bools are those scalars, in order. The PTX

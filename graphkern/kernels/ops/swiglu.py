@@ -45,8 +45,8 @@ def plan_swiglu(gate: mx.array, up: mx.array) -> Plan:
     if gate.dtype != up.dtype:
         raise KernelError(op, f"dtype mismatch: gate is {dtype_name(gate.dtype)} but up is "
                           f"{dtype_name(up.dtype)}", Status.INVALID_INPUT)
-    # float32 in blocks of 1024, as MLX's compiled kernels launch: 364.7 us against 368.4 at 128 for
-    # 16384x8192 on an H200, level with the compiled nn.silu(g) * u's 366.6 (RESULTS_kernels step 15).
+    # float32 in blocks of 1024, as MLX's compiled kernels launch (faster than 128 for float32 once
+    # loads are whole vectors; 16-bit rows stay at 128: benchmarks/RESULTS_kernels.md)
     return plan_elementwise(op, SWIGLU, [gate, up], block=1024 if gate.dtype.size == 4 else 128)
 
 
