@@ -241,7 +241,7 @@ def _hooked(original: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as exc:  # a failing module becomes a failed node, the trace goes on
             error = KernelError(f"call module {path!r} ({type(self).__name__})",
                                 f"{type(exc).__name__}: {exc}", Status.MODULE_ERROR)
-            out = mx.zeros_like(inputs[0]) if inputs else mx.zeros(())
+            out = _stand_in(self, inputs, args, kwargs)
         finally:
             recorder.stack.pop()
         arrays, spec = flatten_outputs(out)
@@ -250,6 +250,16 @@ def _hooked(original: Callable[..., Any]) -> Callable[..., Any]:
 
     __call__.__wrapped__ = original  # type: ignore[attr-defined]
     return __call__
+
+
+def _stand_in(module: nn.Module, inputs: list[mx.array], args: Any, kwargs: Any) -> Any:
+    """Zeros standing in for a failed module's output, so the trace goes on: what the module's
+    ``failed_output(*args, **kwargs)`` gives, for a module whose output is not one array shaped
+    like its first input (a pair, say); else zeros like its first input."""
+    make = getattr(module, "failed_output", None)
+    if callable(make):
+        return make(*args, **kwargs)
+    return mx.zeros_like(inputs[0]) if inputs else mx.zeros(())
 
 
 # ----------------------------------------------------------------------------- tracing

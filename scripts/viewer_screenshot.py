@@ -1,6 +1,6 @@
 """The README's picture of the HTML viewer: a random-weight 8-layer mlx-lm llama, patched onto
 graphkern kernels and traced, opened in headless Chromium at 1600x1000 with one decoder layer
-open and its RMSNorm kernel selected.
+open and its input norm's kernel (the residual add before it fused in) selected.
 
     python scripts/viewer_screenshot.py [--out docs/viewer.png] [--layers 8]
 
@@ -49,7 +49,7 @@ def screenshot(browser: Any, out: str | os.PathLike[str], layers: int = 8) -> Pa
             page.evaluate("""() => {
                 gk.expand('model.layers.1');
                 const kernel = gk.search('model.layers.1.input_layernorm')
-                    .find(id => id.startsWith('gk_rms_norm'));
+                    .find(id => id.startsWith('gk_add_rms_norm'));
                 gk.search('');
                 gk.focus(kernel);
             }""")

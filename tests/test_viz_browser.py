@@ -240,7 +240,7 @@ def test_search_and_select_on_a_real_llama(viewer: Any) -> None:
     # the details panel in the user's terms
     panel = v.page.inner_text("#gk-panel")
     assert v.page.inner_text("[data-testid=panel-title]") == kernel
-    assert "model.layers.6.input_layernorm" in panel and "KernelRMSNorm" in panel
+    assert "model.layers.6.input_layernorm" in panel and "KernelAddRMSNorm" in panel
     assert "EPS=1e-05" in panel and "925353388" not in panel       # a float, not its bits
     inputs = v.page.inner_text("[data-testid=panel-inputs]")
     assert "model.layers.6.input_layernorm.weight" in inputs         # by parameter path
@@ -248,7 +248,7 @@ def test_search_and_select_on_a_real_llama(viewer: Any) -> None:
     assert "backend" in panel and "reference" in panel and "(256, 1, 1)" in panel
     assert "reference (Python)" in panel and "metal" in panel and "cuda" in panel
     shown = v.page.locator("pre[data-testid=panel-source]:visible")
-    assert "def rms_norm_reference" in shown.inner_text()
+    assert "def add_rms_norm_reference" in shown.inner_text()
     v.page.click(".gk-tab[data-source=metal]")
     assert "as_type" in v.page.locator("pre[data-testid=panel-source]:visible").inner_text() or \
         "rms" in v.page.locator("pre[data-testid=panel-source]:visible").inner_text()
@@ -270,10 +270,10 @@ def test_search_and_select_on_a_real_llama(viewer: Any) -> None:
 def test_changing_depth_moves_the_selection_with_it(viewer: Any) -> None:
     v = viewer(vg.llama(4), size=(1600, 1000))
     v.page.select_option("#gk-depth", "-1")            # open everything
-    add = next(n for n, d in vg.llama(4).nx.nodes(data=True)
-               if d["op"] == "Add" and d["scope"] == "model.layers.1")
-    v.click_node(add)
-    assert v.js("gk.selected()") == add
+    softmax = next(n for n, d in vg.llama(4).nx.nodes(data=True)
+                   if d["op"] == "Softmax" and d["scope"] == "model.layers.1.self_attn")
+    v.click_node(softmax)
+    assert v.js("gk.selected()") == softmax
     v.page.select_option("#gk-depth", "auto")          # back to one box per layer
     assert v.js("gk.selected()") == "model.layers.1"
     assert v.page.inner_text("[data-testid=panel-title]") == "model.layers.1"

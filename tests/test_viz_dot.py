@@ -174,25 +174,27 @@ def test_a_render_past_its_time_limit_stops(tmp_path, monkeypatch) -> None:
 def test_repeated_layers_drawn_once_with_their_count() -> None:
     dot = to_dot(vg.llama(8))
     labels = [label for _, label in _cluster_tree(dot)]
-    assert any(label.startswith("layers.0 … layers.7  ×8 (identical, drawn once)") for label in labels)
-    assert not any(label.startswith("layers.1") for label in labels)
-    assert "8 identical blocks model.layers.0 … layers.7 drawn once" in dot
-    assert dot.count('shape="box3d"') == 5 + 1        # one layer's five kernels, and the final norm
+    # layer 0 apart: its input norm has no residual add to take in (the others take the one before)
+    assert any(label.startswith("layers.0  ") for label in labels)
+    assert any(label.startswith("layers.1 … layers.7  ×7 (identical, drawn once)") for label in labels)
+    assert not any(label.startswith("layers.2") for label in labels)
+    assert "7 identical blocks model.layers.1 … layers.7 drawn once" in dot
+    assert dot.count('shape="box3d"') == 2 * 4 + 1    # layer 0's four kernels, the run's, the final norm
     assert 'label=" next block"' in dot and "constraint=false" in dot
     # weights are written into the nodes that read them: no parameter nodes, no long edges
     assert '"model.layers.0.self_attn.q_proj.weight"' not in dot
     assert re.search(r'label="Matmul\\nweightᵀ"', dot)
     assert "EPS" not in dot or "925353388" not in dot
-    assert to_dot(vg.llama(8), repeats=False).count('shape="box3d"') == 8 * 5 + 1
+    assert to_dot(vg.llama(8), repeats=False).count('shape="box3d"') == 8 * 4 + 1
 
 
 def test_a_failed_layer_is_drawn_apart_from_the_runs() -> None:
     dot = to_dot(vg.llama(8, broken=5))
     labels = [label for _, label in _cluster_tree(dot)]
-    assert any(label.startswith("layers.0 … layers.4  ×5") for label in labels)
+    assert any(label.startswith("layers.1 … layers.3  ×3") for label in labels)
     assert any(label.startswith("layers.5  ") for label in labels)
     assert any(label.startswith("layers.6 … layers.7  ×2") for label in labels)
-    assert "FAILED: KernelRMSNorm in model.layers.5.input_layernorm (MODULE_ERROR)" in dot
+    assert "FAILED: KernelAddRMSNorm in model.layers.5.input_layernorm (MODULE_ERROR)" in dot
 
 
 def test_big_graphs_close_modules_to_stay_drawable() -> None:
@@ -207,7 +209,7 @@ def test_big_graphs_close_modules_to_stay_drawable() -> None:
 def test_real_llama_renders_whole(tmp_path) -> None:
     out = render(vg.llama(8), tmp_path / "llama.svg", progress=False)
     svg = Path(out).read_text()
-    assert "×8 (identical, drawn once)" in svg and svg.count("<g id=\"node") > 40
+    assert "×7 (identical, drawn once)" in svg and svg.count("<g id=\"node") > 40
 
 
 def test_dot_of_10000_nodes_is_fast() -> None:

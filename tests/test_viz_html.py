@@ -102,8 +102,8 @@ def _details(data: dict, node: str) -> dict:
 def test_real_llama_details_speak_the_users_terms() -> None:
     g = vg.llama(2)
     data = viewer_data(g)
-    kernel = next(n for n, d in g.nx.nodes(data=True) if d["kind"] == "kernel"
-                  and d["scope"] == "model.layers.1.input_layernorm")
+    kernel = next(n for n, d in g.nx.nodes(data=True) if d["kind"] == "kernel"  # an RMSNorm kernel
+                  and d["scope"] == "model.layers.0.input_layernorm")
     det = _details(data, kernel)
     assert "EPS=1e-05" in det["template"] and "925353388" not in det["template"]
     assert det["input_names"] == ["x", "w"]
@@ -113,7 +113,7 @@ def test_real_llama_details_speak_the_users_terms() -> None:
     assert sources["reference"].startswith("def rms_norm_reference")
     # modules carry their class; parameters and MLX's shared constants are weights
     groups = {gr[0]: gr for gr in data["groups"]}
-    assert groups["model.layers.1"][4] and groups["model.layers.1.self_attn"][4] == "Attention"
+    assert groups["model.layers.1"][4] and groups["model.layers.1.self_attn"][4] == "KernelAttention"
     weight = "model.layers.1.input_layernorm.weight"
     assert _row(data, weight)[7] == 1 and _details(data, weight)["weight"][0] == weight
     transposed = next(n for n, d in g.nx.nodes(data=True)

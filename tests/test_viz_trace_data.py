@@ -120,10 +120,10 @@ def test_failures_name_their_module_path() -> None:
     with pytest.raises(gk.GraphError) as info:
         gk.wrap(model)(TOKENS)
     message = str(info.value)
-    assert "'KernelRMSNorm' in model.layers.1.input_layernorm failed with MODULE_ERROR" in message
+    assert "'KernelAddRMSNorm' in model.layers.1.input_layernorm failed with MODULE_ERROR" in message
     failure = gk.trace(model, TOKENS).failures()[0]
     assert failure.scope == "model.layers.1.input_layernorm"
-    assert str(failure).startswith("'KernelRMSNorm' in model.layers.1.input_layernorm: MODULE_ERROR")
+    assert str(failure).startswith("'KernelAddRMSNorm' in model.layers.1.input_layernorm: MODULE_ERROR")
     bare = gk.trace(lambda x: gk.apply_in_graph(vg_kernel(), [x, x], [gk.OutputSpec((8,), mx.float32)],
                                                 grid=(8, 1, 1), threadgroup=(0, 1, 1)).outputs[0],
                     mx.ones((8,)))
@@ -155,16 +155,18 @@ def test_a_refused_launch_keeps_the_configuration_it_was_given() -> None:
 def test_kernels_carry_names_floats_and_sources() -> None:
     g = vg.llama(2)
     kernels = {g.node(k)["kernel"]: g.node(k) for k in g.kernels()}
-    norm, rope = kernels["gk_rms_norm"], kernels["gk_rope"]
-    assert norm["input_names"] == ["x", "w"] and rope["input_names"] == ["x", "offset", "inv_freq"]
-    assert norm["template_floats"] == {"EPS": 1e-05} and rope["template_floats"] == {"SCALE": 1.0}
+    norm, rope = kernels["gk_rms_norm"], kernels["gk_rope_qk"]
+    assert norm["input_names"] == ["x", "w"]
+    assert rope["input_names"] == ["q", "k", "offset", "freqs", "q_weight", "k_weight"]
+    assert norm["template_floats"] == {"EPS": 1e-05}
+    assert rope["template_floats"]["BASE"] == 10000.0 and rope["template_floats"]["SCALE"] == 1.0
     assert ["EPS", "925353388"] in norm["template"]   # the exact bits stay in the template
     assert "template_floats" not in kernels["gk_swiglu"]
     sources = g.nx.graph["kernel_sources"][norm["source_hash"]]
     assert sources["reference"].startswith("def rms_norm_reference")
     assert set(sources) == {"metal", "cuda", "reference"} and all(sources.values())
-    assert g.nx.graph["modules"]["model.layers.0.self_attn"] == "Attention"
-    assert g.nx.graph["modules"]["model.layers.0.input_layernorm"] == "KernelRMSNorm"
+    assert g.nx.graph["modules"]["model.layers.0.self_attn"] == "KernelAttention"
+    assert g.nx.graph["modules"]["model.layers.0.input_layernorm"] == "KernelAddRMSNorm"
     assert gk.Graph.from_json(g.to_json()) == g
     metal = "y[0] = x[0] * as_type<float>(S);"
     assert float_template_names(gk.Kernel("k", ["x"], ["y"], metal=metal)) == {"S"}

@@ -139,6 +139,10 @@ class KernelAddRMSNorm(KernelRMSNorm):
             return gkk.rms_norm(x, self.scale(), self.eps)
         return gkk.add_rms_norm(x, residual, self.scale(), self.eps)
 
+    def failed_output(self, x: mx.array, residual: mx.array | None = None) -> Any:
+        """What a trace puts in place of a failed call (graphkern.trace): zeros of its outputs."""
+        return mx.zeros_like(x) if residual is None else (mx.zeros_like(x), mx.zeros_like(x))
+
 
 class KernelLayerNorm(KernelLayer):
     """``nn.LayerNorm`` (with or without weight and bias) on the ``layer_norm`` kernel."""
@@ -382,6 +386,10 @@ class KernelResidualBlock(KernelLayer):
         r = self.self_attn(normed, mask, cache)
         h, normed = self.post_attention_layernorm(x, r)
         return h, self[self._gk_ffn](normed)
+
+    def failed_output(self, x: mx.array, mask: Any = None, cache: Any = None, residual: Any = _ALONE) -> Any:
+        """What a trace puts in place of a failed call (graphkern.trace): zeros of its outputs."""
+        return mx.zeros_like(x) if residual is _ALONE else (mx.zeros_like(x), mx.zeros_like(x))
 
 
 class KernelDecoderStack(KernelLayer):

@@ -266,45 +266,46 @@ _METAL_BODY = r"""
 """
 
 
-def rotate_reference(x: mx.array, offset: mx.array, freqs: mx.array, *, SCALE: int, TRADITIONAL: bool,
-                     HALF: int, FREQS: bool, BASE: int, IN_SCALE: int = ONE_BITS, PER_BATCH: bool = False,
-                     SHAPED_OFFSET: bool = False) -> mx.array:
+def rotate_reference(x: mx.array, offset: mx.array, freqs: mx.array, *, half: int, traditional: bool,
+                     use_freqs: bool, base: float, scale: float, input_scale: float = 1.0,
+                     per_batch: bool = False, shaped_offset: bool = False) -> mx.array:
     """Pure-MLX RoPE of ``x`` (``(B, *, L, D)``, any layout) in float32, with mx.fast.rope's CPU
-    fallback's frequencies and positions; the arguments are the kernels' template values (BASE,
-    SCALE, IN_SCALE: float32 bits; SHAPED_OFFSET: the offset is carried by ``offset``'s shape, see
-    :func:`_offset_array`)."""
-    scale = float_from_bits(SCALE)
-    dims = 2 * HALF
-    inv_freq = mx.reciprocal(freqs) if FREQS else _base_frequencies(dims, float_from_bits(BASE))
-    if SHAPED_OFFSET:
+    fallback's frequencies (``1 / freqs`` when ``use_freqs``, else from ``base``) and positions;
+    ``shaped_offset``: the offset is carried by ``offset``'s shape (see :func:`_offset_array`)."""
+    dims = 2 * half
+    inv_freq = mx.reciprocal(freqs) if use_freqs else _base_frequencies(dims, base)
+    if shaped_offset:
         offset = mx.array([offset.shape[1] - OFFSET_BIAS])
     off = offset.astype(mx.float32)
-    if PER_BATCH:
+    if per_batch:
         off = off.reshape((-1,) + (1,) * (x.ndim - 2))
     positions = (mx.arange(x.shape[-2], dtype=mx.float32) + off) * scale
     theta = positions[..., None] * inv_freq
     cos, sin = mx.cos(theta), mx.sin(theta)
     rot = x[..., :dims]
-    if IN_SCALE != ONE_BITS:  # x.at[..., :dims].multiply(s): in x's dtype
-        rot = rot * float_from_bits(IN_SCALE)
+    if input_scale != 1.0:  # x.at[..., :dims].multiply(s): in x's dtype
+        rot = rot * input_scale
     rot = rot.astype(mx.float32)
-    if TRADITIONAL:
+    if traditional:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         out = mx.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(rot.shape)
     else:
-        x1, x2 = rot[..., :HALF], rot[..., HALF:]
+        x1, x2 = rot[..., :half], rot[..., half:]
         out = mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     if x.shape[-1] > dims:
         out = mx.concatenate([out, x[..., dims:].astype(mx.float32)], axis=-1)
     return out.astype(x.dtype)
 
 
-def rope_reference(x: mx.array, offset: mx.array, freqs: mx.array, **template: Any) -> list[mx.array]:
-    """The RoPE kernel's reference (see :func:`rotate_reference`; R, TW and V, how a GPU thread
-    splits the work, change nothing here)."""
-    for name in ("R", "TW", "V", "T", "LOG2_BASE"):
-        template.pop(name, None)
-    return [rotate_reference(x, offset, freqs, **template)]
+def rope_reference(x: mx.array, offset: mx.array, freqs: mx.array, *, SCALE: int, TRADITIONAL: bool,
+                   HALF: int, FREQS: bool, BASE: int, IN_SCALE: int = ONE_BITS, PER_BATCH: bool = False,
+                   SHAPED_OFFSET: bool = False, **launch: Any) -> list[mx.array]:
+    """The RoPE kernel's reference (:func:`rotate_reference`); SCALE, BASE and IN_SCALE are float32
+    bits. ``launch``: how a GPU thread splits the work (R, TW, V), which changes nothing here."""
+    return [rotate_reference(x, offset, freqs, half=HALF, traditional=TRADITIONAL, use_freqs=FREQS,
+                             base=float_from_bits(BASE), scale=float_from_bits(SCALE),
+                             input_scale=float_from_bits(IN_SCALE), per_batch=PER_BATCH,
+                             shaped_offset=SHAPED_OFFSET)]
 
 
 ROPE = Kernel(

@@ -29,6 +29,7 @@ from graphkern.kernels._base import (
     Plan,
     check_dtype,
     eps_template,
+    float_from_bits,
     output_spec,
     run,
     template_arg,
@@ -210,21 +211,22 @@ _METAL_BODY = r"""
   }
 """
 
-_ROTARY = ("SCALE", "TRADITIONAL", "HALF", "FREQS", "BASE", "IN_SCALE", "PER_BATCH", "SHAPED_OFFSET")
-
-
 def rope_qk_reference(q: mx.array, k: mx.array, offset: mx.array, freqs: mx.array, q_weight: mx.array,
-                      k_weight: mx.array, *, D: int, NORM: bool, EPS: int, **template: Any) -> list[mx.array]:
+                      k_weight: mx.array, *, D: int, NORM: bool, EPS: int, SCALE: int, TRADITIONAL: bool,
+                      HALF: int, FREQS: bool, BASE: int, IN_SCALE: int, PER_BATCH: bool = False,
+                      SHAPED_OFFSET: bool = False, **launch: Any) -> list[mx.array]:
     """Pure MLX, in the stock layer's order: each ``(B, L, H * D)`` input split into heads, RMS-normalized
     with the rounding of ``mx.fast.rms_norm`` (NORM), transposed to ``(B, H, L, D)`` and rotated (see
-    ``rope.rotate_reference``)."""
-    rotary = {name: template[name] for name in _ROTARY if name in template}
+    ``rope.rotate_reference``). EPS, SCALE, BASE and IN_SCALE are float32 bits."""
     outputs = []
     for x, w in ((q, q_weight), (k, k_weight)):
         heads = x.reshape(x.shape[0], x.shape[1], -1, D)
         if NORM:
             heads = rms_norm_reference(heads, w, EPS=EPS)[0]
-        outputs.append(rotate_reference(heads.transpose(0, 2, 1, 3), offset, freqs, **rotary))
+        outputs.append(rotate_reference(
+            heads.transpose(0, 2, 1, 3), offset, freqs, half=HALF, traditional=TRADITIONAL, use_freqs=FREQS,
+            base=float_from_bits(BASE), scale=float_from_bits(SCALE), input_scale=float_from_bits(IN_SCALE),
+            per_batch=PER_BATCH, shaped_offset=SHAPED_OFFSET))
     return outputs
 
 
