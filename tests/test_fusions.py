@@ -395,3 +395,17 @@ def test_deepseek_v3_with_only_its_rope_patched_equals_stock(scaling: dict[str, 
     stock = model(TOKENS)
     assert [p.kernel for p in patch(model, kernels=["rope"])] == ["rope", "rope"]
     assert mx.array_equal(model(TOKENS), stock).item()
+
+
+def test_a_fused_norm_that_fails_in_a_trace_is_the_failed_node() -> None:
+    """A fused norm returns a pair: a trace stands zeros in for both, so the failure stays on the
+    norm's own node and everything after it is marked, as for a single-output layer."""
+    model = tiny_model("llama")
+    patch(model)
+    norm = model.layers[1].post_attention_layernorm
+    norm.weight = norm.weight.astype(mx.float16)  # against float32 activations: refused
+    graph = gk.trace(model, TOKENS[:1])
+    [failure] = graph.failures()
+    assert failure.scope == "model.layers.1.post_attention_layernorm"
+    assert failure.status == gk.Status.MODULE_ERROR
+    assert "dtype mismatch" in failure.message and graph.affected_outputs() == ["output_0"]
