@@ -65,11 +65,13 @@ def config(arch: str, size: str) -> dict[str, Any]:
 
 
 def twin_models(arch: str, size: str, dtype: mx.Dtype) -> tuple[Any, Any]:
-    """The stock model and a patched one sharing its weight arrays."""
+    """The stock model and a patched one sharing its weight arrays, in evaluation mode."""
     stock = random_model(config(arch, size), dtype)
     patched = type(stock)(stock.args)
     patched.update(stock.parameters())
     gk.patch(patched)
+    stock.eval()  # as mlx_lm.load leaves a model
+    patched.eval()
     return stock, patched
 
 

@@ -192,7 +192,7 @@ def check_kernel(kernel_or_name: Kernel | str | LibraryEntry | None = None,
         for shape in (shapes if shapes is not None else entry.shapes):
             fitted = _fit_shape(shape, entry)
             for dt in dtypes:
-                atol, rtol = TOLERANCES[dt]
+                atol, rtol = entry.tolerances.get(dt, TOLERANCES[dt])
                 name = f"{entry.name}:{fitted}:{dtype_name(dt)}"
                 key = mx.random.key((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**32)
                 base = entry.make_inputs(fitted, dt, key)

@@ -391,6 +391,8 @@ class LibraryEntry:
     shapes: tuple[tuple[int, ...], ...]
     min_ndim: int = 1
     description: str = ""
+    #: (atol, rtol) by dtype where check() must allow more than ``kernel_checks.TOLERANCES``.
+    tolerances: dict[mx.Dtype, tuple[float, float]] = field(default_factory=dict)
 
     def __call__(self, case: Case) -> list[mx.array]:
         """The layer function's outputs as a list."""

@@ -19,7 +19,7 @@ from graphkern.source_text import two_backend_header
 
 __all__ = ["CUDA_COMMON", "CUDA_NORM_ROW_START", "METAL_COMMON", "METAL_NORM_ROW_START", "dual_header"]
 
-CUDA_COMMON = r"""
+_CUDA_VECTORS = r"""
 // ---- graphkern row helpers (CUDA) ----
 namespace gk {
 
@@ -89,6 +89,19 @@ __device__ __forceinline__ void store(T* p, long long i, const float (&in)[V]) {
   *reinterpret_cast<Vec<T, V>*>(p + i) = pack<T, V>(in);
 }
 
+// Number of elements in an array from its shape (MLX passes x_shape / x_ndim when the body names them).
+template <typename S>
+__device__ __forceinline__ long long numel(const S& shape, int ndim) {
+  long long n = 1;
+  for (int d = 0; d < ndim; ++d) {
+    n *= shape[d];
+  }
+  return n;
+}
+
+"""
+
+_CUDA_REDUCE = r"""
 struct Sum {
   __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
   static __device__ __forceinline__ float identity() { return 0.0f; }
@@ -133,6 +146,9 @@ __device__ __forceinline__ float block_max(float v, float* smem) {
   return block_reduce<NT>(v, smem, Max{});
 }
 
+"""
+
+_CUDA_ROW = r"""
 // This thread's part of one row of n elements (n % V == 0): the vector slots c * NT + threadIdx.x.
 // A cached row (CH > 0) keeps its CH slots in registers as T, so a 16-bit row takes half the
 // registers of floats; a streamed row (CH == 0) re-reads src on every pass. Callbacks take
@@ -203,16 +219,9 @@ struct Row {
   }
 };
 
-// Number of elements in an array from its shape (MLX passes x_shape / x_ndim when the body names them).
-template <typename S>
-__device__ __forceinline__ long long numel(const S& shape, int ndim) {
-  long long n = 1;
-  for (int d = 0; d < ndim; ++d) {
-    n *= shape[d];
-  }
-  return n;
-}
+"""
 
+_CUDA_MAP = r"""
 // Elementwise: out[k] = f(in[k]...) for this thread's V elements (n % V == 0), with 16-byte
 // vector accesses when every pointer allows them.
 template <typename T, int V, typename F, typename... In>
@@ -239,8 +248,15 @@ __device__ __forceinline__ void map(T* out, long long n, F f, const In*... in) {
   }
 }
 
+"""
+
+_CUDA_END = r"""
 }  // namespace gk
 """
+
+#: Every CUDA helper (what a kernel body may use; ``dual_header`` includes the ones it names).
+CUDA_COMMON = _CUDA_VECTORS + _CUDA_REDUCE + _CUDA_ROW + _CUDA_MAP + _CUDA_END
+
 
 METAL_COMMON = r"""
 // ---- graphkern row helpers (Metal) ----
@@ -324,7 +340,23 @@ METAL_NORM_ROW_START = r"""
   const size_t off = size_t(threadgroup_position_in_grid.x) * n;"""
 
 
-def dual_header(cuda: str, metal: str) -> str:
+def dual_header(cuda: str, metal: str, body: str = "") -> str:
     """One ``Kernel.header`` for both backends: the shared helpers of each, then ``cuda``/``metal``
-    (see ``graphkern.source_text.two_backend_header``: each backend's compiler gets its branch)."""
-    return two_backend_header(CUDA_COMMON + cuda, METAL_COMMON + metal)
+    (see ``graphkern.source_text.two_backend_header``: each backend's compiler gets its branch).
+
+    Of the CUDA helpers, only those ``cuda`` and the kernel's CUDA ``body`` name are included: MLX
+    hashes a kernel's whole source on every launch.
+
+    >>> rows = dual_header("gk::Row<T, NT, V, CH> row(x, n);", "")
+    >>> "struct Row" in rows, "struct Row" in dual_header("", "")
+    (True, False)
+    """
+    uses = cuda + body
+    parts = [_CUDA_VECTORS]
+    if "Row<" in uses or "block_" in uses:
+        parts.append(_CUDA_REDUCE)
+    if "Row<" in uses:
+        parts.append(_CUDA_ROW)
+    if "map<" in uses:
+        parts.append(_CUDA_MAP)
+    return two_backend_header("".join(parts) + _CUDA_END + cuda, METAL_COMMON + metal)

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from graphkern import kernels as gkk
-from graphkern.autodiff import without_vjp
+from graphkern.autodiff import vjp_enabled, without_vjp
 
 __all__ = [
     "KernelAddRMSNorm",
@@ -98,7 +98,7 @@ class KernelLayer(nn.Module):
         a model) its launches carry no custom vjp, as inside ``gk.without_vjp()``: an evaluating
         model is not differentiated, and the wrapper costs every launch host time. In training
         mode (``model.train()``) they are differentiable."""
-        if self._training:
+        if self._training or not vjp_enabled():  # a layer inside an evaluating one: already plain
             return self.forward(*args, **kwargs)
         with without_vjp():
             return self.forward(*args, **kwargs)

@@ -70,8 +70,8 @@ GELU = Kernel(
     input_names=["x"],
     output_names=["out"],
     metal=metal_map_body(["x"], "gk::gelu<APPROX>(x)"),
-    cuda=cuda_map_body(["x"], "gk::gelu<APPROX, (sizeof(T) < 4)>(x)"),
-    header=dual_header(_CUDA, _METAL),
+    cuda=(_BODY := cuda_map_body(["x"], "gk::gelu<APPROX, (sizeof(T) < 4)>(x)")),
+    header=dual_header(_CUDA, _METAL, body=_BODY),
     reference=gelu_reference,
 )
 

@@ -38,6 +38,7 @@ from graphkern.kernels._base import (
 from graphkern.kernels._headers import dual_header
 from graphkern.kernels.ops.rms_norm import rms_norm_reference
 from graphkern.kernels.ops.rope import (
+    GPU_FORMULA_TOLERANCES,
     ROPE_CUDA,
     ROPE_METAL,
     call_key,
@@ -402,6 +403,7 @@ ENTRY = LibraryEntry(
     shapes=((1, 1, 256), (2, 5, 64), (1, 7, 512), (3, 2, 96)),
     min_ndim=3,
     description="attention prologue: q and k to (B, H, L, D), rotated (Llama)",
+    tolerances=GPU_FORMULA_TOLERANCES,
 )
 
 ENTRY_NORM = dataclasses.replace(

@@ -28,8 +28,8 @@ SWIGLU = Kernel(
     input_names=["gate", "up"],
     output_names=["out"],
     metal=metal_map_body(["gate", "up"], _EXPR.format(exp="metal::precise::exp")),
-    cuda=cuda_map_body(["gate", "up"], _EXPR.format(exp="expf")),
-    header=dual_header("", ""),
+    cuda=(_BODY := cuda_map_body(["gate", "up"], _EXPR.format(exp="expf"))),
+    header=dual_header("", "", body=_BODY),
     reference=swiglu_reference,
 )
 
