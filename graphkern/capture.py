@@ -23,6 +23,7 @@ from .nodes import KernelError, NodeKind, dtype_name
 
 MAGIC = 0x676B7472  # "gktr"
 _INNER_KINDS = (str(NodeKind.OP), str(NodeKind.KERNEL))
+_KERNEL = str(NodeKind.KERNEL)
 _ARGUMENT_CHARS = 120
 
 
@@ -219,13 +220,18 @@ def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record
     g.graph.update(attrs)
 
     folder = _Folder(g, node_args, node_outputs, producer, names)
+    modules = []
     for rid in sorted(records, key=lambda r: (records[r].kind != "kernel", len(records[r].scope))):
         record = records[rid]
         depends = depends_of.get(rid)
         if record.kind == "kernel" or record.error is not None:
             folder.fold(record, depends)
         elif depends is not None:
-            folder.scope_module(record, depends)
+            modules.append((record, depends))
+    # record ids follow the order calls returned in, so a module comes after the modules it called
+    modules.sort(key=lambda item: item[0].id)
+    for record, depends in modules:
+        folder.scope_module(record, depends)
     folder.assign_scopes()
     return g
 
@@ -265,6 +271,11 @@ class _Folder:
         self.scopes: dict[str, set[str]] = {}
         self.producer = producer
         self.names = names
+        # arrays a scoped module call returned (tagged) -> the arrays its body reads from
+        # outside: a caller's walk jumps over the call's body from the one to the other
+        self.reads: dict[str, list[str]] = {}
+        self.folded: set[str] = set()
+        self.raw_name: dict[str, str] = {}  # a scoped module's tagged output -> the array's name
 
     def _record_arrays(self, record: Record, depends: str) -> tuple[list[str], list[str]]:
         ins = self.node_args[depends]
@@ -335,6 +346,7 @@ class _Folder:
         for _, dst, key, data in list(g.out_edges(depends, keys=True, data=True)):
             g.add_edge(node, dst, key=key, **data)
         g.remove_nodes_from(body | {depends})
+        self.folded.add(node)
         for index, (raw, tagged) in enumerate(zip(raw_outputs, self.node_outputs[depends])):
             self.producer[tagged] = (node, index)
             # a raw output made outside the body keeps its producer: an input returned as it is,
@@ -346,23 +358,76 @@ class _Folder:
     def assign_scopes(self) -> None:
         """Each op's scope: its innermost module, or the common ancestor of the innermost modules
         when MLX merged identical primitives of several calls into one node."""
+        nodes = self.g._node
         for node, scopes in self.scopes.items():
-            if node in self.g:
-                self.g.nodes[node]["scope"] = innermost_common_scope(scopes)
+            if node in nodes:
+                nodes[node]["scope"] = (next(iter(scopes)) if len(scopes) == 1
+                                        else innermost_common_scope(scopes))
+
+    def _members(self, outputs: list[str], stop: set[str]) -> tuple[list[str], list[str]]:
+        """The op nodes of one module call and the arrays its body reads from outside.
+
+        Walks back from the call's raw outputs to its inputs (``stop``). The body of a module it
+        called, scoped before, is jumped over (from that call's outputs to what it read), so each
+        node is walked by its innermost call alone, not once per enclosing module.
+        """
+        nodes, producer, node_args, reads = self.g._node, self.producer, self.node_args, self.reads
+        members: list[str] = []
+        outside: list[str] = []
+        seen_arrays: set[str] = set()
+        seen: set[str] = set()
+        queue = list(outputs)
+        while queue:
+            array = queue.pop()
+            if array in seen_arrays:
+                continue
+            seen_arrays.add(array)
+            if array in stop:
+                outside.append(array)
+                continue
+            jumped = reads.get(array)
+            if jumped is not None:
+                queue.extend(jumped)
+                continue
+            made = producer.get(array)
+            if made is None:
+                continue
+            node = made[0]
+            if node in seen:
+                continue
+            seen.add(node)
+            kind = nodes[node]["kind"]
+            if kind == _OP:
+                if node not in self.folded:
+                    members.append(node)
+            elif kind != _KERNEL:
+                outside.append(array)  # an input or constant
+                continue
+            queue.extend(node_args.get(node, ()))
+        return members, outside
 
     def scope_module(self, record: Record, depends: str) -> None:
         """Give the primitives of one module call its path; then drop its tag."""
         g = self.g
         raw_outputs, inputs = self._record_arrays(record, depends)
-        for member in self._body(raw_outputs, set(inputs), depends):
-            if g.nodes[member]["kind"] == str(NodeKind.OP):
-                self.scopes.setdefault(member, set()).add(record.scope)
+        members, outside = self._members(raw_outputs, set(inputs))
+        scopes = self.scopes
+        for member in members:
+            found = scopes.get(member)
+            if found is None:
+                scopes[member] = {record.scope}
+            else:
+                found.add(record.scope)
         tagged_outputs = self.node_outputs[depends]
+        # an array a module returned from a module it called is keyed by its innermost name
+        raw_names = [self.raw_name.get(raw, raw) for raw in raw_outputs]
         for _, dst, key, data in list(g.out_edges(depends, keys=True, data=True)):
-            raw = raw_outputs[tagged_outputs.index(key)]
-            if raw in self.producer:
-                g.add_edge(self.producer[raw][0], dst, key=raw, **data)
-        for raw, tagged in zip(raw_outputs, tagged_outputs):
+            at = tagged_outputs.index(key)
+            if raw_outputs[at] in self.producer:
+                g.add_edge(self.producer[raw_outputs[at]][0], dst, key=raw_names[at], **data)
+        for raw, name, tagged in zip(raw_outputs, raw_names, tagged_outputs):
             if raw in self.producer:
                 self.producer[tagged] = self.producer[raw]
+            self.raw_name[tagged] = name
+            self.reads[tagged] = outside
         g.remove_node(depends)

@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from . import runtime
 from .capture import MAGIC, EventLog, Record, build_graph
@@ -37,9 +38,12 @@ class TraceRecorder:
 
     inspects = True  # launches inside run plain: mx.export_function cannot export custom vjps
 
-    def __init__(self, modules: dict[int, str] | None = None, tag: bool = True):
+    def __init__(self, modules: dict[int, str] | None = None, tag: bool = True,
+                 objects: dict[int, nn.Module] | None = None):
         self.records: dict[int, Record] = {}
         self.modules = modules or {}
+        self.objects = objects or {}  # the modules by id, to place a module shared by several parents
+        self._placed: dict[tuple[int, int], str] = {}
         self.stack: list[tuple[int, str]] = []
         self.tag = tag
         self.nonce = random.getrandbits(31)
@@ -50,6 +54,26 @@ class TraceRecorder:
     @property
     def scope(self) -> str:
         return self.stack[-1][1] if self.stack else ""
+
+    def path_of(self, module: nn.Module) -> str | None:
+        """The path of a call of ``module``: its path in the model, or, for one module object held
+        by several parents (mlx-lm's MoE layers share one activation), its name under the module
+        calling it."""
+        path = self.modules.get(id(module))
+        if path is None or not self.stack:
+            return path
+        top_id, top = self.stack[-1]
+        if not top or path.startswith(top + "."):
+            return path
+        key = (top_id, id(module))
+        placed = self._placed.get(key)
+        if placed is None:
+            parent = self.objects.get(top_id)
+            children = tree_flatten(parent.children(), is_leaf=lambda v: isinstance(v, nn.Module)) \
+                if parent is not None else []
+            placed = next((f"{top}.{name}" for name, child in children if child is module), path)
+            self._placed[key] = placed
+        return placed
 
     def _tagged(self, record: Record, inputs: list[mx.array], outputs: list[mx.array]) -> list[mx.array]:
         self.records[record.id] = record
@@ -141,7 +165,7 @@ def _hooked(original: Callable[..., Any]) -> Callable[..., Any]:
         recorder = current_recorder()
         if not isinstance(recorder, TraceRecorder):
             return original(self, *args, **kwargs)
-        path = recorder.modules.get(id(self))
+        path = recorder.path_of(self)
         if path is None or (recorder.stack and recorder.stack[-1][0] == id(self)):
             return original(self, *args, **kwargs)
         inputs = Flat.of(args, kwargs, []).arrays
@@ -181,6 +205,11 @@ class Traceable:
     def module_paths(self) -> dict[int, str]:
         return {mid: path for mid, (path, _) in self.state.modules.items() if path}
 
+    def recorder(self) -> TraceRecorder:
+        """A recorder for one call of ``fn``, knowing its modules."""
+        return TraceRecorder(self.module_paths(),
+                             objects={mid: module for mid, (_, module) in self.state.modules.items()})
+
     def call_flat(self, flat: Flat, arrays: tuple[mx.array, ...], out: dict[str, Any]) -> list[mx.array]:
         args, kwargs = flat.rebuild(arrays)
         result = self.fn(*args, **kwargs)
@@ -195,7 +224,7 @@ class Traceable:
         given, receives the kernel objects the call launched."""
         n_args = len(flat.arrays)
         state_arrays = self.state.arrays()
-        recorder = TraceRecorder(self.module_paths())
+        recorder = self.recorder()
         out: dict[str, Any] = {}
 
         def flat_fn(*arrays: mx.array) -> list[mx.array]:
