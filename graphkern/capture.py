@@ -146,9 +146,34 @@ def _tag_id(value: mx.array, nonce: int) -> int | None:
     return rid if magic == MAGIC and seen_nonce == nonce else None
 
 
+@dataclass
+class Wiring:
+    """How each node of a built graph reads its inputs: what running the graph node by node needs
+    (``graphkern.values``), kept only when asked for.
+
+    ``args``: node -> the arrays it reads, in argument order (a kernel node: its launch's array
+    inputs); ``producer``: array -> (node, output index); ``primitives``: op node -> MLX's event
+    for it (``name``, ``arguments``, ``outputs``); ``constants``: constant node -> its value;
+    ``inputs``: the input nodes in argument order; ``outputs``: (output node, array) pairs;
+    ``launches``: kernel node -> the validated launch it ran (filled in by the tracer);
+    ``module_outputs``: node -> the (module path, output index) of each module call whose
+    output it made, innermost first.
+    """
+
+    args: dict[str, list[str]] = field(default_factory=dict)
+    producer: dict[str, tuple[str, int]] = field(default_factory=dict)
+    primitives: dict[str, dict[str, Any]] = field(default_factory=dict)
+    constants: dict[str, mx.array] = field(default_factory=dict)
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[tuple[str, str]] = field(default_factory=list)
+    launches: dict[str, Any] = field(default_factory=dict)
+    module_outputs: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+
+
 def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record],
-                nonce: int, attrs: dict[str, Any]) -> nx.MultiDiGraph:
-    """Turn the captured events into graphkern's MultiDiGraph (see DESIGN: The graph)."""
+                nonce: int, attrs: dict[str, Any], wiring: Wiring | None = None) -> nx.MultiDiGraph:
+    """Turn the captured events into graphkern's MultiDiGraph (see DESIGN: The graph); with
+    ``wiring``, fill it in too."""
     names = _Names()
     nodes: dict[str, dict[str, Any]] = {}
     producer: dict[str, tuple[str, int]] = {}
@@ -202,6 +227,11 @@ def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record
             info[array] = (shape if shape.__class__ is tuple else tuple(shape), dtype_of(dt))
         if op == "Depends" and ins and ins[-1] in tags:
             depends_of[tags[ins[-1]]] = node
+    if wiring is not None:  # node_args holds the primitives' nodes in event order
+        wiring.primitives = dict(zip(node_args, log.primitives))
+        wiring.inputs = [producer[array][0] for array, _, _ in log.inputs]
+        wiring.constants = {producer[array][0]: value for array, value in log.constants
+                            if array not in tags}
 
     edges = []
     for node, ins in node_args.items():
@@ -213,6 +243,8 @@ def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record
     for index, (array, shape, dt) in enumerate(log.outputs):
         node = names(f"output_{index}")
         nodes[node] = {"kind": _OUTPUT, "label": node, "op": "", "scope": ""}
+        if wiring is not None:
+            wiring.outputs.append((node, array))
         if array in producer:
             edges.append((producer[array][0], node, array,
                           {"shape": tuple(shape), "dtype": dtype_of(dt), "index": 0}))
@@ -233,6 +265,10 @@ def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record
     for record, depends in modules:
         folder.scope_module(record, depends)
     folder.assign_scopes()
+    if wiring is not None:
+        wiring.args = {**node_args, **folder.launch_inputs}
+        wiring.producer = producer
+        wiring.module_outputs = folder.module_outputs
     return g
 
 
@@ -276,6 +312,8 @@ class _Folder:
         self.reads: dict[str, list[str]] = {}
         self.folded: set[str] = set()
         self.raw_name: dict[str, str] = {}  # a scoped module's tagged output -> the array's name
+        self.launch_inputs: dict[str, list[str]] = {}  # kernel node -> its launch's array inputs
+        self.module_outputs: dict[str, list[tuple[str, int]]] = {}  # see Wiring
 
     def _record_arrays(self, record: Record, depends: str) -> tuple[list[str], list[str]]:
         ins = self.node_args[depends]
@@ -327,6 +365,7 @@ class _Folder:
             g.add_node(node, **attrs)
             return
         raw_outputs, inputs = self._record_arrays(record, depends)
+        self.launch_inputs[node] = inputs
         body = self._body(raw_outputs, set(inputs), depends, exclusive=True)
         body -= {self.producer[a][0] for a in inputs if a in self.producer}  # inputs stay outside
         generated = [g.nodes[n].get("generated_name") for n in body if g.nodes[n]["op"] == "CustomKernel"]
@@ -428,6 +467,8 @@ class _Folder:
         for raw, name, tagged in zip(raw_outputs, raw_names, tagged_outputs):
             if raw in self.producer:
                 self.producer[tagged] = self.producer[raw]
+                self.module_outputs.setdefault(self.producer[raw][0], []).append(
+                    (record.scope, self.producer[raw][1]))
             self.raw_name[tagged] = name
             self.reads[tagged] = outside
         g.remove_node(depends)

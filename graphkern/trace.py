@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import runtime
-from .capture import MAGIC, EventLog, Record, build_graph
+from .capture import MAGIC, EventLog, Record, Wiring, build_graph
 from .graph import Graph, GraphError
 from .nodes import Kernel, KernelError, Status, dtype_name
 from .runtime import Launch, current_recorder, recording
@@ -50,6 +50,7 @@ class TraceRecorder:
         self.calls = 0
         self.last_record: int | None = None
         self.kernels: dict[int, Kernel] = {}  # the kernel objects launched, by identity
+        self.launches: list[Launch | None] = []  # each kernel call's launch, in call order
 
     @property
     def scope(self) -> str:
@@ -69,8 +70,8 @@ class TraceRecorder:
         placed = self._placed.get(key)
         if placed is None:
             parent = self.objects.get(top_id)
-            children = tree_flatten(parent.children(), is_leaf=lambda v: isinstance(v, nn.Module)) \
-                if parent is not None else []
+            children: list[tuple[str, Any]] = tree_flatten(  # type: ignore[assignment]
+                parent.children(), is_leaf=lambda v: isinstance(v, nn.Module)) if parent is not None else []
             placed = next((f"{top}.{name}" for name, child in children if child is module), path)
             self._placed[key] = placed
         return placed
@@ -91,6 +92,7 @@ class TraceRecorder:
         record = Record(len(self.records), "kernel", name, self.scope, len(outputs),
                         call_index=self.calls, error=error, attrs=_kernel_attrs(launch, kernel))
         self.calls += 1
+        self.launches.append(launch)
         return self._tagged(record, inputs, outputs)
 
     def module_call(self, path: str, module: nn.Module, inputs: list[mx.array],
@@ -218,10 +220,11 @@ class Traceable:
             raise KernelError(_TRACE, f"{self.name} returned no arrays", Status.INVALID_INPUT)
         return outputs
 
-    def trace(self, flat: Flat, backend: str | None = None,
-              used: list[Kernel] | None = None) -> tuple[Graph, Any]:
+    def trace(self, flat: Flat, backend: str | None = None, used: list[Kernel] | None = None,
+              wiring: Wiring | None = None) -> tuple[Graph, Any]:
         """Capture one call as a ``Graph``; returns it with the output tree spec. ``used``, if
-        given, receives the kernel objects the call launched."""
+        given, receives the kernel objects the call launched; ``wiring`` how to run the graph
+        node by node (see ``capture.Wiring``)."""
         n_args = len(flat.arrays)
         state_arrays = self.state.arrays()
         recorder = self.recorder()
@@ -255,7 +258,11 @@ class Traceable:
             attrs = {"name": self.name, "backend": backend or runtime.active_backend(),
                      "mlx_version": getattr(mx, "__version__", "?")}
             g = build_graph(log, flat.names + self.state.names, recorder.records,
-                            recorder.nonce, attrs)
+                            recorder.nonce, attrs, wiring)
+            if wiring is not None:
+                launches = recorder.launches
+                wiring.launches = {node: launches[data["call_index"]] for node, data in g.nodes(data=True)
+                                   if data["kind"] == "kernel" and data["call_index"] < len(launches)}
             return Graph(g), out.get("spec")
 
 

@@ -1,0 +1,508 @@
+"""Values on the graph: ``gk.inspect`` traces a function, runs the graph node by node and records
+summary statistics of every node's output; the first node that made a NaN or Inf is a failure.
+
+The trace is ``gk.trace``'s. Then the graph runs again, node by node, from the call's own
+arguments and state: every op node through the MLX op that makes its primitive
+(:mod:`graphkern.replay`), every kernel node through its validated launch. Each node's output gets
+``stats = {"min", "max", "mean", "absmax", "nan", "inf"}`` (min, max, mean and absmax over its
+finite elements, ``None`` when it has none; ``nan`` and ``inf`` count elements), module outputs
+included (``module_outputs`` names the module calls a node's output left). A node whose array
+cannot be reached gets ``values_note`` saying why, never a guess.
+
+Nothing holds every tensor: values are evaluated in chunks and dropped once their last consumer
+ran. Full tensors are kept only on request, streamed to a ``.npz`` or ``.safetensors`` file.
+
+The root-cause rule, as ``jax_debug_nans``: the first node in topological order whose output holds
+a NaN or Inf while all its inputs were finite gets ``Status.NON_FINITE``; its descendants become
+``UPSTREAM_FAILED`` as for every failure, so ``g.status``, ``g.failures()`` and the pictures show it.
+
+>>> import mlx.core as mx, graphkern as gk
+>>> g = gk.inspect(lambda x: mx.sqrt(x - 10) * 2, mx.arange(4, dtype=mx.float32))
+>>> g.status.name, g.failures()[0].node
+('NON_FINITE', 'sqrt')
+>>> g.nx.nodes["subtract"]["stats"]
+{'min': -10.0, 'max': -7.0, 'mean': -8.5, 'absmax': 10.0, 'nan': 0, 'inf': 0}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from . import replay, runtime
+from .autodiff import without_vjp
+from .capture import Wiring
+from .graph import Graph
+from .nodes import Kernel, NodeKind, Status
+from .schema import STAT_KEYS
+from .state import Flat
+from .trace import Traceable
+
+__all__ = ["STAT_KEYS", "Inspector", "array_stats", "inspect", "is_finite_stats", "root_causes"]
+
+
+_INSPECT = "inspect a function's values"
+_CHUNK_BYTES = 256 << 20  # evaluate once this many bytes of node outputs are pending
+_CHUNK_NODES = 512
+_FLOATS = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
+_INF = float("inf")
+
+NodeFilter = Callable[[str, dict[str, Any]], bool]
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def _summary(x: mx.array) -> mx.array:
+    """``[min, max, sum]`` of ``x`` in float32, lazily: 3 reductions. Non-finite elements make
+    the sum non-finite, which sends the array to ``_finite_summary``."""
+    if x.dtype == mx.complex64:
+        x = mx.abs(x)
+    wide = x if x.dtype in (mx.float32, mx.float64) else x.astype(mx.float32)
+    return mx.stack([mx.min(wide), mx.max(wide), mx.sum(wide)]).astype(mx.float32)
+
+
+def _finite_summary(x: mx.array) -> tuple[mx.array, mx.array]:
+    """``[min, max, sum]`` over the finite elements, and the ``[nan, inf]`` counts."""
+    wide = x.astype(mx.float32) if x.dtype != mx.float32 else x
+    finite = mx.isfinite(wide)
+    nan = mx.sum(mx.isnan(wide))
+    inf = mx.sum(mx.isinf(wide))
+    summary = mx.stack([mx.min(mx.where(finite, wide, _INF)), mx.max(mx.where(finite, wide, -_INF)),
+                        mx.sum(mx.where(finite, wide, 0))])
+    return summary, mx.stack([nan, inf])
+
+
+def _stats_from(summary: list[float], size: int, counts: Sequence[int] = (0, 0)) -> dict[str, Any]:
+    nan, inf = int(counts[0]), int(counts[1])
+    finite = size - nan - inf
+    if finite <= 0:
+        return {"min": None, "max": None, "mean": None, "absmax": None, "nan": nan, "inf": inf}
+    lo, hi, total = (float(v) for v in summary)
+    return {"min": lo, "max": hi, "mean": total / finite, "absmax": max(abs(lo), abs(hi)),
+            "nan": nan, "inf": inf}
+
+
+def array_stats(x: mx.array) -> dict[str, Any]:
+    """The ``stats`` of one array (evaluates it).
+
+    >>> array_stats(mx.array([1.0, -3.0, float("nan")]))
+    {'min': -3.0, 'max': 1.0, 'mean': -1.0, 'absmax': 3.0, 'nan': 1, 'inf': 0}
+    """
+    batch = _Batch()
+    batch.add(x, lambda stats: None)
+    return batch.flush()[0]
+
+
+def is_finite_stats(stats: dict[str, Any] | None) -> bool:
+    """No NaN and no Inf in these ``stats`` (unknown stats count as finite)."""
+    return stats is None or (stats["nan"] == 0 and stats["inf"] == 0)
+
+
+def _merge(parts: list[dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
+    """One ``stats`` for several outputs of a node."""
+    if len(parts) == 1:
+        return parts[0]
+    known = [(p, n - p["nan"] - p["inf"]) for p, n in zip(parts, sizes) if p["min"] is not None]
+    nan, inf = sum(p["nan"] for p in parts), sum(p["inf"] for p in parts)
+    if not known:
+        return {"min": None, "max": None, "mean": None, "absmax": None, "nan": nan, "inf": inf}
+    total = sum(p["mean"] * finite for p, finite in known)
+    count = sum(finite for _, finite in known)
+    return {"min": min(p["min"] for p, _ in known), "max": max(p["max"] for p, _ in known),
+            "mean": total / count if count else None,
+            "absmax": max(p["absmax"] for p, _ in known), "nan": nan, "inf": inf}
+
+
+class _Batch:
+    """Pending statistics: evaluated together, each handed to its callback."""
+
+    def __init__(self) -> None:
+        self.arrays: list[mx.array] = []
+        self.summaries: list[mx.array] = []
+        self.done: list[Callable[[dict[str, Any]], None]] = []
+        self.bytes = 0
+
+    def add(self, x: mx.array, done: Callable[[dict[str, Any]], None]) -> None:
+        self.arrays.append(x)
+        self.summaries.append(_summary(x) if x.size else mx.zeros((3,)))
+        self.done.append(done)
+        self.bytes += x.nbytes
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def flush(self, also: Sequence[mx.array] = ()) -> list[dict[str, Any]]:
+        """Evaluate the pending statistics (and ``also``); returns them in order."""
+        if not self.arrays:
+            mx.eval(list(also))
+            return []
+        stacked = mx.stack(self.summaries)
+        mx.eval(stacked, *also)
+        summaries: list[list[float]] = stacked.tolist()  # type: ignore[assignment]
+        counts: dict[int, list[int]] = {}
+        redo = [i for i, s in enumerate(summaries) if not all(map(math.isfinite, s))
+                and self.arrays[i].dtype in _FLOATS + (mx.complex64,)]
+        if redo:  # some NaN or Inf (or a sum that overflowed): count them, summarise the rest
+            pairs = [_finite_summary(self.arrays[i]) for i in redo]
+            finite = mx.stack([p[0] for p in pairs])
+            count = mx.stack([p[1] for p in pairs])
+            mx.eval(finite, count)
+            for i, s, c in zip(redo, finite.tolist(), count.tolist()):  # type: ignore[arg-type]
+                summaries[i], counts[i] = s, c  # type: ignore[assignment]
+        out = []
+        for i, (x, done) in enumerate(zip(self.arrays, self.done)):
+            stats = _stats_from(summaries[i], x.size, counts.get(i, (0, 0)))
+            done(stats)
+            out.append(stats)
+        self.arrays, self.summaries, self.done, self.bytes = [], [], [], 0
+        return out
+
+
+# ----------------------------------------------------------------------------- running the graph
+
+
+class _Run:
+    """One run of a traced graph, node by node, in topological order."""
+
+    def __init__(self, graph: Graph, wiring: Wiring, arrays: list[mx.array], *,
+                 check_kernels: bool, keep: NodeFilter | None, writer: Any,
+                 progress: bool | None):
+        self.graph = graph
+        self.wiring = wiring
+        self.arrays = arrays
+        self.check_kernels = check_kernels
+        self.keep = keep
+        self.writer = writer
+        self.progress = progress
+        self.env: dict[tuple[str, int], mx.array] = {}
+        self.readers: dict[tuple[str, int], int] = {}  # reads still to come
+        self.batch = _Batch()
+        self.to_write: list[tuple[str, mx.array]] = []
+        self.checks: list[tuple[str, mx.array]] = []
+        self.partial: dict[str, list[dict[str, Any] | None]] = {}
+        self.sizes: dict[str, list[int]] = {}
+        self.input_index = {node: i for i, node in enumerate(wiring.inputs)}
+
+    def _count_readers(self, order: list[str]) -> None:
+        producer = self.wiring.producer
+        for node in order:
+            for array in self.wiring.args.get(node, ()):
+                made = producer.get(array)
+                if made is not None:
+                    self.readers[made] = self.readers.get(made, 0) + 1
+        for _, array in self.wiring.outputs:
+            made = producer.get(array)
+            if made is not None:
+                self.readers[made] = self.readers.get(made, 0) + 1
+
+    def _inputs(self, node: str) -> list[mx.array] | str:
+        """The arrays ``node`` reads, or why they cannot be had."""
+        values = []
+        for array in self.wiring.args.get(node, ()):
+            made = self.wiring.producer.get(array)
+            value = self.env.get(made) if made is not None else None
+            if value is None:
+                source = made[0] if made is not None else array
+                return f"its input from {source!r} was not reached"
+            values.append(value)
+        return values
+
+    def _release(self, node: str) -> None:
+        for array in self.wiring.args.get(node, ()):
+            made = self.wiring.producer.get(array)
+            if made is None:
+                continue
+            left = self.readers.get(made, 0) - 1
+            self.readers[made] = left
+            if left <= 0:
+                self.env.pop(made, None)
+
+    def _compute(self, node: str, data: dict[str, Any]) -> list[mx.array] | str:
+        kind = data["kind"]
+        if kind == NodeKind.INPUT.value:
+            return [self.arrays[self.input_index[node]]]
+        if kind == NodeKind.CONSTANT.value:
+            value = self.wiring.constants.get(node)
+            return [value] if value is not None else "its value was not captured"
+        if data.get("status", 0) not in (Status.OK, Status.NON_FINITE):
+            return f"the node has status {Status(data['status']).name}"
+        inputs = self._inputs(node)
+        if isinstance(inputs, str):
+            return inputs
+        if kind == NodeKind.KERNEL.value:
+            return self._kernel(node, inputs)
+        event = self.wiring.primitives.get(node)
+        if event is None:
+            return "no MLX primitive is recorded for it"
+        specs = [(tuple(shape), dt) for _, shape, dt in event["outputs"]]
+        try:
+            return replay.run(event["name"], event["arguments"], inputs, specs)
+        except replay.NotReplayable as exc:
+            return str(exc)
+
+    def _kernel(self, node: str, inputs: list[mx.array]) -> list[mx.array] | str:
+        launch = self.wiring.launches.get(node)
+        if launch is None:
+            return "its launch was not recorded"
+        kernel: Kernel = launch.kernel
+        if len(inputs) != len(kernel.input_names):
+            return (f"kernel {kernel.name!r} takes {len(kernel.input_names)} inputs and the trace "
+                    f"recorded {len(inputs)} arrays (Python scalars are not recorded)")
+        try:
+            with without_vjp():
+                outputs = runtime.run_launch(launch, inputs)
+        except Exception as exc:  # the launch ran in the trace; say what failed now
+            return f"running kernel {kernel.name!r} again raised {type(exc).__name__}: {exc}"
+        if self.check_kernels and kernel.reference is not None:
+            try:
+                reference = runtime.run_reference(launch, inputs)
+            except Exception as exc:
+                self.graph.nx.nodes[node]["reference_check"] = {"error": f"{type(exc).__name__}: {exc}"}
+            else:
+                self.checks.append((node, _errors(outputs, reference)))
+        return list(outputs)
+
+    def _record(self, node: str, index: int, count: int, value: mx.array) -> None:
+        nodes = self.graph.nx.nodes
+        parts = self.partial.setdefault(node, [None] * count)
+        sizes = self.sizes.setdefault(node, [0] * count)
+        sizes[index] = value.size
+
+        def done(stats: dict[str, Any]) -> None:
+            parts[index] = stats
+            if all(p is not None for p in parts):
+                full = [p for p in parts if p is not None]
+                nodes[node]["stats"] = _merge(full, sizes)
+                if count > 1:
+                    nodes[node]["output_stats"] = full
+                del self.partial[node]
+
+        self.batch.add(value, done)
+        if self.writer is not None and self.keep is not None and self.keep(node, nodes[node]):
+            self.to_write.append((node if count == 1 else f"{node}:{index}", value))
+
+    def _flush(self) -> None:
+        checks = [c for _, c in self.checks]
+        self.batch.flush(checks)
+        for name, value in self.to_write:
+            self.writer.add(name, value)
+        self.to_write = []
+        nodes = self.graph.nx.nodes
+        for (node, _), check in zip(self.checks, checks):
+            max_abs, max_rel = check.tolist()  # type: ignore[misc]
+            nodes[node]["reference_check"] = {"max_abs": max_abs, "max_rel": max_rel}
+        self.checks = []
+
+    def run(self) -> None:
+        order = self.graph.nodes()
+        nodes = self.graph.nx.nodes
+        self._count_readers(order)
+        returned = dict(self.wiring.outputs)
+        with _progress_bar(self.progress, len(order)) as advance:
+            for node in order:
+                data = nodes[node]
+                if data["kind"] == NodeKind.OUTPUT.value:
+                    values = self._output(returned.get(node, ""))
+                else:
+                    values = self._compute(node, data)
+                    self._release(node)
+                if isinstance(values, str):
+                    data["values_note"] = values
+                else:
+                    for index, value in enumerate(values):
+                        if self.readers.get((node, index), 0) > 0:
+                            self.env[(node, index)] = value
+                        self._record(node, index, len(values), value)
+                if self.batch.bytes > _CHUNK_BYTES or len(self.batch) >= _CHUNK_NODES:
+                    self._flush()
+                advance()
+            self._flush()
+        self.env.clear()
+
+    def _output(self, array: str) -> list[mx.array] | str:
+        """The array an output node returns (its producer's, read once)."""
+        made = self.wiring.producer.get(array)
+        value = self.env.get(made) if made is not None else None
+        if made is None or value is None:
+            return "the array it returns was not reached"
+        self.readers[made] -= 1
+        if self.readers[made] <= 0:
+            del self.env[made]
+        return [value]
+
+
+def _errors(outputs: Sequence[mx.array], reference: Sequence[mx.array]) -> mx.array:
+    """``[max abs error, max rel error]`` of a kernel's outputs against its reference, lazily."""
+    worst_abs, worst_rel = [], []
+    for out, ref in zip(outputs, reference):
+        a, b = out.astype(mx.float32), ref.astype(mx.float32)
+        diff = mx.abs(a - b)
+        worst_abs.append(mx.max(diff) if diff.size else mx.array(0.0))
+        worst_rel.append(mx.max(diff / mx.maximum(mx.abs(b), 1e-30)) if diff.size else mx.array(0.0))
+    return mx.stack([mx.max(mx.stack(worst_abs)), mx.max(mx.stack(worst_rel))])
+
+
+def _output_shapes(graph: Graph) -> dict[str, list[tuple[int, ...]]]:
+    """Each node's distinct output arrays' shapes, in order of array name's first edge."""
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+    for u, _, key, data in graph.nx.edges(keys=True, data=True):
+        shapes.setdefault(u, {}).setdefault(key, tuple(data["shape"]))
+    return {node: list(found.values()) for node, found in shapes.items()}
+
+
+@contextlib.contextmanager
+def _progress_bar(enabled: bool | None, total: int) -> Iterator[Callable[[], None]]:
+    """A rich progress bar over the nodes on stderr: always with ``True``, never with ``False``,
+    and with ``None`` only on a terminal for graphs of over 2,000 nodes."""
+    if enabled is False or (enabled is None and total <= 2000):
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    if enabled is None and not console.is_terminal:
+        yield lambda: None
+        return
+    with Progress(TextColumn("values"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("values", total=total)
+        yield lambda: bar.advance(task)
+
+
+# ----------------------------------------------------------------------------- root causes
+
+
+def _describe(graph: Graph, node: str) -> str:
+    """``kernel 'swiglu' in model.layers.0.mlp`` / ``op Sqrt in layers.3``."""
+    data = graph.nx.nodes[node]
+    kind = data["kind"]
+    what = f"kernel {data.get('kernel', data['op'])!r}" if kind == NodeKind.KERNEL.value else \
+        f"{kind} {data['op'] or data['label']}"
+    if kind == NodeKind.KERNEL.value and data.get("backend"):
+        what += f" (backend {data['backend']})"
+    scope = data.get("scope") or ""
+    return f"{what} in {scope}" if scope else what
+
+
+def _non_finite_text(stats: dict[str, Any], size: int) -> str:
+    found = " and ".join(f"{stats[key]} {text}" for key, text in (("nan", "NaN"), ("inf", "Inf"))
+                         if stats[key])
+    return f"{found} of {size} values"
+
+
+def root_causes(graph: Graph) -> list[str]:
+    """Mark the nodes where a NaN or Inf started (``Status.NON_FINITE``, see the module) and
+    propagate; returns them in topological order. Needs ``stats`` on the nodes."""
+    g = graph.nx
+    shapes = _output_shapes(graph)
+    found = []
+    for node in graph.nodes():
+        data = g.nodes[node]
+        stats = data.get("stats")
+        if is_finite_stats(stats) or data["kind"] == NodeKind.OUTPUT.value:
+            continue
+        if data.get("status", 0) not in (Status.OK, Status.UPSTREAM_FAILED, Status.NON_FINITE):
+            continue  # failed for another reason already
+        preds = list(g.predecessors(node))
+        if any(not is_finite_stats(g.nodes[p].get("stats")) for p in preds):
+            continue
+        size = sum(max(1, math.prod(s)) for s in shapes.get(node, [()]))
+        unknown = [p for p in preds if g.nodes[p].get("stats") is None]
+        message = f"{_describe(graph, node)}: output holds {_non_finite_text(stats, size)}"
+        if data["kind"] == NodeKind.INPUT.value:
+            message += " (an input of the call)"
+        elif unknown:
+            message += (f"; the values of its input {unknown[0]!r} were not reached, so the NaN/Inf "
+                        "may come from further up")
+        else:
+            message += " while all its inputs are finite"
+        data["status"], data["message"] = int(Status.NON_FINITE), message
+        found.append(node)
+    if found:
+        graph.refresh()
+    return found
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+def _node_filter(nodes: Collection[str] | NodeFilter | None) -> NodeFilter:
+    if nodes is None:
+        return lambda name, data: data["kind"] in (NodeKind.OP.value, NodeKind.KERNEL.value)
+    if callable(nodes):
+        return nodes
+    wanted = set(nodes)
+    return lambda name, data: name in wanted
+
+
+class Inspector:
+    """``gk.inspect`` with options (``gk.inspect`` itself takes none: its keyword arguments go to
+    ``fn``, as ``gk.trace``'s do).
+
+    ``save``: a ``.npz`` or ``.safetensors`` path to stream every node's full output to (keys are
+    node names, ``name:i`` for a node's i-th of several outputs); ``nodes``: which nodes to save
+    (names, or ``(name, attrs) -> bool``; default: op and kernel nodes). ``check_kernels``: also
+    run each kernel's reference on the exact inputs it received in the graph and record
+    ``reference_check = {"max_abs", "max_rel"}`` on its node. ``progress``: a progress bar on
+    stderr (``None``: on a terminal, for graphs of over 2,000 nodes). ``backend``: as
+    ``gk.compile``'s.
+
+    >>> import mlx.core as mx, os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "values.npz")
+    >>> g = Inspector(save=path)(lambda x: mx.exp(x) + 1, mx.zeros((2,)))
+    >>> sorted(__import__("numpy").load(path).files)
+    ['add', 'broadcast', 'exp']
+    """
+
+    def __init__(self, *, save: str | os.PathLike[str] | None = None,
+                 nodes: Collection[str] | NodeFilter | None = None, check_kernels: bool = False,
+                 progress: bool | None = None, backend: str | None = None):
+        self.save = save
+        self.nodes = nodes
+        self.check_kernels = check_kernels
+        self.progress = progress
+        self.backend = backend
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
+        traceable = Traceable(fn)
+        return self.run(traceable, Flat.of(args, kwargs, traceable.arg_names))
+
+    def run(self, traceable: Traceable, flat: Flat) -> Graph:
+        """The values graph of one call already flattened (what compiled graphs use)."""
+        wiring = Wiring()
+        graph, _ = traceable.trace(flat, self.backend, wiring=wiring)
+        arrays = list(flat.arrays) + traceable.state.arrays()
+        for node, calls in wiring.module_outputs.items():
+            graph.nx.nodes[node]["module_outputs"] = [path for path, _ in calls]
+        writer = None
+        if self.save is not None:
+            from .tensor_files import open_writer
+
+            writer = open_writer(self.save)
+        with (writer if writer is not None else contextlib.nullcontext()):
+            _Run(graph, wiring, arrays, check_kernels=self.check_kernels,
+                 keep=_node_filter(self.nodes), writer=writer, progress=self.progress).run()
+        reached = sum(1 for _, d in graph.nx.nodes(data=True) if "stats" in d)
+        graph.nx.graph["values"] = {"nodes": reached, "unreached": graph.nx.number_of_nodes() - reached}
+        root_causes(graph)
+        return graph
+
+
+def inspect(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
+    """Trace ``fn`` on these arguments and run it node by node, recording each node's output
+    statistics (``stats``) and naming the node where a NaN or Inf started (``Status.NON_FINITE``,
+    ``g.failures()[0]``). Keyword arguments go to ``fn``; options are :class:`Inspector`'s.
+
+    >>> import mlx.core as mx, graphkern as gk
+    >>> g = gk.inspect(lambda x: mx.log(x), mx.array([1.0, 0.0]))
+    >>> g.status.name, g.nx.nodes["log"]["stats"]["inf"]
+    ('NON_FINITE', 1)
+    """
+    return Inspector()(fn, *args, **kwargs)
