@@ -156,8 +156,8 @@ class Wiring:
     for it (``name``, ``arguments``, ``outputs``); ``constants``: constant node -> its value;
     ``inputs``: the input nodes in argument order; ``outputs``: (output node, array) pairs;
     ``launches``: kernel node -> the validated launch it ran (filled in by the tracer);
-    ``module_outputs``: node -> the (module path, output index) of each module call whose
-    output it made, innermost first.
+    ``module_calls``: each module call as (path, what made each of its outputs: (node, output
+    index), or None), in the order the calls returned (inner calls first).
     """
 
     args: dict[str, list[str]] = field(default_factory=dict)
@@ -167,7 +167,7 @@ class Wiring:
     inputs: list[str] = field(default_factory=list)
     outputs: list[tuple[str, str]] = field(default_factory=list)
     launches: dict[str, Any] = field(default_factory=dict)
-    module_outputs: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    module_calls: list[tuple[str, list[tuple[str, int] | None]]] = field(default_factory=list)
 
 
 def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record],
@@ -268,7 +268,7 @@ def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record
     if wiring is not None:
         wiring.args = {**node_args, **folder.launch_inputs}
         wiring.producer = producer
-        wiring.module_outputs = folder.module_outputs
+        wiring.module_calls = folder.module_calls
     return g
 
 
@@ -313,7 +313,7 @@ class _Folder:
         self.folded: set[str] = set()
         self.raw_name: dict[str, str] = {}  # a scoped module's tagged output -> the array's name
         self.launch_inputs: dict[str, list[str]] = {}  # kernel node -> its launch's array inputs
-        self.module_outputs: dict[str, list[tuple[str, int]]] = {}  # see Wiring
+        self.module_calls: list[tuple[str, list[tuple[str, int] | None]]] = []  # see Wiring
 
     def _record_arrays(self, record: Record, depends: str) -> tuple[list[str], list[str]]:
         ins = self.node_args[depends]
@@ -467,8 +467,7 @@ class _Folder:
         for raw, name, tagged in zip(raw_outputs, raw_names, tagged_outputs):
             if raw in self.producer:
                 self.producer[tagged] = self.producer[raw]
-                self.module_outputs.setdefault(self.producer[raw][0], []).append(
-                    (record.scope, self.producer[raw][1]))
             self.raw_name[tagged] = name
             self.reads[tagged] = outside
+        self.module_calls.append((record.scope, [self.producer.get(raw) for raw in raw_outputs]))
         g.remove_node(depends)

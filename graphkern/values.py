@@ -30,7 +30,7 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -43,7 +43,8 @@ from .schema import STAT_KEYS
 from .state import Flat
 from .trace import Traceable
 
-__all__ = ["STAT_KEYS", "Inspector", "array_stats", "inspect", "is_finite_stats", "root_causes"]
+__all__ = ["STAT_KEYS", "GraphRun", "Inspector", "array_stats", "difference", "finish_values", "inspect",
+           "is_finite_stats", "root_causes", "trace_for_values"]
 
 
 _INSPECT = "inspect a function's values"
@@ -167,19 +168,19 @@ class _Batch:
 # ----------------------------------------------------------------------------- running the graph
 
 
-class _Run:
-    """One run of a traced graph, node by node, in topological order."""
+class GraphRun:
+    """One run of a traced graph, node by node, in topological order, from the call's arrays
+    (its flat arguments, then its state), recording ``stats`` on the nodes."""
 
     def __init__(self, graph: Graph, wiring: Wiring, arrays: list[mx.array], *,
-                 check_kernels: bool, keep: NodeFilter | None, writer: Any,
-                 progress: bool | None):
+                 check_kernels: tuple[float, float] | None = None, keep: NodeFilter | None = None,
+                 writer: Any = None):
         self.graph = graph
         self.wiring = wiring
         self.arrays = arrays
         self.check_kernels = check_kernels
         self.keep = keep
         self.writer = writer
-        self.progress = progress
         self.env: dict[tuple[str, int], mx.array] = {}
         self.readers: dict[tuple[str, int], int] = {}  # reads still to come
         self.batch = _Batch()
@@ -259,13 +260,13 @@ class _Run:
                 outputs = runtime.run_launch(launch, inputs)
         except Exception as exc:  # the launch ran in the trace; say what failed now
             return f"running kernel {kernel.name!r} again raised {type(exc).__name__}: {exc}"
-        if self.check_kernels and kernel.reference is not None:
+        if self.check_kernels is not None and kernel.reference is not None:
             try:
                 reference = runtime.run_reference(launch, inputs)
             except Exception as exc:
                 self.graph.nx.nodes[node]["reference_check"] = {"error": f"{type(exc).__name__}: {exc}"}
             else:
-                self.checks.append((node, _errors(outputs, reference)))
+                self.checks.append((node, _errors(outputs, reference, *self.check_kernels)))
         return list(outputs)
 
     def _record(self, node: str, index: int, count: int, value: mx.array) -> None:
@@ -287,43 +288,59 @@ class _Run:
         if self.writer is not None and self.keep is not None and self.keep(node, nodes[node]):
             self.to_write.append((node if count == 1 else f"{node}:{index}", value))
 
-    def _flush(self) -> None:
+    def flush(self, also: Sequence[mx.array] = ()) -> None:
+        """Evaluate what is pending (and ``also``): statistics, kernel checks, files."""
         checks = [c for _, c in self.checks]
-        self.batch.flush(checks)
+        self.batch.flush([*checks, *also])
         for name, value in self.to_write:
             self.writer.add(name, value)
         self.to_write = []
         nodes = self.graph.nx.nodes
         for (node, _), check in zip(self.checks, checks):
-            max_abs, max_rel = check.tolist()  # type: ignore[misc]
-            nodes[node]["reference_check"] = {"max_abs": max_abs, "max_rel": max_rel}
+            max_abs, max_rel, beyond = cast(list[float], check.tolist())
+            rtol, atol = self.check_kernels or (0.0, 0.0)
+            nodes[node]["reference_check"] = {"max_abs": max_abs, "max_rel": max_rel,
+                                              "mismatched": int(beyond), "rtol": rtol, "atol": atol}
         self.checks = []
 
-    def run(self) -> None:
+    @property
+    def need_flush(self) -> bool:
+        """Enough node outputs are pending that they should be evaluated now."""
+        return self.batch.bytes > _CHUNK_BYTES or len(self.batch) >= _CHUNK_NODES
+
+    def steps(self) -> Iterator[tuple[str, list[mx.array] | None]]:
+        """Run the nodes in topological order, yielding each with its outputs (None when they
+        cannot be reached); the caller calls ``flush`` when ``need_flush`` and at the end."""
         order = self.graph.nodes()
         nodes = self.graph.nx.nodes
         self._count_readers(order)
         returned = dict(self.wiring.outputs)
-        with _progress_bar(self.progress, len(order)) as advance:
-            for node in order:
-                data = nodes[node]
-                if data["kind"] == NodeKind.OUTPUT.value:
-                    values = self._output(returned.get(node, ""))
-                else:
-                    values = self._compute(node, data)
-                    self._release(node)
-                if isinstance(values, str):
-                    data["values_note"] = values
-                else:
-                    for index, value in enumerate(values):
-                        if self.readers.get((node, index), 0) > 0:
-                            self.env[(node, index)] = value
-                        self._record(node, index, len(values), value)
-                if self.batch.bytes > _CHUNK_BYTES or len(self.batch) >= _CHUNK_NODES:
-                    self._flush()
-                advance()
-            self._flush()
+        for node in order:
+            data = nodes[node]
+            if data["kind"] == NodeKind.OUTPUT.value:
+                values = self._output(returned.get(node, ""))
+            else:
+                values = self._compute(node, data)
+                self._release(node)
+            if isinstance(values, str):
+                data["values_note"] = values
+                yield node, None
+                continue
+            for index, value in enumerate(values):
+                if self.readers.get((node, index), 0) > 0:
+                    self.env[(node, index)] = value
+                self._record(node, index, len(values), value)
+            yield node, values
         self.env.clear()
+
+    def run(self, progress: bool | None = None) -> None:
+        """Run every node, evaluating in chunks."""
+        with _progress_bar(progress, self.graph.nx.number_of_nodes()) as advance:
+            for _ in self.steps():
+                if self.need_flush:
+                    self.flush()
+                advance()
+            self.flush()
 
     def _output(self, array: str) -> list[mx.array] | str:
         """The array an output node returns (its producer's, read once)."""
@@ -337,15 +354,31 @@ class _Run:
         return [value]
 
 
-def _errors(outputs: Sequence[mx.array], reference: Sequence[mx.array]) -> mx.array:
-    """``[max abs error, max rel error]`` of a kernel's outputs against its reference, lazily."""
-    worst_abs, worst_rel = [], []
-    for out, ref in zip(outputs, reference):
-        a, b = out.astype(mx.float32), ref.astype(mx.float32)
-        diff = mx.abs(a - b)
-        worst_abs.append(mx.max(diff) if diff.size else mx.array(0.0))
-        worst_rel.append(mx.max(diff / mx.maximum(mx.abs(b), 1e-30)) if diff.size else mx.array(0.0))
-    return mx.stack([mx.max(mx.stack(worst_abs)), mx.max(mx.stack(worst_rel))])
+def difference(x: mx.array, y: mx.array, rtol: float, atol: float) -> mx.array:
+    """``[max abs, max rel, elements beyond tolerance]`` of ``y`` against the reference ``x``,
+    lazily, in float32: beyond when ``|x - y| > atol + rtol * |x|``; the relative error divides
+    by ``max(|x|, atol)``. NaN against NaN and an Inf against the same Inf agree; NaN against a
+    number is beyond.
+
+    >>> difference(mx.array([1.0, 2.0]), mx.array([1.0, 2.1]), 1e-3, 1e-5).tolist()
+    [0.09999990463256836, 0.04999995231628418, 1.0]
+    """
+    if not x.size:
+        return mx.zeros((3,))
+    a, b = x.astype(mx.float32), y.astype(mx.float32)
+    same = mx.logical_or(a == b, mx.logical_and(mx.isnan(a), mx.isnan(b)))
+    diff = mx.where(same, 0.0, mx.abs(a - b))
+    diff = mx.where(mx.isnan(diff), mx.inf, diff)
+    ref = mx.where(mx.isfinite(a), mx.abs(a), 0.0)
+    beyond = mx.sum(diff > atol + rtol * ref).astype(mx.float32)
+    return mx.stack([mx.max(diff), mx.max(diff / mx.maximum(ref, atol)), beyond])
+
+
+def _errors(outputs: Sequence[mx.array], reference: Sequence[mx.array], rtol: float,
+            atol: float) -> mx.array:
+    """``difference`` over a kernel's outputs against its reference: the worst of each."""
+    rows = mx.stack([difference(r, o, rtol, atol) for o, r in zip(outputs, reference)])
+    return mx.stack([mx.max(rows[:, 0]), mx.max(rows[:, 1]), mx.sum(rows[:, 2])])
 
 
 def _output_shapes(graph: Graph) -> dict[str, list[tuple[int, ...]]]:
@@ -463,8 +496,10 @@ class Inspector:
 
     def __init__(self, *, save: str | os.PathLike[str] | None = None,
                  nodes: Collection[str] | NodeFilter | None = None, check_kernels: bool = False,
-                 progress: bool | None = None, backend: str | None = None):
+                 progress: bool | None = None, backend: str | None = None,
+                 tolerance: tuple[float, float] = (1e-4, 1e-5)):
         self.save = save
+        self.tolerance = tolerance
         self.nodes = nodes
         self.check_kernels = check_kernels
         self.progress = progress
@@ -476,23 +511,40 @@ class Inspector:
 
     def run(self, traceable: Traceable, flat: Flat) -> Graph:
         """The values graph of one call already flattened (what compiled graphs use)."""
-        wiring = Wiring()
-        graph, _ = traceable.trace(flat, self.backend, wiring=wiring)
-        arrays = list(flat.arrays) + traceable.state.arrays()
-        for node, calls in wiring.module_outputs.items():
-            graph.nx.nodes[node]["module_outputs"] = [path for path, _ in calls]
+        graph, wiring, arrays = trace_for_values(traceable, flat, self.backend)
         writer = None
         if self.save is not None:
             from .tensor_files import open_writer
 
             writer = open_writer(self.save)
         with (writer if writer is not None else contextlib.nullcontext()):
-            _Run(graph, wiring, arrays, check_kernels=self.check_kernels,
-                 keep=_node_filter(self.nodes), writer=writer, progress=self.progress).run()
-        reached = sum(1 for _, d in graph.nx.nodes(data=True) if "stats" in d)
-        graph.nx.graph["values"] = {"nodes": reached, "unreached": graph.nx.number_of_nodes() - reached}
-        root_causes(graph)
+            check = self.tolerance if self.check_kernels else None
+            GraphRun(graph, wiring, arrays, check_kernels=check, keep=_node_filter(self.nodes),
+                     writer=writer).run(self.progress)
+        finish_values(graph)
         return graph
+
+
+def trace_for_values(traceable: Traceable, flat: Flat,
+                     backend: str | None = None) -> tuple[Graph, Wiring, list[mx.array]]:
+    """The graph of one call, how to run it, and the arrays it starts from."""
+    wiring = Wiring()
+    graph, _ = traceable.trace(flat, backend, wiring=wiring)
+    nodes = graph.nx.nodes
+    for path, made in wiring.module_calls:
+        for found in made:
+            if found is not None and found[0] in nodes:
+                paths = nodes[found[0]].setdefault("module_outputs", [])
+                if path not in paths:
+                    paths.append(path)
+    return graph, wiring, list(flat.arrays) + traceable.state.arrays()
+
+
+def finish_values(graph: Graph) -> None:
+    """After a run: count the nodes reached and mark where NaN/Inf started."""
+    reached = sum(1 for _, d in graph.nx.nodes(data=True) if "stats" in d)
+    graph.nx.graph["values"] = {"nodes": reached, "unreached": graph.nx.number_of_nodes() - reached}
+    root_causes(graph)
 
 
 def inspect(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
