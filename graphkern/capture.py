@@ -156,8 +156,8 @@ class Wiring:
     for it (``name``, ``arguments``, ``outputs``); ``constants``: constant node -> its value;
     ``inputs``: the input nodes in argument order; ``outputs``: (output node, array) pairs;
     ``launches``: kernel node -> the validated launch it ran (filled in by the tracer);
-    ``module_calls``: each module call as (path, what made each of its outputs: (node, output
-    index), or None), in the order the calls returned (inner calls first).
+    ``module_calls``: each module call as (record id, path, what made each of its outputs: (node,
+    output index), or None), in the order the calls returned (inner calls first).
     """
 
     args: dict[str, list[str]] = field(default_factory=dict)
@@ -167,7 +167,7 @@ class Wiring:
     inputs: list[str] = field(default_factory=list)
     outputs: list[tuple[str, str]] = field(default_factory=list)
     launches: dict[str, Any] = field(default_factory=dict)
-    module_calls: list[tuple[str, list[tuple[str, int] | None]]] = field(default_factory=list)
+    module_calls: list[tuple[int, str, list[tuple[str, int] | None]]] = field(default_factory=list)
 
 
 def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record],
@@ -313,7 +313,7 @@ class _Folder:
         self.folded: set[str] = set()
         self.raw_name: dict[str, str] = {}  # a scoped module's tagged output -> the array's name
         self.launch_inputs: dict[str, list[str]] = {}  # kernel node -> its launch's array inputs
-        self.module_calls: list[tuple[str, list[tuple[str, int] | None]]] = []  # see Wiring
+        self.module_calls: list[tuple[int, str, list[tuple[str, int] | None]]] = []  # see Wiring
 
     def _record_arrays(self, record: Record, depends: str) -> tuple[list[str], list[str]]:
         ins = self.node_args[depends]
@@ -469,5 +469,6 @@ class _Folder:
                 self.producer[tagged] = self.producer[raw]
             self.raw_name[tagged] = name
             self.reads[tagged] = outside
-        self.module_calls.append((record.scope, [self.producer.get(raw) for raw in raw_outputs]))
+        self.module_calls.append((record.id, record.scope,
+                                  [self.producer.get(raw) for raw in raw_outputs]))
         g.remove_node(depends)

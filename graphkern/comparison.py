@@ -308,10 +308,10 @@ def match_outputs(a: _Side, b: _Side) -> dict[Output, Output]:
                 pair((node_a, index), (node_b, index))
     # 2. a module's outputs, call by call, where both sides' calls return as many arrays
     calls_a: dict[str, list[list[Output | None]]] = {}
-    for path, made in a.wiring.module_calls:
+    for _, path, made in a.wiring.module_calls:
         calls_a.setdefault(path, []).append(made)
     seen: dict[str, int] = {}
-    for path, made_b in b.wiring.module_calls:
+    for _, path, made_b in b.wiring.module_calls:
         at = seen[path] = seen.get(path, -1) + 1
         candidates = calls_a.get(path, [])
         if at < len(candidates) and len(candidates[at]) == len(made_b):

@@ -109,7 +109,9 @@ class Failure:
 
 class GraphError(KernelError):
     """A compiled graph with a failed node was called: names the root node, code, message and
-    the outputs it affects."""
+    the outputs it affects (``graph``: the graph showing it, where one was made for the error)."""
+
+    graph: Graph | None = None
 
     def __init__(self, failure: Failure):
         super().__init__("run a graphkern compiled graph",

@@ -198,6 +198,7 @@ _TABLE: dict[str, _Replay] = {
     "AsType": lambda ins, args, out: ins[0].astype(args[0]),
     "AsStrided": lambda ins, args, out: mx.as_strided(ins[0], args[0], args[1], args[2]),
     "Broadcast": lambda ins, args, out: mx.broadcast_to(ins[0], _shape(out)),
+    "Full": lambda ins, args, out: mx.broadcast_to(ins[0], _shape(out)),
     "BroadcastAxes": lambda ins, args, out: mx.broadcast_to(ins[0], _shape(out)),
     "Concatenate": lambda ins, args, out: mx.concatenate(ins, axis=int(args[0])),
     "Convolution": lambda ins, args, out: mx.conv_general(

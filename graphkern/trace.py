@@ -220,6 +220,16 @@ class Traceable:
             raise KernelError(_TRACE, f"{self.name} returned no arrays", Status.INVALID_INPUT)
         return outputs
 
+    def call_recorded(self, flat: Flat, recorder: TraceRecorder, backend: str | None = None) -> Any:
+        """Call ``fn`` eagerly on ``flat``'s arrays with ``recorder`` seeing its kernel and module
+        calls (as a trace would, in the same order), on this thread."""
+        owners = _ModuleHooks.install([m for _, m in self.state.modules.values()])
+        try:
+            with recording(recorder), runtime.using_backend(backend):
+                return self.call_flat(flat, tuple(flat.arrays), {})
+        finally:
+            _ModuleHooks.remove(owners)
+
     def trace(self, flat: Flat, backend: str | None = None, used: list[Kernel] | None = None,
               wiring: Wiring | None = None) -> tuple[Graph, Any]:
         """Capture one call as a ``Graph``; returns it with the output tree spec. ``used``, if

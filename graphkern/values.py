@@ -41,7 +41,7 @@ from .graph import Graph
 from .nodes import Kernel, NodeKind, Status
 from .schema import STAT_KEYS
 from .state import Flat
-from .trace import Traceable
+from .trace import Traceable, TraceRecorder
 
 __all__ = ["STAT_KEYS", "GraphRun", "Inspector", "array_stats", "difference", "finish_values", "inspect",
            "is_finite_stats", "root_causes", "trace_for_values"]
@@ -170,12 +170,14 @@ class _Batch:
 
 class GraphRun:
     """One run of a traced graph, node by node, in topological order, from the call's arrays
-    (its flat arguments, then its state), recording ``stats`` on the nodes."""
+    (its flat arguments, then its state), recording ``stats`` on the nodes. ``anchors`` give the
+    outputs of nodes the graph cannot run again (see :func:`eager_anchors`)."""
 
     def __init__(self, graph: Graph, wiring: Wiring, arrays: list[mx.array], *,
                  check_kernels: tuple[float, float] | None = None, keep: NodeFilter | None = None,
-                 writer: Any = None):
+                 writer: Any = None, anchors: dict[str, list[mx.array]] | None = None):
         self.graph = graph
+        self.anchors = anchors or {}  # node -> its outputs from an eager run of the function
         self.wiring = wiring
         self.arrays = arrays
         self.check_kernels = check_kernels
@@ -233,6 +235,9 @@ class GraphRun:
             return [value] if value is not None else "its value was not captured"
         if data.get("status", 0) not in (Status.OK, Status.NON_FINITE):
             return f"the node has status {Status(data['status']).name}"
+        anchored = self.anchors.pop(node, None)
+        if anchored is not None:
+            return anchored
         inputs = self._inputs(node)
         if isinstance(inputs, str):
             return inputs
@@ -517,12 +522,109 @@ class Inspector:
             from .tensor_files import open_writer
 
             writer = open_writer(self.save)
+        anchors = eager_anchors(traceable, flat, graph, wiring, self.backend)
+        anchored = len(anchors)
         with (writer if writer is not None else contextlib.nullcontext()):
             check = self.tolerance if self.check_kernels else None
             GraphRun(graph, wiring, arrays, check_kernels=check, keep=_node_filter(self.nodes),
-                     writer=writer).run(self.progress)
-        finish_values(graph)
+                     writer=writer, anchors=anchors).run(self.progress)
+        finish_values(graph, anchored=anchored)
         return graph
+
+
+def _needs_anchors(graph: Graph, wiring: Wiring) -> set[str]:
+    """The nodes a run of the graph cannot compute, known before running (ops whose primitive
+    has no replay, kernels given Python scalars, and what depends on them), that an eager run
+    can give instead: those whose every output a module call or kernel launch returned. Each
+    such node unblocks what follows it, so only the first ones on each blocked path are listed."""
+    anchorable = {n for n, data in graph.nx.nodes(data=True) if data["kind"] == NodeKind.KERNEL.value}
+    for _, _, made in wiring.module_calls:
+        anchorable.update(m[0] for m in made if m is not None)
+    blocked: set[str] = set()
+    wanted: set[str] = set()
+    nodes = graph.nx.nodes
+    for node in graph.nodes():
+        data = nodes[node]
+        kind = data["kind"]
+        stuck = any(p in blocked for p in graph.nx.predecessors(node))
+        if kind == NodeKind.OP.value:
+            event = wiring.primitives.get(node)
+            stuck = stuck or event is None or event["name"] not in replay.REPLAYED
+        elif kind == NodeKind.KERNEL.value:
+            launch = wiring.launches.get(node)
+            stuck = stuck or launch is None or \
+                len(wiring.args.get(node, ())) != len(launch.kernel.input_names)
+        if not stuck:
+            continue
+        if node in anchorable and data.get("status", 0) == Status.OK:
+            wanted.add(node)
+        else:
+            blocked.add(node)
+    return wanted
+
+
+def eager_anchors(traceable: Traceable, flat: Flat, graph: Graph, wiring: Wiring,
+                  backend: str | None) -> dict[str, list[mx.array]]:
+    """Outputs for the nodes a run of the graph would not reach, where a module call or kernel
+    launch returned them (see ``_needs_anchors``): the function runs once more, eagerly, with its
+    kernel and module calls recorded in the trace's order, and the wanted calls' outputs are kept
+    (lazily). Empty when every node can run, or when the eager call fails."""
+    wanted = _needs_anchors(graph, wiring)
+    if not wanted:
+        return {}
+    wanted_modules = {rid: made for rid, _, made in wiring.module_calls
+                      if any(m is not None and m[0] in wanted for m in made)}
+    wanted_kernels = {graph.nx.nodes[n]["call_index"]: n for n in wanted
+                      if graph.nx.nodes[n]["kind"] == NodeKind.KERNEL.value}
+    recorder = _AnchorRecorder(traceable, set(wanted_modules), set(wanted_kernels))
+    try:
+        traceable.call_recorded(flat, recorder, backend)
+    except Exception:  # the eager call fails where the trace did not: no anchors
+        return {}
+    outputs: dict[tuple[str, int], mx.array] = {}
+    for rid, made in wanted_modules.items():
+        kept = recorder.kept.get(rid)
+        if kept is None or len(kept) != len(made):
+            continue
+        for found, value in zip(made, kept):
+            if found is not None and found[0] in wanted:
+                outputs.setdefault(found, value)
+    for index, node in wanted_kernels.items():
+        for i, value in enumerate(recorder.kernel_outputs.get(index, [])):
+            outputs.setdefault((node, i), value)
+    anchors = {}
+    for node in wanted:
+        event, launch = wiring.primitives.get(node), wiring.launches.get(node)
+        count = len(event["outputs"]) if event is not None else \
+            len(launch.output_specs) if launch is not None else 1
+        if all((node, i) in outputs for i in range(count)):
+            anchors[node] = [outputs[(node, i)] for i in range(count)]
+    return anchors
+
+
+class _AnchorRecorder(TraceRecorder):
+    """Sees an eager call's kernel and module calls without tagging them; keeps the outputs of
+    the wanted module records (by record id) and kernel calls (by call index)."""
+
+    def __init__(self, traceable: Traceable, wanted: set[int], wanted_kernels: set[int]):
+        base = traceable.recorder()
+        super().__init__(base.modules, tag=False, objects=base.objects)
+        self.wanted = wanted
+        self.wanted_kernels = wanted_kernels
+        self.kept: dict[int, list[mx.array]] = {}
+        self.kernel_outputs: dict[int, list[mx.array]] = {}
+
+    def kernel_call(self, launch: Any, kernel: Any, inputs: list[mx.array], outputs: list[mx.array],
+                    error: Any) -> list[mx.array]:
+        if self.calls in self.wanted_kernels:
+            self.kernel_outputs[self.calls] = list(outputs)
+        return super().kernel_call(launch, kernel, inputs, outputs, error)
+
+    def module_call(self, path: str, module: Any, inputs: list[mx.array], outputs: list[mx.array],
+                    error: Any) -> list[mx.array]:
+        if len(self.records) in self.wanted:
+            self.kept[len(self.records)] = list(outputs)
+        return super().module_call(path, module, inputs, outputs, error)
 
 
 def trace_for_values(traceable: Traceable, flat: Flat,
@@ -531,7 +633,7 @@ def trace_for_values(traceable: Traceable, flat: Flat,
     wiring = Wiring()
     graph, _ = traceable.trace(flat, backend, wiring=wiring)
     nodes = graph.nx.nodes
-    for path, made in wiring.module_calls:
+    for _, path, made in wiring.module_calls:
         for found in made:
             if found is not None and found[0] in nodes:
                 paths = nodes[found[0]].setdefault("module_outputs", [])
@@ -540,10 +642,12 @@ def trace_for_values(traceable: Traceable, flat: Flat,
     return graph, wiring, list(flat.arrays) + traceable.state.arrays()
 
 
-def finish_values(graph: Graph) -> None:
-    """After a run: count the nodes reached and mark where NaN/Inf started."""
+def finish_values(graph: Graph, anchored: int = 0) -> None:
+    """After a run: count the nodes reached (``anchored``: of them, from an eager run's module or
+    kernel outputs) and mark where NaN/Inf started."""
     reached = sum(1 for _, d in graph.nx.nodes(data=True) if "stats" in d)
-    graph.nx.graph["values"] = {"nodes": reached, "unreached": graph.nx.number_of_nodes() - reached}
+    graph.nx.graph["values"] = {"nodes": reached, "unreached": graph.nx.number_of_nodes() - reached,
+                                "from_eager_run": anchored}
     root_causes(graph)
 
 
