@@ -44,7 +44,7 @@ from .state import Flat
 from .trace import Traceable, TraceRecorder
 
 __all__ = ["STAT_KEYS", "GraphRun", "Inspector", "array_stats", "difference", "finish_values", "inspect",
-           "is_finite_stats", "root_causes", "trace_for_values"]
+           "is_finite_stats", "root_causes", "run_order", "trace_for_values"]
 
 
 _INSPECT = "inspect a function's values"
@@ -61,7 +61,8 @@ NodeFilter = Callable[[str, dict[str, Any]], bool]
 
 def _summary(x: mx.array) -> mx.array:
     """``[min, max, sum]`` of ``x`` in float32, lazily: 3 reductions. Non-finite elements make
-    the sum non-finite, which sends the array to ``_finite_summary``."""
+    the sum non-finite (so does a sum that overflows), which sends the array to
+    ``_finite_summary``."""
     if x.dtype == mx.complex64:
         x = mx.abs(x)
     wide = x if x.dtype in (mx.float32, mx.float64) else x.astype(mx.float32)
@@ -69,24 +70,31 @@ def _summary(x: mx.array) -> mx.array:
 
 
 def _finite_summary(x: mx.array) -> tuple[mx.array, mx.array]:
-    """``[min, max, sum]`` over the finite elements, and the ``[nan, inf]`` counts."""
+    """``[min, max, mean]`` over the finite elements (the mean summed after scaling by the
+    largest magnitude, so a mask of -3.4e38s does not overflow to -inf), and ``[nan, inf]``."""
     wide = x.astype(mx.float32) if x.dtype != mx.float32 else x
     finite = mx.isfinite(wide)
-    nan = mx.sum(mx.isnan(wide))
-    inf = mx.sum(mx.isinf(wide))
-    summary = mx.stack([mx.min(mx.where(finite, wide, _INF)), mx.max(mx.where(finite, wide, -_INF)),
-                        mx.sum(mx.where(finite, wide, 0))])
-    return summary, mx.stack([nan, inf])
+    count = mx.sum(finite)
+    lo = mx.min(mx.where(finite, wide, _INF))
+    hi = mx.max(mx.where(finite, wide, -_INF))
+    count = mx.maximum(count, 1)
+    total = mx.sum(mx.where(finite, wide, 0))
+    scale = mx.maximum(mx.maximum(mx.abs(lo), mx.abs(hi)), 1e-30)
+    scaled = mx.sum(mx.where(finite, wide / scale, 0)) / count * scale
+    mean = mx.where(mx.isfinite(total), total / count, scaled)
+    return mx.stack([lo, hi, mean]), mx.stack([mx.sum(mx.isnan(wide)), mx.sum(mx.isinf(wide))])
 
 
-def _stats_from(summary: list[float], size: int, counts: Sequence[int] = (0, 0)) -> dict[str, Any]:
-    nan, inf = int(counts[0]), int(counts[1])
+def _stats_from(summary: list[float], size: int, counts: Sequence[int] | None = None) -> dict[str, Any]:
+    """``stats`` from ``[min, max, sum]`` (all finite), or from ``_finite_summary``'s ``[min, max,
+    mean]`` and its counts."""
+    nan, inf = (int(counts[0]), int(counts[1])) if counts is not None else (0, 0)
     finite = size - nan - inf
     if finite <= 0:
         return {"min": None, "max": None, "mean": None, "absmax": None, "nan": nan, "inf": inf}
-    lo, hi, total = (float(v) for v in summary)
-    return {"min": lo, "max": hi, "mean": total / finite, "absmax": max(abs(lo), abs(hi)),
-            "nan": nan, "inf": inf}
+    lo, hi, third = (float(v) for v in summary)
+    mean = third if counts is not None else third / finite
+    return {"min": lo, "max": hi, "mean": mean, "absmax": max(abs(lo), abs(hi)), "nan": nan, "inf": inf}
 
 
 def array_stats(x: mx.array) -> dict[str, Any]:
@@ -158,7 +166,7 @@ class _Batch:
                 summaries[i], counts[i] = s, c  # type: ignore[assignment]
         out = []
         for i, (x, done) in enumerate(zip(self.arrays, self.done)):
-            stats = _stats_from(summaries[i], x.size, counts.get(i, (0, 0)))
+            stats = _stats_from(summaries[i], x.size, counts.get(i))
             done(stats)
             out.append(stats)
         self.arrays, self.summaries, self.done, self.bytes = [], [], [], 0
@@ -316,7 +324,7 @@ class GraphRun:
     def steps(self) -> Iterator[tuple[str, list[mx.array] | None]]:
         """Run the nodes in topological order, yielding each with its outputs (None when they
         cannot be reached); the caller calls ``flush`` when ``need_flush`` and at the end."""
-        order = self.graph.nodes()
+        order = run_order(self.graph)
         nodes = self.graph.nx.nodes
         self._count_readers(order)
         returned = dict(self.wiring.outputs)
@@ -357,6 +365,40 @@ class GraphRun:
         if self.readers[made] <= 0:
             del self.env[made]
         return [value]
+
+
+def run_order(graph: Graph) -> list[str]:
+    """A topological order that computes each node just before the first node needing it: a
+    depth-first walk back from each sink (outputs first), inputs in argument order, as an eager
+    call would go. Kahn's order (``graph.nodes()``) computes everything that is ready at once,
+    every weight's transpose first, and holds them all until they are read.
+
+    >>> import mlx.core as mx, graphkern as gk
+    >>> run_order(gk.trace(lambda x, y: mx.exp(x) + mx.sin(y), mx.ones(2), mx.ones(2)))
+    ['x', 'exp', 'y', 'sin', 'add', 'output_0']
+    """
+    g = graph.nx
+    pred = g.pred
+    topological = graph.nodes()
+    sinks = [n for n in topological if not g.succ[n]]
+    sinks.sort(key=lambda n: g.nodes[n]["kind"] != NodeKind.OUTPUT.value)
+    done: set[str] = set()
+    order: list[str] = []
+    for sink in sinks:
+        stack: list[tuple[str, bool]] = [(sink, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in done:
+                continue
+            if expanded:
+                done.add(node)
+                order.append(node)
+                continue
+            stack.append((node, True))
+            inputs = sorted(((data.get("index", 0), u) for u, keyed in pred[node].items()
+                             for data in keyed.values()), reverse=True)
+            stack.extend((u, False) for _, u in inputs if u not in done)
+    return order
 
 
 def difference(x: mx.array, y: mx.array, rtol: float, atol: float) -> mx.array:

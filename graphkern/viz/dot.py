@@ -23,6 +23,7 @@ from graphkern.viz._common import (
     scope_parts,
     status_name,
 )
+from graphkern.viz.stats import stats_line
 
 __all__ = ["to_dot", "render", "to_svg", "DotError"]
 
@@ -58,14 +59,15 @@ def _short(text: str, limit: int) -> str:
 
 
 def to_dot(graph: Any, *, clusters: bool = True, edge_labels: bool = True,
-           rankdir: str = "TB", max_label: int = 40, title: bool = True) -> str:
+           rankdir: str = "TB", max_label: int = 40, title: bool = True, stats: bool = False) -> str:
     """The graph in Graphviz DOT.
 
     Module scopes are nested ``cluster_`` subgraphs (``layers.0.self_attn.q_proj`` sits in
     ``layers.0`` > ``self_attn`` > ``q_proj``); kernel nodes are violet 3-D boxes that show their
     backend and grid; root failures are filled red with their status; nodes downstream of a
     failure are dashed red with a tooltip naming the root cause; edges are labelled
-    ``dtype[shape]`` (``edge_labels=False`` leaves them bare).
+    ``dtype[shape]`` (``edge_labels=False`` leaves them bare). ``stats=True`` adds a line of
+    each node's output statistics when the graph carries them (``gk.inspect``, ``gk.compare``).
 
     >>> dot = to_dot(graph)                               # doctest: +SKIP
     >>> dot.splitlines()[0]                               # doctest: +SKIP
@@ -114,7 +116,7 @@ def to_dot(graph: Any, *, clusters: bool = True, edge_labels: bool = True,
 
     def emit_nodes(nodes: list[str], indent: str) -> None:
         for n in nodes:
-            out.append(f"{indent}{ids[n]} [{_node_attrs(n, g.nodes[n], max_label)}];")
+            out.append(f"{indent}{ids[n]} [{_node_attrs(n, g.nodes[n], max_label, stats)}];")
 
     def emit_cluster(path: str, indent: str) -> None:
         cid = cluster_ids.setdefault(path, len(cluster_ids))
@@ -160,7 +162,7 @@ def _all_members(path: str, children: dict[str, list[str]],
     return found
 
 
-def _node_attrs(n: str, d: dict[str, Any], max_label: int) -> str:
+def _node_attrs(n: str, d: dict[str, Any], max_label: int, stats: bool = False) -> str:
     kind = str(d.get("kind") or "op")
     label = str(d.get("label") or n)
     op = str(d.get("op") or "")
@@ -178,6 +180,9 @@ def _node_attrs(n: str, d: dict[str, Any], max_label: int) -> str:
             lines.append(extra.strip())
     elif kind == "constant" and d.get("value"):
         lines.append(_short(str(d["value"]), max_label))
+    values = stats_line(d) if stats else None
+    if values:
+        lines.append(_short(values, max_label + 10))
     status = node_status(d)
     tooltip = [f"{n} ({kind}{', ' + op if op and op != label else ''})"]
     if d.get("scope"):

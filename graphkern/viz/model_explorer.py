@@ -33,6 +33,7 @@ from graphkern.viz._common import (
     scope_parts,
     status_name,
 )
+from graphkern.viz.stats import stats_attrs, stats_overlays
 
 __all__ = ["to_model_explorer", "to_model_explorer_node_data", "view", "ModelExplorerMissing"]
 
@@ -141,6 +142,7 @@ def _to_model_explorer(g: Any) -> dict[str, Any]:
             attrs += [_kv(k, v) for k, v in iter_kernel_fields(d)]
             if d.get("source"):
                 attrs.append(_kv("source", d["source"]))
+        attrs += stats_attrs(d)
         incoming = [{"sourceNodeId": str(u), "sourceNodeOutputId": out_ids[u].get(str(key), "0"),
                      "targetNodeInputId": str(data.get("index") or 0)}
                     for u, _, key, data in ins[n]]
@@ -211,7 +213,9 @@ def to_model_explorer_node_data(graph: Any, timings: Mapping[str, float] | None 
     """Node-data overlays for Model Explorer, by name: ``status`` (the status code of every node,
     coloured green / red / pink), ``backend`` (kernel nodes: 1 metal, 2 cuda, 3 reference) and,
     when ``timings`` (node -> milliseconds) is given or nodes carry ``time_ms``, ``time_ms``
-    with a gradient. Each value is one ``GraphNodeData`` document; wrap it as
+    with a gradient; on a values graph (``gk.inspect``, ``gk.compare``) also ``absmax``,
+    ``non_finite`` and ``compare_max_abs`` (see ``graphkern.viz.stats``). Each value is one
+    ``GraphNodeData`` document; wrap it as
     ``{graph_id: data}`` for a model with several graphs.
 
     >>> overlays = to_model_explorer_node_data(graph)      # doctest: +SKIP
@@ -246,6 +250,7 @@ def to_model_explorer_node_data(graph: Any, timings: Mapping[str, float] | None 
         out["time_ms"] = {"results": time_results,
                           "gradient": [{"stop": 0, "bgColor": "#f8fafc"},
                                        {"stop": 1, "bgColor": "#f97316"}]}
+    out.update(stats_overlays(g.nodes(data=True)))
     return out
 
 
