@@ -99,6 +99,8 @@ def debug_cmd(target: str, inputs: tuple[str, ...], other: str | None, backend: 
     import mlx.core as mx
 
     import graphkern as gk
+    from graphkern.comparison import compare
+    from graphkern.values import Inspector
 
     keys = mx.random.split(mx.random.key(seed), max(2, len(specs)))
     args = [make_input(shape, dtype, keys[i]) for i, (shape, dtype) in enumerate(specs)]
@@ -106,11 +108,11 @@ def debug_cmd(target: str, inputs: tuple[str, ...], other: str | None, backend: 
         try:
             if reference is None:
                 step(f"running {name} node by node")
-                graph = gk.Inspector(backend=backend, save=save, progress=False)(fn, *args)
+                graph = Inspector(backend=backend, save=save, progress=False)(fn, *args)
                 result: Any = graph
             else:
                 step(f"comparing {name} with {other}")
-                result = gk.compare(reference, fn, *args, rtol=rtol, atol=atol,
+                result = compare(reference, fn, *args, rtol=rtol, atol=atol,
                                     backends=(compare_backend, backend), progress=False)
         except gk.KernelError as exc:
             click.echo(f"error: {exc}", err=True)
