@@ -1,11 +1,12 @@
 """``gk.compare``: run two functions or models on the same inputs and find where they part ways.
 
 Both calls are traced and run node by node (as ``gk.inspect`` does), side by side, so only the
-values waiting for their counterpart are held. Nodes are matched as ``gk.diff`` matches them
-(kind, module scope, op or kernel name, then position within that scope, aligned on output
-shapes) and, where one side replaced a layer, the layer's output is matched with what replaced it:
-the stock layer's last op with the kernel node that now makes the module's output, or, inside a
-module, the node that feeds the same input of a matched consumer. Each matched output is one
+values waiting for their counterpart are held. Outputs are matched, in this order: what each
+module call returned, call by call (so a replaced layer's output is matched with the kernel node
+that makes it now); nodes of the same kind, module scope and op or kernel name, by position
+within the scope, as ``gk.diff`` matches them (where one side has more of them, by the matched
+inputs they read); then, inside a module, the node feeding the same input of a matched consumer
+(a kernel that replaced part of a layer). Shapes must agree. Each matched output is one
 :class:`Row` (max abs and rel error, shapes); ``first_divergence`` is the earliest row, in ``a``'s
 topological order, beyond ``|a - b| <= atol + rtol * |a|``.
 
@@ -286,7 +287,19 @@ def match_outputs(a: _Side, b: _Side) -> dict[Output, Output]:
         pairs[x] = y
         taken.add(y)
 
-    # 1. same kind, scope and op (or kernel), as many on both sides: by position
+    # 1. a module's outputs, call by call, where both sides' calls return as many arrays
+    calls_a: dict[str, list[list[Output | None]]] = {}
+    for _, path, made in a.wiring.module_calls:
+        calls_a.setdefault(path, []).append(made)
+    seen: dict[str, int] = {}
+    for _, path, made_b in b.wiring.module_calls:
+        at = seen[path] = seen.get(path, -1) + 1
+        candidates = calls_a.get(path, [])
+        if at < len(candidates) and len(candidates[at]) == len(made_b):
+            for out_a, out_b in zip(candidates[at], made_b):
+                if out_a is not None and out_b is not None:
+                    pair(out_a, out_b)
+    # 2. same kind, scope and op (or kernel), as many on both sides: by position
     buckets_a: dict[tuple[str, str, str], list[str]] = {}
     buckets_b: dict[tuple[str, str, str], list[str]] = {}
     for node in a.order:
@@ -306,19 +319,7 @@ def match_outputs(a: _Side, b: _Side) -> dict[Output, Output]:
         for node_a, node_b in zip(nodes_a, nodes_b):
             for index in sorted(a.outputs.get(node_a, {})):
                 pair((node_a, index), (node_b, index))
-    # 2. a module's outputs, call by call, where both sides' calls return as many arrays
-    calls_a: dict[str, list[list[Output | None]]] = {}
-    for _, path, made in a.wiring.module_calls:
-        calls_a.setdefault(path, []).append(made)
-    seen: dict[str, int] = {}
-    for _, path, made_b in b.wiring.module_calls:
-        at = seen[path] = seen.get(path, -1) + 1
-        candidates = calls_a.get(path, [])
-        if at < len(candidates) and len(candidates[at]) == len(made_b):
-            for out_a, out_b in zip(candidates[at], made_b):
-                if out_a is not None and out_b is not None:
-                    pair(out_a, out_b)
-    # 1b. same key, more on one side (a layer's ops partly replaced): the candidate reading the
+    # 2b. same key, more on one side (a layer's ops partly replaced): the candidate reading the
     # most inputs matched to this node's, in topological order; none in common, no match
     for node_a, nodes_b in sorted(uneven, key=lambda item: a.order[item[0]]):
         reads_a = a.reads(node_a)
