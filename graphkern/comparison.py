@@ -7,8 +7,9 @@ that makes it now); nodes of the same kind, module scope and op or kernel name, 
 within the scope, as ``gk.diff`` matches them (where one side has more of them, by the matched
 inputs they read); then, inside a module, the node feeding the same input of a matched consumer
 (a kernel that replaced part of a layer). Shapes must agree. Each matched output is one
-:class:`Row` (max abs and rel error, shapes); ``first_divergence`` is the earliest row, in ``a``'s
-topological order, beyond ``|a - b| <= atol + rtol * |a|``.
+:class:`Row` (max abs and rel error, shapes), in the order ``a`` runs (a topological order that
+follows the call, layer by layer); ``first_divergence`` is the earliest row beyond
+``|a - b| <= atol + rtol * |a|``.
 
 >>> import mlx.core as mx, graphkern as gk
 >>> c = gk.compare(lambda x: mx.sqrt(mx.exp(x)), lambda x: mx.sqrt(mx.exp(x) * 1.01), mx.ones((4,)))
@@ -31,7 +32,7 @@ from .graph import Graph
 from .nodes import NodeKind
 from .state import Flat
 from .trace import Traceable
-from .values import GraphRun, _progress_bar, difference, finish_values, trace_for_values
+from .values import GraphRun, _progress_bar, difference, finish_values, run_order, trace_for_values
 
 __all__ = ["Comparison", "KernelCheck", "Row", "compare", "match_outputs"]
 
@@ -103,7 +104,7 @@ class Comparison:
 
     @property
     def first_divergence(self) -> Row | None:
-        """The earliest matched output (in ``a``'s order) beyond tolerance."""
+        """The earliest matched output (in the order ``a`` runs) beyond tolerance."""
         return next((r for r in self.rows if r.ok is False), None)
 
     @property
@@ -213,7 +214,7 @@ _CSS = ("body{font:13px system-ui,sans-serif;margin:16px;color:#0f172a}"
         "table{border-collapse:collapse}td,th{padding:2px 8px;border-bottom:1px solid #e2e8f0;"
         "text-align:left;font-variant-numeric:tabular-nums}th{position:sticky;top:0;background:#f8fafc}"
         "tr.bad td{background:#fee2e2}tr.first td{background:#fca5a5;font-weight:600}"
-        "tr.na td{color:#64748b}")
+        "tr.na td{color:#64748b}tr{scroll-margin-top:2.5em}")
 
 
 def _num(value: float | None) -> str:
@@ -503,7 +504,8 @@ def compare(a: Callable[..., Any], b: Callable[..., Any], *args: Any, rtol: floa
         lockstep.run()
     finish_values(graph_a)
     finish_values(graph_b)
-    ordered = sorted(pairs.items(), key=lambda p: (side_a.order[p[0][0]], p[0][1]))
+    position = {node: i for i, node in enumerate(run_order(graph_a))}  # as the call runs
+    ordered = sorted(pairs.items(), key=lambda p: (position[p[0][0]], p[0][1]))
     rows = [_row(side_a, side_b, x, y, lockstep.results.get(x, "not compared")) for x, y in ordered]
     for row in rows:
         if row.ok is not None:

@@ -15,6 +15,7 @@ and dtypes MLX reported, raises :class:`NotReplayable`: its node says so instead
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -218,8 +219,7 @@ _TABLE: dict[str, _Replay] = {
     "NumberOfElements": _number_of_elements,
     "Pad": _pad,
     "Partition": lambda ins, args, out: mx.partition(ins[0], int(args[0]), axis=int(args[1])),
-    "RandomBits": lambda ins, args, out: mx.random.bits(tuple(args[0]), int(args[1]),
-                                                        key=ins[0]),  # type: ignore[operator]
+    "RandomBits": lambda ins, args, out: _random_bits(ins[0], tuple(args[0]), int(args[1])),
     "Reduce": lambda ins, args, out: mx.reshape(
         _REDUCE[int(args[0])](ins[0], list(args[1]), keepdims=True), _shape(out)),
     "Scan": lambda ins, args, out: _SCAN[int(args[0])](ins[0], axis=int(args[1]),
@@ -242,6 +242,16 @@ _TABLE: dict[str, _Replay] = {
 
 #: The MLX primitives :func:`run` can run again.
 REPLAYED = frozenset(_TABLE)
+
+
+def _random_bits(key: mx.array, shape: tuple[int, ...], width: int) -> mx.array:
+    """``RandomBits(shape, 4)``: ``mx.random.split`` draws the same bits, two per subkey, for an
+    even count (an odd count pairs its bits differently)."""
+    count = math.prod(shape)
+    if width != 4 or count % 2:
+        raise NotReplayable(f"RandomBits of {count} {width}-byte values (only an even count of "
+                            "4-byte values is drawn again)")
+    return mx.reshape(mx.random.split(key, count // 2), shape)
 
 
 def _scatter_axis(ins: list[mx.array], args: list[Any]) -> mx.array:

@@ -50,6 +50,7 @@ __all__ = ["STAT_KEYS", "GraphRun", "Inspector", "array_stats", "difference", "f
 _INSPECT = "inspect a function's values"
 _CHUNK_BYTES = 256 << 20  # evaluate once this many bytes of node outputs are pending
 _CHUNK_NODES = 512
+_ANCHOR_ROUNDS = 3  # eager runs a values run may ask for, after nodes that fail to run again
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
 _INF = float("inf")
 
@@ -183,9 +184,13 @@ class GraphRun:
 
     def __init__(self, graph: Graph, wiring: Wiring, arrays: list[mx.array], *,
                  check_kernels: tuple[float, float] | None = None, keep: NodeFilter | None = None,
-                 writer: Any = None, anchors: dict[str, list[mx.array]] | None = None):
+                 writer: Any = None, anchors: dict[str, list[mx.array]] | None = None,
+                 more_anchors: Callable[[set[str]], dict[str, list[mx.array]]] | None = None):
         self.graph = graph
         self.anchors = anchors or {}  # node -> its outputs from an eager run of the function
+        self.more_anchors = more_anchors
+        self.anchor_rounds = 0
+        self.done: set[str] = set()
         self.wiring = wiring
         self.arrays = arrays
         self.check_kernels = check_kernels
@@ -258,7 +263,18 @@ class GraphRun:
         try:
             return replay.run(event["name"], event["arguments"], inputs, specs)
         except replay.NotReplayable as exc:
-            return str(exc)
+            return self._failed_here(node, str(exc))
+
+    def _failed_here(self, node: str, why: str) -> list[mx.array] | str:
+        """A node that could not run again after all: ask for the eager outputs that let the
+        run go on after it (see ``eager_anchors``), a few times at most; its own, if a module
+        call returned it, or why not."""
+        if self.more_anchors is not None and self.anchor_rounds < _ANCHOR_ROUNDS:
+            self.anchor_rounds += 1
+            found = self.more_anchors({node})
+            self.anchors.update({n: v for n, v in found.items() if n not in self.done})
+        anchored = self.anchors.pop(node, None)
+        return anchored if anchored is not None else why
 
     def _kernel(self, node: str, inputs: list[mx.array]) -> list[mx.array] | str:
         launch = self.wiring.launches.get(node)
@@ -272,7 +288,8 @@ class GraphRun:
             with without_vjp():
                 outputs = runtime.run_launch(launch, inputs)
         except Exception as exc:  # the launch ran in the trace; say what failed now
-            return f"running kernel {kernel.name!r} again raised {type(exc).__name__}: {exc}"
+            return self._failed_here(node, f"running kernel {kernel.name!r} again raised "
+                                           f"{type(exc).__name__}: {exc}")
         if self.check_kernels is not None and kernel.reference is not None:
             try:
                 reference = runtime.run_reference(launch, inputs)
@@ -335,6 +352,7 @@ class GraphRun:
             else:
                 values = self._compute(node, data)
                 self._release(node)
+            self.done.add(node)
             if isinstance(values, str):
                 data["values_note"] = values
                 yield node, None
@@ -564,21 +582,28 @@ class Inspector:
             from .tensor_files import open_writer
 
             writer = open_writer(self.save)
-        anchors = eager_anchors(traceable, flat, graph, wiring, self.backend)
-        anchored = len(anchors)
+        anchored: set[str] = set()
+
+        def anchors_for(failed: set[str]) -> dict[str, list[mx.array]]:
+            found = eager_anchors(traceable, flat, graph, wiring, self.backend, failed)
+            anchored.update(found)
+            return found
+
+        anchors = anchors_for(set())
         with (writer if writer is not None else contextlib.nullcontext()):
             check = self.tolerance if self.check_kernels else None
             GraphRun(graph, wiring, arrays, check_kernels=check, keep=_node_filter(self.nodes),
-                     writer=writer, anchors=anchors).run(self.progress)
-        finish_values(graph, anchored=anchored)
+                     writer=writer, anchors=anchors, more_anchors=anchors_for).run(self.progress)
+        finish_values(graph, anchored=sum(1 for n in anchored if "stats" in graph.nx.nodes[n]))
         return graph
 
 
-def _needs_anchors(graph: Graph, wiring: Wiring) -> set[str]:
+def _needs_anchors(graph: Graph, wiring: Wiring, failed: Collection[str] = ()) -> set[str]:
     """The nodes a run of the graph cannot compute, known before running (ops whose primitive
     has no replay, kernels given Python scalars, and what depends on them), that an eager run
     can give instead: those whose every output a module call or kernel launch returned. Each
-    such node unblocks what follows it, so only the first ones on each blocked path are listed."""
+    such node unblocks what follows it, so only the first ones on each blocked path are listed.
+    ``failed``: nodes found not to run again while running."""
     anchorable = {n for n, data in graph.nx.nodes(data=True) if data["kind"] == NodeKind.KERNEL.value}
     for _, _, made in wiring.module_calls:
         anchorable.update(m[0] for m in made if m is not None)
@@ -588,7 +613,7 @@ def _needs_anchors(graph: Graph, wiring: Wiring) -> set[str]:
     for node in graph.nodes():
         data = nodes[node]
         kind = data["kind"]
-        stuck = any(p in blocked for p in graph.nx.predecessors(node))
+        stuck = node in failed or any(p in blocked for p in graph.nx.predecessors(node))
         if kind == NodeKind.OP.value:
             event = wiring.primitives.get(node)
             stuck = stuck or event is None or event["name"] not in replay.REPLAYED
@@ -606,12 +631,12 @@ def _needs_anchors(graph: Graph, wiring: Wiring) -> set[str]:
 
 
 def eager_anchors(traceable: Traceable, flat: Flat, graph: Graph, wiring: Wiring,
-                  backend: str | None) -> dict[str, list[mx.array]]:
+                  backend: str | None, failed: Collection[str] = ()) -> dict[str, list[mx.array]]:
     """Outputs for the nodes a run of the graph would not reach, where a module call or kernel
     launch returned them (see ``_needs_anchors``): the function runs once more, eagerly, with its
     kernel and module calls recorded in the trace's order, and the wanted calls' outputs are kept
     (lazily). Empty when every node can run, or when the eager call fails."""
-    wanted = _needs_anchors(graph, wiring)
+    wanted = _needs_anchors(graph, wiring, failed)
     if not wanted:
         return {}
     wanted_modules = {rid: made for rid, _, made in wiring.module_calls

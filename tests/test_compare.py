@@ -27,7 +27,7 @@ def test_a_swiglu_one_percent_off_is_the_first_divergence(swiglu_off: gk.Compari
     assert first.mismatched > 0 and first.shape == (2, 8, 128)
     # everything before it agrees: the library kernels replacing layers 0-2 match the stock ops
     before = c.rows[: c.rows.index(first)]
-    assert len(before) > 300 and all(r.ok for r in before)
+    assert len(before) > 200 and all(r.ok for r in before)
     # and the divergence reaches the logits
     assert next(r for r in c.rows if r.b == "output_0").ok is False
 

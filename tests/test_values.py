@@ -245,3 +245,19 @@ def test_stats_in_json_are_checked_by_lint() -> None:
     with pytest.raises(gk.KernelError) as info:
         g.lint()
     assert "stats['nan'] is -1" in str(info.value) and "finite numbers or all None" in str(info.value)
+
+
+def test_an_op_that_fails_to_run_again_is_passed_through_an_eager_module_output() -> None:
+    class Noisy(nn.Module):  # an odd count of random bits: paired differently, not drawn again
+        def __call__(self, x: mx.array) -> mx.array:
+            return x + mx.random.uniform(shape=x.shape, key=mx.random.key(7))
+
+    model = nn.Sequential(nn.Linear(3, 3), Noisy(), nn.ReLU())
+    x = mx.ones((1, 3))
+    g = gk.inspect(model, x)
+    (bits,) = [n for n in g.nodes("op") if g.node(n)["op"] == "RandomBits"]
+    assert "RandomBits of 3 4-byte values" in g.node(bits)["values_note"]
+    assert g.nx.graph["values"]["from_eager_run"] == 1
+    noisy_out = next(n for n in g.nodes() if "layers.1" in g.node(n).get("module_outputs", []))
+    assert _close(g.node(noisy_out)["stats"], _eager_stats(model.layers[1](model.layers[0](x))))
+    assert _close(g.node("output_0")["stats"], _eager_stats(model(x)))
