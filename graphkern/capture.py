@@ -280,13 +280,16 @@ def innermost_common_scope(scopes: set[str]) -> str:
     >>> innermost_common_scope({"layers", "layers.0.norm", "layers.1.norm"})
     'layers'
     """
-    parts = [s.split(".") for s in scopes]
-    leaves = [p for p in parts if not any(len(q) > len(p) and q[: len(p)] == p for q in parts)]
+    ordered = sorted(scopes)
+    # module paths are identifiers, digits and dots, and "." sorts before all of those: a scope's
+    # descendants ("a.b" -> "a.b.c") come right after it
+    leaves = [s for s, after in zip(ordered, ordered[1:] + [""]) if not (s and after.startswith(s + "."))]
+    first, last = leaves[0].split("."), leaves[-1].split(".")  # the extremes share what all share
     common: list[str] = []
-    for segment in zip(*leaves):
-        if len(set(segment)) > 1:
+    for a, b in zip(first, last):
+        if a != b:
             break
-        common.append(segment[0])
+        common.append(a)
     return ".".join(common)
 
 

@@ -33,6 +33,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
+import numpy as np
 
 from . import replay, runtime
 from .autodiff import without_vjp
@@ -51,6 +52,13 @@ _INSPECT = "inspect a function's values"
 _CHUNK_BYTES = 256 << 20  # evaluate once this many bytes of node outputs are pending
 _CHUNK_NODES = 512
 _ANCHOR_ROUNDS = 3  # eager runs a values run may ask for, after nodes that fail to run again
+# primitives whose output holds their input's values (reordered, reshaped, repeated equally)
+_SAME_VALUES = frozenset({"Reshape", "Flatten", "Unflatten", "ExpandDims", "Squeeze", "Transpose",
+                          "Copy", "StopGradient", "Broadcast", "BroadcastAxes"})
+_INPUT, _CONSTANT, _OUTPUT, _OP, _KERNEL = (k.value for k in (
+    NodeKind.INPUT, NodeKind.CONSTANT, NodeKind.OUTPUT, NodeKind.OP, NodeKind.KERNEL))
+_RUNNABLE = frozenset({int(Status.OK), int(Status.NON_FINITE)})  # statuses a node runs again with
+_MARKABLE = frozenset({int(Status.OK), int(Status.UPSTREAM_FAILED), int(Status.NON_FINITE)})
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
 _INF = float("inf")
 
@@ -98,6 +106,35 @@ def _stats_from(summary: list[float], size: int, counts: Sequence[int] | None = 
     return {"min": lo, "max": hi, "mean": mean, "absmax": max(abs(lo), abs(hi)), "nan": nan, "inf": inf}
 
 
+def _host_array(x: mx.array) -> np.ndarray:
+    """An evaluated array as numpy sees it, without a copy where MLX's memory is the host's
+    (bfloat16, which numpy lacks, through its bits)."""
+    if x.dtype == mx.bfloat16:
+        bits = np.asarray(x.view(mx.uint16)).astype(np.uint32) << 16
+        return bits.view(np.float32)
+    a = np.asarray(x)
+    return np.abs(a) if np.iscomplexobj(a) else a
+
+
+def _host_stats(x: mx.array) -> dict[str, Any]:
+    """``stats`` of an evaluated array with numpy (summed in float64)."""
+    a = _host_array(x)
+    if not a.size:
+        return _stats_from([0.0, 0.0, 0.0], 0)
+    if a.dtype.kind == "b":
+        a = a.view(np.uint8)
+    total = float(a.sum(dtype=np.float64))
+    if math.isfinite(total) or a.dtype.kind not in "fc":
+        return _stats_from([float(a.min()), float(a.max()), total], a.size)
+    finite = np.isfinite(a)
+    nan = int(np.isnan(a).sum())
+    kept = a[finite]
+    if not kept.size:
+        return _stats_from([0.0, 0.0, 0.0], a.size, (nan, a.size - nan))
+    summary = [float(kept.min()), float(kept.max()), float(kept.mean(dtype=np.float64))]
+    return _stats_from(summary, a.size, (nan, a.size - nan - kept.size))
+
+
 def array_stats(x: mx.array) -> dict[str, Any]:
     """The ``stats`` of one array (evaluates it).
 
@@ -130,17 +167,24 @@ def _merge(parts: list[dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
 
 
 class _Batch:
-    """Pending statistics: evaluated together, each handed to its callback."""
+    """Pending statistics: evaluated together, each handed to its callback.
 
-    def __init__(self) -> None:
+    Where MLX computes on the CPU the arrays are summarised by numpy, in place (a reduction
+    dispatched by MLX costs more than numpy's whole pass over a small array); on a GPU by
+    MLX's reductions, on the device, and only the summaries come back.
+    """
+
+    def __init__(self, host: bool | None = None) -> None:
         self.arrays: list[mx.array] = []
         self.summaries: list[mx.array] = []
         self.done: list[Callable[[dict[str, Any]], None]] = []
         self.bytes = 0
+        self.host = mx.default_device().type == mx.DeviceType.cpu if host is None else host
 
     def add(self, x: mx.array, done: Callable[[dict[str, Any]], None]) -> None:
         self.arrays.append(x)
-        self.summaries.append(_summary(x) if x.size else mx.zeros((3,)))
+        if not self.host:
+            self.summaries.append(_summary(x) if x.size else mx.zeros((3,)))
         self.done.append(done)
         self.bytes += x.nbytes
 
@@ -152,6 +196,13 @@ class _Batch:
         if not self.arrays:
             mx.eval(list(also))
             return []
+        if self.host:
+            mx.eval(self.arrays, *also)
+            out = [_host_stats(x) for x in self.arrays]
+            for stats, done in zip(out, self.done):
+                done(stats)
+            self.arrays, self.done, self.bytes = [], [], 0
+            return out
         stacked = mx.stack(self.summaries)
         mx.eval(stacked, *also)
         summaries: list[list[float]] = stacked.tolist()  # type: ignore[assignment]
@@ -203,6 +254,11 @@ class GraphRun:
         self.checks: list[tuple[str, mx.array]] = []
         self.partial: dict[str, list[dict[str, Any] | None]] = {}
         self.sizes: dict[str, list[int]] = {}
+        self.sizes_of: dict[tuple[str, int], int] = {}  # each output recorded: its size
+        # statistics still wanted by views of an output (and, meanwhile, those already known)
+        self.waiting: dict[tuple[str, int], list[Callable[[dict[str, Any]], None]]] = {}
+        self.known: dict[tuple[str, int], dict[str, Any]] = {}
+        self.returned = dict(wiring.outputs)
         self.input_index = {node: i for i, node in enumerate(wiring.inputs)}
 
     def _count_readers(self, order: list[str]) -> None:
@@ -241,12 +297,12 @@ class GraphRun:
 
     def _compute(self, node: str, data: dict[str, Any]) -> list[mx.array] | str:
         kind = data["kind"]
-        if kind == NodeKind.INPUT.value:
+        if kind == _INPUT:
             return [self.arrays[self.input_index[node]]]
-        if kind == NodeKind.CONSTANT.value:
+        if kind == _CONSTANT:
             value = self.wiring.constants.get(node)
             return [value] if value is not None else "its value was not captured"
-        if data.get("status", 0) not in (Status.OK, Status.NON_FINITE):
+        if data["status"] not in _RUNNABLE:
             return f"the node has status {Status(data['status']).name}"
         anchored = self.anchors.pop(node, None)
         if anchored is not None:
@@ -254,7 +310,7 @@ class GraphRun:
         inputs = self._inputs(node)
         if isinstance(inputs, str):
             return inputs
-        if kind == NodeKind.KERNEL.value:
+        if kind == _KERNEL:
             return self._kernel(node, inputs)
         event = self.wiring.primitives.get(node)
         if event is None:
@@ -294,13 +350,13 @@ class GraphRun:
             try:
                 reference = runtime.run_reference(launch, inputs)
             except Exception as exc:
-                self.graph.nx.nodes[node]["reference_check"] = {"error": f"{type(exc).__name__}: {exc}"}
+                self.graph.nx._node[node]["reference_check"] = {"error": f"{type(exc).__name__}: {exc}"}
             else:
                 self.checks.append((node, _errors(outputs, reference, *self.check_kernels)))
         return list(outputs)
 
     def _record(self, node: str, index: int, count: int, value: mx.array) -> None:
-        nodes = self.graph.nx.nodes
+        data = self.graph.nx._node[node]
         parts = self.partial.setdefault(node, [None] * count)
         sizes = self.sizes.setdefault(node, [0] * count)
         sizes[index] = value.size
@@ -309,14 +365,47 @@ class GraphRun:
             parts[index] = stats
             if all(p is not None for p in parts):
                 full = [p for p in parts if p is not None]
-                nodes[node]["stats"] = _merge(full, sizes)
+                data["stats"] = _merge(full, sizes)
                 if count > 1:
-                    nodes[node]["output_stats"] = full
+                    data["output_stats"] = full
                 del self.partial[node]
+            self.known[(node, index)] = stats
+            for waiting in self.waiting.pop((node, index), ()):
+                waiting(stats)
 
-        self.batch.add(value, done)
-        if self.writer is not None and self.keep is not None and self.keep(node, nodes[node]):
+        source = self._same_values_as(node, data) if count == 1 else None
+        if source is None:
+            self.batch.add(value, done)
+        else:  # a view, a broadcast or an output: its input's statistics, no reduction
+            made, size = source
+            scale = value.size // size if size and value.size % size == 0 else 1
+
+            def derived(stats: dict[str, Any]) -> None:
+                done({**stats, "nan": stats["nan"] * scale, "inf": stats["inf"] * scale}
+                     if scale != 1 else stats)
+
+            known = self.known.get(made)
+            if known is not None:
+                derived(known)
+            else:
+                self.waiting.setdefault(made, []).append(derived)
+        if self.writer is not None and self.keep is not None and self.keep(node, data):
             self.to_write.append((node if count == 1 else f"{node}:{index}", value))
+
+    def _same_values_as(self, node: str, data: dict[str, Any]) -> tuple[tuple[str, int], int] | None:
+        """(the output whose values this node's output repeats, its size), or None: reshapes,
+        transposes and copies keep the values, a broadcast repeats each one equally often, and an
+        output node returns its producer's array."""
+        if data["kind"] == _OUTPUT:
+            made = self.wiring.producer.get(self.returned.get(node, ""))
+        elif data["kind"] == _OP and data["op"] in _SAME_VALUES:
+            args = self.wiring.args.get(node, ())
+            made = self.wiring.producer.get(args[0]) if len(args) == 1 else None
+        else:
+            return None
+        if made is None or made not in self.sizes_of:
+            return None
+        return made, self.sizes_of[made]
 
     def flush(self, also: Sequence[mx.array] = ()) -> None:
         """Evaluate what is pending (and ``also``): statistics, kernel checks, files."""
@@ -342,12 +431,12 @@ class GraphRun:
         """Run the nodes in topological order, yielding each with its outputs (None when they
         cannot be reached); the caller calls ``flush`` when ``need_flush`` and at the end."""
         order = run_order(self.graph)
-        nodes = self.graph.nx.nodes
+        nodes = self.graph.nx._node
         self._count_readers(order)
         returned = dict(self.wiring.outputs)
         for node in order:
             data = nodes[node]
-            if data["kind"] == NodeKind.OUTPUT.value:
+            if data["kind"] == _OUTPUT:
                 values = self._output(returned.get(node, ""))
             else:
                 values = self._compute(node, data)
@@ -361,6 +450,7 @@ class GraphRun:
                 if self.readers.get((node, index), 0) > 0:
                     self.env[(node, index)] = value
                 self._record(node, index, len(values), value)
+                self.sizes_of[(node, index)] = value.size
             yield node, values
         self.env.clear()
 
@@ -396,10 +486,9 @@ def run_order(graph: Graph) -> list[str]:
     ['x', 'exp', 'y', 'sin', 'add', 'output_0']
     """
     g = graph.nx
-    pred = g.pred
-    topological = graph.nodes()
-    sinks = [n for n in topological if not g.succ[n]]
-    sinks.sort(key=lambda n: g.nodes[n]["kind"] != NodeKind.OUTPUT.value)
+    pred, succ, data = g._pred, g._succ, g._node  # networkx's own dicts (read only)
+    sinks = [n for n in graph.nodes() if not succ[n]]
+    sinks.sort(key=lambda n: data[n]["kind"] != _OUTPUT)
     done: set[str] = set()
     order: list[str] = []
     for sink in sinks:
@@ -413,9 +502,8 @@ def run_order(graph: Graph) -> list[str]:
                 order.append(node)
                 continue
             stack.append((node, True))
-            inputs = sorted(((data.get("index", 0), u) for u, keyed in pred[node].items()
-                             for data in keyed.values()), reverse=True)
-            stack.extend((u, False) for _, u in inputs if u not in done)
+            # a node's in-edges are kept in argument order: push the first argument last
+            stack.extend((u, False) for u in reversed(pred[node]) if u not in done)
     return order
 
 
@@ -446,14 +534,6 @@ def _errors(outputs: Sequence[mx.array], reference: Sequence[mx.array], rtol: fl
     return mx.stack([mx.max(rows[:, 0]), mx.max(rows[:, 1]), mx.sum(rows[:, 2])])
 
 
-def _output_shapes(graph: Graph) -> dict[str, list[tuple[int, ...]]]:
-    """Each node's distinct output arrays' shapes, in order of array name's first edge."""
-    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
-    for u, _, key, data in graph.nx.edges(keys=True, data=True):
-        shapes.setdefault(u, {}).setdefault(key, tuple(data["shape"]))
-    return {node: list(found.values()) for node, found in shapes.items()}
-
-
 @contextlib.contextmanager
 def _progress_bar(enabled: bool | None, total: int) -> Iterator[Callable[[], None]]:
     """A rich progress bar over the nodes on stderr: always with ``True``, never with ``False``,
@@ -481,9 +561,9 @@ def _describe(graph: Graph, node: str) -> str:
     """``kernel 'swiglu' in model.layers.0.mlp`` / ``op Sqrt in layers.3``."""
     data = graph.nx.nodes[node]
     kind = data["kind"]
-    what = f"kernel {data.get('kernel', data['op'])!r}" if kind == NodeKind.KERNEL.value else \
+    what = f"kernel {data.get('kernel', data['op'])!r}" if kind == _KERNEL else \
         f"{kind} {data['op'] or data['label']}"
-    if kind == NodeKind.KERNEL.value and data.get("backend"):
+    if kind == _KERNEL and data.get("backend"):
         what += f" (backend {data['backend']})"
     scope = data.get("scope") or ""
     return f"{what} in {scope}" if scope else what
@@ -498,23 +578,21 @@ def _non_finite_text(stats: dict[str, Any], size: int) -> str:
 def root_causes(graph: Graph) -> list[str]:
     """Mark the nodes where a NaN or Inf started (``Status.NON_FINITE``, see the module) and
     propagate; returns them in topological order. Needs ``stats`` on the nodes."""
-    g = graph.nx
-    shapes = _output_shapes(graph)
+    nodes, pred = graph.nx._node, graph.nx._pred
     found = []
     for node in graph.nodes():
-        data = g.nodes[node]
+        data = nodes[node]
         stats = data.get("stats")
-        if is_finite_stats(stats) or data["kind"] == NodeKind.OUTPUT.value:
+        if is_finite_stats(stats) or data["kind"] == _OUTPUT:
             continue
-        if data.get("status", 0) not in (Status.OK, Status.UPSTREAM_FAILED, Status.NON_FINITE):
+        if data["status"] not in _MARKABLE:
             continue  # failed for another reason already
-        preds = list(g.predecessors(node))
-        if any(not is_finite_stats(g.nodes[p].get("stats")) for p in preds):
+        if any(not is_finite_stats(nodes[p].get("stats")) for p in pred[node]):
             continue
-        size = sum(max(1, math.prod(s)) for s in shapes.get(node, [()]))
-        unknown = [p for p in preds if g.nodes[p].get("stats") is None]
+        size = sum(math.prod(shape) for shape in _output_shapes(graph, node)) or 1
+        unknown = [p for p in pred[node] if nodes[p].get("stats") is None]
         message = f"{_describe(graph, node)}: output holds {_non_finite_text(stats, size)}"
-        if data["kind"] == NodeKind.INPUT.value:
+        if data["kind"] == _INPUT:
             message += " (an input of the call)"
         elif unknown:
             message += (f"; the values of its input {unknown[0]!r} were not reached, so the NaN/Inf "
@@ -528,12 +606,21 @@ def root_causes(graph: Graph) -> list[str]:
     return found
 
 
+def _output_shapes(graph: Graph, node: str) -> list[tuple[int, ...]]:
+    """The shapes of the distinct arrays leaving ``node``."""
+    seen: dict[str, tuple[int, ...]] = {}
+    for _, keyed in graph.nx._succ[node].items():
+        for key, edge in keyed.items():
+            seen.setdefault(key, tuple(edge["shape"]))
+    return list(seen.values())
+
+
 # ----------------------------------------------------------------------------- inspect
 
 
 def _node_filter(nodes: Collection[str] | NodeFilter | None) -> NodeFilter:
     if nodes is None:
-        return lambda name, data: data["kind"] in (NodeKind.OP.value, NodeKind.KERNEL.value)
+        return lambda name, data: data["kind"] in (_OP, _KERNEL)
     if callable(nodes):
         return nodes
     wanted = set(nodes)
@@ -604,26 +691,30 @@ def _needs_anchors(graph: Graph, wiring: Wiring, failed: Collection[str] = ()) -
     can give instead: those whose every output a module call or kernel launch returned. Each
     such node unblocks what follows it, so only the first ones on each blocked path are listed.
     ``failed``: nodes found not to run again while running."""
-    anchorable = {n for n, data in graph.nx.nodes(data=True) if data["kind"] == NodeKind.KERNEL.value}
+    nodes, pred = graph.nx._node, graph.nx._pred
+    primitives, launches, args = wiring.primitives, wiring.launches, wiring.args
+
+    def cannot_run(node: str) -> bool:
+        kind = nodes[node]["kind"]
+        if kind == _OP:
+            event = primitives.get(node)
+            return event is None or event["name"] not in replay.REPLAYED
+        if kind == _KERNEL:
+            launch = launches.get(node)
+            return launch is None or len(args.get(node, ())) != len(launch.kernel.input_names)
+        return False
+
+    if not failed and not any(map(cannot_run, nodes)):
+        return set()
+    anchorable = {n for n, data in nodes.items() if data["kind"] == _KERNEL}
     for _, _, made in wiring.module_calls:
         anchorable.update(m[0] for m in made if m is not None)
     blocked: set[str] = set()
     wanted: set[str] = set()
-    nodes = graph.nx.nodes
     for node in graph.nodes():
-        data = nodes[node]
-        kind = data["kind"]
-        stuck = node in failed or any(p in blocked for p in graph.nx.predecessors(node))
-        if kind == NodeKind.OP.value:
-            event = wiring.primitives.get(node)
-            stuck = stuck or event is None or event["name"] not in replay.REPLAYED
-        elif kind == NodeKind.KERNEL.value:
-            launch = wiring.launches.get(node)
-            stuck = stuck or launch is None or \
-                len(wiring.args.get(node, ())) != len(launch.kernel.input_names)
-        if not stuck:
+        if not (node in failed or cannot_run(node) or any(p in blocked for p in pred[node])):
             continue
-        if node in anchorable and data.get("status", 0) == Status.OK:
+        if node in anchorable and nodes[node]["status"] == Status.OK:
             wanted.add(node)
         else:
             blocked.add(node)
@@ -642,7 +733,7 @@ def eager_anchors(traceable: Traceable, flat: Flat, graph: Graph, wiring: Wiring
     wanted_modules = {rid: made for rid, _, made in wiring.module_calls
                       if any(m is not None and m[0] in wanted for m in made)}
     wanted_kernels = {graph.nx.nodes[n]["call_index"]: n for n in wanted
-                      if graph.nx.nodes[n]["kind"] == NodeKind.KERNEL.value}
+                      if graph.nx.nodes[n]["kind"] == _KERNEL}
     recorder = _AnchorRecorder(traceable, set(wanted_modules), set(wanted_kernels))
     try:
         traceable.call_recorded(flat, recorder, backend)

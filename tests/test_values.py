@@ -12,7 +12,7 @@ import planted_bugs as pb
 import pytest
 
 import graphkern as gk
-from graphkern import replay
+from graphkern import replay, values
 from graphkern.models.tiny import tiny_model
 from graphkern.values import GraphRun, array_stats, trace_for_values
 
@@ -84,18 +84,28 @@ def test_op_values_are_the_values_mlx_computes() -> None:
     assert by_op["Exp"]["absmax"] == pytest.approx(math.exp(3.0))
 
 
-def test_stats_summarise_the_finite_elements_and_count_nan_and_inf() -> None:
+@pytest.mark.parametrize("host", [True, False], ids=["numpy on the host", "MLX on the device"])
+def test_stats_summarise_the_finite_elements_and_count_nan_and_inf(host: bool) -> None:
+    def stats(x: mx.array) -> dict:
+        batch = values._Batch(host=host)
+        batch.add(x, lambda s: None)
+        return batch.flush()[0]
+
+    none = {"min": None, "max": None, "mean": None, "absmax": None}
     x = mx.array([1.0, -4.0, float("nan"), float("inf"), float("-inf"), 2.0, float("nan")])
-    assert array_stats(x) == {"min": -4.0, "max": 2.0, "mean": pytest.approx(-1 / 3), "absmax": 4.0,
-                              "nan": 2, "inf": 2}
-    assert array_stats(mx.array([float("nan")] * 3)) == {
-        "min": None, "max": None, "mean": None, "absmax": None, "nan": 3, "inf": 0}
-    assert array_stats(mx.zeros((0, 4))) == {
-        "min": None, "max": None, "mean": None, "absmax": None, "nan": 0, "inf": 0}
-    assert array_stats(mx.array([3, 1, 2], dtype=mx.int32))["mean"] == 2.0
-    # float16 sums that overflow float16 are summed in float32
+    assert stats(x) == {"min": -4.0, "max": 2.0, "mean": pytest.approx(-1 / 3), "absmax": 4.0,
+                        "nan": 2, "inf": 2}
+    assert stats(x.astype(mx.bfloat16)) == {**stats(x), "mean": pytest.approx(-1 / 3)}
+    assert stats(mx.array([float("nan")] * 3)) == {**none, "nan": 3, "inf": 0}
+    assert stats(mx.zeros((0, 4))) == {**none, "nan": 0, "inf": 0}
+    assert stats(mx.array([3, 1, 2], dtype=mx.int32))["mean"] == 2.0
+    assert stats(mx.array([True, False, True, True]))["mean"] == 0.75
+    # sums that overflow the dtype: float16 in float32 (or float64), a -3.4e38 mask by scaling
     big = mx.full((4096,), 60000.0, dtype=mx.float16)
-    assert array_stats(big)["mean"] == pytest.approx(60000.0, rel=1e-3)
+    assert stats(big)["mean"] == pytest.approx(60000.0, rel=1e-3)
+    mask = mx.full((64,), -3.4e38)
+    assert stats(mask)["mean"] == pytest.approx(-3.4e38, rel=1e-5) and stats(mask)["inf"] == 0
+    assert array_stats(x) == {**stats(x), "mean": pytest.approx(-1 / 3)}
 
 
 def test_log_of_zero_is_an_inf_root_and_a_nan_input_is_its_own_root() -> None:
