@@ -66,3 +66,14 @@ def test_a_cache_is_left_as_it_was_and_a_poisoned_input_is_named() -> None:
         assert info.value.node == "model.embed_tokens.weight" and root["kind"] == "input"
         assert "an input of the call" in str(info.value)
         assert cache[0].offset == offset and mx.array_equal(cache[0].keys, keys).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+def test_the_check_is_the_same_on_the_host_and_on_the_device(dtype: mx.Dtype) -> None:
+    from graphkern.compiled import _compiled_finite_flag, all_finite
+
+    for value in (1.0, float("nan"), float("inf"), float("-inf"), 6e4):
+        arrays = [mx.array([0.5, value]).astype(dtype), mx.array([1, 2])]
+        expected = value in (1.0, 6e4)  # 6e4 fits in float16 (max 65504)
+        assert all_finite(arrays) == bool(_compiled_finite_flag(arrays[0]).item()) == expected
+    assert all_finite({"ints": mx.array([1, 2])}) and all_finite(mx.zeros((0,)))
