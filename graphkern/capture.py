@@ -265,6 +265,7 @@ def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record
     for record, depends in modules:
         folder.scope_module(record, depends)
     folder.assign_scopes()
+    nx._clear_cache(g)  # the adjacency was edited in place
     if wiring is not None:
         wiring.args = {**node_args, **folder.launch_inputs}
         wiring.producer = producer
@@ -463,15 +464,25 @@ class _Folder:
         tagged_outputs = self.node_outputs[depends]
         # an array a module returned from a module it called is keyed by its innermost name
         raw_names = [self.raw_name.get(raw, raw) for raw in raw_outputs]
-        for _, dst, key, data in list(g.out_edges(depends, keys=True, data=True)):
-            at = tagged_outputs.index(key)
-            if raw_outputs[at] in self.producer:
-                g.add_edge(self.producer[raw_outputs[at]][0], dst, key=raw_names[at], **data)
+        at = {tagged: i for i, tagged in enumerate(tagged_outputs)}
+        # the tag's out-edges move to what made each array; networkx's adjacency is edited in
+        # place (its add_edge and remove_node are most of this method's cost otherwise)
+        succ, pred, producer = g._succ, g._pred, self.producer
+        for dst, keyed in succ[depends].items():
+            del pred[dst][depends]
+            for key, data in keyed.items():
+                made = producer.get(raw_outputs[at[key]])
+                if made is not None:
+                    edges = succ[made[0]].get(dst)
+                    if edges is None:
+                        edges = succ[made[0]][dst] = pred[dst][made[0]] = {}
+                    edges[raw_names[at[key]]] = data
+        for src in pred[depends]:
+            del succ[src][depends]
+        del succ[depends], pred[depends], g._node[depends]
         for raw, name, tagged in zip(raw_outputs, raw_names, tagged_outputs):
-            if raw in self.producer:
-                self.producer[tagged] = self.producer[raw]
+            if raw in producer:
+                producer[tagged] = producer[raw]
             self.raw_name[tagged] = name
             self.reads[tagged] = outside
-        self.module_calls.append((record.id, record.scope,
-                                  [self.producer.get(raw) for raw in raw_outputs]))
-        g.remove_node(depends)
+        self.module_calls.append((record.id, record.scope, [producer.get(raw) for raw in raw_outputs]))
