@@ -59,7 +59,10 @@ OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "values_note": ((str,), "why gk.inspect could not reach the node's output"),
     "module_outputs": ((list,), "the module paths whose call returned this node's output"),
     "reference_check": ((dict,), "a kernel's output against its reference on the same inputs: "
-                                 "max_abs, max_rel (gk.Inspector(check_kernels=True))"),
+                                 "max_abs, max_rel, mismatched, rtol, atol "
+                                 "(gk.Inspector(check_kernels=True))"),
+    "comparison": ((dict,), "after gk.compare, on the second graph's nodes: against (the first "
+                            "graph's node), max_abs, max_rel, ok"),
 }
 #: The keys of a node's ``stats``.
 STAT_KEYS = ("min", "max", "mean", "absmax", "nan", "inf")
