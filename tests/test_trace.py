@@ -206,3 +206,17 @@ def test_summary_lists_every_node():
     assert "graph <lambda>: 0 ops, 1 kernels" in text
     for name in g.nx:
         assert name in text
+
+
+def test_a_module_shared_by_several_parents_is_scoped_under_the_one_calling_it() -> None:
+    pytest.importorskip("mlx_lm")
+    from graphkern.models.tiny import tiny_model
+
+    # mlx-lm's SwitchGLU takes ``activation=SwiGLU()`` as a default argument: one module object
+    # in every MoE layer, registered under layer 0's path
+    model = tiny_model("mixtral")
+    assert model.model.layers[0].block_sparse_moe.switch_mlp.activation is \
+        model.model.layers[1].block_sparse_moe.switch_mlp.activation
+    g = gk.trace(model, mx.array([[1, 2, 3, 4]]))
+    scopes = {g.node(n)["scope"] for n in g.nodes("op") if g.node(n)["scope"].endswith("activation")}
+    assert scopes == {f"model.layers.{i}.block_sparse_moe.switch_mlp.activation" for i in range(2)}
