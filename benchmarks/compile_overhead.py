@@ -1,6 +1,6 @@
 """Steady-state call of a graphkern compiled graph vs a hand-written ``mx.compile``.
 
-Target (issue 2): ratio <= 1.02. Both sides run the demo model (two kernels per block) with the
+Target: ratio <= 1.02. Both sides run the demo model (two kernels per block) with the
 same weights and inputs, evaluate their outputs, and are timed in alternation.
 Run: python benchmarks/compile_overhead.py [--batch 8 --length 128]
 """

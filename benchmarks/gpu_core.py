@@ -12,7 +12,7 @@
 Prints raw figures and ratios, stamped with date, GPU and MLX version; ``--markdown PATH`` writes
 them as the table kept in benchmarks/RESULTS_gpu.md, ``--json PATH`` as data.
 Without CUDA it runs the kernels' references instead, to check the script, and says so.
-Run: python benchmarks/gpu_core.py [--quick] [--markdown benchmarks/RESULTS_gpu.md]
+Run: python benchmarks/gpu_core.py [--quick] [--markdown gpu_core.md] [--json gpu_core.json]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, if not installed
 import graphkern as gk  # noqa: E402
+from graphkern import validation
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import interleaved_samples, paired_ratio, summary  # noqa: E402
@@ -222,16 +223,16 @@ def bench_eager(rounds: int, number_lazy: int, number_eval: int) -> list[dict[st
     assert mx.allclose(gk_bound()[0], bare()[0]).item()
     rows = []
     if CUDA:  # diagnosis: where graphkern's time goes, layer by layer (private functions)
-        from graphkern import runtime
+        from graphkern import launch_paths
         try:
-            launch, checked = runtime.validate(SCALE_ADD, [x, y], spec, kw["grid"], kw["threadgroup"],
+            launch, checked = validation.validate(SCALE_ADD, [x, y], spec, kw["grid"], kw["threadgroup"],
                                                template)
             replayed = mx.compile(bare_call)  # the bare call replayed, as a plain launch now is
             # the compiled custom function gk.apply calls for a known launch (on this thread)
             form = launch.differentiable_forms[(threading.get_ident(), ())]
             layers = {"bare": bare,
                       "bare, replayed by mx.compile": lambda: replayed(x, y),
-                      "plain launch (_run_native)": lambda: runtime._run_native(launch, checked),
+                      "plain launch (_run_native)": lambda: launch_paths.run_native(launch, checked),
                       "vjp wrapper, replayed": lambda: form(x, y),
                       "+ input check (bound launch)": gk_bound,
                       "+ launch check (gk.apply)": gk_apply}

@@ -192,8 +192,48 @@ def _rope_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float, wanted:
     return rows
 
 
+def _prologue_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float, wanted: Wanted) -> list[Row]:
+    """rope_qk against the stock attention prologue it replaces (reshape, per-head mx.fast.rms_norm
+    for ``rope_qk_norm``, transpose, mx.fast.rope; for queries and keys). ``shape`` is (B, L, query
+    features) in heads of 128, a quarter as many key heads. Each call of the chain takes the last
+    call's outputs as its queries and keys, as views of the same size (no copy on either side)."""
+    from graphkern.kernels.ops.rope_qk import _stock as stock_prologue
+
+    b, length, features = shape
+    heads, d = features // 128, 128
+    kv_heads = max(1, heads // 4)
+    q = mx.random.normal(shape, key=mx.random.key(0)).astype(dt)
+    k = mx.random.normal((b, length, kv_heads * d), key=mx.random.key(1)).astype(dt)
+    w = (1 + 0.1 * mx.random.normal((2, d))).astype(dt)
+    mx.eval(q, k, w)
+    rows = []
+    for name in PROLOGUE_KERNELS:
+        if not wanted(name):
+            continue
+        kw: dict[str, Any] = {"base": 1e6, "offset": 5}
+        if name == "rope_qk_norm":
+            kw.update(q_weight=w[0], k_weight=w[1], eps=1e-6)
+
+        def ours(s: tuple[mx.array, mx.array], kw: dict[str, Any] = kw) -> tuple[mx.array, mx.array]:
+            qo, ko = gkk.rope_qk(s[0], s[1], heads, kv_heads, d, **kw)
+            return qo.reshape(s[0].shape), ko.reshape(s[1].shape)  # contiguous: views
+
+        def stock(s: tuple[mx.array, mx.array], kw: dict[str, Any] = kw) -> tuple[mx.array, mx.array]:
+            qo, ko = stock_prologue(s[0], s[1], heads, kv_heads, d, **kw)
+            # laid out as the transposed input: transposed back, a view too
+            return (qo.transpose(0, 2, 1, 3).reshape(s[0].shape),
+                    ko.transpose(0, 2, 1, 3).reshape(s[1].shape))
+
+        moved = 2 * (q.size + k.size) * dt.size
+        label = "reshape, " + ("mx.fast.rms_norm, " if kw.get("q_weight") is not None else "") + \
+            "transpose, mx.fast.rope (q and k)"
+        rows.append(_bench(name, shape, dt, moved, ours, stock, (q, k), label, copy_bps))
+    return rows
+
+
 ROW_KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "softmax", "swiglu", "gelu", "gelu_approx")
 ROPE_KERNELS = ("rope", "rope_traditional")
+PROLOGUE_KERNELS = ("rope_qk", "rope_qk_norm")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -215,8 +255,9 @@ def selection(kernels: Sequence[str] | None, dtypes: Sequence[str] | None) -> tu
     >>> selection(["swiglu"], ["float32"])
     ({'swiglu'}, [mlx.core.float32])
     """
-    names = set(ROW_KERNELS + ROPE_KERNELS if kernels is None else kernels)
-    for given, known, what in ((names, ROW_KERNELS + ROPE_KERNELS, "kernels"),
+    known_kernels = ROW_KERNELS + ROPE_KERNELS + PROLOGUE_KERNELS
+    names = set(known_kernels if kernels is None else kernels)
+    for given, known, what in ((names, known_kernels, "kernels"),
                                (set(dtypes or ()), tuple(DTYPES), "dtypes")):
         if given - set(known):
             raise ValueError(f"unknown {what} {sorted(given - set(known))}: choose from {','.join(known)}")
@@ -243,6 +284,9 @@ def run(quick: bool = False, progress: bool = False, kernels: Sequence[str] | No
     if names & set(ROPE_KERNELS):
         groups += [(_rope_kernels, shape) for shape in ([(4, 32, 2048, 128)] if quick else
                                                         [(4, 32, 2048, 128), (1, 32, 8192, 128)])]
+    if names & set(PROLOGUE_KERNELS):  # prefill of 2048 tokens, 32 heads; decode at batch 8
+        groups += [(_prologue_kernels, shape) for shape in ([(1, 2048, 4096)] if quick else
+                                                            [(1, 2048, 4096), (1, 8192, 8192), (8, 1, 4096)])]
     for bench, shape in groups:
         for dt in chosen:
             new = bench(shape, dt, copy_bps, wanted)

@@ -4,8 +4,8 @@ fastest for a dtype and shape, against the stock MLX op, by GPU time (CUPTI).
 Row kernels (RMSNorm, LayerNorm, add+RMSNorm, softmax): every (threads, vector, chunks) that covers
 the row. RoPE (both forms): rows a thread rotates at one position (``R``), pairs a thread takes
 (``V``) and threads a block. Every candidate is checked against the stock op's output, then timed;
-the one the kernel's plan picks today is marked ``*``. One device call answers what a tuning session
-would otherwise need several for.
+the one the kernel's plan picks today is marked ``*``; one run sweeps every kernel and dtype asked
+for.
 
     python benchmarks/gpu_row_configs.py [--kernels rms_norm,softmax,rope] [--shapes 8192x4096]
 """
@@ -84,7 +84,7 @@ def rope_variants(plan: Plan, x: mx.array) -> Iterator[tuple[str, bool, Plan]]:
     """RoPE launches: R rows a thread (sharing their angles), V pairs a thread, block size. The
     grid follows ``plan_rope``: one thread per (R rows, position, V pairs)."""
     values = {t.name: t.value for t in plan.template if isinstance(t.value, int)}
-    half = plan.inputs[2].shape[0]  # the inverse frequencies: dims / 2
+    half = int(values["HALF"])  # dims / 2
     length, d = x.shape[-2], x.shape[-1]
     outer = x.size // d // length
     best_v = int(values["V"])

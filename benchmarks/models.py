@@ -3,7 +3,7 @@
 Variants, all with the same weights and tokens, outputs evaluated, timed in alternation (medians):
   stock eager      model(tokens)
   stock compiled   mx.compile(model, inputs=model.state): how one compiles an mlx-lm model by hand
-  wrapped          graphkern.models.wrapping(model): traced once, then mx.compile with parameters as state
+  wrapped          gk.wrap(model): traced once, then mx.compile with parameters as state
   wrapped+patched  wrap(patch(model)): RMSNorm, fused add+RMSNorm, RoPE and SwiGLU on library kernels
                    (CUDA kernels on an NVIDIA GPU; on CPU their pure-MLX references, so there it
                    measures graphkern's overhead and the references' cost, not GPU kernels)

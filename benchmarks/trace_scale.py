@@ -1,9 +1,9 @@
 """Trace cost: gk.trace vs the bare mx.export_function callback, on a chain of 1k to 100k primitives
 and on a real mlx-lm llama; and the values trace (gk.inspect) vs an eager forward plus a trace.
 
-Targets: <= 2x the bare callback at 10,000 primitives, growing linearly to 100,000 (issue 2); on a
-32-layer llama with its module scopes, gk.trace <= 2x the bare callback plus a networkx build of
-its events, and gk.inspect <= 3x an eager forward plus gk.trace (issue 21).
+Targets: <= 2x the bare callback at 10,000 primitives, growing linearly to 100,000; on a 32-layer
+llama with its module scopes, gk.trace <= 2x the bare callback plus a networkx build of its
+events, and gk.inspect <= 3x an eager forward plus gk.trace.
 Run: python benchmarks/trace_scale.py [--max 100000] [--model-only --layers 32 --tokens 8]
 """
 

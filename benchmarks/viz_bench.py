@@ -1,16 +1,24 @@
-"""Drawing benchmarks on a 10,000-node graph; prints raw figures (milliseconds).
+"""Drawing benchmarks: a 10,000-node graph and real traced mlx-lm llamas; prints raw figures (ms).
 
-Budgets (issue 4): first render in headless Chromium <= 3 s; JSON and Model Explorer export
-<= 1 s each; DOT <= 1 s (Graphviz's own rendering excluded).
+Budgets: first render in headless Chromium of a traced 32-layer llama <= 1 s and of a
+10,000-node graph <= 3 s; Graphviz SVG of an 8-layer llama <= 5 s and of a 32-layer one <= 20 s;
+JSON and Model Explorer export <= 1 s each; DOT text <= 1 s.
 
-    python benchmarks/viz_bench.py [--nodes 10000] [--repeat 5] [--no-browser]
+    python benchmarks/viz_bench.py [--nodes 10000] [--layers 8,32] [--repeat 5] [--no-browser]
+                                   [--no-graphviz] [--dot-timeout 60] [--json F]
 
-The graph is tests/viz_graphs.py's transformer-like trace (about 60 nodes per block, nested module
-scopes, one failed kernel half-way so that a third of the graph is UPSTREAM_FAILED), wrapped in
-``gk.Graph`` so the JSON export is the real ``Graph.to_json``. The browser is Debian's Chromium
-driven by playwright (``$GRAPHKERN_CHROMIUM`` overrides the path); "first render" is
-``performance.now()`` when the viewer has parsed the data, laid the graph out and drawn its first
-frame, i.e. the time from navigation start to a usable picture.
+The 10,000-node graph is tests/viz_graphs.py's transformer-like trace (about 60 nodes per block,
+nested module scopes, one failed kernel half-way so that a third of the graph is
+UPSTREAM_FAILED), wrapped in ``gk.Graph`` so the JSON export is the real ``Graph.to_json``. The
+real models are random-weight mlx-lm llamas (hidden size 64, ``graphkern.models.tiny``'s llama
+config with ``num_hidden_layers`` set), ``gk.patch``ed and ``gk.trace``d on eight tokens. The
+browser is Debian's Chromium driven by playwright (``$GRAPHKERN_CHROMIUM`` overrides the path);
+"first render" is ``performance.now()`` when the viewer has parsed the data, laid the graph out
+and drawn its first frame, i.e. the time from navigation start to a usable picture, at 1600x1000.
+Graphviz figures are ``render()`` end to end (DOT text, ``dot -Tsvg``, the file written), side by
+side with the same graph drawn whole: every block (``repeats=False``), weights as nodes too
+(``weights=True``), and the DOT the earlier ``to_dot`` wrote (all of that with ``newrank=true``),
+stopped after ``--dot-timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import viz_graphs  # noqa: E402
 
 import graphkern as gk  # noqa: E402
-from graphkern.viz.dot import to_dot  # noqa: E402
+from graphkern.viz.dot import DotError, _run_dot, render, to_dot  # noqa: E402
 from graphkern.viz.html import to_html  # noqa: E402
 from graphkern.viz.model_explorer import to_model_explorer  # noqa: E402
 
@@ -59,8 +67,8 @@ def row(name: str, times: list[float], budget_ms: float | None, extra: str = "")
     med = statistics.median(times)
     cpu = CPU.get(str(id(times)))
     verdict = "" if budget_ms is None else ("ok" if med <= budget_ms else "OVER BUDGET")
-    print(f"{name:<46} median {med:7.1f} ms  min {min(times):7.1f}  max {max(times):7.1f}"
-          + (f"  cpu {statistics.median(cpu):7.1f}" if cpu else "")
+    print(f"{name:<52} median {med:8.1f} ms  min {min(times):8.1f}  max {max(times):8.1f}"
+          + (f"  cpu {statistics.median(cpu):8.1f}" if cpu else "")
           + f"  n={len(times)}" + (f"  budget {budget_ms:.0f} ms {verdict}" if budget_ms else "")
           + (f"  {extra}" if extra else ""), flush=True)
     return {"name": name, "median_ms": med, "min_ms": min(times), "max_ms": max(times),
@@ -68,16 +76,31 @@ def row(name: str, times: list[float], budget_ms: float | None, extra: str = "")
             "n": len(times), "budget_ms": budget_ms, "raw_ms": [round(t, 1) for t in times]}
 
 
-def browser_runs(page_path: Path, repeat: int) -> dict[str, list[float]]:
-    from playwright.sync_api import sync_playwright
+def chromium() -> str:
+    return os.environ.get("GRAPHKERN_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 
-    chromium = os.environ.get("GRAPHKERN_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-    out: dict[str, list[float]] = {"first": [], "wall": [], "layout": [], "script": [], "redraw": [],
-                                   "redraw_close": [], "relayout": []}
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+
+class Browser:
+    """One Chromium for every page of the run."""
+
+    def __enter__(self) -> Browser:
+        from playwright.sync_api import sync_playwright
+
+        self._p = sync_playwright().start()
+        self.browser = self._p.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.browser.close()
+        self._p.stop()
+
+    def runs(self, page_path: Path, repeat: int, after: dict[str, str]) -> dict[str, list[float]]:
+        """First render (and its parts) of each of ``repeat`` fresh page loads, then each of
+        ``after``'s expressions, timed in the page (milliseconds)."""
+        out: dict[str, list[float]] = {"first": [], "wall": [], "layout": [], "script": []}
+        out.update({k: [] for k in after})
         for _ in range(repeat):
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page = self.browser.new_page(viewport={"width": 1600, "height": 1000})
             errors: list[str] = []
 
             def on_error(e: Any, errors: list[str] = errors) -> None:
@@ -92,62 +115,124 @@ def browser_runs(page_path: Path, repeat: int) -> dict[str, list[float]]:
             out["first"].append(first)
             out["layout"].append(layout)
             out["script"].append(script)
-            # one frame of the whole graph zoomed out, and a collapse/expand round trip
-            out["redraw"].append(page.evaluate("""() => { gk.collapseToDepth(-1); gk.fitAll();
-                const t = performance.now(); for (let i = 0; i < 5; i++) gk.redraw();
-                return (performance.now() - t) / 5; }"""))
-            out["redraw_close"].append(page.evaluate("""() => { gk.focus('output_0');
-                const t = performance.now(); for (let i = 0; i < 5; i++) gk.redraw();
-                return (performance.now() - t) / 5; }"""))
-            out["relayout"].append(page.evaluate("""() => { const t = performance.now();
-                gk.collapseToDepth(1); gk.collapseToDepth(-1); return (performance.now() - t) / 2; }"""))
+            for key, expr in after.items():
+                out[key].append(page.evaluate(f"() => {{ const t = performance.now(); {expr}; "
+                                              "gk.redraw(); return performance.now() - t; }"))
             if errors:
                 raise SystemExit(f"page errors: {errors}")
             page.close()
-        browser.close()
-    return out
+        return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nodes", type=int, default=10_000)
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--no-browser", action="store_true")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
-    args = ap.parse_args()
-
+def synthetic(args: argparse.Namespace, results: list[dict[str, Any]], browser: Browser | None) -> None:
     fake = viz_graphs.big(args.nodes)
     graph = gk.Graph(fake.nx)
     n, m = graph.nx.number_of_nodes(), graph.nx.number_of_edges()
-    print(f"graph: {n} nodes, {m} edges, {len(graph.kernels())} kernels, status {graph.status.name}")
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cpus, Python {platform.python_version()}, "
-          f"load average {os.getloadavg()[0]:.1f} (wall times include waiting for a CPU; "
-          "cpu = this process's CPU time)")
-    results = []
+    print(f"\nsynthetic graph: {n} nodes, {m} edges, {len(graph.kernels())} kernels, "
+          f"status {graph.status.name}")
     times, text = timed(lambda: graph.to_json(), args.repeat)
     results.append(row("JSON export (Graph.to_json)", times, 1000, f"{len(text) / 1e6:.1f} MB"))
     times, _ = timed(lambda: gk.Graph.from_json(text), args.repeat)
     results.append(row("JSON load (Graph.from_json)", times, None))
     times, me = timed(lambda: json.dumps(to_model_explorer(graph), separators=(",", ":")), args.repeat)
     results.append(row("Model Explorer export (+ json.dumps)", times, 1000, f"{len(me) / 1e6:.1f} MB"))
-    times, dot = timed(lambda: to_dot(graph), args.repeat)
-    results.append(row("DOT (no Graphviz rendering)", times, 1000, f"{len(dot) / 1e6:.1f} MB"))
+    times, dot = timed(lambda: to_dot(graph, weights=True, repeats=False, depth=None), args.repeat)
+    results.append(row("DOT text, every node (no Graphviz)", times, 1000, f"{len(dot) / 1e6:.1f} MB"))
     times, page = timed(lambda: to_html(graph), args.repeat)
     results.append(row("HTML page generation (Python)", times, None, f"{len(page) / 1e6:.1f} MB"))
-    if not args.no_browser:
-        with tempfile.TemporaryDirectory() as tmp:
+    if browser is None:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, html in (("one box per layer", page),
+                            ("every module open", to_html(graph, collapse_depth=-1))):
             path = Path(tmp) / "big.html"
-            path.write_text(page)
-            runs = browser_runs(path, args.repeat)
-        results.append(row("Chromium first render (navigation->drawn)", runs["first"], 3000))
-        results.append(row("  of which viewer script (parse+layout+draw)", runs["script"], None))
-        results.append(row("  of which layout", runs["layout"], None))
-        results.append(row("Chromium wall time goto->ready (playwright)", runs["wall"], None))
-        results.append(row("redraw, all 10k nodes in view", runs["redraw"], None))
-        results.append(row("redraw, zoomed in (labels, edge labels)", runs["redraw_close"], None))
-        results.append(row("collapse/expand all + relayout", runs["relayout"], None))
+            path.write_text(html)
+            runs = browser.runs(path, args.repeat, {
+                "redraw": "gk.fitAll()",
+                "relayout": "gk.collapseToDepth(-1); gk.collapseToDepth('auto')",
+            })
+            results.append(row(f"Chromium first render, {n} nodes, {label}", runs["first"], 3000))
+            results.append(row("  of which the viewer script (parse+layout+draw)", runs["script"], None))
+            results.append(row("  of which the layout", runs["layout"], None))
+            results.append(row("  playwright wall time goto -> ready", runs["wall"], None))
+            results.append(row("  fit all and redraw", runs["redraw"], None))
+            results.append(row("  open every module, then one box per layer", runs["relayout"], None))
+
+
+def llamas(args: argparse.Namespace, results: list[dict[str, Any]], browser: Browser | None) -> None:
+    for layers in args.layers:
+        t = time.perf_counter()
+        graph = viz_graphs.llama(layers)
+        traced = (time.perf_counter() - t) * 1000
+        n, m = graph.nx.number_of_nodes(), graph.nx.number_of_edges()
+        print(f"\nllama, {layers} layers, patched: {n} nodes, {m} edges, {len(graph.kernels())} kernels "
+              f"(built and traced in {traced:.0f} ms)")
+        if browser is not None:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "llama.html"
+                path.write_text(to_html(graph))
+                runs = browser.runs(path, args.repeat, {
+                    "open": "gk.expand('model.layers.1')",
+                    "all": "gk.collapseToDepth(-1)",
+                })
+            results.append(row(f"Chromium first render, llama {layers} layers", runs["first"],
+                               1000 if layers >= 32 else None))
+            results.append(row("  of which the layout", runs["layout"], None))
+            results.append(row("  open one layer in place (relayout + draw)", runs["open"], None))
+            results.append(row("  open every module (relayout + draw)", runs["all"], None))
+        if args.no_graphviz:
+            continue
+        budget = 5000 if layers <= 8 else 20000
+        with tempfile.TemporaryDirectory() as tmp:
+            svg = Path(tmp) / "llama.svg"
+            times, _ = timed(lambda g=graph, out=svg: render(g, out, progress=False), args.repeat)
+            results.append(row(f"Graphviz SVG, llama {layers} layers (render)", times, budget,
+                               f"{svg.stat().st_size / 1e6:.2f} MB"))
+        whole = [("  every block drawn (repeats=False)", {"repeats": False}),
+                 ("  every block, every module open", {"repeats": False, "depth": None}),
+                 ("  ... and weights as nodes", {"repeats": False, "depth": None, "weights": True})]
+        for name, options in whole:
+            dot = to_dot(graph, **options)
+            results.append(_dot_row(name, dot, args))
+        old = to_dot(graph, repeats=False, depth=None, weights=True).replace(
+            "graph [rankdir=TB,", "graph [rankdir=TB, newrank=true,", 1)
+        results.append(_dot_row("  ... with newrank=true (as to_dot wrote before)", old, args))
+
+
+def _dot_row(name: str, dot: str, args: argparse.Namespace) -> dict[str, Any]:
+    t = time.perf_counter()
+    try:
+        _run_dot(dot, "svg", timeout=args.dot_timeout)
+    except DotError as e:
+        print(f"{name:<52} stopped after {time.perf_counter() - t:.1f} s ({e})", flush=True)
+        return {"name": name, "median_ms": None, "stopped_after_s": args.dot_timeout}
+    return row(name, [(time.perf_counter() - t) * 1000], None, f"{dot.count(' -> ')} edges")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=10_000)
+    ap.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32])
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--no-browser", action="store_true")
+    ap.add_argument("--no-graphviz", action="store_true")
+    ap.add_argument("--dot-timeout", type=float, default=60.0)
+    ap.add_argument("--json", help="also write the figures to this JSON file")
+    args = ap.parse_args()
+
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cpus, Python {platform.python_version()}, "
+          f"load average {os.getloadavg()[0]:.1f} (wall times include waiting for a CPU; "
+          "cpu = this process's CPU time)")
+    results: list[dict[str, Any]] = []
+    if args.no_browser:
+        synthetic(args, results, None)
+        llamas(args, results, None)
+    else:
+        with Browser() as browser:
+            synthetic(args, results, browser)
+            llamas(args, results, browser)
     if args.json:
-        Path(args.json).write_text(json.dumps({"nodes": n, "edges": m, "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -8,12 +8,14 @@ True
 from __future__ import annotations
 
 from .autodiff import without_vjp
+from .backends import active_backend
 from .bound import BoundLaunch, bind
 from .compiled import CompiledGraph, compile
 from .graph import Failure, Graph, GraphError
+from .mlx_kernels import kernel_cache
 from .nodes import Kernel, KernelError, KernelResult, NodeKind, OutputSpec, Status, TemplateArg
-from .runtime import active_backend, apply, apply_in_graph, kernel_cache, launch
-from .trace import trace
+from .runtime import apply, apply_in_graph, launch
+from .trace import ScopeWarning, trace
 
 __version__ = "0.1.0"
 
@@ -50,6 +52,7 @@ __all__ = [
     "KernelResult",
     "NodeKind",
     "OutputSpec",
+    "ScopeWarning",
     "Status",
     "TemplateArg",
     "__version__",

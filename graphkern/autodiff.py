@@ -3,7 +3,7 @@
 MLX's ``CustomKernel`` primitive has no vjp, so ``mx.grad`` through a GPU kernel fails. ``with_vjp``
 runs a kernel's forward inside ``mx.custom_function`` whose vjp is the kernel's own backward
 (``Kernel.vjp``) when the user gave one, else the vjp of its pure-MLX reference. The runtime uses it
-for every GPU launch (see ``runtime.differentiable_launch``); graphkern's inspection traces skip it,
+for every GPU launch (see ``launch_paths.differentiable_launch``); graphkern's inspection traces skip it,
 because ``mx.export_function`` cannot export a custom function with a vjp. To export a function with
 GPU kernels yourself, launch them inside ``without_vjp()``.
 
@@ -114,8 +114,8 @@ def with_vjp(forward: Forward, inputs: Sequence[Any], *, reference: Forward | No
 def differentiable(forward: Forward, inputs: Sequence[Any], *, reference: Forward | None = None,
                    vjp: Backward | None = None, name: str = "kernel") -> Callable[..., list[mx.array]]:
     """The function ``with_vjp`` calls, built once: it takes the array inputs (in order) and keeps
-    the scalar ones of ``inputs`` fixed. Building an ``mx.custom_function`` costs about 10 us in
-    Python, so callers that launch the same kernel repeatedly keep the result.
+    the scalar ones of ``inputs`` fixed. Building an ``mx.custom_function`` is costly in Python,
+    so callers that launch the same kernel repeatedly keep the result.
 
     >>> scale = lambda xs: [xs[0] * xs[1]]
     >>> twice = differentiable(scale, [mx.ones(2), 2.0], reference=scale)

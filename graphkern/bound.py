@@ -13,7 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import runtime
+from . import backends, context, launch_paths, runtime, validation
 from .nodes import Kernel, OutputSpec, TemplateLike
 
 __all__ = ["BoundLaunch", "bind"]
@@ -33,25 +33,25 @@ class BoundLaunch:
                  grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
                  template: Sequence[TemplateLike] = (), init_value: float | None = None,
                  backend: str | None = None):
-        self.launch = runtime.validated_launch(kernel, output_specs, grid, threadgroup, template,
+        self.launch = validation.validated_launch(kernel, output_specs, grid, threadgroup, template,
                                                init_value, backend)  # raises KernelError
         self.kernel, self.output_specs, self.backend = kernel, list(output_specs), backend
         self.grid, self.threadgroup = grid, threadgroup
         self.template, self.init_value = list(template), init_value
-        self._setting = backend or runtime.backend_setting()
+        self._setting = backend or backends.backend_setting()
         self._arity = len(kernel.input_names)
 
     def __call__(self, *inputs: Any) -> list[mx.array]:
-        if (len(inputs) == self._arity and runtime.current_recorder() is None
-                and (self.backend or runtime.backend_setting()) == self._setting):
+        if (len(inputs) == self._arity and context.current_recorder() is None
+                and (self.backend or backends.backend_setting()) == self._setting):
             for value in inputs:
                 if value.__class__ is not mx.array:
                     break
             else:  # all arrays, outside traces, on the backend it was bound for
-                replay = self.launch.eager_form()
+                replay = launch_paths.eager_form(self.launch)
                 if replay is not None:
                     return replay(*inputs)
-                return runtime.run_launch(self.launch, list(inputs))  # builds the form
+                return launch_paths.run_launch(self.launch, list(inputs))  # builds the form
         return self._general(list(inputs))
 
     def _general(self, inputs: list[Any]) -> list[mx.array]:
@@ -60,7 +60,7 @@ class BoundLaunch:
         keywords: dict[str, Any] = dict(grid=self.grid, threadgroup=self.threadgroup,
                                         template=self.template, init_value=self.init_value,
                                         backend=self.backend)
-        if runtime.current_recorder() is not None:
+        if context.current_recorder() is not None:
             return runtime.apply_in_graph(self.kernel, inputs, self.output_specs,
                                           **keywords).outputs
         return runtime.apply(self.kernel, inputs, self.output_specs, **keywords)

@@ -19,6 +19,7 @@ from typing import Any, cast
 import mlx.core as mx
 import networkx as nx
 
+from ._fastpaths import adjacency, bulk_multidigraph, move_out_edges
 from .nodes import KernelError, NodeKind, dtype_name
 
 MAGIC = 0x676B7472  # "gktr"
@@ -82,29 +83,6 @@ _INPUT, _CONSTANT, _OP, _OUTPUT = (str(k) for k in (NodeKind.INPUT, NodeKind.CON
 def _snake(op: str) -> str:
     """``AddMM`` -> ``add_mm``, ``CustomKernel`` -> ``custom_kernel``."""
     return _SNAKE.sub("_", op).lower()
-
-
-def bulk_multidigraph(nodes: dict[str, dict[str, Any]],
-                      edges: list[tuple[str, str, str, dict[str, Any]]]) -> nx.MultiDiGraph:
-    """A MultiDiGraph with these nodes and keyed edges, built 4x faster than ``add_edges_from``.
-
-    Fills networkx's documented adjacency structure (node -> neighbour -> key -> data, shared by
-    ``succ`` and ``pred``) in one pass; ``tests/test_capture.py`` checks the result equals the
-    graph networkx builds through its public API.
-    """
-    g = nx.MultiDiGraph()
-    node_data, succ, pred = g._node, g._succ, g._pred
-    for node, data in nodes.items():
-        node_data[node] = data
-        succ[node] = {}
-        pred[node] = {}
-    for u, v, key, data in edges:
-        keys = succ[u].get(v)
-        if keys is None:
-            keys = succ[u][v] = pred[v][u] = {}
-        keys[key] = data
-    nx._clear_cache(g)
-    return g
 
 
 class _Names:
@@ -172,8 +150,8 @@ class Wiring:
 
 def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record],
                 nonce: int, attrs: dict[str, Any], wiring: Wiring | None = None) -> nx.MultiDiGraph:
-    """Turn the captured events into graphkern's MultiDiGraph (see DESIGN: The graph); with
-    ``wiring``, fill it in too."""
+    """Turn the captured events into graphkern's MultiDiGraph (node kinds, attributes and
+    invariants: ``graphkern.schema``); with ``wiring``, fill it in too."""
     names = _Names()
     nodes: dict[str, dict[str, Any]] = {}
     producer: dict[str, tuple[str, int]] = {}
@@ -265,7 +243,6 @@ def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record
     for record, depends in modules:
         folder.scope_module(record, depends)
     folder.assign_scopes()
-    nx._clear_cache(g)  # the adjacency was edited in place
     if wiring is not None:
         wiring.args = {**node_args, **folder.launch_inputs}
         wiring.producer = producer
@@ -401,7 +378,7 @@ class _Folder:
     def assign_scopes(self) -> None:
         """Each op's scope: its innermost module, or the common ancestor of the innermost modules
         when MLX merged identical primitives of several calls into one node."""
-        nodes = self.g._node
+        nodes = adjacency(self.g)[0]
         for node, scopes in self.scopes.items():
             if node in nodes:
                 nodes[node]["scope"] = (next(iter(scopes)) if len(scopes) == 1
@@ -414,7 +391,7 @@ class _Folder:
         called, scoped before, is jumped over (from that call's outputs to what it read), so each
         node is walked by its innermost call alone, not once per enclosing module.
         """
-        nodes, producer, node_args, reads = self.g._node, self.producer, self.node_args, self.reads
+        nodes, producer, node_args, reads = adjacency(self.g)[0], self.producer, self.node_args, self.reads
         members: list[str] = []
         outside: list[str] = []
         seen_arrays: set[str] = set()
@@ -465,21 +442,13 @@ class _Folder:
         # an array a module returned from a module it called is keyed by its innermost name
         raw_names = [self.raw_name.get(raw, raw) for raw in raw_outputs]
         at = {tagged: i for i, tagged in enumerate(tagged_outputs)}
-        # the tag's out-edges move to what made each array; networkx's adjacency is edited in
-        # place (its add_edge and remove_node are most of this method's cost otherwise)
-        succ, pred, producer = g._succ, g._pred, self.producer
-        for dst, keyed in succ[depends].items():
-            del pred[dst][depends]
-            for key, data in keyed.items():
-                made = producer.get(raw_outputs[at[key]])
-                if made is not None:
-                    edges = succ[made[0]].get(dst)
-                    if edges is None:
-                        edges = succ[made[0]][dst] = pred[dst][made[0]] = {}
-                    edges[raw_names[at[key]]] = data
-        for src in pred[depends]:
-            del succ[src][depends]
-        del succ[depends], pred[depends], g._node[depends]
+        producer = self.producer
+
+        def moved(key: str) -> tuple[str, str] | None:  # the tag's edge, from what made the array
+            made = producer.get(raw_outputs[at[key]])
+            return (made[0], raw_names[at[key]]) if made is not None else None
+
+        move_out_edges(g, depends, moved)
         for raw, name, tagged in zip(raw_outputs, raw_names, tagged_outputs):
             if raw in producer:
                 producer[tagged] = producer[raw]

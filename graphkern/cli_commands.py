@@ -14,8 +14,10 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -72,7 +74,8 @@ def parse_input_spec(spec: str) -> tuple[tuple[int, ...], str]:
 
 
 def make_input(shape: tuple[int, ...], dtype: str, key: Any) -> Any:
-    """A random array for one ``--input``: normal floats, integers in [0, 16), random bools."""
+    """A random array for one ``--input``: normal floats (complex64: a normal real part),
+    integers in [0, 16), random bools."""
     import mlx.core as mx
 
     from graphkern.nodes import dtype_from_name
@@ -82,8 +85,6 @@ def make_input(shape: tuple[int, ...], dtype: str, key: Any) -> Any:
         return mx.random.bernoulli(0.5, shape, key=key)
     if mx.issubdtype(dt, mx.integer):
         return mx.random.randint(0, 16, shape, key=key).astype(dt)
-    if dt == mx.complex64:
-        return mx.random.normal(shape, key=key).astype(dt)
     return mx.random.normal(shape, key=key).astype(dt)
 
 
@@ -165,7 +166,13 @@ def load_graph(path: str) -> Any:
         raise BadInput(f"cannot load {path}: {type(e).__name__}: {e}") from None
 
 
+_IMAGES = ("--svg", "--png", "--pdf")
+
+
 def _check_outputs(paths: dict[str, str | None]) -> None:
+    from graphkern.nodes import KernelError
+    from graphkern.viz.dot import format_for
+
     for option, path in paths.items():
         if not path:
             continue
@@ -174,14 +181,32 @@ def _check_outputs(paths: dict[str, str | None]) -> None:
             raise BadInput(f"{option} {path}: folder {folder} does not exist")
         if os.path.isdir(path):
             raise BadInput(f"{option} {path} is a folder")
+        if option in _IMAGES:  # --svg out.gif would write SVG into a .gif
+            try:
+                format_for(path, option[2:])
+            except KernelError as e:
+                raise BadInput(f"{option} {path}: {e.description}") from None
+
+
+@dataclass(frozen=True)
+class Drawing:
+    """How the pictures are drawn (the drawing options of trace and show)."""
+
+    depth: int | None = None      # modules open to this depth (None: the viewer's one box per
+                                  # layer; Graphviz closes modules only when the picture is big)
+    weights: bool = False         # weights and constants as nodes, not attributes
+    repeats: bool = True          # Graphviz: identical repeated blocks drawn once
 
 
 def render_outputs(graph: Any, outputs: dict[str, str | None],
-                   progress: Callable[[str], None] | None = None) -> dict[str, bytes]:
+                   progress: Callable[[str], None] | None = None,
+                   drawing: Drawing = Drawing()) -> dict[str, bytes]:
     """Every requested file's content, computed before anything is written."""
     import json
 
     files: dict[str, bytes] = {}
+    dot_options = {"weights": drawing.weights, "repeats": drawing.repeats,
+                   "depth": "auto" if drawing.depth is None else drawing.depth}
     for option, path in outputs.items():
         if not path:
             continue
@@ -192,16 +217,18 @@ def render_outputs(graph: Any, outputs: dict[str, str | None],
         elif option == "--html":
             from graphkern.viz.html import to_html
 
-            files[path] = to_html(graph).encode()
+            files[path] = to_html(graph, collapse_depth=drawing.depth,
+                                  show_weights=drawing.weights).encode()
         elif option == "--dot":
             from graphkern.viz.dot import to_dot
 
-            files[path] = to_dot(graph).encode()
-        elif option in ("--svg", "--png"):
-            from graphkern.viz.dot import DotError, _pipe, to_dot
+            files[path] = to_dot(graph, **dot_options).encode()  # type: ignore[arg-type]
+        elif option in _IMAGES:
+            from graphkern.viz.dot import DotError, _run_dot, to_dot
 
             try:
-                files[path] = _pipe(to_dot(graph), option[2:])
+                files[path] = _run_dot(to_dot(graph, **dot_options), option[2:],  # type: ignore[arg-type]
+                                       progress=progress, what=path)
             except DotError as e:
                 raise BadInput(str(e)) from None
         elif option == "--model-explorer":
@@ -237,7 +264,7 @@ def brief_summary(graph: Any) -> str:
     if not fails:
         lines.append("status: OK")
     for f in fails:
-        lines.append(f"FAILED: {f.node}: {status_name(f.status)}"
+        lines.append(f"FAILED: {f.node}{' in ' + f.scope if f.scope else ''}: {status_name(f.status)}"
                      + (f": {f.message.splitlines()[0]}" if f.message else "")
                      + f" ({f.affected} node{'s' if f.affected != 1 else ''} downstream)")
     return "\n".join(lines)
@@ -268,8 +295,16 @@ _OUTPUT_OPTIONS = [
     click.option("--dot", "dot", type=click.Path(dir_okay=False), help="Write Graphviz DOT."),
     click.option("--svg", "svg", type=click.Path(dir_okay=False), help="Render SVG with Graphviz."),
     click.option("--png", "png", type=click.Path(dir_okay=False), help="Render PNG with Graphviz."),
+    click.option("--pdf", "pdf", type=click.Path(dir_okay=False), help="Render PDF with Graphviz."),
     click.option("--model-explorer", "me", type=click.Path(dir_okay=False),
                  help="Write Model Explorer graph JSON."),
+    click.option("--depth", type=click.IntRange(min=-1), default=None,
+                 help="Open modules to this depth in the pictures (-1: all; default: one box per "
+                      "repeated layer in the viewer, Graphviz closes modules only for big graphs)."),
+    click.option("--weights", is_flag=True,
+                 help="Draw weights and constants as nodes, not as attributes of their readers."),
+    click.option("--all-blocks", is_flag=True,
+                 help="Graphviz: draw every repeated block, not one with its count."),
 ]
 
 
@@ -277,6 +312,10 @@ def _with_outputs(fn: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(_OUTPUT_OPTIONS):
         fn = option(fn)
     return fn
+
+
+def _drawing(depth: int | None, weights: bool, all_blocks: bool) -> Drawing:
+    return Drawing(depth=depth, weights=weights, repeats=not all_blocks)
 
 
 def _finish(graph: Any, files: dict[str, bytes], quiet: bool) -> None:
@@ -304,7 +343,8 @@ def _finish(graph: Any, files: dict[str, bytes], quiet: bool) -> None:
 @click.option("--table", is_flag=True, help="Print the per-node table, not just the summary.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 def trace_cmd(target: str, inputs: tuple[str, ...], json_path: str | None, html: str | None,
-              dot: str | None, svg: str | None, png: str | None, me: str | None, seed: int,
+              dot: str | None, svg: str | None, png: str | None, pdf: str | None, me: str | None,
+              depth: int | None, weights: bool, all_blocks: bool, seed: int,
               backend: str | None, table: bool, quiet: bool) -> None:
     """Trace MODULE:CALLABLE on random inputs and write its graph.
 
@@ -317,7 +357,7 @@ def trace_cmd(target: str, inputs: tuple[str, ...], json_path: str | None, html:
     """
     specs = [parse_input_spec(s) for s in inputs]
     outputs = {"--json": json_path, "--html": html, "--dot": dot, "--svg": svg, "--png": png,
-               "--model-explorer": me}
+               "--pdf": pdf, "--model-explorer": me}
     _check_outputs(outputs)
     if backend:
         os.environ["GRAPHKERN_BACKEND"] = backend
@@ -333,7 +373,14 @@ def trace_cmd(target: str, inputs: tuple[str, ...], json_path: str | None, html:
         step(f"tracing {name}")
         t0 = time.perf_counter()
         try:
-            graph = gk.trace(fn, *args)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", gk.ScopeWarning)
+                graph = gk.trace(fn, *args)
+            for w in caught:  # a plain line, not Python's file:line form
+                if issubclass(w.category, gk.ScopeWarning):
+                    click.echo(f"warning: {w.message}", err=True)
+                else:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         except gk.KernelError as e:
             click.echo(f"error: tracing {target} failed: {e}", err=True)
             raise SystemExit(EXIT_FAILED) from None
@@ -341,7 +388,7 @@ def trace_cmd(target: str, inputs: tuple[str, ...], json_path: str | None, html:
             click.echo(f"error: tracing {target} raised {type(e).__name__}: {e}", err=True)
             raise SystemExit(EXIT_FAILED) from None
         elapsed = time.perf_counter() - t0
-        files = render_outputs(graph, outputs, step)
+        files = render_outputs(graph, outputs, step, _drawing(depth, weights, all_blocks))
     if not quiet:
         click.echo(graph.summary() if table else brief_summary(graph))
         click.echo(f"traced in {elapsed:.2f} s", err=True)
@@ -354,7 +401,8 @@ def trace_cmd(target: str, inputs: tuple[str, ...], json_path: str | None, html:
 @click.option("--brief", is_flag=True, help="Print the summary lines only, not the per-node table.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 def show_cmd(file: str, html: str | None, dot: str | None, svg: str | None, png: str | None,
-             me: str | None, brief: bool, quiet: bool) -> None:
+             pdf: str | None, me: str | None, depth: int | None, weights: bool,
+             all_blocks: bool, brief: bool, quiet: bool) -> None:
     """Print a saved graph (from --json or Graph.to_json) and convert it to other formats.
 
     \b
@@ -363,11 +411,12 @@ def show_cmd(file: str, html: str | None, dot: str | None, svg: str | None, png:
 
     Exit status: 0 OK, 1 the graph has a failed node, 2 the file cannot be read.
     """
-    outputs = {"--html": html, "--dot": dot, "--svg": svg, "--png": png, "--model-explorer": me}
+    outputs = {"--html": html, "--dot": dot, "--svg": svg, "--png": png, "--pdf": pdf,
+               "--model-explorer": me}
     _check_outputs(outputs)
     graph = load_graph(file)
-    with _progress(not quiet and graph.nx.number_of_nodes() > 2000) as step:
-        files = render_outputs(graph, outputs, step)
+    with _progress(not quiet) as step:
+        files = render_outputs(graph, outputs, step, _drawing(depth, weights, all_blocks))
     if not quiet:
         click.echo(brief_summary(graph))
         if not brief:
@@ -382,8 +431,12 @@ def show_cmd(file: str, html: str | None, dot: str | None, svg: str | None, png:
               help="Write B in the HTML viewer with the differences marked.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Write the differences as JSON.")
+@click.option("--depth", type=click.IntRange(min=-1), default=None,
+              help="Open modules to this depth in the HTML page (-1: all).")
+@click.option("--weights", is_flag=True, help="Draw weights and constants as nodes in the HTML page.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing; use the exit status.")
-def diff_cmd(before: str, after: str, html: str | None, json_path: str | None, quiet: bool) -> None:
+def diff_cmd(before: str, after: str, html: str | None, json_path: str | None,
+             depth: int | None, weights: bool, quiet: bool) -> None:
     """Compare two saved graphs: nodes and kernels added, removed or changed.
 
     \b
@@ -401,7 +454,7 @@ def diff_cmd(before: str, after: str, html: str | None, json_path: str | None, q
     d = diff(a, b)
     files: dict[str, bytes] = {}
     if html:
-        files[html] = d.to_html().encode()
+        files[html] = d.to_html(collapse_depth=depth, show_weights=weights).encode()
     if json_path:
         files[json_path] = json.dumps(d.to_dict(), indent=1).encode()
     write_files(files)

@@ -39,6 +39,7 @@ __all__ = ["Comparison", "KernelCheck", "Row", "compare", "match_outputs"]
 Output = tuple[str, int]  # (node, output index)
 _INNER = (NodeKind.OP.value, NodeKind.KERNEL.value)
 _ROWS = (*_INNER, NodeKind.OUTPUT.value)  # inputs and constants are the same on both sides
+_INPUT = NodeKind.INPUT.value
 _ERRORS_PER_FLUSH = 256
 
 
@@ -300,7 +301,12 @@ def match_outputs(a: _Side, b: _Side) -> dict[Output, Output]:
             for out_a, out_b in zip(candidates[at], made_b):
                 if out_a is not None and out_b is not None:
                     pair(out_a, out_b)
-    # 2. same kind, scope and op (or kernel), as many on both sides: by position
+    # 2. same kind, scope and op (or kernel), in topological order: the candidate reading the most
+    # inputs matched to this node's; with none to tell them apart, the next by position, where
+    # both sides have as many of them and no input says otherwise
+    inputs_b = {b.nodes[n]["label"]: n for n in b.order if b.nodes[n]["kind"] == _INPUT}
+    known: dict[Output, Output] = {(n, 0): (inputs_b[a.nodes[n]["label"]], 0) for n in a.order
+                                   if a.nodes[n]["kind"] == _INPUT and a.nodes[n]["label"] in inputs_b}
     buckets_a: dict[tuple[str, str, str], list[str]] = {}
     buckets_b: dict[tuple[str, str, str], list[str]] = {}
     for node in a.order:
@@ -309,28 +315,35 @@ def match_outputs(a: _Side, b: _Side) -> dict[Output, Output]:
     for node in b.order:
         if b.nodes[node]["kind"] in _ROWS:
             buckets_b.setdefault(b.key(node), []).append(node)
-    uneven: list[tuple[str, list[str]]] = []
-    for key, nodes_a in buckets_a.items():
+
+    def evidence(node_a: str, node_b: str) -> tuple[int, bool]:
+        """(inputs matched to each other, whether an input is matched elsewhere)."""
+        agree, clash = 0, False
+        for x, y in zip(a.reads(node_a), b.reads(node_b)):
+            if x is None or y is None:
+                continue
+            seen_as = pairs.get(x) or known.get(x)
+            if seen_as == y:
+                agree += 1
+            elif seen_as is not None:
+                clash = True
+        return agree, clash
+
+    for node_a in a.order:
+        key = a.key(node_a)
         nodes_b = buckets_b.get(key)
-        if not nodes_b:
+        if nodes_b is None or a.nodes[node_a]["kind"] not in _ROWS or (node_a, 0) in pairs:
             continue
-        if len(nodes_a) != len(nodes_b):
-            uneven += [(node, nodes_b) for node in nodes_a]
-            continue
-        for node_a, node_b in zip(nodes_a, nodes_b):
-            for index in sorted(a.outputs.get(node_a, {})):
-                pair((node_a, index), (node_b, index))
-    # 2b. same key, more on one side (a layer's ops partly replaced): the candidate reading the
-    # most inputs matched to this node's, in topological order; none in common, no match
-    for node_a, nodes_b in sorted(uneven, key=lambda item: a.order[item[0]]):
-        reads_a = a.reads(node_a)
+        even = len(nodes_b) == len(buckets_a[key])
         best, best_score = None, 0
         for node_b in nodes_b:
             if (node_b, 0) in taken:
                 continue
-            score = sum(1 for x, y in zip(reads_a, b.reads(node_b)) if x is not None and pairs.get(x) == y)
-            if score > best_score:
-                best, best_score = node_b, score
+            agree, clash = evidence(node_a, node_b)
+            if agree > best_score:
+                best, best_score = node_b, agree
+            elif best is None and even and not clash and not best_score:
+                best = node_b  # by position: the first one free
         if best is not None:
             for index in sorted(a.outputs.get(node_a, {})):
                 pair((node_a, index), (best, index))

@@ -19,13 +19,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import runtime
+from . import backends, mlx_kernels
 from .autodiff import without_vjp
+from .context import recording
 from .graph import Failure, Graph, GraphError
 from .nodes import Kernel, KernelError, Status
-from .runtime import Launch, recording
 from .state import Flat, flatten_outputs, unflatten_outputs
 from .trace import Traceable
+from .validation import Launch
 
 __all__ = ["CompiledGraph", "FiniteCheckedGraph", "all_finite", "compile", "non_finite_error"]
 
@@ -174,7 +175,8 @@ class _PassThrough:
         self.failed: tuple[int, Exception] | None = None
 
     def kernel_call(self, launch: Launch | None, kernel: Any, inputs: list[mx.array],
-                    outputs: list[mx.array], error: KernelError | None) -> list[mx.array]:
+                    outputs: list[mx.array], error: KernelError | None,
+                    request: dict[str, Any] | None = None) -> list[mx.array]:
         index, self.calls = self.calls, self.calls + 1
         if self.failed is None and error is not None:
             self.failed = (index, error)
@@ -347,7 +349,7 @@ class CompiledGraph:
 
     def call_with_status(self, *args: Any, **kwargs: Any) -> tuple[Any, Status]:
         """``(outputs, Status.OK)`` or ``(None, status of the root failure)``; never raises for
-        a failed node (the seed's ``Result<_, i32>``)."""
+        a failed node (a ``Result``, in Rust's terms)."""
         try:
             return self(*args, **kwargs), Status.OK
         except GraphError as exc:
@@ -411,7 +413,7 @@ class CompiledGraph:
             if self.backend is None:
                 outputs = self._run_compiled(prepared.compiled, arrays)
             else:
-                with runtime.using_backend(self.backend):
+                with backends.using_backend(self.backend):
                     outputs = self._run_compiled(prepared.compiled, arrays)
         except Exception as exc:
             flat = Flat.of(args, kwargs, self._traceable.arg_names)
@@ -439,7 +441,7 @@ class CompiledGraph:
         if compiled is None:
             state = self._state
             # nothing to capture (no module, no closure arrays): MLX need not walk an empty
-            # state tree on every call (about 0.2 us a call on CPU)
+            # state tree on every call
             inputs = state.containers if state.roots or state.cells else None
             compiled = self._compiled[key[0]] = mx.compile(self._run_flat, inputs=inputs)
         return _Prepared(key, flat, graph, spec, compiled, self._slots[key])
@@ -470,7 +472,7 @@ class CompiledGraph:
             index, found = recorder.failed
             message = str(found)
             culprit = next((n for n in kernels if graph.node(n).get("call_index") == index), None)
-        status = found.status if isinstance(found, KernelError) else runtime.status_of_mlx_error(message)
+        status = found.status if isinstance(found, KernelError) else mlx_kernels.status_of_mlx_error(message)
         if culprit is None:
             outputs = tuple(graph.nodes("output"))
             return GraphError(Failure("<eval>", status, message, outputs))

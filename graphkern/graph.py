@@ -13,6 +13,7 @@ from typing import Any
 
 import networkx as nx
 
+from ._fastpaths import adjacency
 from .nodes import KernelError, NodeKind, Status
 from .schema import EDGE_FIELDS, NODE_FIELDS, ROOT_FAILURES, lint
 
@@ -40,7 +41,7 @@ def propagate_status(g: nx.MultiDiGraph) -> list[str]:
     roots: list[str] = []
     rank: dict[str, int] = {}
     earliest: dict[str, str] = {}  # the earliest failed root among a node's ancestors and itself
-    node_data, pred, _ = _adjacency(g)
+    node_data, pred, _ = adjacency(g)
     for order, node in enumerate(topological_order(g)):
         data = node_data[node]
         data["order"] = order
@@ -63,21 +64,15 @@ def propagate_status(g: nx.MultiDiGraph) -> list[str]:
     return roots
 
 
-def _adjacency(g: nx.MultiDiGraph) -> tuple[dict[Any, Any], dict[Any, Any], dict[Any, Any]]:
-    """networkx's own node, predecessor and successor dicts (read only here): the public views
-    wrap every access in an object, which is most of the cost on graphs of 100,000 nodes."""
-    return g._node, g._pred, g._succ
-
-
 def topological_order(g: nx.MultiDiGraph) -> list[str]:
-    """Kahn's algorithm, ties broken by insertion order (deterministic, and 3x faster on
-    multigraphs than ``nx.topological_sort``, which counts parallel edges through views).
+    """Kahn's algorithm, ties broken by insertion order (deterministic; it reads the adjacency
+    dicts directly, where ``nx.topological_sort`` counts parallel edges through views).
 
     >>> g = nx.MultiDiGraph([("b", "c"), ("a", "c"), ("a", "b")])
     >>> topological_order(g)
     ['a', 'b', 'c']
     """
-    _, pred, succ = _adjacency(g)
+    _, pred, succ = adjacency(g)
     pending = {node: len(preds) for node, preds in pred.items()}
     ready = deque(node for node, count in pending.items() if count == 0)
     order = []
@@ -101,21 +96,28 @@ class Failure:
     status: Status
     message: str
     affected_outputs: tuple[str, ...]
+    scope: str = ""  # the module path the node ran in ('' outside every module)
+
+    @property
+    def where(self) -> str:
+        """The node with its module path: ``'gk_rms_norm_2' in model.layers.1.input_layernorm``."""
+        return f"{self.node!r}" + (f" in {self.scope}" if self.scope else " (outside any module)")
 
     def __str__(self) -> str:
         outs = ", ".join(self.affected_outputs) or "no outputs"
-        return f"{self.node}: {self.status.name} ({self.message}) -> {outs}"
+        return f"{self.where}: {self.status.name} ({self.message}) -> {outs}"
 
 
 class GraphError(KernelError):
-    """A compiled graph with a failed node was called: names the root node, code, message and
-    the outputs it affects (``graph``: the graph showing it, where one was made for the error)."""
+    """A compiled graph with a failed node was called: names the root node and its module path,
+    code, message and the outputs it affects (``graph``: the graph showing it, where one was made
+    for the error)."""
 
     graph: Graph | None = None
 
     def __init__(self, failure: Failure):
         super().__init__("run a graphkern compiled graph",
-                         f"node {failure.node!r} failed with {failure.status.name}: "
+                         f"node {failure.where} failed with {failure.status.name}: "
                          f"{failure.message}; affected outputs: {list(failure.affected_outputs)}",
                          failure.status)
         self.failure = failure
@@ -167,7 +169,8 @@ class Graph:
         data = self.nx.nodes[root]
         reached = nx.descendants(self.nx, root)
         outputs = tuple(n for n in self.nodes("output") if n in reached)
-        return Failure(root, Status(data["status"]), data.get("message", ""), outputs)
+        return Failure(root, Status(data["status"]), data.get("message", ""), outputs,
+                       str(data.get("scope") or ""))
 
     def affected_outputs(self) -> list[str]:
         """Output nodes reached by any failure."""
@@ -187,7 +190,7 @@ class Graph:
         return [n for n in order if self.nx.nodes[n]["kind"] == str(kind)]
 
     def topological_order(self) -> list[str]:
-        data = self.nx._node  # networkx's own dict: its NodeView costs most of the sort
+        data = adjacency(self.nx)[0]  # networkx's own dict: its NodeView costs most of the sort
         return sorted(data, key=lambda n: data[n]["order"])
 
     def kernels(self) -> list[str]:
@@ -382,11 +385,12 @@ class Graph:
 
         return to_dot(self, **options)
 
-    def render(self, path: str, format: str = "svg") -> str:
-        """Render through Graphviz to ``path`` (svg or png); returns the written path."""
+    def render(self, path: str, format: str | None = None, **options: Any) -> str:
+        """Render through Graphviz to ``path`` in the format its suffix names (.svg, .png,
+        .pdf); returns the written path. ``options`` go to ``graphkern.viz.dot.render``."""
         from .viz.dot import render
 
-        return render(self, path, format)
+        return render(self, path, format, **options)
 
     def to_html(self, **options: Any) -> str:
         """A self-contained interactive HTML viewer (works offline)."""

@@ -20,10 +20,10 @@ from typing import Any
 import mlx.core as mx
 from tabulate import tabulate
 
+from graphkern.backends import resolve_backend
 from graphkern.kernels import LIBRARY, entries_for
 from graphkern.kernels._base import FLOAT_DTYPES, Case, LibraryEntry, apply_plan
 from graphkern.nodes import Kernel, KernelError, dtype_name
-from graphkern.runtime import resolve_backend
 
 __all__ = ["TOLERANCES", "CheckCase", "CheckReport", "check", "check_kernel", "compare", "strided"]
 

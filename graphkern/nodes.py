@@ -11,7 +11,7 @@ import hashlib
 import keyword
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, Union
 
 import mlx.core as mx
 
@@ -32,8 +32,8 @@ __all__ = [
 class Status(enum.IntEnum):
     """Status code of a kernel launch or a graph node; 0 is success.
 
-    The codes mirror the seed's ``Result<_, i32>``: a failed launch inside a trace returns one of
-    these instead of raising, and the graph carries it to everything downstream.
+    A failed launch inside a trace returns one of these instead of raising, and the graph carries
+    it to everything downstream (``UPSTREAM_FAILED``, with ``root_cause`` naming the node).
     """
 
     OK = 0
@@ -71,8 +71,7 @@ class Status(enum.IntEnum):
 class KernelError(Exception):
     """A failed kernel operation: ``operation`` says what was attempted, ``description`` what was wrong.
 
-    The Python mirror of the seed's ``MlxCError { operation, description }``, plus the status code
-    the same failure gets inside a graph.
+    ``status`` is the code the same failure gets on its node inside a graph.
 
     >>> err = KernelError("apply a graphkern kernel", "grid must be positive", Status.INVALID_LAUNCH)
     >>> str(err)
@@ -130,7 +129,7 @@ def dtype_from_name(name: str) -> mx.Dtype:
 
 @dataclass(frozen=True)
 class OutputSpec:
-    """Shape and dtype of one kernel output, as the seed's ``MlxMetalKernelOutput``.
+    """Shape and dtype of one kernel output.
 
     >>> OutputSpec((4, 8), mx.float16).shape
     (4, 8)
@@ -138,9 +137,9 @@ class OutputSpec:
 
     shape: tuple[int, ...]
     dtype: mx.Dtype
-    #: ``(shape, dtype)`` for the runtime's cache of validated launches when every dim is exactly an
-    #: int, else an unhashable list (so ``8.0`` never reuses the check of ``8``); set on creation.
-    launch_key: ClassVar[Any]
+    #: ``(shape, dtype)`` for the cache of validated launches when every dim is exactly an int,
+    #: else an unhashable list (so ``8.0`` never reuses the check of ``8``); set on creation.
+    launch_key: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.shape, (list, tuple)):
@@ -161,9 +160,9 @@ class TemplateArg:
 
     name: str
     value: Union[mx.Dtype, int, bool]
-    #: What the runtime's cache of validated launches keys this argument by (its value's exact
-    #: type included, so ``True`` never reuses the check of ``1``); set on creation.
-    launch_key: ClassVar[Any]
+    #: What the cache of validated launches keys this argument by (its value's exact type
+    #: included, so ``True`` never reuses the check of ``1``); set on creation.
+    launch_key: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "launch_key", (self.name, self.value, self.value.__class__))
@@ -262,7 +261,6 @@ class Kernel:
     shared_memory: int = 0
     cuda_binary: bytes | None = None
     vjp: Callable[..., Any] | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_identifier(self.name, "kernel name")

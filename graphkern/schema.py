@@ -12,10 +12,15 @@ A traced function is one ``networkx.MultiDiGraph``. Its nodes are of the kinds o
 - ``output``: one output of the traced function.
 
 Every node carries the attributes of :data:`NODE_FIELDS`; kernel nodes add those of
-:data:`KERNEL_FIELDS`. Each edge is one array flowing from its producer to one consumer, keyed
-by MLX's name for the array, with the attributes of :data:`EDGE_FIELDS` (``index`` is the argument
-position at the consumer). Statuses are :class:`~graphkern.nodes.Status` codes: a failed node is
-its own ``root_cause``; each descendant is ``UPSTREAM_FAILED`` with the root that failed first.
+:data:`KERNEL_FIELDS`. A kernel node's launch configuration (``grid``, ``threadgroup``,
+``template``) is the one it ran with, or for a launch refused before running, the one it was
+given. The graph's own attributes (``g.graph``) name the traced function (``name``), the
+``backend``, ``mlx_version``, each module path's class (``modules``) and the sources of the
+kernels launched by backend, keyed by source hash (``kernel_sources``). Each edge is one array
+flowing from its producer to one consumer, keyed by MLX's name for the array, with the
+attributes of :data:`EDGE_FIELDS` (``index`` is the argument position at the consumer).
+Statuses are :class:`~graphkern.nodes.Status` codes: a failed node is its own ``root_cause``;
+each descendant is ``UPSTREAM_FAILED`` with the root that failed first.
 
 >>> import mlx.core as mx, graphkern as gk
 >>> lint(gk.trace(lambda x: mx.exp(x) * 2, mx.ones((3,))).nx)
@@ -53,6 +58,11 @@ OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "arguments": ((str,), "an op's MLX state as text"),
     "call_index": ((int,), "the launch's position among the traced call's launches"),
     "generated_name": ((str, _NONE), "the function name MLX generated for a GPU kernel"),
+    "state": ((bool,), "an input the function reads as state (a module parameter, a closure "
+                       "array) rather than takes as an argument"),
+    "input_names": ((list,), "a kernel's names for its inputs, in order"),
+    "template_floats": ((dict,), "a kernel's int template arguments that hold float32 bits, "
+                                 "decoded ({'EPS': 1e-05})"),
     "stats": ((dict,), "summary of the node's output (gk.inspect): STAT_KEYS, min/max/mean/absmax "
                        "over the finite elements (None when none), nan and inf counts"),
     "output_stats": ((list,), "one stats per output, for a node of several outputs"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,9 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .nodes import dtype_name
-
-__all__ = ["Flat", "State", "flatten_outputs", "signature"]
+__all__ = ["Flat", "State", "argument_names", "flatten_outputs", "static_key", "unflatten_outputs"]
 
 
 class _Leaf:
@@ -140,13 +139,16 @@ def flatten_outputs(out: Any) -> tuple[list[mx.array], Any]:
 
 
 def unflatten_outputs(spec: Any, arrays: list[mx.array]) -> Any:
+    """The tree ``flatten_outputs`` took apart, rebuilt around ``arrays``.
+
+    >>> arrays, spec = flatten_outputs({"a": mx.ones(1), "b": [mx.zeros(2), 3]})
+    >>> out = unflatten_outputs(spec, arrays)
+    >>> out["b"][0].shape, out["b"][1]
+    ((2,), 3)
+    """
     if spec.__class__ is _Leaf:  # a single array: the common case, on every compiled call
         return arrays[spec.index]
     return _unflatten(spec, arrays)
-
-
-def signature(arrays: list[mx.array]) -> str:
-    return ", ".join(f"{dtype_name(a.dtype)}{list(a.shape)}" for a in arrays)
 
 
 def argument_names(fn: Callable[..., Any]) -> list[str]:
@@ -158,6 +160,31 @@ def argument_names(fn: Callable[..., Any]) -> list[str]:
         return []
     return [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+
+
+def _named_modules(func: Any, code: Any, owner: Any) -> list[tuple[str, nn.Module]]:
+    """The modules ``func``'s code reaches by name, as closures are found: a global it names
+    (``model(x)``), an attribute it names of a global Python module (``mymodels.model(x)``) or
+    of the object a method is bound to (``self.model(x)`` on a plain object)."""
+    names = getattr(code, "co_names", ())
+    found: list[tuple[str, nn.Module]] = []
+    scope = getattr(func, "__globals__", None)
+    holders: list[Any] = []
+    if isinstance(scope, dict):
+        for name in names:
+            value = scope.get(name)
+            if isinstance(value, nn.Module):
+                found.append((name, value))
+            elif isinstance(value, types.ModuleType):
+                holders.append(value)
+    if owner is not None and not isinstance(owner, nn.Module):
+        holders.append(owner)
+    for holder in holders:
+        for name in names:
+            value = inspect.getattr_static(holder, name, None)
+            if isinstance(value, nn.Module):
+                found.append((name, value))
+    return found
 
 
 class _Cell:
@@ -174,7 +201,8 @@ class _Cell:
 
 
 class State:
-    """The arrays ``fn`` reads besides its arguments: module parameters and closure arrays.
+    """The arrays ``fn`` reads besides its arguments: module parameters and closure arrays, in
+    the modules it is, is bound to, closes over or names as globals.
 
     ``containers`` are what ``mx.compile(inputs=...)`` should capture (modules, dicts, lists and
     a list mirroring the closure cells); ``slots`` address every array for swapping by hand.
@@ -215,6 +243,8 @@ class State:
                 state._add_cell(name, cell)
             elif isinstance(value, (dict, list)):
                 state._add_root(name, value)
+        for name, module in _named_modules(func, code, owner):
+            state._add_root(name, module)
         if extra is not None:
             state._add_root("state", extra)
         return state

@@ -10,9 +10,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import gc
+import inspect
 import os
 import random
+import re
+import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -21,14 +25,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import runtime
+from . import backends
 from .capture import MAGIC, EventLog, Record, Wiring, build_graph
+from .context import current_recorder, recording
 from .graph import Graph, GraphError
 from .nodes import Kernel, KernelError, Status, dtype_name
-from .runtime import Launch, current_recorder, recording
 from .state import Flat, State, argument_names, flatten_outputs, unflatten_outputs
+from .validation import Launch
 
-__all__ = ["Graph", "GraphError", "TraceRecorder", "trace"]
+__all__ = ["Graph", "GraphError", "ScopeWarning", "TraceRecorder", "trace"]
 
 _TRACE = "trace a function with graphkern"
 
@@ -85,12 +90,14 @@ class TraceRecorder:
         return list(mx.depends(outputs, [*inputs, tag]))
 
     def kernel_call(self, launch: Launch | None, kernel: Any, inputs: list[mx.array],
-                    outputs: list[mx.array], error: KernelError | None) -> list[mx.array]:
+                    outputs: list[mx.array], error: KernelError | None,
+                    request: dict[str, Any] | None = None) -> list[mx.array]:
         name = kernel.name if isinstance(kernel, Kernel) else "invalid_kernel"
         if isinstance(kernel, Kernel):
             self.kernels[id(kernel)] = kernel
         record = Record(len(self.records), "kernel", name, self.scope, len(outputs),
-                        call_index=self.calls, error=error, attrs=_kernel_attrs(launch, kernel))
+                        call_index=self.calls, error=error,
+                        attrs=_kernel_attrs(launch, kernel, request))
         self.calls += 1
         self.launches.append(launch)
         return self._tagged(record, inputs, outputs)
@@ -102,22 +109,104 @@ class TraceRecorder:
         return self._tagged(record, inputs, outputs)
 
 
-def _kernel_attrs(launch: Launch | None, kernel: Any) -> dict[str, Any]:
+def _kernel_attrs(launch: Launch | None, kernel: Any,
+                  request: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a kernel node shows: the launch, or for a launch refused before it ran, the
+    configuration that was asked for (so a failed node still says which grid it was given)."""
     if not isinstance(kernel, Kernel):
         return {"kernel": repr(kernel)[:80], "backend": "", "source": None}
     attrs: dict[str, Any] = {"kernel": kernel.name, "source_hash": kernel.source_hash,
                              "source": None, "backend": "", "generated_name": None,
-                             "grid": None, "threadgroup": None, "template": []}
+                             "grid": None, "threadgroup": None, "template": [],
+                             "input_names": list(kernel.input_names)}
     if launch is not None:
         attrs.update(backend=launch.backend, grid=list(launch.grid),
                      threadgroup=list(launch.threadgroup),
-                     template=[[a.name, dtype_name(a.value) if isinstance(a.value, mx.Dtype)
-                                else repr(a.value)] for a in launch.template],
+                     template=[[a.name, _template_text(a.value)] for a in launch.template],
                      source=kernel.source_for(launch.backend))
         if launch.backend != "reference":
-            attrs["generated_name"] = runtime.generated_name(kernel)
+            attrs["generated_name"] = backends.generated_name(kernel)
+    elif request is not None:
+        backend = request.get("backend")
+        if not isinstance(backend, str):
+            with contextlib.suppress(KernelError):
+                backend = backends.active_backend()
+        attrs.update(backend=backend if isinstance(backend, str) else "",
+                     grid=_requested_dims(request.get("grid")),
+                     threadgroup=_requested_dims(request.get("threadgroup")),
+                     template=_requested_template(request.get("template")))
+        if attrs["backend"] in ("metal", "cuda"):
+            attrs["source"] = kernel.source_for(attrs["backend"])
     return attrs
 
+
+def _template_text(value: Any) -> str:
+    return dtype_name(value) if isinstance(value, mx.Dtype) else repr(value)
+
+
+def _requested_dims(value: Any) -> list[Any] | None:
+    """A grid or threadgroup as it was given (ints kept, anything else as its repr)."""
+    if not isinstance(value, (list, tuple)):
+        return None if value is None else [repr(value)[:40]]
+    return [v if isinstance(v, int) and not isinstance(v, bool) else repr(v)[:40]
+            for v in list(value)[:8]]
+
+
+def _requested_template(value: Any) -> list[list[str]]:
+    out = []
+    for item in value if isinstance(value, (list, tuple)) else ():
+        name, arg = (item.name, item.value) if hasattr(item, "name") and hasattr(item, "value") \
+            else (item if isinstance(item, (list, tuple)) and len(item) == 2 else ("?", item))
+        out.append([str(name)[:40], _template_text(arg)[:80]])
+    return out
+
+
+_FLOAT_READ = re.compile(r"(?:__int_as_float|as_type<float>|float_from_bits)\s*\(\s*([A-Za-z_]\w*)\s*\)")
+
+
+def float_template_names(kernel: Kernel) -> frozenset[str]:
+    """The int template arguments ``kernel`` reads back as float32 bits (``__int_as_float(EPS)``
+    in CUDA, ``as_type<float>(EPS)`` in Metal, ``float_from_bits(EPS)`` in the reference), as
+    the library passes floats such as an epsilon or a scale.
+
+    >>> k = Kernel("k", ["x"], ["y"], cuda="y[0] = x[0] * __int_as_float(SCALE);")
+    >>> sorted(float_template_names(k))
+    ['SCALE']
+    """
+    texts = [kernel.metal, kernel.cuda, kernel.header, reference_source(kernel)]
+    return frozenset(m.group(1) for text in texts if text for m in _FLOAT_READ.finditer(text))
+
+
+def _template_floats(template: list[list[str]], names: frozenset[str]) -> dict[str, float]:
+    """``{"EPS": 1e-05}`` for the template arguments in ``names`` that hold float32 bits."""
+    from graphkern.kernels._base import float_from_bits
+
+    out = {}
+    for name, text in template:
+        if name in names:
+            with contextlib.suppress(ValueError, OverflowError):
+                out[name] = float(f"{float_from_bits(int(text)):.7g}")
+    return out
+
+
+def reference_source(kernel: Kernel) -> str | None:
+    """The Python source of ``kernel``'s reference, or None when Python cannot find it."""
+    if kernel.reference is None:
+        return None
+    try:
+        return inspect.getsource(kernel.reference)
+    except (OSError, TypeError):
+        return None
+
+
+def kernel_sources(kernels: list[Kernel]) -> dict[str, dict[str, str]]:
+    """Each kernel's sources by backend (``metal``, ``cuda``, ``reference``: its Python),
+    keyed by source hash, for the drawings to show whatever backend the trace ran on."""
+    table: dict[str, dict[str, str]] = {}
+    for kernel in kernels:
+        sources = {"metal": kernel.metal, "cuda": kernel.cuda, "reference": reference_source(kernel)}
+        table[kernel.source_hash] = {k: v for k, v in sources.items() if v}
+    return table
 
 # ----------------------------------------------------------------------------- module scopes
 
@@ -178,7 +267,7 @@ def _hooked(original: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as exc:  # a failing module becomes a failed node, the trace goes on
             error = KernelError(f"call module {path!r} ({type(self).__name__})",
                                 f"{type(exc).__name__}: {exc}", Status.MODULE_ERROR)
-            out = mx.zeros_like(inputs[0]) if inputs else mx.zeros(())
+            out = _stand_in(self, inputs, args, kwargs)
         finally:
             recorder.stack.pop()
         arrays, spec = flatten_outputs(out)
@@ -187,6 +276,16 @@ def _hooked(original: Callable[..., Any]) -> Callable[..., Any]:
 
     __call__.__wrapped__ = original  # type: ignore[attr-defined]
     return __call__
+
+
+def _stand_in(module: nn.Module, inputs: list[mx.array], args: Any, kwargs: Any) -> Any:
+    """Zeros standing in for a failed module's output, so the trace goes on: what the module's
+    ``failed_output(*args, **kwargs)`` gives, for a module whose output is not one array shaped
+    like its first input (a pair, say); else zeros like its first input."""
+    make = getattr(module, "failed_output", None)
+    if callable(make):
+        return make(*args, **kwargs)
+    return mx.zeros_like(inputs[0]) if inputs else mx.zeros(())
 
 
 # ----------------------------------------------------------------------------- tracing
@@ -225,7 +324,7 @@ class Traceable:
         calls (as a trace would, in the same order), on this thread."""
         owners = _ModuleHooks.install([m for _, m in self.state.modules.values()])
         try:
-            with recording(recorder), runtime.using_backend(backend):
+            with recording(recorder), backends.using_backend(backend):
                 return self.call_flat(flat, tuple(flat.arrays), {})
         finally:
             _ModuleHooks.remove(owners)
@@ -246,10 +345,13 @@ class Traceable:
 
         log = EventLog()
         if backend is None:  # this thread's override (thread-local) must reach the trace thread
-            backend = runtime.backend_override()
+            backend = backends.backend_override()
+
+        unseen: list[str] = []  # nn.Modules that ran although none was found to scope
 
         def capture() -> None:
-            with recording(recorder), runtime.using_backend(backend):
+            with recording(recorder), backends.using_backend(backend), \
+                    _watch_modules(unseen, enabled=not self.state.modules):
                 mx.export_function(log, flat_fn, *flat.arrays, *state_arrays)
 
         owners = _ModuleHooks.install([m for _, m in self.state.modules.values()])
@@ -265,15 +367,67 @@ class Traceable:
                 _ModuleHooks.remove(owners)
             if used is not None:
                 used.extend(recorder.kernels.values())
-            attrs = {"name": self.name, "backend": backend or runtime.active_backend(),
+            attrs = {"name": self.name, "backend": backend or backends.active_backend(),
                      "mlx_version": getattr(mx, "__version__", "?")}
             g = build_graph(log, flat.names + self.state.names, recorder.records,
                             recorder.nonce, attrs, wiring)
+            self._describe(g, len(flat.names), recorder)
             if wiring is not None:
                 launches = recorder.launches
                 wiring.launches = {node: launches[data["call_index"]] for node, data in g.nodes(data=True)
                                    if data["kind"] == "kernel" and data["call_index"] < len(launches)}
+            if unseen:
+                warnings.warn(ScopeWarning(
+                    f"{self.name} ran the nn.Module {unseen[0]} but graphkern found no module "
+                    "where it looks (the function itself, its closure, the globals it names, "
+                    "their attributes), so nodes have no module scopes and parameters are "
+                    "anonymous constants: pass the model as an argument or close over it"),
+                    stacklevel=3)
             return Graph(g), out.get("spec")
+
+    def _describe(self, g: Any, n_args: int, recorder: TraceRecorder) -> None:
+        """What the drawings show besides MLX's events: which inputs are state (module
+        parameters, closure arrays) rather than arguments, each module's class, and the sources
+        of the kernels launched."""
+        inputs = [data for _, data in g.nodes(data=True) if data["kind"] == "input"]
+        for data in inputs[n_args:]:  # MLX lists the arguments first, then the state
+            data["state"] = True
+        g.graph["modules"] = {path: type(module).__name__
+                              for path, module in self.state.modules.values() if path}
+        kernels = {k.source_hash: k for k in recorder.kernels.values()}
+        g.graph["kernel_sources"] = kernel_sources(list(kernels.values()))
+        floats = {h: float_template_names(k) for h, k in kernels.items()}
+        for data in g.nodes.values():
+            names = floats.get(data.get("source_hash"))  # type: ignore[arg-type]
+            if names and data.get("template"):
+                data["template_floats"] = _template_floats(data["template"], names)
+
+
+class ScopeWarning(UserWarning):
+    """A trace ran an ``nn.Module`` it could not see, so its nodes have no module scopes."""
+
+
+@contextlib.contextmanager
+def _watch_modules(seen: list[str], enabled: bool) -> Iterator[None]:
+    """While tracing a function in which no module was found, note the class of the first
+    ``nn.Module`` whose ``__call__`` runs (a profile hook on this thread, removed at once)."""
+    if not enabled:
+        yield
+        return
+    previous = sys.getprofile()
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_name == "__call__":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module):
+                seen.append(type(owner).__name__)
+                sys.setprofile(previous)
+
+    sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
 
 
 _STACK_BYTES = 1 << 30

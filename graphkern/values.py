@@ -35,10 +35,12 @@ from typing import Any, cast
 import mlx.core as mx
 import numpy as np
 
-from . import replay, runtime
+from . import replay
+from ._fastpaths import adjacency
 from .autodiff import without_vjp
 from .capture import Wiring
 from .graph import Graph
+from .launch_paths import run_launch, run_reference
 from .nodes import Kernel, NodeKind, Status
 from .schema import STAT_KEYS
 from .state import Flat
@@ -238,6 +240,7 @@ class GraphRun:
                  writer: Any = None, anchors: dict[str, list[mx.array]] | None = None,
                  more_anchors: Callable[[set[str]], dict[str, list[mx.array]]] | None = None):
         self.graph = graph
+        self.nodes = adjacency(graph.nx)[0]
         self.anchors = anchors or {}  # node -> its outputs from an eager run of the function
         self.more_anchors = more_anchors
         self.anchor_rounds = 0
@@ -342,21 +345,21 @@ class GraphRun:
                     f"recorded {len(inputs)} arrays (Python scalars are not recorded)")
         try:
             with without_vjp():
-                outputs = runtime.run_launch(launch, inputs)
+                outputs = run_launch(launch, inputs)
         except Exception as exc:  # the launch ran in the trace; say what failed now
             return self._failed_here(node, f"running kernel {kernel.name!r} again raised "
                                            f"{type(exc).__name__}: {exc}")
         if self.check_kernels is not None and kernel.reference is not None:
             try:
-                reference = runtime.run_reference(launch, inputs)
+                reference = run_reference(launch, inputs)
             except Exception as exc:
-                self.graph.nx._node[node]["reference_check"] = {"error": f"{type(exc).__name__}: {exc}"}
+                self.nodes[node]["reference_check"] = {"error": f"{type(exc).__name__}: {exc}"}
             else:
                 self.checks.append((node, _errors(outputs, reference, *self.check_kernels)))
         return list(outputs)
 
     def _record(self, node: str, index: int, count: int, value: mx.array) -> None:
-        data = self.graph.nx._node[node]
+        data = self.nodes[node]
         parts = self.partial.setdefault(node, [None] * count)
         sizes = self.sizes.setdefault(node, [0] * count)
         sizes[index] = value.size
@@ -431,7 +434,7 @@ class GraphRun:
         """Run the nodes in topological order, yielding each with its outputs (None when they
         cannot be reached); the caller calls ``flush`` when ``need_flush`` and at the end."""
         order = run_order(self.graph)
-        nodes = self.graph.nx._node
+        nodes = self.nodes
         self._count_readers(order)
         returned = dict(self.wiring.outputs)
         for node in order:
@@ -486,7 +489,7 @@ def run_order(graph: Graph) -> list[str]:
     ['x', 'exp', 'y', 'sin', 'add', 'output_0']
     """
     g = graph.nx
-    pred, succ, data = g._pred, g._succ, g._node  # networkx's own dicts (read only)
+    data, pred, succ = adjacency(g)
     sinks = [n for n in graph.nodes() if not succ[n]]
     sinks.sort(key=lambda n: data[n]["kind"] != _OUTPUT)
     done: set[str] = set()
@@ -578,7 +581,7 @@ def _non_finite_text(stats: dict[str, Any], size: int) -> str:
 def root_causes(graph: Graph) -> list[str]:
     """Mark the nodes where a NaN or Inf started (``Status.NON_FINITE``, see the module) and
     propagate; returns them in topological order. Needs ``stats`` on the nodes."""
-    nodes, pred = graph.nx._node, graph.nx._pred
+    nodes, pred, _ = adjacency(graph.nx)
     found = []
     for node in graph.nodes():
         data = nodes[node]
@@ -609,7 +612,7 @@ def root_causes(graph: Graph) -> list[str]:
 def _output_shapes(graph: Graph, node: str) -> list[tuple[int, ...]]:
     """The shapes of the distinct arrays leaving ``node``."""
     seen: dict[str, tuple[int, ...]] = {}
-    for _, keyed in graph.nx._succ[node].items():
+    for _, keyed in adjacency(graph.nx)[2][node].items():
         for key, edge in keyed.items():
             seen.setdefault(key, tuple(edge["shape"]))
     return list(seen.values())
@@ -691,7 +694,7 @@ def _needs_anchors(graph: Graph, wiring: Wiring, failed: Collection[str] = ()) -
     can give instead: those whose every output a module call or kernel launch returned. Each
     such node unblocks what follows it, so only the first ones on each blocked path are listed.
     ``failed``: nodes found not to run again while running."""
-    nodes, pred = graph.nx._node, graph.nx._pred
+    nodes, pred, _ = adjacency(graph.nx)
     primitives, launches, args = wiring.primitives, wiring.launches, wiring.args
 
     def cannot_run(node: str) -> bool:
@@ -773,10 +776,10 @@ class _AnchorRecorder(TraceRecorder):
         self.kernel_outputs: dict[int, list[mx.array]] = {}
 
     def kernel_call(self, launch: Any, kernel: Any, inputs: list[mx.array], outputs: list[mx.array],
-                    error: Any) -> list[mx.array]:
+                    error: Any, request: dict[str, Any] | None = None) -> list[mx.array]:
         if self.calls in self.wanted_kernels:
             self.kernel_outputs[self.calls] = list(outputs)
-        return super().kernel_call(launch, kernel, inputs, outputs, error)
+        return super().kernel_call(launch, kernel, inputs, outputs, error, request)
 
     def module_call(self, path: str, module: Any, inputs: list[mx.array], outputs: list[mx.array],
                     error: Any) -> list[mx.array]:

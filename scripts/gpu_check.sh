@@ -5,13 +5,11 @@
 #   bash scripts/gpu_check.sh models   # patched mlx-lm models: gpu tests, then benchmarks/models.py
 #   bash scripts/gpu_check.sh bench    # the full kernel benchmark (all sizes); arguments after it go
 #                                      # to it: bench --kernels swiglu,gelu --dtypes float32
-#   bash scripts/gpu_check.sh probes   # the latest probes: compiled_async.py, rms_cache_hints.py, rms_pipelined.py,
-#                                      # wide_rows.py
 #   bash scripts/gpu_check.sh tune     # launch-shape sweep of the row kernels (benchmarks/gpu_row_configs.py);
 #                                      # arguments after it go to the sweep: tune --kernels softmax --dtypes float32
-# Output goes to $OUT (the device tool brings it back) or ./gpu-results.
+# Logs and results go to the folder $OUT names, else ./gpu-results.
 set -uo pipefail
-part=${1:?usage: gpu_check.sh kernels|core|models|bench|probes|tune [sweep arguments]}
+part=${1:?usage: gpu_check.sh kernels|core|models|bench|tune [benchmark arguments]}
 shift
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -32,11 +30,7 @@ case "$part" in
     python3 benchmarks/models.py --sizes tiny,medium --length 128 --rounds 9 2>&1 | tee "$out/models.txt" ;;
   bench)
     python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels_full.json" "$@" 2>&1 | tee "$out/gpu_kernels_full.txt" ;;
-  probes)
-    for probe in compiled_async rms_cache_hints rms_pipelined wide_rows; do
-      python3 "benchmarks/probes/$probe.py" 2>&1 | grep -v -i "warn" | tee "$out/$probe.txt"
-    done ;;
   tune)
     python3 benchmarks/gpu_row_configs.py --dtypes bfloat16,float32 "$@" 2>&1 | tee "$out/row_configs.txt" ;;
-  *) echo "unknown part '$part': use kernels, core, models, bench, probes or tune" >&2; exit 2 ;;
+  *) echo "unknown part '$part': use kernels, core, models, bench or tune" >&2; exit 2 ;;
 esac

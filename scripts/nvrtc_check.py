@@ -37,10 +37,11 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from graphkern.backends import mlx_kernel_name  # noqa: E402
 from graphkern.kernels._base import Plan  # noqa: E402
 from graphkern.kernels.registry import LIBRARY  # noqa: E402
 from graphkern.nodes import Kernel, OutputSpec, TemplateArg, dtype_name  # noqa: E402
-from graphkern.runtime import mlx_kernel_name  # noqa: E402
+from graphkern.source_text import for_backend  # noqa: E402
 
 DEFAULT_MLX_SRC = "/work/.mirror/ml-explore+mlx/repo"
 ARCH = "sm_90a"  # what MLX picks on an H100/H200 (compute capability 9.0, arch tag "a")
@@ -147,7 +148,8 @@ def generate(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence[Outpu
         raise ValueError(f"kernel {kernel.name!r} has no CUDA source")
     arrays = [a if isinstance(a, mx.array) else mx.array(a) for a in inputs]  # as MLX's to_array
     name = f"custom_kernel_{mlx_kernel_name(kernel)}{template_hash(template)}"
-    source = build_kernel(name, kernel.header, kernel.cuda, kernel.input_names,
+    source = build_kernel(name, for_backend(kernel.header, "cuda"), for_backend(kernel.cuda, "cuda"),
+                          kernel.input_names,
                           [(a.dtype, a.ndim) for a in arrays], kernel.output_names,
                           [s.dtype for s in output_specs], template)
     return Generated(name, source)
@@ -457,7 +459,8 @@ def variants(entries: Sequence[str], dtypes: Sequence[mx.Dtype],
 
 
 def _template_text(plan: Plan) -> str:
-    return " ".join(t.describe() for t in plan.template if t.name not in ("T", "EPS", "SCALE"))
+    return " ".join(t.describe() for t in plan.template
+                    if t.name not in ("T", "EPS", "SCALE", "BASE", "LOG2_BASE", "IN_SCALE"))
 
 
 def self_test(**options: Any) -> str | None:

@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, settings
 
-from graphkern import runtime
+from graphkern import backends, launch_paths
 
 settings.register_profile("ci", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -41,10 +41,10 @@ def opaque_gpu(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
 
     def run_native(launch, inputs):  # type: ignore[no-untyped-def]
         calls.append(launch.kernel.name)
-        return [mx.stop_gradient(o) for o in runtime.run_reference(launch, inputs)]
+        return [mx.stop_gradient(o) for o in launch_paths.run_reference(launch, inputs)]
 
-    monkeypatch.setattr(runtime, "_run_native", run_native)
-    with runtime.using_backend("cuda"):
+    monkeypatch.setattr(launch_paths, "run_native", run_native)
+    with backends.using_backend("cuda"):
         yield calls
 
 

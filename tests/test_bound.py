@@ -6,7 +6,7 @@ import pytest
 from kernels_fixture import SCALE_ADD
 
 import graphkern as gk
-from graphkern import runtime
+from graphkern import backends, validation
 
 X = mx.arange(8, dtype=mx.float32)
 Y = mx.ones((8,))
@@ -25,7 +25,7 @@ def test_a_bound_launch_gives_what_apply_gives_and_is_the_launch_apply_uses():
     for i in range(3):
         assert bound(X + i, Y)[0].tolist() == gk.apply(SCALE_ADD, [X + i, Y], SPEC, **CONFIG)[0].tolist()
     assert bound(X, Y)[0].tolist() == (X * 2 + Y).tolist()
-    assert runtime.validated_launch(SCALE_ADD, SPEC, **CONFIG) is bound.launch
+    assert validation.validated_launch(SCALE_ADD, SPEC, **CONFIG) is bound.launch
     assert "scale_add" in repr(bound) and "reference" in repr(bound)
 
 
@@ -37,7 +37,7 @@ def test_a_bound_launch_gives_what_apply_gives_and_is_the_launch_apply_uses():
 def test_a_bad_configuration_is_refused_when_bound(overrides, status):
     with pytest.raises(gk.KernelError) as info:
         gk.bind(SCALE_ADD, SPEC, **{**CONFIG, **overrides})
-    assert info.value.status == status and info.value.operation == runtime.APPLY
+    assert info.value.status == status and info.value.operation == backends.APPLY
 
 
 def test_bad_inputs_are_refused_at_each_call_and_scalars_are_taken():
@@ -82,7 +82,7 @@ def test_a_backend_chosen_after_binding_is_the_one_used(opaque_gpu):
     assert bound.launch.backend == "cuda"
     s = mx.array(2.0)
     bound(X, s)
-    with runtime.using_backend("reference"):  # the reference runs: the stand-in is not called
+    with backends.using_backend("reference"):  # the reference runs: the stand-in is not called
         assert bound(X, s)[0].tolist() == (X * 2).tolist()
     assert opaque_gpu.count("bound_backend") == 1
     pinned = gk.bind(kernel, SPEC[:1], grid=(8, 1, 1), threadgroup=(8, 1, 1), backend="reference")
@@ -95,7 +95,7 @@ def test_threads_each_replay_their_own_form_of_a_bound_launch(opaque_gpu, two_li
     bound = gk.bind(kernel, SPEC[:1], grid=(8, 1, 1), threadgroup=(8, 1, 1))
 
     def work():
-        with runtime.using_backend("cuda"):  # the backend override is per thread
+        with backends.using_backend("cuda"):  # the backend override is per thread
             x, s = mx.arange(8, dtype=mx.float32), mx.array(2.0)  # default streams are per thread
             return [bound(x + i, s)[0].tolist() for i in range(3)]
 

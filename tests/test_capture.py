@@ -2,23 +2,8 @@ import mlx.core as mx
 import networkx as nx
 
 import graphkern as gk
-from graphkern.capture import bulk_multidigraph, innermost_common_scope
+from graphkern.capture import innermost_common_scope
 from graphkern.graph import topological_order
-
-
-def test_bulk_graph_equals_the_public_api_graph():
-    nodes = {f"n{i}": {"kind": "op", "i": i} for i in range(6)}
-    edges = [("n0", "n1", "A", {"shape": (2,)}), ("n0", "n1", "B", {"shape": (3,)}),
-             ("n1", "n2", "C", {}), ("n0", "n5", "D", {}), ("n3", "n4", "E", {})]
-    expected = nx.MultiDiGraph()
-    expected.add_nodes_from(nodes.items())
-    expected.add_edges_from(edges)
-    built = bulk_multidigraph(nodes, edges)
-    assert nx.utils.graphs_equal(built, expected)
-    assert list(built.predecessors("n1")) == ["n0"] and built.number_of_edges("n0", "n1") == 2
-    assert built.in_degree("n1") == 2 and built.out_degree("n0") == 3
-    built.remove_node("n1")  # and it stays a normal, mutable networkx graph
-    assert "n1" not in built.succ["n0"] and built.number_of_edges() == 2
 
 
 def test_topological_order_is_valid_and_stable():

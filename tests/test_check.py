@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from graphkern.backends import active_backend
 from graphkern.kernel_checks import TOLERANCES, CheckReport, check, compare, strided
 from graphkern.kernels import LIBRARY, RMS_NORM, Case
 from graphkern.nodes import KernelError
-from graphkern.runtime import active_backend
 
 
 def test_check_covers_dtypes_shapes_and_layouts() -> None:

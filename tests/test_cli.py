@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -168,6 +169,27 @@ def test_trace_bad_input_spec_exits_2(work: Path, spec: str, message: str) -> No
     assert files(work) == {"mymodel.py"}
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "complex64", "int32", "uint8", "bool"])
+def test_random_inputs_have_the_declared_shape_dtype_and_range(dtype: str) -> None:
+    import mlx.core as mx
+    import numpy as np
+
+    from graphkern.cli_commands import make_input
+    from graphkern.nodes import dtype_from_name
+
+    x = make_input((64, 32), dtype, mx.random.key(3))
+    assert x.shape == (64, 32) and x.dtype == dtype_from_name(dtype)
+    values = np.array(x.astype(mx.float32) if dtype == "bfloat16" else x)
+    if dtype in ("float32", "bfloat16", "complex64"):  # normal: mean near 0, deviation near 1
+        real = values.real
+        assert abs(real.mean()) < 0.1 and 0.9 < real.std() < 1.1
+        assert not np.iscomplexobj(values) or not values.imag.any()
+    elif dtype == "bool":
+        assert 0.4 < values.mean() < 0.6
+    else:
+        assert values.min() >= 0 and values.max() < 16 and len(np.unique(values)) == 16
+
+
 def test_trace_missing_output_folder_exits_2_before_tracing(work: Path) -> None:
     r = run("trace", "mymodel:forward", "-i", "8", "-i", "8", "--json", "ok.json",
             "--html", "no/such/dir/g.html")
@@ -181,7 +203,7 @@ def test_nothing_written_when_a_later_output_fails(work: Path, monkeypatch) -> N
     def no_graphviz(*a, **k):
         raise dot.DotError("rendering needs Graphviz's 'dot' program")
 
-    monkeypatch.setattr(dot, "_pipe", no_graphviz)
+    monkeypatch.setattr(dot, "_run_dot", no_graphviz)
     r = run("trace", "mymodel:forward", "-i", "8", "-i", "8", "--json", "g.json", "--svg", "g.svg")
     assert r.exit_code == 2 and "Graphviz" in r.output
     assert files(work) == {"mymodel.py"}
@@ -214,7 +236,8 @@ def test_show_prints_and_converts(saved: dict[str, Path], tmp_path: Path) -> Non
 def test_show_failed_graph_exits_1(saved: dict[str, Path]) -> None:
     r = run("show", str(saved["bad"]), "--brief")
     assert r.exit_code == 1
-    assert "FAILED: scale_add_1: INVALID_LAUNCH" in r.output and "6 nodes downstream" in r.output
+    assert "FAILED: scale_add_1 in layers.1: INVALID_LAUNCH" in r.output
+    assert "6 nodes downstream" in r.output
 
 
 @pytest.mark.parametrize("content, message", [
@@ -264,10 +287,64 @@ def test_diff_exit_status_and_outputs(saved: dict[str, Path], tmp_path: Path) ->
     r = run("diff", str(saved["before"]), str(saved["ok"]), "--html", str(tmp_path / "d.html"),
             "--json", str(tmp_path / "d.json"))
     assert r.exit_code == 1
-    assert "kernels: +2 added" in r.output and "+ kernel scale_add" in r.output
+    assert "kernels: +2 added" in r.output
+    assert "~ op add (Add) -> float32[4,8] replaced by kernel scale_add -> float32[4,8]" in r.output
     doc = json.loads((tmp_path / "d.json").read_text())
     assert doc["kernels"]["added"] == ["scale_add", "scale_add_1"]
     assert '"diff":{"title"' in (tmp_path / "d.html").read_text()
+
+
+def test_show_draws_with_the_drawing_options(saved: dict[str, Path], tmp_path: Path) -> None:
+    r = run("show", str(saved["bad"]), "--brief", "--html", str(tmp_path / "g.html"),
+            "--dot", str(tmp_path / "g.dot"), "--depth", "0", "--weights")
+    assert r.exit_code == 1, r.output
+    page = (tmp_path / "g.html").read_text()
+    assert '"options":{"collapse_depth":0,"show_weights":true}' in page
+    dot = (tmp_path / "g.dot").read_text()
+    assert "every module closed" in dot and '"module:layers.1"' in dot
+
+
+@pytest.mark.parametrize("option, name, message", [
+    ("--svg", "g.gif", "the suffix .gif is not one of .svg, .png, .pdf"),
+    ("--png", "g.svg", "its suffix says svg"),
+])
+def test_image_outputs_follow_their_suffix(saved: dict[str, Path], tmp_path: Path, option: str,
+                                            name: str, message: str) -> None:
+    r = run("show", str(saved["ok"]), option, str(tmp_path / name))
+    assert r.exit_code == 2 and message in r.output, r.output
+    assert not (tmp_path / name).exists()
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
+def test_show_renders_pdf(saved: dict[str, Path], tmp_path: Path) -> None:
+    r = run("show", str(saved["ok"]), "--brief", "--pdf", str(tmp_path / "g.pdf"))
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "g.pdf").read_bytes()[:5] == b"%PDF-"
+
+
+def test_trace_warns_when_scopes_are_lost(work: Path) -> None:
+    (work / "hides.py").write_text(textwrap.dedent('''
+        import mlx.nn as nn
+
+        class Box:
+            pass
+
+        box = Box()
+        box.m = nn.Linear(8, 8)
+
+        def hidden(x):
+            return getattr(box, "m")(x)
+
+        layer = box.m
+
+        def found(x):
+            return layer(x)
+    '''))
+    r = run("trace", "hides.py:hidden", "-i", "8")
+    assert r.exit_code == 0
+    assert "warning: hidden ran the nn.Module Linear but graphkern found no module" in r.output
+    r = run("trace", "hides.py:found", "-i", "8")
+    assert r.exit_code == 0 and "warning" not in r.output
 
 
 def test_diff_bad_file_exits_2(saved: dict[str, Path], tmp_path: Path) -> None:

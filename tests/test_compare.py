@@ -35,13 +35,14 @@ def test_a_swiglu_one_percent_off_is_the_first_divergence(swiglu_off: gk.Compari
 def test_replaced_layers_are_matched_with_the_kernels_that_replaced_them(swiglu_off: gk.Comparison) -> None:
     replaced = [r for r in swiglu_off.rows if r.replaced]
     kernels = {swiglu_off.b.node(r.b)["kernel"].removeprefix("gk_") for r in replaced}
-    assert kernels == {"rms_norm", "rope", "add_rms_norm", "swiglu", "swiglu_off"}
+    assert {"rms_norm", "add_rms_norm", "swiglu", "swiglu_off"} <= kernels
+    assert kernels == {swiglu_off.b.node(k)["kernel"].removeprefix("gk_") for k in swiglu_off.b.kernels()}
     norms = [r for r in replaced if r.scope.endswith("input_layernorm")]
     assert [r.scope for r in norms] == [f"model.layers.{i}.input_layernorm" for i in range(pb.LAYERS)]
     assert all(r.op.startswith("Multiply -> ") for r in norms)
-    # the fused add + RMSNorm: its first output is the residual sum, its second the norm
-    fused = [r for r in replaced if r.op.endswith("add_rms_norm") and r.scope.startswith("model.layers.0.")]
-    assert sorted((r.b_output, r.op.split(" ")[0]) for r in fused) == [(0, "Add"), (1, "Multiply")]
+    # a fused add + RMSNorm returns (the residual sum, the norm): the norm meets the stock norm
+    fused = [r for r in replaced if r.op.endswith("add_rms_norm")]
+    assert fused and all(r.b_output == 1 and r.op.startswith("Multiply -> ") for r in fused)
     # every kernel of the patched model has a row
     assert {r.b for r in replaced} == set(swiglu_off.b.kernels())
 

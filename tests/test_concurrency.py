@@ -23,7 +23,7 @@ import mlx.nn as nn
 import pytest
 
 import graphkern as gk
-from graphkern import runtime
+from graphkern import backends, mlx_kernels
 from graphkern.trace import _ModuleHooks
 
 THREADS = 8
@@ -167,12 +167,12 @@ def test_eight_threads_match_the_serial_run_and_build_each_kernel_once(
     monkeypatch.setenv("GRAPHKERN_BACKEND", "metal")
     gc_was_enabled = gc.isenabled()
 
-    serial_cache = runtime.KernelCache()
-    monkeypatch.setattr(runtime, "kernel_cache", serial_cache)
+    serial_cache = mlx_kernels.KernelCache()
+    monkeypatch.setattr(mlx_kernels, "kernel_cache", serial_cache)
     serial = [w.run(CALLS) for w in make_workers()]
 
-    concurrent_cache = runtime.KernelCache()
-    monkeypatch.setattr(runtime, "kernel_cache", concurrent_cache)
+    concurrent_cache = mlx_kernels.KernelCache()
+    monkeypatch.setattr(mlx_kernels, "kernel_cache", concurrent_cache)
     concurrent = run_threads(make_workers(), CALLS)
 
     assert len(concurrent) == THREADS
@@ -181,7 +181,7 @@ def test_eight_threads_match_the_serial_run_and_build_each_kernel_once(
         mismatches = [i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b]
         assert not mismatches, f"thread {index} differs from the serial run at calls {mismatches[:5]}"
 
-    distinct = len({runtime.KernelCache.key("metal", k) for k in ALL_KERNELS})
+    distinct = len({mlx_kernels.KernelCache.key("metal", k) for k in ALL_KERNELS})
     assert distinct == len(ALL_KERNELS)  # the twin shares a name, not a source
     stats = concurrent_cache.stats()
     assert stats["misses"] == stats["size"] == distinct, stats  # each built exactly once
@@ -244,7 +244,7 @@ def test_a_threads_backend_override_reaches_its_traces() -> None:
 
     def work(backend: str | None) -> None:
         barrier.wait()
-        with runtime.using_backend(backend):
+        with backends.using_backend(backend):
             for _ in range(20):
                 graph = gk.trace(fn, x, x)
                 seen[str(backend)] = (graph.node(kernel.name)["backend"], graph.nx.graph["backend"])

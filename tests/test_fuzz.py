@@ -1,7 +1,8 @@
 """Hypothesis fuzzing of kernel definitions and launches, valid and invalid.
 
-Every generated case has an oracle written from the contract (DESIGN.md and the docstrings of
-``graphkern.nodes``): which statuses its invalid parts may produce, or, when it is valid, the
+Every generated case has an oracle written from the contract (the docstrings of
+``graphkern.nodes``: what ``Kernel`` checks when built, what each ``Status`` means; the launch
+checks ``gk.apply`` documents): which statuses its invalid parts may produce, or, when it is valid, the
 outputs of the kernel's reference called directly. The properties hold graphkern to that: every
 outcome is the right outputs or a ``KernelError``/status naming the operation, nothing else
 escapes, nothing hangs, and MLX still computes afterwards.
@@ -29,7 +30,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import graphkern as gk
-from graphkern import runtime
+from graphkern import backends, context, mlx_kernels, validation
 from graphkern.nodes import dtype_name
 from graphkern.trace import TraceRecorder
 
@@ -292,7 +293,7 @@ def dims_ok(value: Any) -> bool:
 def launch_problem(grid: Any, threadgroup: Any, backend: str | None) -> bool:
     if not dims_ok(grid) or not dims_ok(threadgroup):
         return True
-    if math.prod(threadgroup) > runtime.MAX_THREADS_PER_GROUP:
+    if math.prod(threadgroup) > validation.MAX_THREADS_PER_GROUP:
         return True
     if backend == "cuda":
         blocks = [-(-g // t) for g, t in zip(grid, threadgroup)]
@@ -342,7 +343,7 @@ def init_problem(init_value: Any) -> bool:
 
 def resolved_backend(kernel: gk.Kernel, backend: Any, active: str) -> str | None:
     wanted = backend or active
-    if wanted not in runtime.BACKENDS:
+    if wanted not in backends.BACKENDS:
         return None
     if kernel.has_source(wanted):
         return wanted
@@ -540,13 +541,13 @@ def run_case(case: Case, active: str) -> None:
 
 @given(case=launches(st.sampled_from([None, None, None, "reference", "", "tpu", 3])))
 def test_launches_give_reference_outputs_or_a_named_error(case: Case) -> None:
-    run_case(case, runtime.active_backend())
+    run_case(case, backends.active_backend())
 
 
 @given(case=launches(st.sampled_from(["cuda", "metal"])))
 def test_launches_for_unavailable_gpu_backends_validate_then_fail_cleanly(case: Case) -> None:
     # CUDA's own limits are checked before MLX sees the launch; then this build has no such backend
-    run_case(case, runtime.active_backend())
+    run_case(case, backends.active_backend())
 
 
 def traced_case(case: Case) -> tuple[gk.Graph, gk.KernelResult, list[Any]]:
@@ -566,7 +567,7 @@ def traced_case(case: Case) -> tuple[gk.Graph, gk.KernelResult, list[Any]]:
     with backend_env("metal"):
         graph = gk.trace(fn, mx.zeros((2,)), *arrays)
         if seen["result"].ok:  # what MLX's own CustomKernel received, without graphkern's tags
-            with runtime.recording(TraceRecorder(tag=False)):
+            with context.recording(TraceRecorder(tag=False)):
                 mx.export_function(events.append, fn, mx.zeros((2,)), *arrays)
     return graph, seen["result"], events
 
@@ -594,7 +595,7 @@ def test_metal_launches_inside_a_trace_reach_mlx_validated_or_fail_on_their_node
             assert data["shape"] == spec.shape and data["dtype"] == dtype_name(spec.dtype)
         if backend == "metal":
             [custom] = [e for e in events if e["type"] == "primitive" and e["name"] == "CustomKernel"]
-            assert custom["arguments"][0].startswith(runtime.generated_name(kernel))
+            assert custom["arguments"][0].startswith(backends.generated_name(kernel))
             assert list(custom["arguments"][2:8]) == [*case.grid, *case.threadgroup]
             assert [tuple(o[1]) for o in custom["outputs"]] == [s.shape for s in specs]
             assert [o[2] for o in custom["outputs"]] == [s.dtype for s in specs]
@@ -617,7 +618,7 @@ def test_same_named_kernels_with_different_sources_stay_apart(picks: list[tuple[
     body = "uint i = thread_position_in_grid.x; out[i] = x[i] + {};"
     kernels = [gk.Kernel(name, ["x"], ["out"], metal=body.format(v),
                          reference=functools.partial(lambda x, v: [x + v], v=v)) for name, v in picks]
-    cache = runtime.KernelCache()
+    cache = mlx_kernels.KernelCache()
     x = mx.arange(4, dtype=mx.float32)
     spec = [gk.OutputSpec((4,), mx.float32)]
 
@@ -626,7 +627,7 @@ def test_same_named_kernels_with_different_sources_stay_apart(picks: list[tuple[
                 for k in kernels]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runtime, "kernel_cache", cache)
+        mp.setattr(mlx_kernels, "kernel_cache", cache)
         mp.setenv("GRAPHKERN_BACKEND", "metal")
         graph = gk.trace(fn, x)
     nodes = graph.kernels()

@@ -14,7 +14,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import graphkern as gk
-from graphkern import runtime
+from graphkern import backends, launch_paths, validation
 from graphkern.autodiff import with_vjp, without_vjp
 from graphkern.models import patch, unpatch
 from graphkern.models.tiny import tiny_model
@@ -54,8 +54,24 @@ def test_gradients_on_the_gpu_path_come_from_the_wrapper(opaque_gpu):
     expected = value_and_grads(model)
     patch(model)
     got = value_and_grads(model)
-    assert {"gk_rms_norm", "gk_add_rms_norm", "gk_rope", "gk_swiglu"} <= set(opaque_gpu)
+    assert {"gk_rms_norm", "gk_add_rms_norm", "gk_rope_qk", "gk_swiglu"} <= set(opaque_gpu)
     assert_same_grads(expected, got)
+
+
+def test_an_evaluating_model_launches_plain_and_a_training_one_differentiably(opaque_gpu):
+    """model.eval() (as mlx_lm.load leaves a model): no custom vjp around the launches, so no
+    gradient reaches through them; model.train(): the wrapper is back and gradients match."""
+    model = tiny_model("llama")
+    expected = value_and_grads(model)
+    patch(model)
+    model.eval()
+    logits = model(TOKENS)
+    _, grads = value_and_grads(model)
+    norm_grads = [v for k, v in grads.items() if k.endswith("input_layernorm.weight")]
+    assert norm_grads and all(g.abs().max().item() == 0.0 for g in norm_grads)  # plain launches
+    model.train()
+    assert_same_grads(expected, value_and_grads(model))
+    assert mx.array_equal(model(TOKENS), logits).item()  # the same values either way
 
 
 def test_without_the_wrapper_an_opaque_launch_has_no_gradient(opaque_gpu, monkeypatch):
@@ -67,7 +83,7 @@ def test_without_the_wrapper_an_opaque_launch_has_no_gradient(opaque_gpu, monkey
 
     assert mx.allclose(mx.grad(loss)(w), mx.grad(lambda w: mx.fast.rms_norm(x, w, 1e-5).sum())(w),
                        atol=1e-5).item()
-    monkeypatch.setattr(runtime, "differentiable_launch", runtime._run_native)
+    monkeypatch.setattr(launch_paths, "differentiable_launch", launch_paths.run_native)
     x = mx.random.normal((5, 16), key=mx.random.key(1))  # a new launch: none of its forms is cached
     assert mx.grad(loss)(w).abs().max().item() == 0.0  # what MLX alone would give (or raise, on a GPU)
 
@@ -205,11 +221,11 @@ def test_plain_launches_replay_eagerly_and_trace_themselves_under_export(opaque_
     events = []
     with gk.without_vjp():
         assert [scale(x + i).tolist() for i in range(3)] == [((x + i) * 3).tolist() for i in range(3)]
-        # the first call validates and runs it, the second compiles it, the third replays
-        assert opaque_gpu.count("plain") == 2
+        # the first call validates the launch and compiles its plain form; the others replay it
+        assert opaque_gpu.count("plain") == 1
         mx.export_function(events.append, scale, x)  # tracers: the launch runs, not its recording
         assert mx.grad(lambda v: scale(v).sum())(x).abs().max().item() == 0.0  # plain: no gradient
-    assert opaque_gpu.count("plain") == 4
+    assert opaque_gpu.count("plain") == 3
     assert "Multiply" in [e["name"] for e in events if e["type"] == "primitive"]
 
 
@@ -220,14 +236,14 @@ def test_each_thread_replays_its_own_compiled_launch(opaque_gpu, two_live_thread
     x = mx.arange(4, dtype=mx.float32)
 
     def work():
-        with runtime.using_backend("cuda"):  # the backend override is per thread
+        with backends.using_backend("cuda"):  # the backend override is per thread
             y = mx.arange(4, dtype=mx.float32)  # default streams are per thread: x is unevaluated
             return [scale(y + i).tolist() for i in range(3)]
 
     scale(x)
     results, threads = two_live_threads(work)
     assert results == [[((x + i) * 3).tolist() for i in range(3)]] * 2
-    [launch] = [v for v in runtime._VALIDATED.values() if v.kernel.name == "threaded"]
+    [launch] = [v for v in validation.VALIDATED.values() if v.kernel.name == "threaded"]
     idents = {threading.get_ident(), *(t.ident for t in threads)}
     assert set(launch.differentiable_forms) == {(ident, ()) for ident in idents}
     assert len({id(f) for f in launch.differentiable_forms.values()}) == 3
@@ -248,13 +264,13 @@ def test_a_launch_that_fails_while_compiled_raises_and_the_next_one_runs(monkeyp
         if not fail_once.failed:
             fail_once.failed = True
             raise gk.KernelError("launch the cuda kernel 'flaky'", "no such template argument")
-        return [mx.stop_gradient(o) for o in runtime.run_reference(launch, inputs)]
+        return [mx.stop_gradient(o) for o in launch_paths.run_reference(launch, inputs)]
 
     fail_once.failed = False
-    monkeypatch.setattr(runtime, "_run_native", fail_once)
+    monkeypatch.setattr(launch_paths, "run_native", fail_once)
     scale = scaling("flaky")
     x = mx.arange(4, dtype=mx.float32)
-    with runtime.using_backend("cuda"):
+    with backends.using_backend("cuda"):
         with pytest.raises(gk.KernelError, match="no such template argument"):
             scale(x)
         assert scale(x).tolist() == (x * 3).tolist()

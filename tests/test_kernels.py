@@ -23,8 +23,9 @@ from graphkern.kernels.ops import softmax as softmax_module
 from graphkern.kernels.ops.rope import (
     OFFSET_BIAS,
     ROWS_PER_THREAD,
+    SHAPED_OFFSET_SIZE,
+    _base_frequencies,
     _offset_array,
-    inverse_frequencies,
     plan_rope,
 )
 from graphkern.kernels.ops.softmax import plan_softmax
@@ -112,10 +113,23 @@ def test_rope_offsets_frequencies_and_partial_rotation_match_mx_fast() -> None:
 
 
 def test_rope_frequencies_are_mx_fast_fallbacks() -> None:
-    inv = inverse_frequencies(64, 10000.0, None)
+    inv = _base_frequencies(64, 10000.0)
     assert inv.shape == (32,) and inv.dtype == mx.float32
     assert inv[0].item() == 1.0
     assert abs(inv[-1].item() - 10000.0 ** (-31 / 32)) < 1e-9
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("base", [10000.0, 500000.0, 1234.5678])
+def test_rope_reference_equals_mx_fast_on_the_cpu_bit_for_bit(traditional: bool, base: float) -> None:
+    # float32 at positions up to 32k: any difference in the frequencies would show here
+    x = mx.random.normal((2, 3, 8, 128), key=mx.random.key(5))
+    for offset in (0, 4093, 32760):
+        kw: dict[str, Any] = {"traditional": traditional, "base": base, "scale": 1.0, "offset": offset}
+        assert mx.array_equal(gkk.rope(x, 128, **kw), mx.fast.rope(x, 128, **kw)).item()
+    freqs = mx.exp(mx.linspace(0.0, 9.0, 32))
+    kw = {"traditional": traditional, "base": None, "scale": 0.5, "offset": 30000, "freqs": freqs}
+    assert mx.array_equal(gkk.rope(x, 64, **kw), mx.fast.rope(x, 64, **kw)).item()
 
 
 def template_of(plan: Plan) -> dict[str, object]:
@@ -188,12 +202,15 @@ def on_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[tuple[int, in
     softmax_module.shared_row_bytes.cache_clear()
 
 
-def test_rope_int_offsets_travel_in_a_shape_where_the_kernel_runs_on_cuda(on_cuda: Any) -> None:
-    x = mx.zeros((1, 2, 4, 64))
+def test_large_rope_int_offsets_travel_in_a_shape_where_the_kernel_runs_on_cuda(on_cuda: Any) -> None:
     on_cuda((9, 0))
-    plan = plan_rope(x, 64, offset=9)
+    small = plan_rope(mx.zeros((1, 2, 4, 64)), 64, offset=9)  # an int32 input: one launch for all offsets
+    assert template_of(small)["SHAPED_OFFSET"] is False and small.inputs[1].tolist() == [9]
+    assert small.inputs[1] is plan_rope(mx.zeros((1, 2, 4, 64)), 64, offset=9).inputs[1]  # made once
+    big = mx.zeros((1, 8, SHAPED_OFFSET_SIZE // 8 // 128, 128))
+    plan = plan_rope(big, 128, offset=9)
     assert template_of(plan)["SHAPED_OFFSET"] is True and plan.inputs[1].shape == (0, 9 + OFFSET_BIAS)
-    per_batch = plan_rope(x, 64, offset=mx.array([9]))  # an array offset stays an array
+    per_batch = plan_rope(big, 128, offset=mx.array([9]))  # an array offset stays an array
     assert template_of(per_batch)["SHAPED_OFFSET"] is False and per_batch.inputs[1].shape == (1,)
 
 

@@ -11,22 +11,26 @@ from graphkern.models.tiny import TINY_CONFIGS, tiny_model
 
 TOKENS = mx.array([[3, 17, 42, 5, 99, 1, 7, 64], [8, 8, 120, 33, 2, 0, 71, 9]])
 
-RMS, ADD_RMS, ROPE, SWIGLU, GELU = "gk_rms_norm", "gk_add_rms_norm", "gk_rope", "gk_swiglu", "gk_gelu"
-LLAMA_LAYER = {"input_layernorm": RMS, "post_attention_layernorm": ADD_RMS, "self_attn.rope": ROPE,
+RMS, ADD_RMS, ROPE, ROPE_QK, SWIGLU, GELU = ("gk_rms_norm", "gk_add_rms_norm", "gk_rope", "gk_rope_qk",
+                                           "gk_swiglu", "gk_gelu")
+LLAMA_LAYER = {"input_layernorm": RMS, "post_attention_layernorm": ADD_RMS, "self_attn": ROPE_QK,
                "mlp": SWIGLU}
-#: The kernel nodes each layer must have, by scope below ``model.layers.<i>``.
+#: The kernel nodes each layer must have, by scope below ``model.layers.<i>``. Where the decoder loop
+#: is fused (``STACKS``), every layer after the first takes the residual add in its input norm.
 EXPECTED_PER_LAYER = {
     "llama": LLAMA_LAYER,
     "mistral": LLAMA_LAYER,
     "qwen2": LLAMA_LAYER,
-    "phi3": LLAMA_LAYER,
-    "qwen3": {**LLAMA_LAYER, "self_attn.q_norm": RMS, "self_attn.k_norm": RMS},
+    "phi3": {**{k: v for k, v in LLAMA_LAYER.items() if k != "self_attn"}, "self_attn.rope": ROPE},
+    "qwen3": LLAMA_LAYER,  # q_norm and k_norm run inside rope_qk
     "gemma": {**LLAMA_LAYER, "mlp": GELU},
     "gemma2": {"input_layernorm": RMS, "post_attention_layernorm": RMS, "pre_feedforward_layernorm": RMS,
                "post_feedforward_layernorm": RMS, "self_attn.rope": ROPE, "mlp": GELU},
-    "mixtral": {"input_layernorm": RMS, "post_attention_layernorm": ADD_RMS, "self_attn.rope": ROPE,
+    "mixtral": {"input_layernorm": RMS, "post_attention_layernorm": ADD_RMS, "self_attn": ROPE_QK,
                 "block_sparse_moe.switch_mlp.activation": SWIGLU},
 }
+#: Architectures whose decoder loop is fused: each residual add into the next RMSNorm.
+STACKS = {"llama", "mistral", "qwen3", "mixtral"}
 
 
 def close(a, b, dtype=mx.float32):
@@ -58,9 +62,11 @@ def test_wrap_and_patch(arch):
     found: dict[str, list[str]] = {}
     for node in graph.kernels():
         found.setdefault(graph.node(node)["scope"], []).append(graph.node(node)["kernel"])
-    expected = {"model.norm": [RMS]}
+    expected = {"model.norm": [ADD_RMS if arch in STACKS else RMS]}
     for layer in range(model.args.num_hidden_layers):
         for scope, kernel in EXPECTED_PER_LAYER[arch].items():
+            if scope == "input_layernorm" and layer > 0 and arch in STACKS:
+                kernel = ADD_RMS
             expected[f"model.layers.{layer}.{scope}"] = [kernel] * (2 if kernel == ROPE else 1)
     assert found == expected  # every layer, the right kernel, the right scope, nothing else
 

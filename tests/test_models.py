@@ -9,6 +9,7 @@ import graphkern as gk
 from graphkern.models import patch, unpatch, wrap
 from graphkern.models.cache import CACHE_OPERATION
 from graphkern.models.tiny import tiny_model
+from graphkern.models.wrapping import WRAP_OPERATION
 
 X = mx.random.normal((3, 8), key=mx.random.key(0))
 PROMPT = mx.array([[3, 17, 42, 5, 99, 1]])
@@ -193,6 +194,15 @@ def test_caches_that_cannot_pass_through_are_refused(caches, needles):
     for needle in needles:
         assert needle in info.value.description
     assert wrapped.graph is None  # refused before any trace or run
+
+
+@pytest.mark.parametrize("not_a_model", [lambda x: x, None, tiny_model])
+def test_wrap_refuses_what_is_not_a_module(not_a_model):
+    with pytest.raises(gk.KernelError) as info:
+        wrap(not_a_model)
+    assert info.value.operation == WRAP_OPERATION
+    assert info.value.status == gk.Status.INVALID_INPUT
+    assert "expects an mlx.nn.Module, got " in info.value.description
 
 
 def test_many_offsets_keep_a_bounded_number_of_traces():

@@ -6,7 +6,7 @@ import pytest
 from kernels_fixture import SCALE_ADD, SPLIT, scale_add
 
 import graphkern as gk
-from graphkern import runtime
+from graphkern import backends, mlx_kernels, validation
 
 X = mx.arange(8, dtype=mx.float32)
 Y = mx.ones((8,))
@@ -140,8 +140,8 @@ def test_backend_choice_and_override(monkeypatch):
     assert gk.active_backend() == "reference"  # this CPU machine
     monkeypatch.setenv("GRAPHKERN_BACKEND", "metal")
     assert gk.active_backend() == "metal"
-    assert runtime.resolve_backend(SCALE_ADD) == "metal"
-    assert runtime.resolve_backend(gk.Kernel("r", ["x"], ["o"], reference=lambda x: [x])) == "reference"
+    assert backends.resolve_backend(SCALE_ADD) == "metal"
+    assert backends.resolve_backend(gk.Kernel("r", ["x"], ["o"], reference=lambda x: [x])) == "reference"
     monkeypatch.setenv("GRAPHKERN_BACKEND", "tpu")
     with pytest.raises(gk.KernelError, match="GRAPHKERN_BACKEND='tpu'"):
         gk.active_backend()
@@ -166,7 +166,7 @@ def test_cuda_limits_checked_before_mlx(monkeypatch):
 
 def test_cache_builds_once_per_source_and_separates_same_name(monkeypatch):
     monkeypatch.setenv("GRAPHKERN_BACKEND", "metal")  # building metal_kernel objects works on Linux
-    cache = runtime.KernelCache()
+    cache = mlx_kernels.KernelCache()
     a = gk.Kernel("same", ["x"], ["out"], metal="out[0] = x[0];")
     a_again = gk.Kernel("same", ["x"], ["out"], metal="out[0] = x[0];")
     b = gk.Kernel("same", ["x"], ["out"], metal="out[0] = x[0] + 1;")
@@ -174,12 +174,12 @@ def test_cache_builds_once_per_source_and_separates_same_name(monkeypatch):
     assert cache.get("metal", a_again) is first
     assert cache.get("metal", b) is not first
     assert cache.stats() == {"hits": 1, "misses": 2, "size": 2}
-    assert runtime.generated_name(a) != runtime.generated_name(b)
+    assert backends.generated_name(a) != backends.generated_name(b)
 
 
 def test_cache_is_thread_safe(monkeypatch):
     monkeypatch.setenv("GRAPHKERN_BACKEND", "metal")
-    cache = runtime.KernelCache()
+    cache = mlx_kernels.KernelCache()
     kernels = [gk.Kernel(f"k{i}", ["x"], ["out"], metal=f"out[0] = x[0] + {i};") for i in range(4)]
     barrier = threading.Barrier(8)
 
@@ -215,7 +215,7 @@ def test_differentiable_launches_build_their_custom_function_once():
     def run(x, s=1.0):
         return gk.apply(k, [x, s], SPEC, grid=(8, 1, 1), threadgroup=(8, 1, 1))[0]
 
-    launch, _ = runtime.validate(k, [X, 1.0], SPEC, (8, 1, 1), (8, 1, 1))
+    launch, _ = validation.validate(k, [X, 1.0], SPEC, (8, 1, 1), (8, 1, 1))
     assert run(X).tolist() == (X * 3).tolist() and run(X * 2).tolist() == (X * 6).tolist()
     assert len(launch.differentiable_forms) == 1  # reused across calls with the same scalars
     assert mx.grad(lambda x: run(x, 2.0).sum())(X).tolist() == [6.0] * 8  # the user's vjp
@@ -235,7 +235,7 @@ def test_scalar_inputs_and_template_names_are_checked_like_c_identifiers():
 
 def test_same_metal_source_with_different_cuda_sources_are_separate_mlx_kernels(monkeypatch):
     monkeypatch.setenv("GRAPHKERN_BACKEND", "metal")
-    cache = runtime.KernelCache()
+    cache = mlx_kernels.KernelCache()
     a = gk.Kernel("twin", ["x"], ["out"], metal="out[0] = x[0];", cuda="out[0] = x[0];")
     b = gk.Kernel("twin", ["x"], ["out"], metal="out[0] = x[0];", cuda="out[0] = 2 * x[0];")
     assert cache.get("metal", a) is not cache.get("metal", b)  # each carries its own hashed name
@@ -247,5 +247,5 @@ def test_kernels_differing_only_in_shared_memory_get_their_own_mlx_names():
     # with the same name and source but more shared memory would launch against the first limit.
     small = gk.Kernel("rows", ["x"], ["out"], cuda="out[0] = x[0];", shared_memory=16 * 1024)
     large = dataclasses.replace(small, shared_memory=64 * 1024)
-    assert runtime.mlx_kernel_name(small) != runtime.mlx_kernel_name(large)
-    assert runtime.KernelCache.key("cuda", small) != runtime.KernelCache.key("cuda", large)
+    assert backends.mlx_kernel_name(small) != backends.mlx_kernel_name(large)
+    assert mlx_kernels.KernelCache.key("cuda", small) != mlx_kernels.KernelCache.key("cuda", large)

@@ -1,14 +1,18 @@
 """The HTML viewer in a real headless Chromium (playwright, Debian's /usr/bin/chromium).
 
-The page loads with no console errors, search finds a node, a click opens its details panel, a
-failed node and its descendants are highlighted (checked in the page's state and in the canvas
-pixels), module groups collapse and expand, pan/zoom moves the view, the diff page marks changes,
-and 10,000 nodes render within the budget. Skipped when playwright or Chromium is missing, except
-under CI (CI=true), where that is a failure.
+On real traces of random-weight mlx-lm llamas (patched onto graphkern kernels): the page opens
+with one box per decoder layer stacked in data-flow order and readable, nothing overlaps, a
+layer opens and closes in place with the rest still, search, select and the details panel in
+the user's terms, a failed layer, weights as attributes or as nodes; and on hand-built graphs:
+failures highlighted (page state and canvas pixels), pan and zoom, the diff page, 10,000 nodes,
+odd graphs, a notebook iframe, the module tree. Screenshots go to the test's temporary folder
+(``GRAPHKERN_SCREENSHOTS=DIR`` keeps them in DIR). One browser serves the whole module. Skipped
+when playwright or Chromium is missing, except under CI (CI=true), where that is a failure.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import time
@@ -23,6 +27,7 @@ from graphkern.viz.graph_diff import diff
 from graphkern.viz.html import to_html
 
 CHROMIUM = os.environ.get("GRAPHKERN_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _unavailable(reason: str) -> None:
@@ -50,6 +55,7 @@ class Viewer:
 
     def __init__(self, browser: Any, page_html: str, tmp: Path, size: tuple[int, int] = (1280, 800)):
         self.path = tmp / "graph.html"
+        self.tmp = tmp
         self.path.write_text(page_html)
         self.page = browser.new_page(viewport={"width": size[0], "height": size[1]})
         self.errors: list[str] = []
@@ -66,6 +72,9 @@ class Viewer:
 
     def box(self, node: str) -> dict:
         return self.js("id => gk.screenBox(id)", node)
+
+    def group(self, path: str) -> dict:
+        return self.js("p => gk.groupBox(p)", path)
 
     def click_node(self, node: str) -> None:
         self.js("id => gk.focus(id)", node)   # make sure it is on screen
@@ -89,6 +98,13 @@ class Viewer:
         self.js("() => { gk.select(null); gk.redraw(); }")
         b = self.box(node)
         return self.pixel(b["x"] + 6, b["y"] + b["height"] / 2)
+
+    def shot(self, name: str) -> Path:
+        folder = Path(os.environ.get("GRAPHKERN_SCREENSHOTS") or self.tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{name}.png"
+        self.page.screenshot(path=str(path))
+        return path
 
     def close(self) -> None:
         self.page.close()
@@ -114,12 +130,263 @@ def _close(rgb: tuple[int, int, int], want: str, tol: int = 12) -> bool:
     return all(abs(a - b) <= tol for a, b in zip(rgb, target))
 
 
+def _overlap(a: dict, b: dict) -> bool:
+    return (a["x"] < b["x"] + b["w"] - 0.5 and b["x"] < a["x"] + a["w"] - 0.5
+            and a["y"] < b["y"] + b["h"] - 0.5 and b["y"] < a["y"] + a["h"] - 0.5)
+
+
+def _assert_nothing_overlaps(v: Viewer) -> None:
+    """Boxes never overlap each other; a frame holds exactly the boxes and frames inside its
+    module, and overlaps no frame that is neither its ancestor nor its descendant."""
+    boxes, frames = v.js("gk.boxes()"), v.js("gk.frames()")
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not _overlap(a, b), (a, b)
+    by_path = {f["path"]: f for f in frames}
+    for f in frames:
+        for other in frames:
+            nested = other["path"].startswith(f["path"] + ".") or f["path"].startswith(other["path"] + ".")
+            if other is not f and not nested:
+                assert not _overlap(f, other), (f["path"], other["path"])
+        for b in boxes:
+            inside = b["parent"] == f["path"] or b["parent"].startswith(f["path"] + ".")
+            within = _overlap(b, f) and b["x"] >= f["x"] and b["x"] + b["w"] <= f["x"] + f["w"]
+            assert inside == within, (b, f)
+        if f["parent"]:
+            p = by_path[f["parent"]]
+            assert p["x"] <= f["x"] and f["x"] + f["w"] <= p["x"] + p["w"]
+            assert p["y"] <= f["y"] and f["y"] + f["h"] <= p["y"] + p["h"]
+
+
+# ----------------------------------------------------------------------------- real models
+
+
+def test_a_32_layer_llama_opens_one_readable_box_per_layer(viewer: Any) -> None:
+    v = viewer(vg.llama(32), size=(1600, 1000))
+    assert v.errors == [] and v.js("gk.nodeCount") == vg.llama(32).nx.number_of_nodes()
+    layers = [v.js("p => gk.groupState(p)", f"model.layers.{i}") for i in range(32)]
+    assert all(st["box"] and not st["frame"] for st in layers)
+    assert v.js("gk.groupState('model')")["frame"]          # the model is open around them
+    # stacked top to bottom in data-flow order, one column, a readable size
+    boxes = [v.group(f"model.layers.{i}") for i in range(32)]
+    assert all(b["y"] + b["height"] < c["y"] for b, c in zip(boxes, boxes[1:]))
+    centres = {round(b["x"] + b["width"] / 2) for b in boxes}
+    assert max(centres) - min(centres) <= 1
+    k = v.js("gk.transform().k")
+    assert k >= 0.55 and boxes[0]["height"] >= 24, k
+    text = v.state(v.js("gk.search('model.layers.0.input_layernorm')")[0])["text"]
+    assert text is None or text[0]  # hidden in the box, or shown with a name
+    v.js("() => gk.search('')")
+    # Fit keeps the picture readable: the full width from the top, not a sliver
+    v.page.click("#gk-fit")
+    v.page.wait_for_timeout(400)
+    assert v.js("gk.transform().k") >= 0.55
+    top = v.js("gk.groupBox('model.layers.0')")
+    assert 0 <= top["y"] < 1000 and top["width"] >= 120
+    _assert_nothing_overlaps(v)
+    # the legend and hint sit below the canvas, over no node; the minimap shows the rest
+    canvas = v.page.locator("#gk-canvas").bounding_box()
+    legend = v.page.locator("#gk-legend").bounding_box()
+    assert legend["y"] >= canvas["y"] + canvas["height"] - 1
+    assert v.page.is_visible("#gk-minimap")
+    v.shot("llama32-first-view")
+
+
+def test_opening_a_layer_keeps_the_rest_still(viewer: Any) -> None:
+    v = viewer(vg.llama(8), size=(1600, 1000))
+    above, below = v.group("model.layers.2"), v.group("model.layers.5")
+    b = v.group("model.layers.3")
+    v.page.mouse.dblclick(b["x"] + b["width"] / 2, b["y"] + b["height"] / 2)   # open in place
+    st = v.js("gk.groupState('model.layers.3')")
+    assert st["frame"] and not st["box"]
+    frame = v.group("model.layers.3")
+    assert abs(frame["y"] - b["y"]) < 1
+    assert abs(frame["x"] + frame["width"] / 2 - (b["x"] + b["width"] / 2)) < 1
+    assert v.group("model.layers.2") == above                # what is above does not move
+    moved = v.group("model.layers.5")
+    assert moved["x"] == below["x"] and moved["y"] > below["y"] + 100   # what is below moves down
+    # its modules are boxes of their own: attention, MLP; its kernels are nodes
+    assert v.js("gk.groupState('model.layers.3.self_attn')")["box"]
+    assert v.js("gk.groupState('model.layers.3.input_layernorm')")["frame"]
+    _assert_nothing_overlaps(v)
+    v.shot("llama8-layer-open")
+    # a click on the frame's title closes it again, back to where it was
+    v.page.mouse.click(frame["x"] + 20, frame["y"] + 10)
+    assert v.js("gk.groupState('model.layers.3')")["box"]
+    assert v.js("gk.selected()") == "model.layers.3"
+    assert v.group("model.layers.5") == below and v.group("model.layers.2") == above
+    assert v.errors == []
+
+
+def test_search_and_select_on_a_real_llama(viewer: Any) -> None:
+    v = viewer(vg.llama(8), size=(1600, 1000))
+    g = vg.llama(8).nx
+    kernel = next(n for n, d in g.nodes(data=True)
+                  if d["kind"] == "kernel" and d["scope"] == "model.layers.6.input_layernorm")
+    v.page.click("#gk-search")
+    v.page.keyboard.type(kernel)
+    v.page.wait_for_selector("#gk-results.open .gk-result")
+    assert v.page.inner_text("#gk-results .gk-result >> nth=0").startswith(kernel)
+    assert v.page.inner_text("#gk-search-count") == "1 found"
+    assert v.state(kernel)["box"] == "model.layers.6" and v.state(kernel)["match"]
+    v.page.press("#gk-search", "Enter")                     # reveals it: its layer opens
+    v.page.wait_for_selector("#gk-panel.open")
+    assert v.page.inner_text("#gk-search-count") == "1 / 1"
+    assert v.state(kernel)["visible"] and v.js("gk.groupState('model.layers.6')")["frame"]
+    # the counter stays readable beside the box, whose clear button has room of its own
+    count = v.page.locator("#gk-search-count").bounding_box()
+    field = v.page.locator("#gk-search").bounding_box()
+    assert count["x"] >= field["x"] + field["width"] and count["width"] > 10
+    # the details panel in the user's terms
+    panel = v.page.inner_text("#gk-panel")
+    assert v.page.inner_text("[data-testid=panel-title]") == kernel
+    assert "model.layers.6.input_layernorm" in panel and "KernelAddRMSNorm" in panel
+    assert "EPS=1e-05" in panel and "925353388" not in panel       # a float, not its bits
+    inputs = v.page.inner_text("[data-testid=panel-inputs]")
+    assert "model.layers.6.input_layernorm.weight" in inputs         # by parameter path
+    assert inputs.splitlines()[0].startswith("x") and "\nw" in "\n" + inputs  # kernel's names
+    assert "backend" in panel and "reference" in panel and "(256, 1, 1)" in panel
+    assert "reference (Python)" in panel and "metal" in panel and "cuda" in panel
+    shown = v.page.locator("pre[data-testid=panel-source]:visible")
+    assert "def add_rms_norm_reference" in shown.inner_text()
+    v.page.click(".gk-tab[data-source=metal]")
+    assert "as_type" in v.page.locator("pre[data-testid=panel-source]:visible").inner_text() or \
+        "rms" in v.page.locator("pre[data-testid=panel-source]:visible").inner_text()
+    # a matmul reads its weight by name, through the transpose MLX made of it
+    matmul = next(n for n, d in g.nodes(data=True)
+                  if d["op"] == "Matmul" and d["scope"] == "model.layers.6.self_attn.q_proj")
+    v.js("id => gk.focus(id)", matmul)
+    inputs = v.page.inner_text("[data-testid=panel-inputs]")
+    assert "Transpose(model.layers.6.self_attn.q_proj.weight)" in inputs
+    assert v.state(matmul)["text"] == ["Matmul", "weightᵀ"]
+    # clearing the search clears the count and the highlights
+    v.page.fill("#gk-search", "")
+    v.page.dispatch_event("#gk-search", "search")
+    assert v.page.inner_text("#gk-search-count") == "" and not v.state(kernel)["match"]
+    v.shot("llama8-kernel-selected")
+    assert v.errors == []
+
+
+def test_changing_depth_moves_the_selection_with_it(viewer: Any) -> None:
+    v = viewer(vg.llama(4), size=(1600, 1000))
+    v.page.select_option("#gk-depth", "-1")            # open everything
+    softmax = next(n for n, d in vg.llama(4).nx.nodes(data=True)
+                   if d["op"] == "Softmax" and d["scope"] == "model.layers.1.self_attn")
+    v.click_node(softmax)
+    assert v.js("gk.selected()") == softmax
+    v.page.select_option("#gk-depth", "auto")          # back to one box per layer
+    assert v.js("gk.selected()") == "model.layers.1"
+    assert v.page.inner_text("[data-testid=panel-title]") == "model.layers.1"
+    v.page.select_option("#gk-depth", "0")             # everything closed: the model's box
+    assert v.js("gk.selected()") == "model"
+    assert v.errors == []
+
+
+def test_a_failed_layer_of_a_real_llama(viewer: Any) -> None:
+    g = vg.llama(8, broken=5)
+    v = viewer(g, size=(1600, 1000))
+    [root] = [f.node for f in g.failures()]
+    banner = v.page.inner_text("#gk-banner")
+    assert f"{root} in model.layers.5.input_layernorm failed with MODULE_ERROR" in banner
+    assert v.js("gk.groupState('model.layers.5')")["failed"]
+    assert v.state(root)["box"] == "model.layers.5" and v.state(root)["style"] == "failed"
+    for later in ("model.layers.6", "model.layers.7"):
+        b = v.group(later)
+        assert _close(v.pixel(b["x"] + 8, b["y"] + b["height"] / 2), "#fff1f2"), later
+    b = v.group("model.layers.5")
+    assert _close(v.pixel(b["x"] + 8, b["y"] + b["height"] / 2), "#fecaca")
+    b = v.group("model.layers.4")
+    assert _close(v.pixel(b["x"] + 8, b["y"] + b["height"] / 2), "#e2e8f0")
+    v.shot("llama8-failed-layer")
+    v.page.click("#gk-banner a[data-node]")              # to the failure: its layer opens
+    v.page.wait_for_selector("[data-testid=panel-message]")
+    assert v.state(root)["visible"]
+    assert "dtype mismatch: weight is float16 but x is float32" in v.page.inner_text("#gk-panel")
+    assert "downstream marked UPSTREAM_FAILED" in v.page.inner_text("#gk-panel")
+    _assert_nothing_overlaps(v)
+    v.shot("llama8-failure-selected")
+    assert v.errors == []
+
+
+def test_weights_are_attributes_until_shown(viewer: Any) -> None:
+    g = vg.llama(2)
+    v = viewer(to_html(g, collapse_depth=-1), size=(1600, 1000))
+    weight = "model.layers.0.input_layernorm.weight"
+    st = v.state(weight)
+    assert st["weight"] and st["style"] == "attribute"
+    # MLX's shared ops (a broadcast epsilon all layers read) are attributes too, so no module of
+    # shared ops pulls edges across the model
+    shared = [n for n, d in g.nx.nodes(data=True) if d["scope"] == "model.layers"]
+    assert shared and all(v.state(n)["weight"] for n in shared)
+    assert not v.js("gk.groupState('model.layers')")["frame"]
+    v.page.check("#gk-weights")
+    assert v.state(weight)["visible"]
+    boxes = v.js("gk.boxes()")
+    eps = [b for b in boxes if b["key"] in shared]
+    assert len({b["parent"] for b in eps}) >= 2   # a copy beside each reader, in its module
+    assert all(b["parent"] != "model.layers" for b in eps)
+    _assert_nothing_overlaps(v)
+    v.shot("llama2-weights-shown")
+    v.page.uncheck("#gk-weights")
+    assert v.state(weight)["style"] == "attribute"
+    assert v.errors == []
+
+
+def test_edge_labels_never_cover_a_title_or_a_box(viewer: Any) -> None:
+    v = viewer(to_html(vg.llama(2), collapse_depth=-1), size=(1600, 1000))
+    matmul = next(n for n, d in vg.llama(2).nx.nodes(data=True)
+                  if d["op"] == "Matmul" and d["scope"] == "model.layers.0.self_attn.k_proj")
+    v.js("id => gk.focus(id)", matmul)
+    v.page.wait_for_timeout(100)
+    placed = v.js("gk.drawnLabels()")
+    edges = [p for p in placed if p["kind"] == "edge"]
+    others = [p for p in placed if p["kind"] != "edge"]
+    assert edges and others
+    for e in edges:
+        for o in others:
+            assert not _overlap(e, o), (e, o)
+    assert v.errors == []
+
+
+def test_readme_screenshot_script(browser: Any, tmp_path: Path) -> None:
+    """docs/viewer.png is made by scripts/viewer_screenshot.py; the same code makes a sane one."""
+    spec = importlib.util.spec_from_file_location("viewer_screenshot",
+                                                  ROOT / "scripts" / "viewer_screenshot.py")
+    assert spec and spec.loader
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = script.screenshot(browser, tmp_path / "viewer.png", layers=4)
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (script.WIDTH, script.HEIGHT)
+    page = browser.new_page()
+    stats = page.evaluate("""async (src) => {
+        const img = new Image(); img.src = src; await img.decode();
+        const c = document.createElement('canvas'); c.width = img.width; c.height = img.height;
+        const ctx = c.getContext('2d'); ctx.drawImage(img, 0, 0);
+        const d = ctx.getImageData(0, 0, c.width, c.height).data, seen = new Map();
+        for (let i = 0; i < d.length; i += 4 * 7) {
+            const k = (d[i] << 16) | (d[i + 1] << 8) | d[i + 2];
+            seen.set(k, (seen.get(k) || 0) + 1);
+        }
+        const top = Math.max(...seen.values()), total = d.length / 28;
+        return { colours: seen.size, background: top / total };
+    }""", "data:image/png;base64," + __import__("base64").b64encode(data).decode())
+    page.close()
+    assert stats["colours"] > 200 and stats["background"] < 0.8, stats
+    assert (ROOT / "docs" / "viewer.png").read_bytes()[:8] == data[:8]   # the committed one
+
+
+# ----------------------------------------------------------------------------- hand-built graphs
+
+
 def test_loads_without_console_errors(viewer: Any) -> None:
     v = viewer(vg.traced(failed=True))
     assert v.errors == []
     assert v.js("gk.nodeCount") == 25
     assert v.page.inner_text("#gk-title").startswith("Model")
-    assert "scale_add_1 failed with INVALID_LAUNCH" in v.page.inner_text("#gk-banner")
+    assert "scale_add_1 in layers.1 failed with INVALID_LAUNCH" in v.page.inner_text("#gk-banner")
 
 
 def test_search_finds_a_node(viewer: Any) -> None:
@@ -193,21 +460,21 @@ def test_failed_node_and_descendants_highlighted(viewer: Any) -> None:
 
 def test_groups_collapse_and_expand(viewer: Any) -> None:
     v = viewer(vg.transformer(2, failed_layer=1))
-    assert v.state("rms_norm_1")["visible"]
-    v.js("() => gk.collapse('layers.1')")
-    st = v.state("rms_norm_1")
-    assert not st["visible"] and st["style"] == "failed"  # the group box carries the failure
-    # search reveals a node inside a collapsed group
+    st = v.state("rms_norm_1")   # repeated blocks open as one box each
+    assert not st["visible"] and st["box"] == "layers.1" and st["style"] == "failed"
+    assert v.js("gk.groupState('layers.1')")["failed"]
+    # search reveals a node inside a closed group
     v.js("() => gk.focus('rms_norm_1')")
     assert v.state("rms_norm_1")["visible"]
-    # collapse by clicking the frame's title, expand by double-clicking the box
+    # close by double-clicking a node (its module), open by double-clicking the box
     v.js("() => gk.collapseToDepth(-1)")
+    assert v.page.input_value("#gk-depth") == "-1"
     v.js("() => gk.focus('softmax')")
     b = v.box("softmax")
     v.page.mouse.dblclick(b["x"] + b["width"] / 2, b["y"] + b["height"] / 2)
-    assert not v.state("softmax")["visible"]
+    assert v.state("softmax")["box"] == "layers.0.self_attn"
     assert v.js("gk.selected()") == "layers.0.self_attn"
-    b = v.box("softmax")   # now the collapsed group's box
+    b = v.box("softmax")   # now the closed group's box
     v.page.mouse.dblclick(b["x"] + b["width"] / 2, b["y"] + b["height"] / 2)
     assert v.state("softmax")["visible"]
     v.page.select_option("#gk-depth", "1")
@@ -237,12 +504,14 @@ def test_diff_page(viewer: Any) -> None:
     d = diff(vg.traced(kernel=False), vg.traced())
     v = viewer(d.to_html())
     bar = v.page.inner_text("#gk-diffbar")
-    assert "+2 added" in bar and "−4 removed" in bar and "~2 changed" in bar
+    assert "+0 added" in bar and "−2 removed" in bar and "~2 changed" in bar
     v.page.click("#gk-difftoggle")
     assert "multiply_1" in v.page.inner_text("#gk-difflist")
-    v.click_node("tanh")
+    v.js("() => gk.collapseToDepth(-1)")
+    v.click_node("scale_add")
     v.page.wait_for_selector("#gk-panel.open")
-    assert "changed" in v.page.inner_text("#gk-panel") and "inputs" in v.page.inner_text("#gk-panel")
+    panel = v.page.inner_text("#gk-panel")
+    assert "changed" in panel and "op → kernel" in panel and "Add → scale_add" in panel
     assert v.errors == []
 
 
@@ -302,7 +571,7 @@ def test_notebook_iframe_renders(browser: Any, tmp_path: Path) -> None:
     page.goto((tmp_path / "nb.html").as_uri())
     frame = page.frame_locator("iframe")
     frame.locator("body[data-ready='1']").wait_for(timeout=20_000)
-    assert "scale_add_1 failed" in frame.locator("#gk-banner").inner_text()
+    assert "scale_add_1 in layers.1 failed" in frame.locator("#gk-banner").inner_text()
     child = page.frames[1]
     assert child.evaluate("gk.nodeState('tanh_1').style") == "upstream"
     assert errors == []
@@ -315,16 +584,18 @@ def test_module_tree_and_keyboard(viewer: Any) -> None:
     rows = v.page.locator("#gk-tree .gk-trow")
     assert rows.count() == 5  # embed_tokens, layers.0, layers.1, norm, lm_head
     assert "layers.1" in v.page.inner_text("#gk-tree")
-    # open layers.0 in the tree, fold its self_attn from there
+    # select layers.0 in the tree, open it, then its self_attn, from there
     v.page.click("#gk-tree .gk-trow[data-g] >> text=layers.0")
     assert v.js("gk.selected()") == "layers.0"
-    v.page.locator("#gk-tree .gk-trow", has_text="layers.0").locator(".tw").click()
+    layer = v.page.locator("#gk-tree .gk-trow", has_text="layers.0")
+    assert layer.locator(".fold").inner_text() == "open"
+    layer.locator(".fold").click()
+    layer.locator(".tw").click()
     attn = v.page.locator("#gk-tree .gk-trow", has_text="self_attn").first
-    attn.locator(".fold").click()
-    assert not v.state("softmax")["visible"]
-    assert attn.locator(".fold").inner_text() == "unfold"
+    assert attn.locator(".fold").inner_text() == "open" and not v.state("softmax")["visible"]
     attn.locator(".fold").click()
     assert v.state("softmax")["visible"]
+    assert attn.locator(".fold").inner_text() == "close"
     # arrow keys follow the data
     v.js("() => gk.focus('softmax')")
     v.page.locator("#gk-canvas").focus()

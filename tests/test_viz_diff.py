@@ -1,5 +1,6 @@
-"""Graph diff: node matching that survives renumbering, added/removed/changed nodes and kernels,
-failure cascades summarised, text and HTML."""
+"""Graph diff: nodes paired by scope, op and position that survive renumbering, replaced layers
+paired with their kernels, added/removed/changed nodes and kernels, failure cascades summarised,
+text and HTML; stock against patched real llamas."""
 
 from __future__ import annotations
 
@@ -22,28 +23,57 @@ def test_patch_norm_into_kernel() -> None:
     d = diff(before, after)
     assert d
     assert d.kernels_added == ["rms_norm", "rms_norm_1"] and d.kernels_removed == []
-    # each input_layernorm lost its six ops and its eps constant, and kept its weight
+    # each norm's last op is replaced by the kernel (it fed the same q/k/v projections)...
+    assert {(c.before, c.after) for c in d.replaced} == {("multiply_1", "rms_norm"),
+                                                         ("multiply_8", "rms_norm_1")}
+    assert d.added == []
+    # ... and the rest of each input_layernorm is gone, its weight kept
     removed_ops = {before.nx.nodes[n]["op"] for n in d.removed}
     assert removed_ops == {"Square", "Mean", "Add", "Rsqrt", "Multiply", ""}
     assert all(before.nx.nodes[n]["scope"].endswith("input_layernorm") for n in d.removed)
-    assert len(d.removed) == 2 * 7
-    # only the consumers of the norm changed: q/k/v projections now read the kernel
-    changed = {c.after for c in d.changed}
-    assert changed == {"matmul", "matmul_1", "matmul_2", "matmul_9", "matmul_10", "matmul_11"}
-    change = next(c for c in d.changed if c.after == "matmul")
-    assert change.changes[0][0] == "inputs" and "rms_norm:" in change.changes[0][2]
-    # renumbered ids were matched: mlp's multiply_N differ by id but are not reported
+    assert len(d.removed) == 2 * 6
+    # only the kernels themselves changed: the projections read the node paired with their input
+    assert {c.after for c in d.changed} == {"rms_norm", "rms_norm_1"}
     text = str(d)
     assert "kernels: +2 added, -0 removed, ~0 changed" in text
-    assert "[layers.0.input_layernorm]" in text and "+ kernel rms_norm" in text
-    assert "multiply_9" not in text
+    assert "[layers.0.input_layernorm]" in text
+    assert ("~ op multiply_1 (Multiply) -> float32[1,16,64] replaced by kernel rms_norm "
+            "-> float32[1,16,64]") in text
+    assert "multiply_9" not in text   # renumbered ids were matched, not reported
 
 
 def test_real_traces_before_and_after_patch() -> None:
     d = diff(vg.traced(kernel=False), vg.traced())
     assert d.kernels_added == ["scale_add", "scale_add_1"]
-    assert sorted(d.removed) == ["add", "add_2", "multiply", "multiply_1"]
-    assert {c.after for c in d.changed} == {"tanh", "tanh_1"}
+    assert [(c.before, c.after) for c in d.replaced] == [("add", "scale_add"), ("add_2", "scale_add_1")]
+    assert sorted(d.removed) == ["multiply", "multiply_1"] and d.added == []
+    assert {c.after for c in d.changed} == {"scale_add", "scale_add_1"}
+
+
+def test_stock_and_patched_llama_pair_each_layer_with_its_kernel() -> None:
+    """The use case on a real model: every kernel patch put in pairs with the op of the layer
+    it replaced, in the same module; nothing lands at the top level or in another layer."""
+    stock, patched = vg.llama(4, patched=False), vg.llama(4)
+    d = diff(stock, patched)
+    a, b = stock.nx, patched.nx
+    kernels = patched.kernels()
+    # rope_qk takes over ops of two modules (the attention's layout, its RoPE's rotation), so it is
+    # added in the attention rather than paired with one op; its absent frequencies are a constant
+    fused = {k for k in kernels if b.nodes[k]["kernel"] == "gk_rope_qk"}
+    assert sorted(d.kernels_added) == sorted(kernels) and len(fused) == 4
+    assert {n for n in d.added if b.nodes[n]["kind"] != "constant"} == fused
+    assert all(b.nodes[k]["scope"].endswith(".self_attn") for k in fused)
+    assert {c.after for c in d.replaced} == set(kernels) - fused
+    for c in d.replaced:
+        assert a.nodes[c.before]["scope"] == b.nodes[c.after]["scope"] == c.scope
+        assert a.nodes[c.before]["kind"] == "op" and b.nodes[c.after]["kind"] == "kernel"
+    for n, m in d.matched.items():   # pairs never cross modules
+        assert a.nodes[n]["scope"] == b.nodes[m]["scope"]
+    text = str(d)
+    assert f"kernels: +{len(kernels)} added" in text and "[model.layers.3.mlp]" in text
+    assert "replaced by kernel gk_swiglu_3 (gk_swiglu)" in text
+    # the same model traced twice: nothing to report
+    assert not diff(patched, vg.llama(4))
 
 
 def test_kernel_changes_are_reported() -> None:
@@ -74,33 +104,8 @@ def test_diff_html_marks_the_second_graph() -> None:
     data = json.loads(re.search(r'<script id="gk-data" type="application/json">(.*?)</script>',
                                 page, re.S).group(1))
     ids = [n[0] for n in data["nodes"]]
-    assert [ids[i] for i in data["diff"]["added"]] == ["rms_norm"]
-    assert len(data["diff"]["removed"]) == 7
-    assert {ids[int(i)] for i in data["diff"]["changed"]} == {"matmul", "matmul_1", "matmul_2"}
+    assert data["diff"]["added"] == []
+    assert len(data["diff"]["removed"]) == 6
+    assert {ids[int(i)] for i in data["diff"]["changed"]} == {"rms_norm"}
     assert "<title>diff decoder_forward -&gt; decoder_forward</title>" in page
     assert d._repr_html_().startswith("<iframe srcdoc=")
-
-
-def test_diff_before_and_after_patch_of_a_tiny_llama() -> None:
-    """The use case: trace, ``patch`` layers with kernels, trace again, diff."""
-    import pytest
-
-    pytest.importorskip("mlx_lm")
-    import mlx.core as mx
-
-    import graphkern as gk
-    from graphkern.models.patching import patch
-    from graphkern.models.tiny import tiny_model
-
-    model = tiny_model("llama")
-    tokens = mx.array([[1, 2, 3, 4]])
-    before = gk.trace(model, tokens)
-    patched = patch(model)
-    after = gk.trace(model, tokens)
-    d = diff(before, after)
-    assert d and len(d.kernels_added) >= len(patched) > 0
-    assert not d.kernels_removed
-    added_scopes = {after.nx.nodes[n]["scope"] for n in d.kernels_added}
-    assert {p.path for p in patched} <= added_scopes | {s.rsplit(".", 1)[0] for s in added_scopes}
-    text = str(d)
-    assert f"kernels: +{len(d.kernels_added)} added" in text

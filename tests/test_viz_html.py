@@ -88,3 +88,54 @@ def test_notebook_repr_is_a_sandboxed_iframe() -> None:
 def test_big_graph_page_size() -> None:
     page = to_html(vg.big())
     assert len(page) < 6_000_000  # compact rows keep 10,000 nodes at a few MB
+
+
+def _row(data: dict, node: str) -> list:
+    return next(r for r in data["nodes"] if r[0] == node)
+
+
+def _details(data: dict, node: str) -> dict:
+    ids = [r[0] for r in data["nodes"]]
+    return data["details"].get(str(ids.index(node)), {})
+
+
+def test_real_llama_details_speak_the_users_terms() -> None:
+    g = vg.llama(2)
+    data = viewer_data(g)
+    kernel = next(n for n, d in g.nx.nodes(data=True) if d["kind"] == "kernel"  # an RMSNorm kernel
+                  and d["scope"] == "model.layers.0.input_layernorm")
+    det = _details(data, kernel)
+    assert "EPS=1e-05" in det["template"] and "925353388" not in det["template"]
+    assert det["input_names"] == ["x", "w"]
+    assert det["backend"] == "reference" and det["grid"] and det["threadgroup"]
+    sources = data["sources"][det["source_hash"]]
+    assert set(sources) == {"metal", "cuda", "reference"}
+    assert sources["reference"].startswith("def rms_norm_reference")
+    # modules carry their class; parameters and MLX's shared constants are weights
+    groups = {gr[0]: gr for gr in data["groups"]}
+    assert groups["model.layers.1"][4] and groups["model.layers.1.self_attn"][4] == "KernelAttention"
+    weight = "model.layers.1.input_layernorm.weight"
+    assert _row(data, weight)[7] == 1 and _details(data, weight)["weight"][0] == weight
+    transposed = next(n for n, d in g.nx.nodes(data=True)
+                      if d["op"] == "Transpose" and d["scope"] == "model.layers.0.self_attn.q_proj")
+    assert _details(data, transposed)["weight"] == [
+        "Transpose(model.layers.0.self_attn.q_proj.weight)", "model.layers.0.self_attn.q_proj.weightᵀ"]
+    shared = [n for n, d in g.nx.nodes(data=True) if d["scope"] == "model.layers"]
+    assert shared and all(_row(data, n)[7] == 1 for n in shared)
+    assert all(_row(data, n)[7] == 0 for n in g.kernels())
+    assert _row(data, "inputs")[7] == 0                      # an argument, not a weight
+
+
+def test_a_failed_launch_keeps_its_configuration() -> None:
+    data = viewer_data(vg.traced(failed=True))
+    det = _details(data, "scale_add_1")
+    assert det["threadgroup"] == "(0, 1, 1)" and det["grid"] == "(32, 1, 1)"
+    assert det["backend"] == "reference" and det["template"] == "T=float32"
+    assert "threadgroup" in det["message"]
+    assert data["sources"][det["source_hash"]]["metal"].startswith("uint i")
+
+
+def test_options_reach_the_page() -> None:
+    page = to_html(vg.llama(2), collapse_depth=-1, show_weights=True)
+    assert _data(page)["options"] == {"collapse_depth": -1, "show_weights": True}
+    assert 'id="gk-weights"' in page and 'id="gk-search-count"' in page and 'id="gk-foot"' in page

@@ -1,6 +1,7 @@
 """Model Explorer export: graph JSON structure, namespaces from scopes, edges, output metadata,
-failure styles and node-data overlays; validated against model_explorer's own dataclasses when
-the optional extra is installed."""
+failure styles, failed layers marked while closed, shared weights copied beside their readers,
+node-data overlays by name, the UI state that opens one box per layer; validated against
+model_explorer's own dataclasses when the optional extra is installed."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import json
 import sys
 import time
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 import viz_graphs as vg
 
 from graphkern.viz.model_explorer import (
     ModelExplorerMissing,
+    initial_ui_state,
     to_model_explorer,
     to_model_explorer_node_data,
     view,
@@ -81,14 +84,60 @@ def test_group_attributes() -> None:
     assert groups["mlp/act"]["failed"] == "2"
 
 
-def test_node_data_overlays() -> None:
+def test_node_data_overlays_by_name() -> None:
     data = to_model_explorer_node_data(vg.small(failed=True), timings={"matmul": 0.25})
-    assert data["status"]["results"]["scale_add"]["value"] == 8
-    assert data["status"]["results"]["sum"]["value"] == 10
-    assert data["status"]["results"]["x"] == {"value": 0, "bgColor": "#dcfce7"}
-    assert data["backend"]["results"] == {"scale_add": {"value": 1, "bgColor": "#dbeafe"}}
+    status = data["status"]
+    assert status["results"]["scale_add"] == {"value": "COMPILE_ERROR", "bgColor": "#f87171"}
+    assert status["results"]["sum"] == {"value": "UPSTREAM_FAILED", "bgColor": "#fee2e2"}
+    assert status["results"]["x"] == {"value": "OK", "bgColor": "#dcfce7"}
+    # names are counted per layer, never averaged
+    assert status["showExpandedSummaryOnGroupNode"] and status["hideInAggregatedStatsTable"]
+    assert "thresholds" not in status and "gradient" not in status
+    assert data["backend"]["results"] == {"scale_add": {"value": "metal", "bgColor": "#dbeafe"}}
     assert data["time_ms"]["results"] == {"matmul": {"value": 0.25}}
     assert "time_ms" not in to_model_explorer_node_data(vg.small())
+    assert list(data)[-2:] == ["status", "time_ms"]   # status after backend: shown first
+
+
+def test_a_failed_layer_is_red_even_closed() -> None:
+    doc = to_model_explorer(vg.llama(4, broken=2))
+    configs = {c["namespaceRegex"]: c for c in doc["graphs"][0]["groupNodeConfigs"]}
+    assert configs["^model/layers\\.2$"]["borderColor"] == "#dc2626"
+    assert configs["^model/layers\\.2/input_layernorm$"]["borderColor"] == "#dc2626"
+    assert configs["^model/layers\\.3$"]["borderColor"] == "#fca5a5"   # downstream only
+    assert "^model/layers\\.1$" not in configs
+    attrs = doc["graphs"][0]["groupNodeAttributes"]
+    assert attrs[""]["status"] == "MODULE_ERROR at KernelAddRMSNorm" and "status colours" in attrs[""]
+    assert attrs["model/layers.2"]["class"] and attrs["model/layers.2"]["failed"] != "0"
+
+
+def test_shared_weights_are_copied_beside_their_readers() -> None:
+    g = vg.llama(4)
+    nodes = _nodes(to_model_explorer(g))
+    shared = [n for n, d in g.nx.nodes(data=True) if d["scope"] == "model.layers"]
+    assert shared
+    for n in shared:   # MLX's one broadcast for all layers: a copy in each layer that reads it
+        copies = [m for m in nodes.values() if m["id"] == n or m["id"].startswith(n + "@")]
+        spaces = {m["namespace"] for m in copies}
+        assert len(copies) == len(spaces) >= 2 and "model/layers" not in spaces
+        for m in copies:
+            if m["id"] != n:
+                assert {"key": "copy_of", "value": n} in m["attrs"]
+    ids = set(nodes)
+    for node in nodes.values():   # every edge reads a node that exists, in its own layer
+        for e in node["incomingEdges"]:
+            assert e["sourceNodeId"] in ids
+            src = nodes[e["sourceNodeId"]]
+            if "@" in src["id"]:
+                assert src["namespace"] == node["namespace"]
+    status = to_model_explorer_node_data(g)["status"]["results"]
+    assert set(status) == ids
+
+
+def test_opens_with_one_box_per_layer() -> None:
+    assert initial_ui_state(vg.llama(4))["paneStates"][0]["deepestExpandedGroupNodeIds"] == [
+        "model___group___"]
+    assert initial_ui_state(vg.small())["paneStates"][0]["deepestExpandedGroupNodeIds"] == []
 
 
 def test_real_trace_export() -> None:
@@ -107,11 +156,17 @@ def test_valid_against_model_explorer_dataclasses() -> None:
     gb = pytest.importorskip("model_explorer.graph_builder")
     ndb = pytest.importorskip("model_explorer.node_data_builder")
     strict = dacite.Config(strict=True)
-    for g in (vg.small(failed=True), vg.transformer(1), vg.traced(failed=True)):
+    for g in (vg.small(failed=True), vg.transformer(1), vg.traced(failed=True), vg.llama(2, broken=1)):
         coll = dacite.from_dict(gb.GraphCollection, to_model_explorer(g), config=strict)
         assert coll.graphs[0].nodes
         for overlay in to_model_explorer_node_data(g, timings={"x": 1.0}).values():
-            dacite.from_dict(ndb.GraphNodeData, overlay, config=strict)
+            # Model Explorer's web app takes names as values (it counts them per layer); its
+            # Python dataclass only spells out numbers, so names are checked apart
+            names = {k: v["value"] for k, v in overlay["results"].items() if isinstance(v["value"], str)}
+            numbers = {**overlay, "results": {k: {**v, "value": 0} if k in names else v
+                                              for k, v in overlay["results"].items()}}
+            dacite.from_dict(ndb.GraphNodeData, numbers, config=strict)
+            assert all(v.isupper() or v in ("metal", "cuda", "reference") for v in names.values())
 
 
 def test_view_without_model_explorer_says_how_to_install(monkeypatch) -> None:
@@ -129,6 +184,10 @@ def test_view_starts_model_explorer_with_graph_and_overlays(monkeypatch, tmp_pat
     cfg = seen["config"]
     assert cfg.model_sources == [{"url": path}]
     assert len(cfg.node_data_sources) == 2 and seen["no_open_in_browser"] is True
+    # the URL Model Explorer opens carries the UI state: one box per layer
+    url = json.loads(unquote(cfg.to_url_param_value()))
+    assert url["uiState"] == initial_ui_state(vg.small(failed=True))
+    assert url["models"] == [{"url": path}]
 
 
 def test_export_of_10000_nodes_is_fast() -> None:

@@ -1,12 +1,16 @@
 """Hand-built trace graphs in graphkern's schema, for the drawing tests and benchmarks.
 
-They follow DESIGN.md's "The graph" exactly (node kinds, attributes, one edge per array keyed by
-its name), so the viewers can be tested without tracing, at any size, with failures placed where
-a test wants them. ``FakeGraph`` stands in for ``gk.Graph``: it has ``.nx`` and ``.status``.
+They follow the graph's contract in ``graphkern.schema`` exactly (node kinds, attributes, one
+edge per array keyed by its name; ``tests/test_viz_graphs.py`` lints every one), so the viewers
+can be tested without tracing, at any size, with failures placed where a test wants them.
+``FakeGraph`` stands in for ``gk.Graph``: it has ``.nx`` and ``.status``. ``traced`` and ``llama``
+are real ``gk.trace``s: a two-block module with a graphkern kernel, and a patched random-weight
+mlx-lm llama of any depth.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from collections import Counter
@@ -317,3 +321,32 @@ def traced(*, failed: bool = False, kernel: bool = True) -> Any:
     model = Model()
     mx.eval(model.parameters())
     return gk.trace(model, mx.ones((4, 8)))
+
+
+@functools.lru_cache(maxsize=8)
+def llama(layers: int = 2, *, patched: bool = True, broken: int | None = None) -> Any:
+    """A real ``gk.trace`` of a random-weight mlx-lm llama with ``layers`` decoder layers (hidden
+    size 64, as ``graphkern.models.tiny``), its layers ``gk.patch``ed onto library kernels, on
+    eight tokens. With ``broken``, that layer's input RMSNorm weight is float16 against float32
+    activations, so its kernel layer refuses the call (MODULE_ERROR) and everything after it is
+    UPSTREAM_FAILED. Cached: callers must not change the graph."""
+    import mlx.core as mx
+
+    import graphkern as gk
+
+    model = llama_model(layers, patched=patched)
+    if broken is not None:
+        norm = model.model.layers[broken].input_layernorm
+        norm.weight = norm.weight.astype(mx.float16)
+    return gk.trace(model, mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]))
+
+
+def llama_model(layers: int, *, patched: bool = True) -> Any:
+    """The random-weight mlx-lm llama behind ``llama``."""
+    import graphkern as gk
+    from graphkern.models.tiny import TINY_CONFIGS, random_model
+
+    model = random_model({**TINY_CONFIGS["llama"], "num_hidden_layers": layers})
+    if patched:
+        gk.patch(model)
+    return model

@@ -1,4 +1,4 @@
-"""graphkern's kernel library: fused normalization, RoPE, activation and softmax kernels.
+"""graphkern's kernel library: fused normalization, RoPE, attention prologue, activation and softmax kernels.
 
 Each kernel is a :class:`graphkern.Kernel` with a Metal body, a CUDA body and a pure-MLX reference,
 for float32, float16 and bfloat16 (float32 arithmetic inside), and a layer function that picks the
@@ -22,6 +22,7 @@ from graphkern.kernels.ops.gelu import GELU, gelu
 from graphkern.kernels.ops.layer_norm import LAYER_NORM, layer_norm
 from graphkern.kernels.ops.rms_norm import RMS_NORM, rms_norm
 from graphkern.kernels.ops.rope import ROPE, rope
+from graphkern.kernels.ops.rope_qk import ROPE_QK, rope_qk
 from graphkern.kernels.ops.softmax import SOFTMAX, softmax
 from graphkern.kernels.ops.swiglu import SWIGLU, swiglu
 from graphkern.kernels.registry import LIBRARY, entries_for
@@ -33,6 +34,7 @@ __all__ = [
     "LIBRARY",
     "RMS_NORM",
     "ROPE",
+    "ROPE_QK",
     "SOFTMAX",
     "SWIGLU",
     "Case",
@@ -45,6 +47,7 @@ __all__ = [
     "layer_norm",
     "rms_norm",
     "rope",
+    "rope_qk",
     "softmax",
     "swiglu",
 ]

@@ -17,11 +17,17 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from graphkern.backends import active_backend, backend_setting
+from graphkern.context import state
+from graphkern.launch_paths import eager_form, run_launch
 from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name
-from graphkern.runtime import active_backend, apply, launch
+from graphkern.runtime import apply, launch
+from graphkern.validation import Launch, validated_launch
 
 __all__ = [
     "FLOAT_DTYPES",
+    "LayerLaunches",
+    "signature_constant",
     "MAX_GRID",
     "Case",
     "LibraryEntry",
@@ -80,6 +86,83 @@ def run(plan: Plan) -> list[mx.array]:
         return [mx.zeros(spec.shape, spec.dtype) for spec in plan.output_specs]
     return launch(plan.kernel, list(plan.inputs), list(plan.output_specs), grid=plan.grid,
                   threadgroup=plan.threadgroup, template=list(plan.template))
+
+
+class LayerLaunches:
+    """One library layer's launches, by the signature of its arguments.
+
+    A layer function builds and checks its launch plan once per signature, then each later call
+    with that signature hands only its arrays to the launch: this keeps a layer call as cheap as
+    the kernel call behind it, which is what decoding (one token, every launch host-bound) needs.
+
+    ``layer(key, arrays, make_plan)``: ``key`` is everything the plan depends on other than the
+    arrays passed per call (shapes and dtypes of the arrays, the values of the other arguments);
+    ``arrays`` are the call's arrays, in the order the plan's inputs take them; ``make_plan()``
+    builds (and validates) the plan. Every other input of the plan must be a constant of the
+    signature, made by :func:`signature_constant`; a plan with any other input is run, never kept.
+    Inside traces and compiled graphs the plan is run as it is (a node of the graph).
+
+    >>> layer = LayerLaunches()
+    >>> x = mx.ones((2, 4))
+    >>> twice = lambda: Plan(Kernel("twice", ["x"], ["out"], reference=lambda x: [x * 2]), (x,),
+    ...                      (OutputSpec((2, 4), mx.float32),), (8, 1, 1), (8, 1, 1))
+    >>> layer(("twice", x.shape, x.dtype), (x,), twice)[0].sum().item(), len(layer.entries)
+    (16.0, 1)
+    """
+
+    MAX_ENTRIES = 4096
+
+    def __init__(self) -> None:
+        self.entries: dict[Any, tuple[Launch, tuple[Any, ...] | None]] = {}
+
+    def __call__(self, key: Any, arrays: tuple[mx.array, ...],
+                 make_plan: Callable[[], Plan]) -> list[mx.array]:
+        key = (key, backend_setting())
+        entry = self.entries.get(key)
+        if entry is not None and state.recorder is None:
+            launch_, sources = entry
+            inputs = arrays if sources is None else [
+                arrays[s] if s.__class__ is int else s for s in sources]
+            form = eager_form(launch_)
+            return form(*inputs) if form is not None else run_launch(launch_, list(inputs))
+        plan = make_plan()
+        if state.recorder is None and not plan.empty:
+            found = _sources(plan.inputs, arrays)
+            if not isinstance(found, bool):
+                if len(self.entries) >= self.MAX_ENTRIES:
+                    self.entries.clear()
+                self.entries[key] = (validated_launch(plan.kernel, plan.output_specs, plan.grid,
+                                                      plan.threadgroup, plan.template), found)
+        return run(plan)
+
+
+#: Arrays a plan may take as constants of its signature (see LayerLaunches), by id; kept alive here.
+_CONSTANTS: dict[int, mx.array] = {}
+
+
+def signature_constant(array: mx.array) -> mx.array:
+    """Mark ``array`` as a constant a library plan may take for every call of one signature (a
+    stand-in for an absent input, a table made from the arguments' values); returns it."""
+    _CONSTANTS[id(array)] = array
+    return array
+
+
+def _sources(inputs: tuple[Any, ...], arrays: tuple[mx.array, ...]) -> tuple[Any, ...] | bool | None:
+    """Where each plan input comes from: None when they are ``arrays`` exactly; else, per input,
+    the index into ``arrays`` or the constant itself; False when an input is neither."""
+    if len(inputs) == len(arrays) and all(a is b for a, b in zip(inputs, arrays)):
+        return None
+    sources: list[Any] = []
+    position = 0
+    for value in inputs:
+        if position < len(arrays) and value is arrays[position]:
+            sources.append(position)
+            position += 1
+        elif _CONSTANTS.get(id(value)) is value:
+            sources.append(value)
+        else:
+            return False
+    return tuple(sources) if position == len(arrays) else False
 
 
 def apply_plan(plan: Plan, backend: str | None = None) -> list[mx.array]:
@@ -191,9 +274,9 @@ def row_config(n: int, dtype: mx.Dtype, *, vector: int = 8, items: int = 16, str
     """How a one-block-per-row kernel spreads a row of ``n`` elements of ``dtype``: ``vector``-element
     accesses, about ``items`` elements a thread (so ``n / items`` threads, 32 to ``max_threads``), kept
     in registers up to ``MAX_ROW_ITEMS``, else (or when ``streamed``) read from memory in a loop
-    (``chunks == 0``). The defaults are what the norms ran fastest with on an H200 across float32 and
-    16-bit rows of 4096 and 16384 (``benchmarks/gpu_row_configs.py``, RESULTS_kernels.md): 16-byte
-    vectors, which beat 8-byte ones by 2-8% once a vector is loaded whole (``gk::load_vec``).
+    (``chunks == 0``). The defaults are what the norms ran fastest with across float32 and 16-bit
+    rows of 4096 and 16384 (``benchmarks/gpu_row_configs.py`` sweeps them): 16-byte vectors, which
+    beat 8-byte ones once a vector is loaded whole (``gk::load_vec``).
 
     >>> row_config(4096, mx.float32)
     RowConfig(threads=256, vector=4, chunks=4)
@@ -222,8 +305,7 @@ def row_launch(op: str, x: mx.array, cfg: RowConfig) -> tuple[tuple[int, int, in
 def elementwise_config(op: str, n: int, dtype: mx.Dtype, block: int = 128) -> tuple[int, tuple[int, int, int],
                                                                                      tuple[int, int, int]]:
     """(V, grid, threadgroup) for an elementwise kernel: one thread per 16-byte vector, in blocks of
-    ``block`` (128: GELU on an H200, float32 8192x4096: 67.7 us at 128, 73.4 at 1024; bfloat16 SwiGLU:
-    49.4 us at 128, 53.7 at 1024; benchmarks/probes/wide_rows.py, RESULTS_kernels.md step 15)."""
+    ``block``: 128 ran GELU and 16-bit SwiGLU faster than 1024 (benchmarks/RESULTS_kernels.md)."""
     v = vector_width(n, dtype)
     threads = n // v
     check_grid(op, threads)
@@ -277,7 +359,7 @@ def unused_input(dtype: mx.Dtype) -> mx.array:
 
     Built from host data, so it has no primitive: MLX streams belong to the thread that made them,
     and a lazy array first made on a trace's worker thread could not be evaluated anywhere else."""
-    return mx.array([0], dtype=dtype)
+    return signature_constant(mx.array([0], dtype=dtype))
 
 
 # ----------------------------------------------------------------------------- registry

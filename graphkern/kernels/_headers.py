@@ -15,6 +15,8 @@ Metal row model: one threadgroup of ``NT`` threads per row, each thread striding
 
 from __future__ import annotations
 
+from graphkern.source_text import two_backend_header
+
 __all__ = ["CUDA_COMMON", "CUDA_NORM_ROW_START", "METAL_COMMON", "METAL_NORM_ROW_START", "dual_header"]
 
 CUDA_COMMON = r"""
@@ -323,11 +325,6 @@ METAL_NORM_ROW_START = r"""
 
 
 def dual_header(cuda: str, metal: str) -> str:
-    """One ``Kernel.header`` for both backends: NVRTC defines ``__CUDACC__``, Metal does not.
-
-    >>> h = dual_header("int a;", "int b;")
-    >>> h.splitlines()[1], h.splitlines()[-1]
-    ('#if defined(__CUDACC__)', '#endif  // graphkern')
-    """
-    return (f"\n#if defined(__CUDACC__)\n{CUDA_COMMON}{cuda}\n#else\n{METAL_COMMON}{metal}\n"
-            "#endif  // graphkern\n")
+    """One ``Kernel.header`` for both backends: the shared helpers of each, then ``cuda``/``metal``
+    (see ``graphkern.source_text.two_backend_header``: each backend's compiler gets its branch)."""
+    return two_backend_header(CUDA_COMMON + cuda, METAL_COMMON + metal)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from graphkern.kernels._base import LibraryEntry
-from graphkern.kernels.ops import add_rms_norm, gelu, layer_norm, rms_norm, rope, softmax, swiglu
+from graphkern.kernels.ops import add_rms_norm, gelu, layer_norm, rms_norm, rope, rope_qk, softmax, swiglu
 from graphkern.nodes import Kernel, KernelError, Status
 
 __all__ = ["LIBRARY", "entries_for"]
@@ -17,6 +17,8 @@ LIBRARY: dict[str, LibraryEntry] = {
         add_rms_norm.ENTRY,
         rope.ENTRY,
         rope.ENTRY_TRADITIONAL,
+        rope_qk.ENTRY,
+        rope_qk.ENTRY_NORM,
         swiglu.ENTRY,
         softmax.ENTRY,
         gelu.ENTRY,

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from graphkern.models.launch_count import Launches, decode_launches
 from graphkern.models.layers import KernelLayer
 from graphkern.models.model_checks import MODEL_TOLERANCES, check_model
 from graphkern.models.patching import RULES, Patched, Rule, kernel_names, patch, patched_layers, unpatch
@@ -22,11 +23,13 @@ __all__ = [
     "RULES",
     "Forward",
     "KernelLayer",
+    "Launches",
     "MODEL_TOLERANCES",
     "Patched",
     "Rule",
     "WrappedModel",
     "check_model",
+    "decode_launches",
     "kernel_names",
     "patch",
     "patched_layers",

@@ -17,15 +17,21 @@ True
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from graphkern import kernels as gkk
+from graphkern.autodiff import without_vjp
 
 __all__ = [
     "KernelAddRMSNorm",
+    "KernelAttention",
+    "KernelDecoderStack",
+    "KernelDynamicRoPE",
+    "KernelFreqsRoPE",
     "KernelGELU",
     "KernelGeGLUMLP",
     "KernelGateUpMLP",
@@ -34,20 +40,24 @@ __all__ = [
     "KernelRMSNorm",
     "KernelResidualBlock",
     "KernelRoPE",
+    "KernelSlidingDecoderStack",
     "KernelSoftmax",
+    "KernelSuScaledRoPE",
     "KernelSwiGLU",
     "KernelSwiGLUMLP",
+    "KernelYarnRoPE",
+    "Rotary",
 ]
 
 _MODULE_INTERNALS = ("_no_grad", "_training")
 
 
 class _Held:
-    """Holds a module as a plain attribute, so it stays out of the parameter tree."""
+    """Holds a module (or an array) as a plain attribute, so it stays out of the parameter tree."""
 
     __slots__ = ("module",)
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: Any):
         self.module = module
 
 
@@ -70,11 +80,31 @@ class KernelLayer(nn.Module):
         self._no_grad = set(original._no_grad)  # frozen parameters stay frozen
         self._training = original._training
         self._gk_original = _Held(original)
+        self._gk_shared = _Held({k: v for k, v in original.items() if isinstance(v, mx.array)})
 
     @property
     def original(self) -> nn.Module:
         """The module this one replaced."""
         return self._gk_original.module
+
+    def replaced_arrays(self) -> dict[str, mx.array]:
+        """This layer's arrays that are no longer the ones it shared with the original when built
+        (replaced by training or ``update`` while patched), by name."""
+        shared = self._gk_shared.module
+        return {k: v for k, v in self.items() if isinstance(v, mx.array) and v is not shared.get(k, v)}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The layer's ``forward``. In evaluation mode (``model.eval()``, as ``mlx_lm.load`` leaves
+        a model) its launches carry no custom vjp, as inside ``gk.without_vjp()``: an evaluating
+        model is not differentiated, and the wrapper costs every launch host time. In training
+        mode (``model.train()``) they are differentiable."""
+        if self._training:
+            return self.forward(*args, **kwargs)
+        with without_vjp():
+            return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
 
     def _extra_repr(self) -> str:
         return f"{self.kernel} kernel, replaces {type(self.original).__name__}"
@@ -93,17 +123,25 @@ class KernelRMSNorm(KernelLayer):
         weight: mx.array = self["weight"]
         return weight + self._gk_offset if self._gk_offset else weight
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         return gkk.rms_norm(x, self.scale(), self.eps)
 
 
 class KernelAddRMSNorm(KernelRMSNorm):
-    """A residual add fused with the RMSNorm after it: ``(x + residual, rms_norm(x + residual))``."""
+    """An RMSNorm that takes the residual add before it: ``norm(x)`` is the RMSNorm (on the
+    ``rms_norm`` kernel), ``norm(x, residual)`` is ``(x + residual, norm(x + residual))`` from one
+    ``add_rms_norm`` kernel, the sum rounded to the dtype first, as the unfused layers do."""
 
     kernel = "add_rms_norm"
 
-    def __call__(self, x: mx.array, residual: mx.array) -> tuple[mx.array, mx.array]:  # type: ignore[override]
+    def forward(self, x: mx.array, residual: mx.array | None = None) -> Any:  # type: ignore[override]
+        if residual is None:
+            return gkk.rms_norm(x, self.scale(), self.eps)
         return gkk.add_rms_norm(x, residual, self.scale(), self.eps)
+
+    def failed_output(self, x: mx.array, residual: mx.array | None = None) -> Any:
+        """What a trace puts in place of a failed call (graphkern.trace): zeros of its outputs."""
+        return mx.zeros_like(x) if residual is None else (mx.zeros_like(x), mx.zeros_like(x))
 
 
 class KernelLayerNorm(KernelLayer):
@@ -111,20 +149,95 @@ class KernelLayerNorm(KernelLayer):
 
     kernel = "layer_norm"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         weight = self.get("weight", None)
         bias = self.get("bias", None)
         return gkk.layer_norm(x, weight, bias, self.eps)
 
 
+class Rotary(NamedTuple):
+    """One RoPE call as the library kernels take it (``gkk.rope`` and ``gkk.rope_qk`` arguments)."""
+
+    dims: int
+    traditional: bool
+    base: float | None
+    freqs: mx.array | None = None
+    scale: float = 1.0
+    input_scale: float = 1.0
+
+
 class KernelRoPE(KernelLayer):
-    """``nn.RoPE`` on the ``rope`` kernel; ``offset`` is an int or an integer array, as for MLX."""
+    """``nn.RoPE`` on the ``rope`` kernel; ``offset`` is an int or an integer array, as for MLX.
+
+    Subclasses stand in for mlx-lm's other RoPE layers: each says, in :meth:`rotary`, how the stock
+    layer rotates a call of ``length`` positions at ``offset`` (None: the stock layer runs it).
+    """
 
     kernel = "rope"
 
-    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-        return gkk.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale,
-                        offset=offset)
+    def rotary(self, length: int, offset: int | mx.array) -> Rotary | None:
+        return Rotary(self.dims, self.traditional, self.base, None, self.scale)
+
+    def _rotate(self, x: mx.array, offset: int | mx.array, rotary: Rotary | None) -> mx.array:
+        if rotary is None:
+            return self.original(x, offset)  # type: ignore[no-any-return]
+        return gkk.rope(x, rotary.dims, traditional=rotary.traditional, base=rotary.base, scale=rotary.scale,
+                        offset=offset, freqs=rotary.freqs, input_scale=rotary.input_scale)
+
+    def forward(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        return self._rotate(x, offset, self.rotary(x.shape[-2], offset))
+
+
+class KernelFreqsRoPE(KernelRoPE):
+    """mlx-lm's ``Llama3RoPE`` and ``ProportionalRoPE``: their frequencies (``_freqs``) given."""
+
+    def rotary(self, length: int, offset: int | mx.array) -> Rotary | None:
+        return Rotary(self.dims, self.traditional, None, self._freqs)
+
+
+class KernelSuScaledRoPE(KernelRoPE):
+    """mlx-lm's ``SuScaledRoPE`` (LongRoPE): the rotated features scaled by ``_scale`` first."""
+
+    def rotary(self, length: int, offset: int | mx.array) -> Rotary | None:
+        return Rotary(self.dim, False, None, self._freqs, 1.0, self._scale)
+
+
+class KernelYarnRoPE(KernelRoPE):
+    """mlx-lm's ``YarnRoPE``: the rotated features scaled by ``mscale`` (its inverse when
+    ``inverse``, which also negates the frequencies), ``scale`` per call."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__(original)
+        negated = -self._freqs  # made once, here: stock negates them in every inverse call
+        mx.eval(negated)
+        self._gk_negated = _Held(negated)
+
+    def rotary(self, length: int, offset: int | mx.array, scale: float = 1.0,  # type: ignore[override]
+               inverse: bool = False) -> Rotary | None:
+        input_scale = (1.0 / self.mscale if inverse else self.mscale) if self.mscale != 1.0 else 1.0
+        freqs = self._gk_negated.module if inverse else self._freqs
+        return Rotary(self.dims, self.traditional, None, freqs, scale, input_scale)
+
+    def forward(self, x: mx.array, offset: int | mx.array = 0, scale: float = 1.0,  # type: ignore[override]
+                 inverse: bool = False) -> mx.array:
+        return self._rotate(x, offset, self.rotary(x.shape[-2], offset, scale, inverse))
+
+
+class KernelDynamicRoPE(KernelRoPE):
+    """mlx-lm's ``DynamicNTKScalingRoPE``: the base grows with the sequence past
+    ``max_position_embeddings``. Up to there it is constant and the kernel runs; past it every
+    token has a base of its own, which on a GPU would compile a kernel a token, so the stock
+    layer runs those calls (as it does calls with an array offset, which it cannot take)."""
+
+    def rotary(self, length: int, offset: int | mx.array) -> Rotary | None:
+        if offset.__class__ is not int:
+            return None
+        seq_len = max(length + offset, self.max_position_embeddings)  # type: ignore[operator]
+        if seq_len > self.max_position_embeddings:
+            return None
+        base = self.base * ((self.factor * seq_len / self.max_position_embeddings) - (self.factor - 1)) ** (
+            self.dims / (self.dims - 2))
+        return Rotary(self.dims, self.traditional, base)
 
 
 class KernelSwiGLU(KernelLayer):
@@ -132,7 +245,7 @@ class KernelSwiGLU(KernelLayer):
 
     kernel = "swiglu"
 
-    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+    def forward(self, x: mx.array, gate: mx.array) -> mx.array:
         return gkk.swiglu(gate, x)
 
 
@@ -141,7 +254,7 @@ class KernelSwiGLUMLP(KernelLayer):
 
     kernel = "swiglu"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         return self.down_proj(gkk.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -150,7 +263,7 @@ class KernelGateUpMLP(KernelLayer):
 
     kernel = "swiglu"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
         return self.down_proj(gkk.swiglu(gate, up))
 
@@ -164,7 +277,7 @@ class KernelGeGLUMLP(KernelLayer):
         super().__init__(original)
         self._gk_approx = approx
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         return self.down_proj(gkk.gelu(self.gate_proj(x), approx=self._gk_approx) * self.up_proj(x))
 
 
@@ -173,7 +286,7 @@ class KernelGELU(KernelLayer):
 
     kernel = "gelu"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         return gkk.gelu(x, approx=self._approx in ("precise", "tanh"))
 
 
@@ -182,26 +295,150 @@ class KernelSoftmax(KernelLayer):
 
     kernel = "softmax"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array) -> mx.array:
         return gkk.softmax(x)
 
 
-class KernelResidualBlock(KernelLayer):
-    """A pre-norm transformer block whose second residual add runs fused with the next RMSNorm.
+class KernelAttention(KernelLayer):
+    """mlx-lm's Llama-style attention (Llama, Mistral, Qwen 2/3, Mixtral...) with its prologue on one
+    ``rope_qk`` kernel: queries and keys go from ``q_proj``/``k_proj`` straight to attention's
+    ``(B, H, L, D)`` layout, normalized per head (Qwen 3's ``q_norm``/``k_norm``) and rotated; the
+    rest of the forward is the stock one. ``heads`` and ``kv_heads`` name the head-count attributes
+    (``n_heads`` or ``num_heads``...), read at each call; ``rope`` (a :class:`KernelRoPE` in this
+    layer only) says how the stock RoPE rotates; ``sdpa`` is the model file's
+    ``scaled_dot_product_attention``.
+    """
 
-    Replaces ``h = x + attn(norm1(x)); out = h + ffn(norm2(h))``: ``norm2`` becomes a
-    :class:`KernelAddRMSNorm` (in this block only; the original block keeps its norm) that returns
-    ``(h, norm2(h))`` from one kernel. ``ffn`` is the name of the feed-forward child.
+    kernel = "rope_qk"
+
+    def __init__(self, original: nn.Module, heads: str, kv_heads: str, rope: KernelRoPE, norms: bool,
+                 sdpa: Callable[..., mx.array]):
+        super().__init__(original)
+        object.__setattr__(self, "_gk_heads", (heads, kv_heads))  # a tuple would go in the module's dict
+        self.rope = rope
+        self._gk_norms = norms
+        self._gk_sdpa = sdpa
+
+    def forward(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        offset = cache.offset if cache is not None else 0
+        rotary = self.rope.rotary(L, offset)
+        if rotary is None:  # the stock layer's RoPE runs this call
+            return self.original(x, mask, cache)  # type: ignore[no-any-return]
+        heads, kv_heads = getattr(self, self._gk_heads[0]), getattr(self, self._gk_heads[1])
+        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_weight = k_weight = None
+        eps = 1e-5
+        if self._gk_norms:
+            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        queries, keys = gkk.rope_qk(queries, keys, heads, kv_heads, rotary.dims,
+                                    traditional=rotary.traditional, base=rotary.base, scale=rotary.scale,
+                                    offset=offset, freqs=rotary.freqs, input_scale=rotary.input_scale,
+                                    q_weight=q_weight, k_weight=k_weight, eps=eps)
+        values = values.reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        output = self._gk_sdpa(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+        output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(output)  # type: ignore[no-any-return]
+
+
+#: The residual a block is called without: a stock call, not a link of a fused chain.
+_ALONE: Any = object()
+
+
+class KernelResidualBlock(KernelLayer):
+    """A pre-norm transformer block whose residual adds run fused with the RMSNorm after them.
+
+    Replaces ``h = x + attn(norm1(x)); out = h + ffn(norm2(h))``. ``norm2`` becomes a
+    :class:`KernelAddRMSNorm` (in this block only; the original block keeps its norms) that gives
+    ``(h, norm2(h))`` from one kernel, and so does ``norm1`` when ``input_norm`` is given. Called as
+    the stock block, it returns ``out``. Called by a :class:`KernelDecoderStack` with
+    ``residual=`` (the previous block's feed-forward output, not yet added; None for the first
+    block), it adds that residual inside ``norm1``'s kernel and returns ``(h, ffn(norm2(h)))``,
+    leaving its own last add to the next norm. ``ffn`` is the name of the feed-forward child.
     """
 
     kernel = "add_rms_norm"
 
-    def __init__(self, original: nn.Module, ffn: str, norm: KernelAddRMSNorm):
+    def __init__(self, original: nn.Module, ffn: str, norm: KernelAddRMSNorm,
+                 input_norm: KernelAddRMSNorm | None = None):
         super().__init__(original)
         self._gk_ffn = ffn
         self.post_attention_layernorm = norm
+        if input_norm is not None:
+            self.input_layernorm = input_norm
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        r = self.self_attn(self.input_layernorm(x), mask, cache)
+    @property
+    def chains(self) -> bool:
+        """Whether this block can take a residual from the block before it (its input norm is fused)."""
+        return isinstance(self.input_layernorm, KernelAddRMSNorm)
+
+    def forward(self, x: mx.array, mask: Any = None, cache: Any = None, residual: Any = _ALONE) -> Any:
+        if residual is _ALONE:
+            r = self.self_attn(self.input_layernorm(x), mask, cache)
+            h, normed = self.post_attention_layernorm(x, r)
+            return h + self[self._gk_ffn](normed)
+        if residual is None:
+            normed = self.input_layernorm(x)
+        else:
+            x, normed = self.input_layernorm(x, residual)
+        r = self.self_attn(normed, mask, cache)
         h, normed = self.post_attention_layernorm(x, r)
-        return h + self[self._gk_ffn](normed)
+        return h, self[self._gk_ffn](normed)
+
+    def failed_output(self, x: mx.array, mask: Any = None, cache: Any = None, residual: Any = _ALONE) -> Any:
+        """What a trace puts in place of a failed call (graphkern.trace): zeros of its outputs."""
+        return mx.zeros_like(x) if residual is _ALONE else (mx.zeros_like(x), mx.zeros_like(x))
+
+
+class KernelDecoderStack(KernelLayer):
+    """A decoder (mlx-lm's ``Qwen3Model``, ``MixtralModel``...) whose loop over pre-norm blocks hands
+    each block's last residual add to the next block's input RMSNorm, and the last one to the
+    final norm: every add runs inside an ``add_rms_norm`` kernel, none on its own. ``norm`` is the
+    final norm as a :class:`KernelAddRMSNorm`; ``create_mask`` the model file's
+    ``create_attention_mask``. A layer that is not a chaining :class:`KernelResidualBlock` is called
+    as in the stock loop, after the pending add.
+    """
+
+    kernel = "add_rms_norm"
+
+    def __init__(self, original: nn.Module, norm: KernelAddRMSNorm, create_mask: Callable[..., Any]):
+        super().__init__(original)
+        self.norm = norm
+        self._gk_create_mask = create_mask
+
+    def _embed(self, inputs: mx.array, cache: Any, input_embeddings: mx.array | None) -> tuple[mx.array, Any]:
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        return h, cache if cache is not None else [None] * len(self.layers)
+
+    def _blocks(self, h: mx.array, cache: Any, mask_of: Callable[[nn.Module], Any]) -> mx.array:
+        pending = None
+        for layer, c in zip(self.layers, cache):
+            if isinstance(layer, KernelResidualBlock) and layer.chains:
+                h, pending = layer(h, mask_of(layer), c, residual=pending)
+            else:
+                if pending is not None:
+                    h, pending = h + pending, None
+                h = layer(h, mask_of(layer), c)
+        return self.norm(h) if pending is None else self.norm(h, pending)[1]  # type: ignore[no-any-return]
+
+    def forward(self, inputs: mx.array, cache: Any = None,
+                 input_embeddings: mx.array | None = None) -> mx.array:
+        h, cache = self._embed(inputs, cache, input_embeddings)
+        mask = self._gk_create_mask(h, cache[0])
+        return self._blocks(h, cache, lambda layer: mask)
+
+
+class KernelSlidingDecoderStack(KernelDecoderStack):
+    """mlx-lm's ``LlamaModel``: a :class:`KernelDecoderStack` whose blocks take a full-attention or a
+    sliding-window mask (``use_sliding``), as the stock loop gives them."""
+
+    def forward(self, inputs: mx.array, cache: Any = None,
+                 input_embeddings: mx.array | None = None) -> mx.array:
+        h, cache = self._embed(inputs, cache, input_embeddings)
+        fa_mask = self._gk_create_mask(h, cache[self.fa_idx])
+        swa_mask = None
+        if self.swa_idx is not None:
+            swa_mask = self._gk_create_mask(h, cache[self.swa_idx], window_size=self.sliding_window)
+        return self._blocks(h, cache, lambda layer: swa_mask if layer.use_sliding else fa_mask)

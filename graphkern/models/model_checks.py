@@ -15,12 +15,12 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from graphkern.backends import active_backend
 from graphkern.kernel_checks import CheckCase, CheckReport, compare
 from graphkern.kernels._base import FLOAT_DTYPES
 from graphkern.models.patching import patch, patched_layers, unpatch
 from graphkern.models.wrapping import wrap
 from graphkern.nodes import KernelError, Status, dtype_name
-from graphkern.runtime import active_backend
 
 __all__ = ["MODEL_TOLERANCES", "check_model"]
 
@@ -30,7 +30,7 @@ _CHECK = "check a patched model against the stock model"
 #: Looser than the kernel tolerances: rounding differences of each layer (the kernels round once,
 #: in float32; stock MLX rounds between ops in the dtype) compound through the network. float32
 #: allows 1e-3: MLX's CUDA backend runs float32 matmuls in TF32 (10-bit mantissa), so a 1e-7
-#: difference in a norm's output can flip a rounding and reach ~4e-4 in the logits (seen on an H200).
+#: difference in a norm's output can flip a rounding and reach ~4e-4 in the logits.
 MODEL_TOLERANCES: dict[mx.Dtype, tuple[float, float]] = {
     mx.float32: (1e-3, 1e-3),
     mx.float16: (3e-2, 1e-2),

@@ -27,8 +27,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from graphkern.kernels._base import FLOAT_DTYPES
+from graphkern.kernels.ops.rope_qk import MAX_HEAD_DIM
 from graphkern.models.layers import (
     KernelAddRMSNorm,
+    KernelAttention,
+    KernelDecoderStack,
+    KernelDynamicRoPE,
+    KernelFreqsRoPE,
     KernelGateUpMLP,
     KernelGeGLUMLP,
     KernelGELU,
@@ -37,24 +42,30 @@ from graphkern.models.layers import (
     KernelResidualBlock,
     KernelRMSNorm,
     KernelRoPE,
+    KernelSlidingDecoderStack,
     KernelSoftmax,
+    KernelSuScaledRoPE,
     KernelSwiGLU,
     KernelSwiGLUMLP,
+    KernelYarnRoPE,
 )
-from graphkern.models.patterns import Forward
+from graphkern.models.patterns import Forward, is_class, module_global
 from graphkern.nodes import KernelError, Status, dtype_name
 
-__all__ = ["RULES", "Patched", "Rule", "kernel_names", "patch", "patched_layers", "unpatch"]
+__all__ = ["ROPE_RULES", "RULES", "Patched", "Rule", "kernel_names", "patch", "patched_layers", "unpatch"]
 
 PATCH = "patch a model with graphkern kernels"
 _SWIGLU = "mlx_lm.models.activations:swiglu"
+_BASE = "mlx_lm.models.base"
+_ROPE_UTILS = "mlx_lm.models.rope_utils"
 
 
 @dataclass(frozen=True)
 class Rule:
     """How one kind of layer becomes kernel-backed.
 
-    A module matches when its class is one of ``classes`` (exactly) or its forward is one of
+    A module matches when its class is one of ``classes`` (exactly; a class or its
+    ``"pkg.module:Name"``, looked up only for a class of that name) or its forward is one of
     ``forwards``, and ``when`` (if given) accepts it. ``build(module, path)`` checks the module's
     parameters (raising ``KernelError``) and returns the replacement.
     """
@@ -62,13 +73,14 @@ class Rule:
     name: str
     kernel: str
     build: Callable[[nn.Module, str], KernelLayer]
-    classes: tuple[type, ...] = ()
+    classes: tuple[type | str, ...] = ()
     forwards: tuple[Forward, ...] = ()
     when: Callable[[nn.Module], bool] | None = None
 
     def matches(self, module: nn.Module) -> bool:
         cls = type(module)
-        if cls not in self.classes and not any(f.matches(cls) for f in self.forwards):
+        if not any(cls is c if isinstance(c, type) else is_class(cls, c) for c in self.classes) and not any(
+                f.matches(cls) for f in self.forwards):
             return False
         return self.when is None or self.when(module)
 
@@ -107,10 +119,18 @@ def _vector(module: nn.Module, key: str, path: str, size: int | None = None) -> 
     return value
 
 
+def _number(module: nn.Module, key: str, path: str, *, at_least: float | None = None,
+            positive: bool = False) -> float:
+    value = getattr(module, key, None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            at_least is not None and value < at_least) or (positive and value <= 0):
+        bound = " > 0" if positive else f" >= {at_least:g}" if at_least is not None else ""
+        raise _refuse(path, f"{key} must be a finite number{bound}, got {value!r}")
+    return float(value)
+
+
 def _eps(module: nn.Module, path: str) -> None:
-    eps = getattr(module, "eps", None)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-        raise _refuse(path, f"eps must be a finite number >= 0, got {eps!r}")
+    _number(module, "eps", path, at_least=0)
 
 
 def _child(module: nn.Module, key: str, path: str) -> nn.Module:
@@ -161,11 +181,89 @@ def _layer_norm(module: nn.Module, path: str) -> KernelLayer:
     return KernelLayerNorm(module)
 
 
-def _rope(module: nn.Module, path: str) -> KernelLayer:
-    dims = getattr(module, "dims", None)
-    if isinstance(dims, bool) or not isinstance(dims, int) or dims <= 0 or dims % 2:
-        raise _refuse(path, f"RoPE dims must be a positive even int, got {dims!r}")
-    return KernelRoPE(module)
+def _rope(layer: type[KernelRoPE], dims_key: str = "dims", freqs: bool = False,
+          numbers: tuple[str, ...] = ()) -> Callable[[nn.Module, str], KernelLayer]:
+    """A RoPE layer (``layer`` stands in for it): even ``dims_key``, a ``_freqs`` table of dims / 2
+    floats when ``freqs``, finite ``numbers`` (``base`` > 0 where it is one)."""
+
+    def build(module: nn.Module, path: str) -> KernelLayer:
+        dims = getattr(module, dims_key, None)
+        if isinstance(dims, bool) or not isinstance(dims, int) or dims <= 0 or dims % 2:
+            raise _refuse(path, f"RoPE {dims_key} must be a positive even int, got {dims!r}")
+        if freqs:
+            table = module.get("_freqs") if isinstance(module, dict) else None
+            if not isinstance(table, mx.array) or table.shape != (dims // 2,):
+                got = tuple(table.shape) if isinstance(table, mx.array) else type(table).__name__
+                raise _refuse(path, f"RoPE frequencies (_freqs) must have shape ({dims // 2},), got {got}")
+            if not mx.issubdtype(table.dtype, mx.floating):
+                raise _refuse(path, f"RoPE frequencies (_freqs) are {dtype_name(table.dtype)}; "
+                              "expected floats")
+        for key in numbers:
+            _number(module, key, path, positive=key in ("base", "mscale", "max_position_embeddings"))
+        return layer(module)
+
+    return build
+
+
+def _rotary(module: nn.Module, path: str) -> KernelRoPE | None:
+    """``module`` (an attention's RoPE) as a :class:`KernelRoPE`: itself when patched, else built by
+    its rule (checked); None for a RoPE no rule knows."""
+    if isinstance(module, KernelRoPE):
+        return module
+    rule = next((r for r in ROPE_RULES if r.matches(module)), None)
+    return rule.build(module, path) if rule is not None else None  # type: ignore[return-value]
+
+
+def _attention(heads: str, kv_heads: str, norms: bool) -> Callable[[nn.Module, str], KernelLayer]:
+    """An attention whose prologue (per-head norms, RoPE, layout) goes on ``rope_qk``."""
+
+    def build(module: nn.Module, path: str) -> KernelLayer:
+        counts = []
+        for key in (heads, kv_heads):
+            value = getattr(module, key, None)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise _refuse(path, f"{key} must be a positive int, got {value!r}")
+            counts.append(value)
+        _, q_out, q_dtype = _linear(module, "q_proj", path)
+        _, k_out, k_dtype = _linear(module, "k_proj", path)
+        _linear(module, "v_proj", path)
+        _same(path, "dtype", ("q_proj", q_dtype), ("k_proj", k_dtype))
+        _float_dtype(q_dtype, "q_proj's output", path)
+        if q_out % counts[0]:
+            raise _refuse(path, f"q_proj gives {q_out} features, not a multiple of {heads}={counts[0]}")
+        d = q_out // counts[0]
+        _same(path, "key features", ("k_proj", k_out), (f"{kv_heads} x head dim", counts[1] * d))
+        if d > MAX_HEAD_DIM:
+            raise _refuse(path, f"head dimension {d} is over the rope_qk kernel's {MAX_HEAD_DIM}")
+        rotary = _rotary(_child(module, "rope", path), f"{path}.rope")
+        assert rotary is not None  # the rule's `when` checked it
+        dims = getattr(rotary, "dims", getattr(rotary, "dim", 0))
+        if dims > d:
+            raise _refuse(f"{path}.rope", f"RoPE dims {dims} exceed the head dimension {d}")
+        if norms:
+            eps = []
+            for key in ("q_norm", "k_norm"):
+                norm = _child(module, key, path)
+                weight = _vector(norm, "weight", f"{path}.{key}", d)
+                _same(f"{path}.{key}", "dtype", ("weight", weight.dtype), ("q_proj", q_dtype))
+                _eps(norm, f"{path}.{key}")
+                eps.append(norm.eps)
+            _same(path, "eps", ("q_norm", eps[0]), ("k_norm", eps[1]))
+        sdpa = module_global(type(module), "scaled_dot_product_attention")
+        return KernelAttention(module, heads, kv_heads, rotary, norms, sdpa)
+
+    return build
+
+
+def _knows_rope_and_norms(norms: bool) -> Callable[[nn.Module], bool]:
+    def when(module: nn.Module) -> bool:
+        rope = module.get("rope") if isinstance(module, dict) else None
+        if not isinstance(rope, nn.Module) or (
+                not isinstance(rope, KernelRoPE) and not any(r.matches(rope) for r in ROPE_RULES)):
+            return False
+        return not norms or all(_rms_norm_offset(module.get(key)) == 0.0 for key in ("q_norm", "k_norm"))
+
+    return when
 
 
 def _gated(kind: Callable[[nn.Module], KernelLayer]) -> Callable[[nn.Module, str], KernelLayer]:
@@ -194,29 +292,47 @@ def _gate_up(module: nn.Module, path: str) -> KernelLayer:
     return KernelGateUpMLP(module)
 
 
-def _post_norm(block: nn.Module) -> tuple[nn.Module, float] | None:
-    """The block's post-attention norm (looked through an earlier patch) and its weight offset."""
-    norm = block.get("post_attention_layernorm") if isinstance(block, dict) else None
+def _rms_norm_offset(norm: Any) -> float | None:
+    """The weight offset of an RMSNorm a rule knows (0, or 1 for Gemma's; looked through an earlier
+    patch), else None."""
     if isinstance(norm, KernelRMSNorm):
-        return norm.original, norm._gk_offset
+        return norm._gk_offset
     if not isinstance(norm, nn.Module):
         return None
-    for rule, offset in ((RMS_NORM, 0.0), (OFFSET_RMS_NORM, 1.0)):
-        if rule.matches(norm):
-            return norm, offset
-    return None
+    return next((offset for rule, offset in ((RMS_NORM, 0.0), (OFFSET_RMS_NORM, 1.0)) if rule.matches(norm)),
+                None)
+
+
+def _add_norm(block: nn.Module, key: str, path: str) -> KernelAddRMSNorm | None:
+    """``block``'s RMSNorm ``key`` as a :class:`KernelAddRMSNorm` (checked), or None if no rule knows it."""
+    norm = block.get(key) if isinstance(block, dict) else None
+    offset = _rms_norm_offset(norm)
+    if offset is None or not isinstance(norm, nn.Module):
+        return None
+    original = norm.original if isinstance(norm, KernelRMSNorm) else norm
+    _vector(original, "weight", f"{path}.{key}")
+    _eps(original, f"{path}.{key}")
+    return KernelAddRMSNorm(original, offset)
 
 
 def _residual_block(ffn: str) -> Callable[[nn.Module, str], KernelLayer]:
     def build(module: nn.Module, path: str) -> KernelLayer:
-        found = _post_norm(module)
-        assert found is not None  # the rule's `when` checked it
-        norm, offset = found
-        norm_path = f"{path}.post_attention_layernorm"
-        _vector(norm, "weight", norm_path)
-        _eps(norm, norm_path)
+        norm = _add_norm(module, "post_attention_layernorm", path)
+        assert norm is not None  # the rule's `when` checked it
         _child(module, ffn, path)
-        return KernelResidualBlock(module, ffn, KernelAddRMSNorm(norm, offset))
+        return KernelResidualBlock(module, ffn, norm, _add_norm(module, "input_layernorm", path))
+
+    return build
+
+
+def _stack(kind: type[KernelDecoderStack]) -> Callable[[nn.Module, str], KernelLayer]:
+    def build(module: nn.Module, path: str) -> KernelLayer:
+        norm = _add_norm(module, "norm", path)
+        assert norm is not None  # the rule's `when` checked it
+        layers = module.get("layers") if isinstance(module, dict) else None
+        if not isinstance(layers, list):
+            raise _refuse(path, f"layers must be a list of blocks, got {type(layers).__name__}")
+        return kind(module, norm, module_global(type(module), "create_attention_mask"))
 
     return build
 
@@ -239,6 +355,59 @@ def _block(ffn: str) -> Forward:
         "    return out\n")
 
 
+def _attention_forward(heads: str, kv_heads: str, norms: bool) -> Forward:
+    """mlx-lm's Llama attention forward (``norms``: Qwen 3's, with q_norm and k_norm)."""
+    if norms:
+        prologue = (f"    queries = self.q_norm(queries.reshape(B, L, self.{heads}, -1))"
+                    ".transpose(0, 2, 1, 3)\n"
+                    f"    keys = self.k_norm(keys.reshape(B, L, self.{kv_heads}, -1))"
+                    ".transpose(0, 2, 1, 3)\n")
+    else:
+        prologue = (f"    queries = queries.reshape(B, L, self.{heads}, -1).transpose(0, 2, 1, 3)\n"
+                    f"    keys = keys.reshape(B, L, self.{kv_heads}, -1).transpose(0, 2, 1, 3)\n")
+    return Forward(
+        "def __call__(self, x, mask=None, cache=None):\n"
+        "    B, L, D = x.shape\n"
+        "    queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)\n"
+        f"{prologue}"
+        f"    values = values.reshape(B, L, self.{kv_heads}, -1).transpose(0, 2, 1, 3)\n"
+        "    if cache is not None:\n"
+        "        queries = self.rope(queries, offset=cache.offset)\n"
+        "        keys = self.rope(keys, offset=cache.offset)\n"
+        "        keys, values = cache.update_and_fetch(keys, values)\n"
+        "    else:\n"
+        "        queries = self.rope(queries)\n"
+        "        keys = self.rope(keys)\n"
+        "    output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, "
+        "mask=mask)\n"
+        "    output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)\n"
+        "    return self.o_proj(output)\n",
+        {"scaled_dot_product_attention": f"{_BASE}:scaled_dot_product_attention"})
+
+
+_EMBED = ("def __call__(self, inputs, cache=None, input_embeddings=None):\n"
+          "    if input_embeddings is not None:\n"
+          "        h = input_embeddings\n"
+          "    else:\n"
+          "        h = self.embed_tokens(inputs)\n"
+          "    if cache is None:\n"
+          "        cache = [None] * len(self.layers)\n")
+_MASK = {"create_attention_mask": f"{_BASE}:create_attention_mask"}
+#: mlx-lm's Qwen3Model and MixtralModel (and the models sharing their forward).
+_STACK = Forward(_EMBED + "    mask = create_attention_mask(h, cache[0])\n"
+                 "    for layer, c in zip(self.layers, cache):\n"
+                 "        h = layer(h, mask, c)\n"
+                 "    return self.norm(h)\n", _MASK)
+#: mlx-lm's LlamaModel: full-attention and sliding-window masks.
+_SLIDING_STACK = Forward(
+    _EMBED + "    fa_mask = create_attention_mask(h, cache[self.fa_idx])\n"
+    "    if self.swa_idx is not None:\n"
+    "        swa_mask = create_attention_mask(h, cache[self.swa_idx], window_size=self.sliding_window)\n"
+    "    for layer, cache in zip(self.layers, cache):\n"
+    "        mask = swa_mask if layer.use_sliding else fa_mask\n"
+    "        h = layer(h, mask, cache=cache)\n"
+    "    return self.norm(h)\n", _MASK)
+
 _MX = {"mx": "mlx.core"}
 
 RMS_NORM = Rule("RMSNorm", "rms_norm", _rms_norm(0.0), classes=(nn.RMSNorm,), forwards=(
@@ -247,15 +416,51 @@ RMS_NORM = Rule("RMSNorm", "rms_norm", _rms_norm(0.0), classes=(nn.RMSNorm,), fo
 OFFSET_RMS_NORM = Rule("RMSNorm with weight + 1 (Gemma)", "rms_norm", _rms_norm(1.0), forwards=(
     Forward("def __call__(self, x):\n    return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)", _MX),))
 
+#: Every RoPE layer mlx-lm ships, by exact class.
+ROPE_RULES: list[Rule] = [
+    Rule("RoPE", "rope", _rope(KernelRoPE, numbers=("base", "scale")), classes=(nn.RoPE,)),
+    Rule("Llama 3 RoPE", "rope", _rope(KernelFreqsRoPE, freqs=True), classes=(f"{_ROPE_UTILS}:Llama3RoPE",)),
+    Rule("proportional RoPE", "rope", _rope(KernelFreqsRoPE, freqs=True),
+         classes=(f"{_ROPE_UTILS}:ProportionalRoPE",)),
+    Rule("YaRN RoPE", "rope", _rope(KernelYarnRoPE, freqs=True, numbers=("mscale",)),
+         classes=(f"{_ROPE_UTILS}:YarnRoPE",)),
+    Rule("LongRoPE (SuScaledRoPE)", "rope", _rope(KernelSuScaledRoPE, "dim", freqs=True, numbers=("_scale",)),
+         classes=(f"{_ROPE_UTILS}:SuScaledRoPE",)),
+    Rule("dynamic NTK RoPE", "rope",
+         _rope(KernelDynamicRoPE, numbers=("base", "factor", "max_position_embeddings")),
+         classes=(f"{_ROPE_UTILS}:DynamicNTKScalingRoPE",)),
+]
+
+
+def _stack_rule(name: str, kind: type[KernelDecoderStack], forward: Forward) -> Rule:
+    return Rule(name, "add_rms_norm", _stack(kind), forwards=(forward,),
+                when=lambda m: _rms_norm_offset(m.get("norm")) is not None)
+
+
+def _attention_rule(name: str, heads: str, kv_heads: str, norms: bool) -> Rule:
+    return Rule(name, "rope_qk", _attention(heads, kv_heads, norms),
+                forwards=(_attention_forward(heads, kv_heads, norms),), when=_knows_rope_and_norms(norms))
+
+
 #: Every rule, in the order they are tried (a block before the layers inside it).
 RULES: list[Rule] = [
+    _stack_rule("decoder stack: each residual add fused into the next RMSNorm", KernelDecoderStack, _STACK),
+    _stack_rule("decoder stack with sliding-window layers (Llama): each residual add fused into the next "
+                "RMSNorm", KernelSlidingDecoderStack, _SLIDING_STACK),
     *(Rule(f"pre-norm block (residual add + RMSNorm before {ffn})", "add_rms_norm", _residual_block(ffn),
-           forwards=(_block(ffn),), when=lambda m: _post_norm(m) is not None)
+           forwards=(_block(ffn),),
+           when=lambda m: _rms_norm_offset(m.get("post_attention_layernorm")) is not None)
       for ffn in ("mlp", "block_sparse_moe")),
+    _attention_rule("attention prologue (Llama): RoPE of q and k, laid out", "n_heads", "n_kv_heads",
+                    False),
+    _attention_rule("attention prologue (Qwen 3): q/k RMSNorm and RoPE, laid out", "n_heads", "n_kv_heads",
+                    True),
+    _attention_rule("attention prologue (Mixtral): RoPE of q and k, laid out", "num_heads",
+                    "num_key_value_heads", False),
     RMS_NORM,
     OFFSET_RMS_NORM,
     Rule("LayerNorm", "layer_norm", _layer_norm, classes=(nn.LayerNorm,)),
-    Rule("RoPE", "rope", _rope, classes=(nn.RoPE,)),
+    *ROPE_RULES,
     Rule("SwiGLU MLP", "swiglu", _gated(KernelSwiGLUMLP), forwards=(
         _mlp("swiglu(self.gate_proj(x), self.up_proj(x))"),
         _mlp("nn.silu(self.gate_proj(x)) * self.up_proj(x)"))),
@@ -344,10 +549,12 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> list[Patche
 
 
 def _sync(layer: KernelLayer) -> None:
-    """Carry parameters replaced while patched (training, ``update``) back to the originals."""
+    """Carry parameters replaced while patched (training, ``update``) back to the originals. Only
+    the ones replaced: a layer left out of the model by a later patch (the input norm a fused block
+    took over) holds arrays older than its original's."""
     original = layer.original
-    for key, value in layer.items():
-        if isinstance(value, mx.array) and key in original and original[key] is not value:
+    for key, value in layer.replaced_arrays().items():
+        if key in original:
             original[key] = value
     for _, _, child, _ in _children(layer, ""):
         if isinstance(child, KernelLayer):

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Forward", "forward_fingerprint"]
+__all__ = ["Forward", "forward_fingerprint", "is_class", "module_global"]
 
 _MISSING = object()
 
@@ -87,6 +87,24 @@ def _resolve(path: str) -> Any:
     except ImportError:
         return _MISSING
     return getattr(module, attr, _MISSING) if attr else module
+
+
+def is_class(cls: type, path: str) -> bool:
+    """Whether ``cls`` is the class ``"pkg.mod:Name"`` (looked up only when the names agree, so a
+    plain model never imports the package).
+
+    >>> import mlx.nn as nn
+    >>> is_class(nn.RoPE, "mlx.nn.layers.positional_encoding:RoPE"), is_class(nn.RoPE, "mlx_lm:RoPE")
+    (True, False)
+    """
+    module, _, name = path.partition(":")
+    return cls.__module__ == module and cls.__qualname__ == name and _resolve(path) is cls
+
+
+def module_global(cls: type, name: str) -> Any:
+    """The global ``name`` of the module ``cls`` is defined in (None when absent)."""
+    module = sys.modules.get(cls.__module__)
+    return vars(module).get(name) if module is not None else None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from graphkern.nodes import KernelError, Status
 
-__all__ = ["TINY_CONFIGS", "random_model", "tiny_model"]
+__all__ = ["DEEPSEEK_V3_CONFIG", "TINY_CONFIGS", "random_model", "tiny_model"]
 
 _BASE: dict[str, Any] = {
     "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
@@ -36,6 +36,16 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "gemma2": {"model_type": "gemma2", **_BASE, "head_dim": 16, "query_pre_attn_scalar": 16.0},
     "phi3": {"model_type": "phi3", **_BASE},
     "mixtral": {"model_type": "mixtral", **_BASE, "num_local_experts": 4, "num_experts_per_tok": 2},
+}
+
+#: A tiny DeepSeek V3 (multi-head latent attention, MoE routing; its RoPE turns 8 features of each
+#: head): for ``random_model``, with ``rope_scaling`` added as wanted. Its attention has no fused
+#: form, so it stays out of ``TINY_CONFIGS``.
+DEEPSEEK_V3_CONFIG: dict[str, Any] = {
+    "model_type": "deepseek_v3", **_BASE, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+    "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16,
+    "max_position_embeddings": 512,
 }
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern import runtime
+from graphkern import backends
 from graphkern.compiled import CompiledGraph, all_finite, non_finite_error
 from graphkern.compiled import compile as compile_graph
 from graphkern.graph import Graph
@@ -36,7 +36,9 @@ from graphkern.nodes import KernelError, Status
 from graphkern.state import Flat, argument_names, static_key
 from graphkern.trace import Traceable
 
-__all__ = ["WrappedModel", "wrap"]
+__all__ = ["WRAP_OPERATION", "WrappedModel", "wrap"]
+
+WRAP_OPERATION = "wrap a model as a graphkern compiled graph"
 
 
 def _offsets_erased(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -70,7 +72,8 @@ class WrappedModel:
     def __init__(self, model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
                  trace_each_offset: bool = False, check_finite: bool = False):
         if not isinstance(model, nn.Module):
-            raise TypeError(f"wrap expects an mlx.nn.Module, got {type(model).__name__}")
+            raise KernelError(WRAP_OPERATION, f"wrap expects an mlx.nn.Module, got {type(model).__name__}",
+                              Status.INVALID_INPUT)
         self.model = model
         self.backend = backend
         self.max_traces = max_traces
@@ -81,6 +84,9 @@ class WrappedModel:
         self._last: CompiledGraph | None = None
         self._arg_names = argument_names(model)
         self._cache_calls_traced: set[Any] = set()  # such calls, offsets blanked
+        # the cache list the last call ran eagerly with (decoding): the same call on it runs
+        # eagerly again without computing its keys, as the model itself would run it
+        self._eager_cache: Any = None
         #: How calls ran: ``"compiled"`` (a graphkern compiled graph) or ``"eager"`` (a cache call at
         #: a new offset, see :func:`wrap`).
         self.calls: dict[str, int] = {"compiled": 0, "eager": 0}
@@ -94,10 +100,7 @@ class WrappedModel:
         """The compiled graph for these arguments' static part (tree structure, Python scalars,
         cache offsets); array shapes and dtypes are told apart inside it. None: run eagerly (a cache
         call traced before at another offset, unless ``trace_each_offset``)."""
-        if self._structure is None:
-            self._structure = StructureWatch(self.model)
-        elif self._structure.changed():  # modules swapped (patch, unpatch) or parameters reshaped
-            self.clear()
+        self._structure_changed()
         static = static_key(args, kwargs)
         compiled = self._graphs.get(static)
         if compiled is None:
@@ -117,17 +120,31 @@ class WrappedModel:
         self._last = compiled
         return compiled
 
+    def _structure_changed(self) -> bool:
+        """Whether modules were swapped (patch, unpatch) or parameters reshaped since the last
+        call; if so every trace is forgotten."""
+        if self._structure is None:
+            self._structure = StructureWatch(self.model)
+            return False
+        if self._structure.changed():
+            self.clear()
+            return True
+        return False
+
     def _eager(self, args: tuple[Any, ...], cache: Any, kwargs: dict[str, Any]) -> Any:
-        """The model itself on the caller's cache, its outputs evaluated as a compiled call's are;
-        if it fails, the cache is put back as it was (a compiled call writes nothing then either)."""
+        """The model itself on the caller's cache, its outputs scheduled as a steady compiled
+        call's are; if it fails, the cache is put back as it was (a compiled call writes nothing
+        then either)."""
         self.calls["eager"] += 1
         kwargs = {k: v for k, v in kwargs.items() if k != "cache"}
         before = snapshot(cache)
         try:
-            with runtime.using_backend(self.backend):
+            with backends.using_backend(self.backend):
                 out = self.model(*args, cache=cache, **kwargs)
-            mx.eval(out)
-            if self.check_finite and not all_finite(out):
+            # scheduled as a steady compiled call is: MLX compiles and encodes the kernels here,
+            # so a failure still raises in this call, while the GPU runs as the caller goes on
+            mx.async_eval(out)
+            if self.check_finite and not all_finite(out):  # (waits for the outputs)
                 write_back(cache, before)  # the values trace runs on the cache as it was
                 forward = Traceable(_forward(self.model))
                 flat = Flat.of(args, {**kwargs, "cache": cache_states(cache)}, forward.arg_names)
@@ -153,10 +170,15 @@ class WrappedModel:
 
     def __call__(self, *args: Any, cache: Any = None, **kwargs: Any) -> Any:
         """Run the forward pass; with ``cache`` (mlx-lm cache objects), update them as the model would."""
+        if (cache is not None and cache is self._eager_cache and not kwargs
+                and not self._structure_changed()):
+            return self._eager(args, cache, kwargs)  # the next token of an eager decode
         args, kwargs, cache = self._prepare(args, cache, kwargs)
         compiled = self._compiled(args, kwargs)
         if compiled is None:
+            self._eager_cache = cache if len(kwargs) == 1 else None
             return self._eager(args, cache, kwargs)
+        self._eager_cache = None
         self.calls["compiled"] += 1
         out = compiled(*args, **kwargs)
         if cache is None:
@@ -193,6 +215,7 @@ class WrappedModel:
         """Forget every trace."""
         self._graphs.clear()
         self._cache_calls_traced.clear()
+        self._eager_cache = None
         self._last = None
 
     def __getattr__(self, name: str) -> Any:
@@ -224,6 +247,7 @@ def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
     fails raises what failed (a kernel's ``KernelError``, MLX's error) and leaves the cache as it was.
     ``check_finite=True`` checks each call's logits for NaN/Inf and raises ``GraphError`` naming the
     node where they started (see ``gk.compile``); the cache is then left as it was.
+    Anything but an ``nn.Module`` is refused with ``KernelError`` (``Status.INVALID_INPUT``).
 
     >>> import mlx.core as mx, mlx.nn as nn
     >>> model = nn.Linear(2, 2)

@@ -184,6 +184,7 @@ class FailureSummary:
     status: int
     message: str
     affected: int  # descendants marked UPSTREAM_FAILED (or failed) because of it
+    scope: str = ""  # the module path it ran in
 
 
 def failures(g: nx.MultiDiGraph) -> list[FailureSummary]:
@@ -194,7 +195,8 @@ def failures(g: nx.MultiDiGraph) -> list[FailureSummary]:
         if node_status(data) == UPSTREAM_FAILED and data.get("root_cause") in affected:
             affected[data["root_cause"]] += 1
     return [
-        FailureSummary(r, node_status(g.nodes[r]), str(g.nodes[r].get("message") or ""), affected[r])
+        FailureSummary(r, node_status(g.nodes[r]), str(g.nodes[r].get("message") or ""), affected[r],
+                       str(g.nodes[r].get("scope") or ""))
         for r in roots
     ]
 
@@ -264,10 +266,119 @@ def _file_mode(target: str) -> int:
         return 0o666 & ~mask
 
 
+def template_text(data: Mapping[str, Any]) -> str:
+    """A kernel node's template arguments, with those holding float32 bits shown as floats.
+
+    >>> template_text({"template": [["T", "float32"], ["EPS", "925353388"]],
+    ...                "template_floats": {"EPS": 1e-05}})
+    'T=float32, EPS=1e-05'
+    """
+    floats = data.get("template_floats") or {}
+    items = data.get("template") or []
+    return ", ".join(f"{name}={floats[name]:g}" if name in floats else f"{name}={value}"
+                     for name, value in items)
+
+
 def iter_kernel_fields(data: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
     """``(name, text)`` of the kernel attributes worth showing, in a fixed order."""
     for key in ("kernel", "backend", "grid", "threadgroup", "template", "source_hash",
                 "generated_name"):
         value = data.get(key)
         if value not in (None, "", []):
-            yield key, node_text(value)
+            yield key, template_text(data) if key == "template" else node_text(value)
+
+
+# ----------------------------------------------------------------------------- weights and constants
+
+#: Ops that only move or retype one array: a weight seen through them is still that weight.
+_PASS_THROUGH = {"Transpose": "ᵀ", "AsType": "", "Broadcast": "", "Reshape": "", "ExpandDims": "",
+                 "Squeeze": "", "Copy": "", "Contiguous": "", "Flatten": "", "Unflatten": "",
+                 "StopGradient": ""}
+_LONG_FLOAT = re.compile(r"-?\d+\.\d{8,}(?:e[-+]?\d+)?")
+_DESCRIPTION_CHARS = 160
+_SHORT_CHARS = 16
+
+
+def _array_text(g: nx.MultiDiGraph, n: Any) -> str:
+    """``float32[8]``: the array a node makes, for a value too long to show in place."""
+    for _, _, data in g.out_edges(n, data=True):
+        return format_tensor(data.get("shape"), data.get("dtype"))
+    return str(n)
+
+
+def pretty_numbers(text: str) -> str:
+    """Floats printed from float32 values, shortened to the digits float32 has.
+
+    >>> pretty_numbers("[9.999999747378752e-06, 0.3162277638912201, 2.0]")
+    '[1e-05, 0.3162278, 2.0]'
+    """
+    return _LONG_FLOAT.sub(lambda m: f"{float(m.group()):.7g}", text)
+
+
+@dataclass(frozen=True)
+class WeightText:
+    """How a weight-like node reads where it is used: in full (``Transpose(model.lm_head.weight)``)
+    and short (``model.lm_head.weightᵀ``; a reader strips the consumer's own module path)."""
+
+    full: str
+    short: str
+
+
+def is_state_input(data: Mapping[str, Any]) -> bool:
+    """An input read as state (a module parameter, a closure array), not an argument. Graphs
+    without the ``state`` attribute count parameters by their module scope."""
+    if data.get("kind") != "input":
+        return False
+    state = data.get("state")
+    return bool(state) if state is not None else bool(data.get("scope"))
+
+
+def weight_like(g: nx.MultiDiGraph, order: list[Any] | None = None) -> dict[Any, WeightText]:
+    """The nodes that only carry weights and constants, with how each reads: constants, inputs
+    read as state, and ops computed from those alone (a weight's transpose, a broadcast scalar,
+    a mask built from ``arange``). Kernels, outputs and failed nodes never are. Drawings show
+    these as attributes of the node that uses them. Empty when nothing else would be left.
+
+    >>> b = nx.MultiDiGraph()
+    >>> b.add_node("x", kind="input", scope="", status=0); b.add_node("w", kind="input", scope="m", status=0)
+    >>> b.add_node("t", kind="op", op="Transpose", status=0)
+    >>> b.add_node("mm", kind="op", op="Matmul", status=0)
+    >>> _ = [b.add_edge(u, v, key, index=i) for u, v, key, i in
+    ...      [("w", "t", "a", 0), ("x", "mm", "b", 0), ("t", "mm", "c", 1)]]
+    >>> {n: t.short for n, t in weight_like(b).items()}
+    {'w': 'w', 't': 'wᵀ'}
+    """
+    order = ordered_nodes(g) if order is None else order
+    nodes = g.nodes
+    out: dict[Any, WeightText] = {}
+    for n in order:
+        d = nodes[n]
+        kind = d.get("kind")
+        if node_status(d):
+            continue
+        if kind == "constant":
+            text = pretty_numbers(str(d.get("value") or d.get("label") or n))
+            out[n] = WeightText(text, text if len(text) <= _SHORT_CHARS else _array_text(g, n))
+        elif kind == "input":
+            if is_state_input(d):
+                label = str(d.get("label") or n)
+                out[n] = WeightText(label, label)
+        elif kind == "op":
+            preds = [e[0] for e in in_edges_sorted(g, n)]
+            if all(p in out for p in preds):
+                out[n] = _derived(str(d.get("op") or d.get("label") or n),
+                                  [out[p] for p in dict.fromkeys(preds)])
+    shown = sum(1 for n in order if n not in out and nodes[n].get("kind") != "output")
+    return out if shown else {}
+
+
+def _derived(op: str, inputs: list[WeightText]) -> WeightText:
+    if len(inputs) == 1 and op in _PASS_THROUGH:
+        full = f"{op}({inputs[0].full})"
+        short = inputs[0].short + _PASS_THROUGH[op]
+    else:
+        full = f"{op}({', '.join(i.full for i in inputs)})"
+        short = f"{op}(…)" if inputs else op
+    if len(full) > _DESCRIPTION_CHARS:
+        full = full[: _DESCRIPTION_CHARS - 1] + "…"
+    return WeightText(full, short)

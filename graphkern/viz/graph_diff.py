@@ -1,10 +1,12 @@
 """Compare two traces — for instance before and after patching a module with a kernel.
 
 Node ids are not stable across traces (``multiply_3`` becomes ``multiply_1`` when two multiplies
-before it are replaced), so nodes are matched by what they are: within each (kind, module scope,
-op or kernel name) bucket, the two topologically ordered lists are aligned with difflib on each
-node's local signature (input shapes and dtypes, output shapes and dtypes). Matched pairs whose
-attributes differ are "changed"; the rest are "added" or "removed".
+before it are replaced), so nodes are paired by where they are and what they do: within each
+module scope, the two topologically ordered lists of (kind, op or kernel name) are aligned with
+difflib, so the n-th ``Matmul`` of ``layers.0.mlp`` pairs with the n-th. A node of the second
+graph left over in a scope (the kernel ``patch`` put there) then pairs with the left-over node of
+the first that fed the same consumers (the op the kernel replaced). Paired nodes whose attributes
+differ are "changed" (a replacement changes kind and op); the rest are "added" or "removed".
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from graphkern.viz._common import (
     node_text,
     ordered_nodes,
     status_name,
+    template_text,
 )
 
 __all__ = ["diff", "GraphDiff", "NodeChange"]
@@ -42,6 +45,14 @@ class NodeChange:
 
     def describe(self) -> str:
         return "; ".join(f"{f}: {a} -> {b}" for f, a, b in self.changes)
+
+    @property
+    def replaced(self) -> bool:
+        """The node became another kind or op: a layer's op replaced by a kernel, say."""
+        return any(f in ("kind", "op") for f, _, _ in self.changes)
+
+    def _field(self, name: str, side: int) -> str | None:
+        return next((c[side] for c in self.changes if c[0] == name), None)
 
 
 @dataclass
@@ -69,16 +80,29 @@ class GraphDiff:
         return str(as_nx(graph).nodes[n].get("kind") or "op")
 
     @property
+    def replaced(self) -> list[NodeChange]:
+        """Paired nodes that became another kind or op (an op replaced by a kernel)."""
+        return [c for c in self.changed if c.replaced]
+
+    @property
     def kernels_added(self) -> list[str]:
-        return [n for n in self.added if self._kind(self.after, n) == "kernel"]
+        """Kernel nodes of ``after`` that are new or replaced another kind of node."""
+        new = {c.after for c in self.replaced if c._field("kind", 2) == "kernel"}
+        order = ordered_nodes(as_nx(self.after))
+        return [n for n in order if (n in new or n in self.added)
+                and self._kind(self.after, n) == "kernel"]
 
     @property
     def kernels_removed(self) -> list[str]:
-        return [n for n in self.removed if self._kind(self.before, n) == "kernel"]
+        """Kernel nodes of ``before`` that are gone or were replaced by another kind of node."""
+        gone = {c.before for c in self.replaced if c._field("kind", 1) == "kernel"}
+        order = ordered_nodes(as_nx(self.before))
+        return [n for n in order if (n in gone or n in self.removed)
+                and self._kind(self.before, n) == "kernel"]
 
     @property
     def kernels_changed(self) -> list[NodeChange]:
-        return [c for c in self.changed if c.kind == "kernel"]
+        return [c for c in self.changed if c.kind == "kernel" and not c.replaced]
 
     @property
     def status_before(self) -> int:
@@ -97,6 +121,7 @@ class GraphDiff:
             "removed": list(self.removed),
             "changed": [{"before": c.before, "after": c.after, "kind": c.kind, "scope": c.scope,
                          "changes": [list(x) for x in c.changes]} for c in self.changed],
+            "replaced": [[c.before, c.after] for c in self.replaced],
             "kernels": {"added": self.kernels_added, "removed": self.kernels_removed,
                         "changed": [c.after for c in self.kernels_changed]},
             "status": {"before": status_name(self.status_before),
@@ -113,7 +138,8 @@ class GraphDiff:
         lines.append(f"  kernels: +{len(self.kernels_added)} added, "
                      f"-{len(self.kernels_removed)} removed, ~{len(self.kernels_changed)} changed")
         lines.append(f"  nodes:   +{len(self.added)} added, -{len(self.removed)} removed, "
-                     f"~{len(self.changed)} changed")
+                     f"~{len(self.changed)} changed"
+                     + (f" ({len(self.replaced)} replaced)" if self.replaced else ""))
         sa, sb = self.status_before, self.status_after
         if sa != sb:
             lines.append(f"  status:  {status_name(sa)} -> {status_name(sb)}")
@@ -135,9 +161,12 @@ class GraphDiff:
                     (f"{key[0]} -> {key[1]}", root), 0) + 1
                 continue
             d = b.nodes[c.after]
-            name = c.after if c.after == c.before else f"{c.before} -> {c.after}"
-            rows.append((c.scope, f"{d.get('order', 0):09d}~",
-                         f"~ {c.kind} {name}: {c.describe()}"))
+            if c.replaced:
+                text = f"~ {_describe(a, c.before)} replaced by {_describe(b, c.after)}"
+            else:
+                name = c.after if c.after == c.before else f"{c.before} -> {c.after}"
+                text = f"~ {c.kind} {name}: {c.describe()}"
+            rows.append((c.scope, f"{d.get('order', 0):09d}~", text))
         for (what, root), count in cascades.items():
             because = f" (root cause {root})" if root and root != "-" else ""
             lines.append(f"  ~ {count} node{'s' if count != 1 else ''} downstream: "
@@ -206,16 +235,26 @@ def _describe(g: Any, n: str) -> str:
     return text
 
 
-def _bucket(d: dict[str, Any]) -> tuple[str, str, str]:
+def _what(d: dict[str, Any]) -> str:
+    return str(d.get("kernel") or d.get("op") or "")
+
+
+def _token(g: Any, n: Any) -> tuple[str, str]:
+    """What a node is, for pairing within a scope: kind and op (or kernel name); inputs by
+    name, constants by value."""
+    d = g.nodes[n]
     kind = str(d.get("kind") or "op")
-    what = str(d.get("kernel") or d.get("op") or "")
-    return (kind, str(d.get("scope") or ""), what)
+    if kind == "input":
+        return kind, str(d.get("label") or n)
+    if kind == "constant":
+        return kind, str(d.get("value") or "")
+    return kind, _what(d)
 
 
 def _signature(g: Any, n: str) -> tuple[Any, ...]:
     """What a node looks like locally: where its inputs come from (kind and op of the producer,
     shape and dtype) and the shapes and dtypes it produces."""
-    ins = tuple((_bucket(g.nodes[e[0]])[0], _bucket(g.nodes[e[0]])[2],
+    ins = tuple((str(g.nodes[e[0]].get("kind") or "op"), _what(g.nodes[e[0]]),
                  format_tensor(e[3].get("shape"), e[3].get("dtype")))
                 for e in in_edges_sorted(g, n))
     outs = tuple(sorted({format_tensor(e[3].get("shape"), e[3].get("dtype"))
@@ -223,40 +262,83 @@ def _signature(g: Any, n: str) -> tuple[Any, ...]:
     return ins, outs
 
 
-def diff(before: Any, after: Any) -> GraphDiff:
-    """Compare two traces: nodes and kernels added, removed or changed.
+def _by_scope(g: Any, order: list[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for n in order:
+        out.setdefault(str(g.nodes[n].get("scope") or ""), []).append(n)
+    return out
 
-    Nodes are matched by kind, module scope and op (or kernel) name, in topological order, and
-    aligned by their input and output shapes; ids may differ between the two. Inputs, outputs
-    and constants are matched the same way. Compared on matched nodes: status, root cause,
-    message, arguments, constant value, kernel backend, grid, threadgroup, template, source hash,
-    the shapes/dtypes of inputs and outputs, and which (matched) node feeds each input.
+
+def _pair_in_scope(a: Any, b: Any, la: list[str], lb: list[str], matched: dict[str, str]) -> None:
+    """Align the scope's two node lists by (kind, op): equal runs pair up, and inside a run
+    that differs, nodes of one kind and op pair in order."""
+    ta, tb = [_token(a, n) for n in la], [_token(b, n) for n in lb]
+    sm = difflib.SequenceMatcher(a=ta, b=tb, autojunk=False)
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if tag == "equal":
+            matched.update(zip(la[i1:i2], lb[j1:j2]))
+    # what the alignment left (a node MLX ordered differently): same kind and op, in order
+    taken = set(matched.values())
+    waiting: dict[tuple[str, str], list[str]] = {}
+    for n, t in zip(lb, tb):
+        if n not in taken:
+            waiting.setdefault(t, []).append(n)
+    for n, t in zip(la, ta):
+        same = waiting.get(t)
+        if n not in matched and same:
+            matched[n] = same.pop(0)
+
+
+def _pair_replacements(a: Any, b: Any, la: list[str], lb: list[str],
+                       matched: dict[str, str]) -> None:
+    """A node of ``b`` left unpaired in its scope pairs with the unpaired node of ``a`` in the
+    same scope whose consumers are (paired with) its consumers: the op a kernel replaced."""
+    back = {v: k for k, v in matched.items()}
+    free_a = [n for n in la if n not in matched]
+    for n in lb:
+        if n in back or not free_a:
+            continue
+        consumers = set(b.successors(n))
+        outs = _signature(b, n)[1]
+        best, score = None, (0, False)
+        for m in free_a:
+            shared = sum(1 for s in a.successors(m) if matched.get(s) in consumers)
+            key = (shared, _signature(a, m)[1] == outs)
+            if shared and key > score:
+                best, score = m, key
+        if best is not None:
+            matched[best] = n
+            back[n] = best
+            free_a.remove(best)
+
+
+def diff(before: Any, after: Any) -> GraphDiff:
+    """Compare two traces: nodes and kernels added, removed, changed or replaced.
+
+    Nodes are paired by module scope, kind and op (or kernel name) and their position in the
+    scope; a node left over in a scope of ``after`` pairs with the one of ``before`` that fed the
+    same consumers, so stock vs patched pairs each replaced layer's op with its kernel (a
+    change of kind and op). Compared on paired nodes: kind, op, status, root cause, message,
+    arguments, constant value, kernel backend, grid, threadgroup, template, source hash, the
+    shapes and dtypes of inputs and outputs, and which (paired) node feeds each input.
 
     >>> d = diff(gk.trace(model, x), gk.trace(patched, x))  # doctest: +SKIP
     >>> print(d)                                            # doctest: +SKIP
     """
     a, b = as_nx(before), as_nx(after)
     order_a, order_b = ordered_nodes(a), ordered_nodes(b)
-    buckets_a: dict[tuple[str, str, str], list[str]] = {}
-    buckets_b: dict[tuple[str, str, str], list[str]] = {}
-    for n in order_a:
-        buckets_a.setdefault(_bucket(a.nodes[n]), []).append(n)
-    for n in order_b:
-        buckets_b.setdefault(_bucket(b.nodes[n]), []).append(n)
+    scopes_a, scopes_b = _by_scope(a, order_a), _by_scope(b, order_b)
     matched: dict[str, str] = {}
-    result = GraphDiff(before, after)
-    for key in list(buckets_a) + [k for k in buckets_b if k not in buckets_a]:
-        la, lb = buckets_a.get(key, []), buckets_b.get(key, [])
-        if not la or not lb:
-            continue
-        sa = [_signature(a, n) for n in la]
-        sb = [_signature(b, n) for n in lb]
-        sm = difflib.SequenceMatcher(a=sa, b=sb, autojunk=False)
-        for tag, i1, i2, j1, j2 in sm.get_opcodes():
-            if tag == "equal" or tag == "replace":
-                for i, j in zip(range(i1, i2), range(j1, j2)):
-                    matched[la[i]] = lb[j]
+    for scope, la in scopes_a.items():
+        _pair_in_scope(a, b, la, scopes_b.get(scope, []), matched)
+    for _ in range(3):  # a replacement can feed the next: pair until nothing changes
+        before_count = len(matched)
+        for scope, la in scopes_a.items():
+            _pair_replacements(a, b, la, scopes_b.get(scope, []), matched)
+        if len(matched) == before_count:
+            break
     back = {v: k for k, v in matched.items()}
+    result = GraphDiff(before, after)
     result.matched = matched
     result.removed = [n for n in order_a if n not in matched]
     result.added = [n for n in order_b if n not in back]
@@ -266,6 +348,9 @@ def diff(before: Any, after: Any) -> GraphDiff:
         m = matched[n]
         da, db = a.nodes[n], b.nodes[m]
         changes: list[tuple[str, str, str]] = []
+        for f in ("kind", "op"):
+            if str(da.get(f) or "") != str(db.get(f) or ""):
+                changes.append((f, str(da.get(f) or "-"), str(db.get(f) or "-")))
         for f in _COMPARED:
             va, vb = da.get(f), db.get(f)
             if f == "root_cause":
@@ -275,6 +360,8 @@ def diff(before: Any, after: Any) -> GraphDiff:
                     continue
             if f == "status":
                 va, vb = status_name(node_status(da)), status_name(node_status(db))
+            elif f == "template":
+                va, vb = template_text(da), template_text(db)
             if _norm(va) != _norm(vb):
                 changes.append((f, node_text(va) or "-", node_text(vb) or "-"))
         ins_a = [(int(e[3].get("index") or 0), e[0], format_tensor(e[3].get("shape"), e[3].get("dtype")))
@@ -295,6 +382,7 @@ def diff(before: Any, after: Any) -> GraphDiff:
 
 
 def _norm(v: Any) -> Any:
+    """What is compared: sequences as tuples, and no value the same as an empty one."""
     if isinstance(v, (list, tuple)):
-        return tuple(_norm(x) for x in v)
-    return v
+        return tuple(_norm(x) for x in v) or None
+    return None if v == "" else v

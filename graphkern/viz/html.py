@@ -2,9 +2,10 @@
 
 One file, no network: the page inlines its CSS, its JavaScript (``static/viewer.js``), the few d3
 modules it uses for pan and zoom (vendored from npm into ``static/`` by ``update-vendor.sh``) and
-the graph as JSON. The layout runs in the browser (so collapsing a module group re-lays the graph out): layers
-by longest path, barycentric ordering that keeps module groups together, and x positions by
-isotonic regression; it lays out 10,000 nodes in well under a second and draws on a canvas.
+the graph as JSON. The layout runs in the browser, so opening or closing a module re-lays the
+graph out: each open module is laid out on its own (layers by longest path, barycentric
+ordering, x positions by isotonic regression) and drawn as a frame around its contents, so frames
+nest and never overlap; edges leave and enter a frame through ports on its bottom and top edge.
 """
 
 from __future__ import annotations
@@ -26,15 +27,20 @@ from graphkern.viz._common import (
     node_status,
     node_text,
     ordered_nodes,
+    pretty_numbers,
     scope_parts,
     status_names,
+    template_text,
+    weight_like,
 )
 
 __all__ = ["to_html", "repr_html", "viewer_data"]
 
 KINDS = [kind.value for kind in NodeKind]
 _DETAIL_KEYS = ("message", "value", "arguments", "kernel", "backend", "grid", "threadgroup",
-                "template", "source_hash", "source", "generated_name")
+                "source_hash", "source", "generated_name")
+#: node flags in the viewer's rows
+WEIGHT = 1  # a weight or constant (or computed from them alone): drawn as its consumers' attribute
 
 
 @cache
@@ -49,10 +55,12 @@ def _vendor_js() -> str:
 
 
 def viewer_data(graph: Any, *, diff: Mapping[str, Any] | None = None,
-                collapse_depth: int | None = None) -> dict[str, Any]:
+                collapse_depth: int | None = None, show_weights: bool = False) -> dict[str, Any]:
     """The JSON document the viewer reads: nodes in topological order as compact rows
-    ``[id, kind, label, op, group, status, root]``, module groups ``[path, label, parent, depth]``,
-    edges ``[source, target, array, shape, dtype, index]`` and per-node details.
+    ``[id, kind, label, op, group, status, root, flags]`` (flag 1: a weight or constant, drawn as
+    an attribute of its consumers), module groups ``[path, label, parent, depth, class]``,
+    edges ``[source, target, array, shape, dtype, index]``, per-node details (``weight``: how a
+    weight-like node reads, in full and short) and kernel sources by source hash.
 
     >>> data = viewer_data(graph)                          # doctest: +SKIP
     >>> data["nodes"][0][:2]                               # doctest: +SKIP
@@ -63,7 +71,9 @@ def viewer_data(graph: Any, *, diff: Mapping[str, Any] | None = None,
     index = {n: i for i, n in enumerate(order)}
     groups = group_tree(g.nodes[n].get("scope") for n in order)
     gindex = {path: i for i, (path, _, _, _) in enumerate(groups)}
+    classes = g.graph.get("modules") or {}
     kinds = {k: i for i, k in enumerate(KINDS)}
+    weights = weight_like(g, order)
     nodes: list[list[Any]] = []
     details: dict[str, dict[str, Any]] = {}
     for i, n in enumerate(order):
@@ -75,9 +85,19 @@ def viewer_data(graph: Any, *, diff: Mapping[str, Any] | None = None,
         group = gindex[".".join(parts)] if parts else -1
         root = d.get("root_cause")
         nodes.append([str(n), kinds[kind], str(d.get("label") or n), str(d.get("op") or ""),
-                      group, node_status(d), index.get(root, -1) if root is not None else -1])
-        extra = {k: node_text(d.get(k)) if k in ("grid", "threadgroup", "template")
-                 else str(d.get(k)) for k in _DETAIL_KEYS if d.get(k) not in (None, "", [])}
+                      group, node_status(d), index.get(root, -1) if root is not None else -1,
+                      WEIGHT if n in weights else 0])
+        extra: dict[str, Any] = {k: node_text(d.get(k)) if k in ("grid", "threadgroup")
+                                 else str(d.get(k)) for k in _DETAIL_KEYS
+                                 if d.get(k) not in (None, "", [])}
+        if d.get("template"):
+            extra["template"] = template_text(d)
+        if kind == "constant" and "value" in extra:
+            extra["value"] = pretty_numbers(extra["value"])
+        if d.get("input_names"):
+            extra["input_names"] = [str(x) for x in d["input_names"]]
+        if n in weights:
+            extra["weight"] = [weights[n].full, weights[n].short]
         if extra:
             details[str(i)] = extra
     edges: list[list[Any]] = []
@@ -99,12 +119,14 @@ def viewer_data(graph: Any, *, diff: Mapping[str, Any] | None = None,
         },
         "statusNames": {str(k): v for k, v in status_names().items()},
         "kinds": list(kinds),
-        "groups": [list(gr) for gr in groups],
+        "groups": [[path, label, parent, depth, str(classes.get(path) or "")]
+                   for path, label, parent, depth in groups],
         "nodes": nodes,
         "edges": edges,
         "details": details,
+        "sources": dict(g.graph.get("kernel_sources") or {}),
         "diff": dict(diff) if diff is not None else None,
-        "options": {"collapse_depth": collapse_depth},
+        "options": {"collapse_depth": collapse_depth, "show_weights": bool(show_weights)},
     }
 
 
@@ -130,14 +152,15 @@ _PAGE = """<!DOCTYPE html>
     <div id="gk-search-box">
       <input id="gk-search" type="search" placeholder="Search nodes, ops, kernels, modules  ( / )"
              autocomplete="off" spellcheck="false" aria-label="Search nodes">
-      <span id="gk-search-count"></span>
       <div id="gk-results" role="listbox"></div>
     </div>
+    <span id="gk-search-count" aria-live="polite"></span>
     <button class="gk-btn" id="gk-modules" title="Module tree (m)">Modules</button>
     <button class="gk-btn" id="gk-fit" title="Fit to view (f)">Fit</button>
-    <select class="gk-btn" id="gk-depth" title="Collapse module groups">
-      <option value="-1">expand all groups</option>
-    </select>
+    <select class="gk-btn" id="gk-depth" title="How far module groups are expanded"></select>
+    <label class="gk-btn" id="gk-weights-label" title="Draw weights and constants as nodes (w)"><input
+      type="checkbox" id="gk-weights"> weights</label>
+    <select class="gk-btn" id="gk-colour" title="Colour nodes by"></select>
   </div>
   <div id="gk-banner" role="alert"></div>
   <div id="gk-diffbar"></div>
@@ -145,17 +168,13 @@ _PAGE = """<!DOCTYPE html>
     <nav id="gk-tree" aria-label="modules"></nav>
     <div id="gk-canvas-wrap">
       <canvas id="gk-canvas" aria-label="graph"></canvas>
-      <canvas id="gk-minimap" width="150" height="200" aria-label="minimap"></canvas>
-      <div id="gk-legend"><i style="background:#fff;border-color:#64748b"></i>op<i
-        style="background:#ede9fe;border-color:#6d28d9"></i>kernel<i
-        style="background:#dbeafe;border-color:#3b82f6"></i>input<i
-        style="background:#dcfce7;border-color:#16a34a"></i>output<i
-        style="background:#fecaca;border-color:#dc2626"></i>failed<i
-        style="background:#fff1f2;border-color:#ef4444;border-style:dashed"></i>downstream of a failure</div>
+      <canvas id="gk-minimap" aria-label="minimap"></canvas>
       <div id="gk-tip"></div>
     </div>
     <aside id="gk-panel" aria-label="details"></aside>
   </div>
+  <div id="gk-foot"><div id="gk-legend"></div><div id="gk-hint">scroll to zoom · drag to pan ·
+    double-click a box to open it · click a frame's title to close it</div></div>
 </div>
 <script id="gk-data" type="application/json">{data}</script>
 <script>{vendor}</script>
@@ -166,20 +185,24 @@ _PAGE = """<!DOCTYPE html>
 
 
 def to_html(graph: Any, *, title: str | None = None, collapse_depth: int | None = None,
-            diff: Mapping[str, Any] | None = None) -> str:
+            show_weights: bool = False, diff: Mapping[str, Any] | None = None) -> str:
     """One self-contained HTML page that draws the graph and lets you explore it offline.
 
-    Layered layout on a canvas, module scopes as frames that collapse into one box (click a
-    frame's title; ``collapse_depth=1`` starts with everything below the top level collapsed),
-    search (``/``), a details panel on click (op, shapes, dtypes, kernel name, source, grid,
-    threadgroup, template, status, root cause), failures red with their blast radius dashed red,
-    pan and zoom, and a minimap. ``diff`` is used by ``GraphDiff.to_html``.
+    Module scopes are nested frames laid out one inside another, each drawn top to bottom in
+    data-flow order. A model opens with one box per repeated layer (``model.layers.0`` ...);
+    double-click a box to open it in place, click a frame's title to close it;
+    ``collapse_depth=1`` starts with everything below the top level closed, ``-1`` with
+    everything open. Weights and constants are attributes of the node that uses them (the
+    "weights" toggle, or ``show_weights=True``, draws them as nodes). Search (``/``), a details
+    panel on click (inputs by producer or parameter path, shapes, kernel backend, grid,
+    threadgroup, template, sources, status, root cause), failures red with their blast radius
+    dashed red, pan and zoom, and a minimap. ``diff`` is used by ``GraphDiff.to_html``.
 
     >>> page = to_html(graph)                             # doctest: +SKIP
     >>> open("trace.html", "w").write(page)               # doctest: +SKIP
     """
     g = as_nx(graph)
-    data = viewer_data(graph, diff=diff, collapse_depth=collapse_depth)
+    data = viewer_data(graph, diff=diff, collapse_depth=collapse_depth, show_weights=show_weights)
     name = graph_name(g)
     meta = data["meta"]
     subtitle = f"{meta['nodes']} nodes · {meta['edges']} edges"

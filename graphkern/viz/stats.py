@@ -55,29 +55,34 @@ def stats_attrs(data: Mapping[str, Any]) -> list[dict[str, str]]:
 _GRADIENT = [{"stop": 0, "bgColor": "#f8fafc"}, {"stop": 1, "bgColor": "#f97316"}]
 
 
-def stats_overlays(nodes: Iterable[tuple[Any, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+def stats_overlays(nodes: Iterable[tuple[Any, Mapping[str, Any]]],
+                   ids: Mapping[Any, Iterable[str]] | None = None) -> dict[str, dict[str, Any]]:
     """Model Explorer node data for the nodes that carry values: ``absmax`` (a gradient),
     ``non_finite`` (NaN + Inf count; red where any) and, after ``gk.compare``, ``compare_max_abs``
-    (a gradient). Empty when no node carries statistics."""
+    (green within tolerance, red beyond). ``ids``: each node's Model Explorer ids (a weight drawn
+    in several modules has several), by default its name. Empty when no node carries statistics."""
     absmax: dict[str, dict[str, Any]] = {}
     non_finite: dict[str, dict[str, Any]] = {}
     error: dict[str, dict[str, Any]] = {}
     for node, data in nodes:
+        names = list(ids.get(node, [str(node)])) if ids is not None else [str(node)]
         stats = data.get("stats")
         if isinstance(stats, Mapping):
-            if stats.get("absmax") is not None:
-                absmax[str(node)] = {"value": float(stats["absmax"])}
             bad = int(stats.get("nan") or 0) + int(stats.get("inf") or 0)
-            non_finite[str(node)] = {"value": bad, "bgColor": "#fecaca" if bad else "#dcfce7"}
+            for name in names:
+                if stats.get("absmax") is not None:
+                    absmax[name] = {"value": float(stats["absmax"])}
+                non_finite[name] = {"value": bad, "bgColor": "#fecaca" if bad else "#dcfce7"}
         compared = data.get("comparison")
         if isinstance(compared, Mapping) and compared.get("max_abs") is not None:
-            error[str(node)] = {"value": float(compared["max_abs"]),
-                                "bgColor": "#dcfce7" if compared.get("ok") else "#fecaca"}
+            for name in names:
+                error[name] = {"value": float(compared["max_abs"]),
+                               "bgColor": "#dcfce7" if compared.get("ok") else "#fecaca"}
     out: dict[str, dict[str, Any]] = {}
     if absmax:
-        out["absmax"] = {"results": absmax, "gradient": _GRADIENT}
+        out["absmax"] = {"name": "absmax", "results": absmax, "gradient": _GRADIENT}
     if non_finite:
-        out["non_finite"] = {"results": non_finite}
+        out["non_finite"] = {"name": "NaN + Inf", "results": non_finite}
     if error:
-        out["compare_max_abs"] = {"results": error}
+        out["compare_max_abs"] = {"name": "compare: max abs error", "results": error}
     return out

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import graphkern as gk
-from graphkern import runtime
+from graphkern import backends, mlx_kernels
 from graphkern.nodes import dtype_name
 
 pytestmark = pytest.mark.gpu
@@ -338,7 +338,7 @@ def check_kernel_node(g: gk.Graph, kernel: gk.Kernel, case: Case | None = None) 
         assert [t[0] for t in node["template"]] == [gk.TemplateArg(*t).name if isinstance(t, tuple)
                                                     else t.name for t in case.template]
     if CUDA:  # the CustomKernel primitive folded into the node and named it
-        assert node["generated_name"].startswith(runtime.generated_name(kernel)), node["generated_name"]
+        assert node["generated_name"].startswith(backends.generated_name(kernel)), node["generated_name"]
         assert node["source"] == kernel.cuda
         assert not [n for n in g.nodes("op") if g.node(n)["op"] == "CustomKernel"]
     return node
@@ -433,7 +433,7 @@ def test_same_name_different_source_each_runs_its_own() -> None:
     graphkern gives MLX distinct names (name + source hash), so each runs its own source."""
     a = mx.arange(32, dtype=mx.float32)
     k1, k2 = _dup_kernels()
-    assert runtime.generated_name(k1) != runtime.generated_name(k2)
+    assert backends.generated_name(k1) != backends.generated_name(k2)
     spec = [gk.OutputSpec(a.shape, a.dtype)]
     kw = dict(grid=(32, 1, 1), threadgroup=(32, 1, 1), template=[("N", 32)])
     [out_a] = gk.apply(k1, [a], spec, **kw)
@@ -452,7 +452,7 @@ def test_same_name_different_source_each_runs_its_own() -> None:
     nodes = [check_kernel_node(g, k) for k in (k1, k2)]
     if CUDA:
         assert nodes[0]["generated_name"] != nodes[1]["generated_name"]
-        keys = {runtime.KernelCache.key("cuda", k) for k in (k1, k2)}
+        keys = {mlx_kernels.KernelCache.key("cuda", k) for k in (k1, k2)}
         assert len(keys) == 2
 
 

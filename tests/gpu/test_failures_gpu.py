@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import graphkern as gk
-from graphkern import runtime
+from graphkern import backends, mlx_kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -110,7 +110,7 @@ def test_nvrtc_error_is_a_compile_error_on_its_node(cuda_only: None, bad: gk.Ker
     message = node["message"]
     # NVRTC's log: MLX's "Failed to compile kernel: <module>.cu(LINE): error: ..."
     assert "error" in message and LOG_MARK[bad.name] in message, message
-    assert runtime.generated_name(bad) in message
+    assert backends.generated_name(bad) in message
     assert g.status == gk.Status.COMPILE_ERROR and [f.node for f in g.failures()] == [err.node]
 
     below = nx.descendants(g.nx, err.node)
@@ -166,8 +166,8 @@ def test_nvrtc_error_eagerly(cuda_only: None) -> None:
     with pytest.raises(RuntimeError) as info:
         mx.eval(out)
     message = str(info.value)
-    assert runtime.generated_name(BROKEN_BODY) in message and "gk_not_declared_anywhere" in message
-    assert runtime.status_of_mlx_error(message) == gk.Status.COMPILE_ERROR
+    assert backends.generated_name(BROKEN_BODY) in message and "gk_not_declared_anywhere" in message
+    assert mlx_kernels.status_of_mlx_error(message) == gk.Status.COMPILE_ERROR
     _assert_mlx_usable()
 
 
@@ -186,14 +186,14 @@ BAD_LAUNCHES = [
 def test_bad_launch_never_reaches_mlx(monkeypatch: pytest.MonkeyPatch, bad_launch: dict[str, Any]) -> None:
     monkeypatch.setenv("GRAPHKERN_BACKEND", "cuda")
     reached: list[Any] = []
-    real_get = runtime.kernel_cache.get
+    real_get = mlx_kernels.kernel_cache.get
 
     def guarded_get(backend: str, kernel: gk.Kernel) -> Any:
         if kernel is LAUNCH_TARGET:
             reached.append(kernel.name)
         return real_get(backend, kernel)
 
-    monkeypatch.setattr(runtime.kernel_cache, "get", guarded_get)
+    monkeypatch.setattr(mlx_kernels.kernel_cache, "get", guarded_get)
     x, y = _xy()
     spec = [gk.OutputSpec(x.shape, x.dtype)]
     kw = dict(dict(grid=(x.size, 1, 1), threadgroup=(256, 1, 1)), **bad_launch)
@@ -224,7 +224,7 @@ def test_zero_threadgroup_never_reaches_mlx_kernel_object(monkeypatch: pytest.Mo
     MLX kernel object, so nothing of MLX is called."""
     monkeypatch.setenv("GRAPHKERN_BACKEND", "cuda")
     touched: list[str] = []
-    monkeypatch.setattr(runtime.kernel_cache, "get",
+    monkeypatch.setattr(mlx_kernels.kernel_cache, "get",
                         lambda backend, kernel: touched.append(kernel.name) or pytest.fail("reached"))
     x = mx.ones((64,))
     for call in (gk.apply, gk.apply_in_graph):

@@ -9,11 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 import graphkern.kernels as gkk
 from graphkern.kernel_checks import TOLERANCES, check_kernel, compare
 from graphkern.kernels import LIBRARY, Case, LibraryEntry, apply_plan
+from graphkern.kernels.ops.rope_qk import _stock as stock_prologue
+from graphkern.models import patch
 
 pytestmark = pytest.mark.gpu
 
@@ -32,6 +35,9 @@ GPU_SHAPES: dict[str, list[tuple[int, ...]]] = {
     "softmax": [(4, 64), (64, 4096), (3, 4097), (2, 20000), (2, 50000)],
     "rope": [(2, 8, 64, 128), (2, 2, 7, 100)],
     "rope_traditional": [(2, 8, 64, 128), (2, 2, 7, 100)],
+    # (B, L, query features): 32 heads of 128 at one token and at 64; 4 heads of 128; heads of 32
+    "rope_qk": [(1, 1, 4096), (2, 64, 4096), (3, 5, 96)],
+    "rope_qk_norm": [(1, 1, 4096), (2, 64, 4096), (3, 5, 96)],
     "swiglu": [(64, 14336), (3, 1001)],
     "gelu": [(64, 4096), (3, 1001)],
     "gelu_approx": [(64, 4096)],
@@ -59,7 +65,7 @@ def _misaligned(a: mx.array) -> mx.array:
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "layer_norm", "add_rms_norm", "softmax", "swiglu", "gelu",
-                                  "rope"])
+                                  "rope", "rope_qk_norm"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_misaligned_pointers_take_the_scalar_path(name: str, dtype: mx.Dtype) -> None:
     entry = LIBRARY[name]
@@ -116,3 +122,60 @@ def test_compiled_function_with_kernels_equals_eager() -> None:
     eager = block(x, r)
     compiled: Callable[[mx.array, mx.array], mx.array] = mx.compile(block)
     assert mx.array_equal(compiled(x, r), eager).item()
+
+
+def _max_diff(a: mx.array, b: mx.array) -> float:
+    return float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item())
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("name", ["default", "linear", "llama3", "yarn", "su_scaled", "proportional",
+                                  "dynamic_ntk"])
+def test_every_mlx_lm_rope_layer_patched_equals_stock_on_device(name: str, traditional: bool) -> None:
+    """The kernel computes its frequencies as MLX's GPU RoPE does, so it agrees with mx.fast.rope at
+    positions up to 32k (with host-side tables it differed by ulps, visible through MoE routing)."""
+    pytest.importorskip("mlx_lm")
+    from rope_layers import OFFSETS, ROPES
+
+    stock = ROPES[name](traditional)
+    model = nn.Sequential(stock)
+    patch(model)
+    fast = model.layers[0]
+    worst = 0.0
+    # one token (MLX's single-row kernel), several, a partial rotation
+    for shape in ((1, 8, 1, 64), (2, 3, 5, 64), (2, 3, 5, 80)):
+        x = mx.random.normal(shape, key=mx.random.key(shape[-1]))
+        for offset in OFFSETS:
+            worst = max(worst, _max_diff(fast(x, offset=offset), stock(x, offset=offset)))
+        if name != "dynamic_ntk":
+            per_batch = mx.array([5, 32000][:shape[0]], dtype=mx.int32)
+            worst = max(worst, _max_diff(fast(x, offset=per_batch), stock(x, offset=per_batch)))
+    print(f"{name} traditional={traditional}: max |patched - stock| = {worst:.3g}")
+    assert worst <= 1e-5
+
+
+PROLOGUES: list[dict[str, object]] = [
+    {"offset": 5},
+    {"traditional": True, "offset": 32760},
+    {"dims": 64, "scale": 0.5, "offset": 4093},
+    {"base": None, "freqs": mx.exp(mx.linspace(0.0, 9.0, 64)), "input_scale": 1.1386, "offset": 30000},
+    {"norm": True, "base": 1e6, "offset": 17},
+    {"norm": True, "dims": 96, "traditional": True, "offset": mx.array([3, 20000], dtype=mx.int32)},
+]
+
+
+@pytest.mark.parametrize("length", [1, 33])
+@pytest.mark.parametrize("options", PROLOGUES, ids=lambda o: ",".join(o))
+def test_rope_qk_equals_the_stock_prologue_on_device(options: dict[str, object], length: int) -> None:
+    options = dict(options)
+    dims = options.pop("dims", 128)
+    kq, kk, kw = mx.random.split(mx.random.key(length), 3)
+    q, k = mx.random.normal((2, length, 8 * 128), key=kq), mx.random.normal((2, length, 2 * 128), key=kk)
+    if options.pop("norm", False):
+        weights = 1.0 + 0.5 * mx.random.normal((2, 128), key=kw)
+        options.update(q_weight=weights[0], k_weight=weights[1], eps=1e-6)
+    ours = gkk.rope_qk(q, k, 8, 2, dims, **options)  # type: ignore[arg-type]
+    stock = stock_prologue(q, k, 8, 2, dims, **options)  # type: ignore[arg-type]
+    worst = max(_max_diff(a, b) for a, b in zip(ours, stock))
+    print(f"rope_qk {options} L={length}: max |fused - stock| = {worst:.3g}")
+    assert worst <= 1e-5

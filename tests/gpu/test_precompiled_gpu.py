@@ -1,6 +1,6 @@
 """Precompiled CUDA kernels: a ``Kernel`` carrying PTX or a cubin (``cuda_binary``) instead of CUDA
-source runs through ``mx.fast.precompiled_cuda_kernel`` (the seed's ``KernelBuilder`` precompiled
-case), is cached and traced like a source kernel, and matches its reference.
+source runs through ``mx.fast.precompiled_cuda_kernel``, is cached and traced like a source
+kernel, and matches its reference.
 
 MLX calls a precompiled entry point by the kernel's own name with the inputs, then the outputs,
 then the scalars; graphkern's template ints and bools are those scalars, in order. The PTX
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import graphkern as gk
-from graphkern import runtime
+from graphkern import mlx_kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -118,7 +118,7 @@ def test_precompiled_kernels_are_cached_by_binary() -> None:
     if CUDA:
         assert after["misses"] - before["misses"] == 1
         assert after["hits"] - before["hits"] == 2
-        assert runtime.KernelCache.key("cuda", kernel)[2] == kernel.cuda_binary
+        assert mlx_kernels.KernelCache.key("cuda", kernel)[2] == kernel.cuda_binary
 
 
 def test_same_name_different_binaries_each_run_their_own() -> None:

@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from graphkern.kernels._base import (
     Case,
+    LayerLaunches,
     LibraryEntry,
     Plan,
     check_dtype,
@@ -114,8 +115,18 @@ def add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array | None = None
     >>> h.tolist(), [round(v, 4) for v in y[0].tolist()]
     ([[3.0, 4.0]], [0.8485, 1.1314])
     """
-    h, out = run(plan_add_rms_norm(x, residual, weight, eps))
+    try:
+        key = (x.shape, x.dtype, residual.shape, residual.dtype, eps, eps.__class__,
+               None if weight is None else (weight.shape, weight.dtype))
+    except AttributeError:  # not arrays: the plan says what is wrong
+        h, out = run(plan_add_rms_norm(x, residual, weight, eps))
+        return h, out
+    arrays = (x, residual) if weight is None else (x, residual, weight)
+    h, out = _LAUNCHES(key, arrays, lambda: plan_add_rms_norm(x, residual, weight, eps))
     return h, out
+
+
+_LAUNCHES = LayerLaunches()
 
 
 def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:

@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from graphkern.kernels._base import (
     Case,
+    LayerLaunches,
     LibraryEntry,
     Plan,
     check_dtype,
@@ -184,7 +185,16 @@ def layer_norm(x: mx.array, weight: mx.array | None = None, bias: mx.array | Non
     >>> layer_norm(mx.array([[1.0, 3.0]]), mx.array([2.0, 2.0]), mx.array([0.5, 0.5]), eps=0.0).tolist()
     [[-1.5, 2.5]]
     """
-    return run(plan_layer_norm(x, weight, bias, eps))[0]
+    try:
+        key = (x.shape, x.dtype, eps, eps.__class__, None if weight is None else (weight.shape, weight.dtype),
+               None if bias is None else (bias.shape, bias.dtype))
+    except AttributeError:  # not arrays: the plan says what is wrong
+        return run(plan_layer_norm(x, weight, bias, eps))[0]
+    arrays = tuple(a for a in (x, weight, bias) if a is not None)
+    return _LAUNCHES(key, arrays, lambda: plan_layer_norm(x, weight, bias, eps))[0]
+
+
+_LAUNCHES = LayerLaunches()
 
 
 def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, *, bias: bool) -> Case:

@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from graphkern.kernels._base import (
     Case,
+    LayerLaunches,
     LibraryEntry,
     Plan,
     check_dtype,
@@ -167,7 +168,15 @@ def rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1e-5) -> 
     >>> rms_norm(x, mx.array([1.0, 2.0]), eps=0.0).tolist()   # rms = sqrt(12.5)
     [[0.8485281467437744, 2.262741804122925]]
     """
-    return run(plan_rms_norm(x, weight, eps))[0]
+    try:
+        key = (x.shape, x.dtype, eps, eps.__class__, None if weight is None else (weight.shape, weight.dtype))
+    except AttributeError:  # not arrays: the plan says what is wrong
+        return run(plan_rms_norm(x, weight, eps))[0]
+    arrays = (x,) if weight is None else (x, weight)
+    return _LAUNCHES(key, arrays, lambda: plan_rms_norm(x, weight, eps))[0]
+
+
+_LAUNCHES = LayerLaunches()
 
 
 def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:

@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from graphkern.kernels._base import (
     Case,
+    LayerLaunches,
     LibraryEntry,
     Plan,
     check_dtype,
@@ -34,7 +35,7 @@ __all__ = ["SOFTMAX", "in_shared_memory", "plan_softmax", "shared_row_bytes", "s
 
 #: float32 rows this long (1024 threads of 16 elements) or longer take 8-byte accesses when streamed.
 LONG_FLOAT32_ROW = 16384
-#: The most shared memory a block keeps its row in (three such blocks fit an H200 SM).
+#: The most shared memory a block keeps its row in (three such blocks fit an SM of a Hopper GPU).
 SHARED_ROW_BYTES = 64 * 1024
 #: Shared memory per SM in KB by compute capability (CUDA C++ Programming Guide, technical
 #: specifications); architectures not listed have 100 KB (8.6, 8.9, 12.x).
@@ -203,10 +204,8 @@ def plan_softmax(x: mx.array) -> Plan:
 
 def in_shared_memory(n: int, dtype: mx.Dtype, limit: int = SHARED_ROW_BYTES) -> bool:
     """Whether a CUDA softmax keeps rows of ``n`` elements of ``dtype`` in shared memory: float32
-    rows up to ``limit`` bytes, 16-bit rows from half of it. On an H200, whose limit is 64 KiB
-    (benchmarks/probes/wide_rows.py): float32 8192x4096 72.0 -> 66.5 us, 4096x16384 142.9 ->
-    131.3 us (mx.softmax 111.3 / 138.4); bfloat16 4096x16384 80.8 -> 73.4 us, but 8192x4096 (8 KiB
-    rows) 40.9 -> 41.6.
+    rows up to ``limit`` bytes, 16-bit rows from half of it (shorter 16-bit rows read twice from L2
+    as fast; benchmarks/RESULTS_kernels.md).
 
     >>> in_shared_memory(4096, mx.float32), in_shared_memory(4096, mx.bfloat16)
     (True, False)
@@ -221,7 +220,7 @@ def in_shared_memory(n: int, dtype: mx.Dtype, limit: int = SHARED_ROW_BYTES) -> 
 @functools.cache
 def shared_row_bytes() -> int:
     """The longest row, in bytes, that a CUDA softmax keeps in shared memory on this GPU: three
-    blocks of it fit an SM, as on the H200 where it was measured (64 KiB at most). An sm_75 GPU
+    blocks of it fit an SM (64 KiB at most, what a Hopper GPU gets). An sm_75 GPU
     (64 KB an SM, at most 64 KB a block) gets 20 KiB, an sm_86 one 32 KiB, an A100 52 KiB.
 
     >>> shared_row_bytes() % 4096, shared_row_bytes() <= SHARED_ROW_BYTES
@@ -243,9 +242,8 @@ def _plan(x: mx.array, shared: bool) -> Plan:
         kernel = _shared_kernel(-(-n * x.dtype.size // 4096) * 4096)
     else:
         # streamed (max, sum and output in one read each; the second read hits L2), 16-byte
-        # accesses, 64 bytes a thread: what ran fastest on an H200 (benchmarks/gpu_row_configs.py);
-        # float32 rows that fill a 1024-thread block, 8-byte accesses (4096x16384: 144-147 us
-        # against 151-154)
+        # accesses, 64 bytes a thread (the fastest in benchmarks/gpu_row_configs.py's sweep);
+        # float32 rows that fill a 1024-thread block take 8-byte accesses
         vector = 2 if x.dtype == mx.float32 and n >= LONG_FLOAT32_ROW else 8
         cfg = row_config(n, x.dtype, vector=vector, items=64 // x.dtype.size, streamed=True, max_threads=1024)
         kernel = SOFTMAX
@@ -260,7 +258,14 @@ def softmax(x: mx.array) -> mx.array:
     >>> [round(v, 4) for v in softmax(mx.array([[1000.0, 1000.0, 999.0]]))[0].tolist()]
     [0.4223, 0.4223, 0.1554]
     """
-    return run(plan_softmax(x))[0]
+    try:
+        key = (x.shape, x.dtype)
+    except AttributeError:  # not an array: the plan says what is wrong
+        return run(plan_softmax(x))[0]
+    return _LAUNCHES(key, (x,), lambda: plan_softmax(x))[0]
+
+
+_LAUNCHES = LayerLaunches()
 
 
 def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern.kernels._base import Case, LibraryEntry, Plan, check_dtype, run
+from graphkern.kernels._base import Case, LayerLaunches, LibraryEntry, Plan, check_dtype, run
 from graphkern.kernels._elementwise import cuda_map_body, metal_map_body, plan_elementwise
 from graphkern.kernels._headers import dual_header
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
@@ -45,8 +45,8 @@ def plan_swiglu(gate: mx.array, up: mx.array) -> Plan:
     if gate.dtype != up.dtype:
         raise KernelError(op, f"dtype mismatch: gate is {dtype_name(gate.dtype)} but up is "
                           f"{dtype_name(up.dtype)}", Status.INVALID_INPUT)
-    # float32 in blocks of 1024, as MLX's compiled kernels launch: 364.7 us against 368.4 at 128 for
-    # 16384x8192 on an H200, level with the compiled nn.silu(g) * u's 366.6 (RESULTS_kernels step 15).
+    # float32 in blocks of 1024, as MLX's compiled kernels launch (faster than 128 for float32 once
+    # loads are whole vectors; 16-bit rows stay at 128: benchmarks/RESULTS_kernels.md)
     return plan_elementwise(op, SWIGLU, [gate, up], block=1024 if gate.dtype.size == 4 else 128)
 
 
@@ -56,7 +56,14 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     >>> [round(v, 4) for v in swiglu(mx.array([1.0, -2.0]), mx.array([2.0, 3.0])).tolist()]
     [1.4621, -0.7152]
     """
-    return run(plan_swiglu(gate, up))[0]
+    try:
+        key = (gate.shape, gate.dtype, up.shape, up.dtype)
+    except AttributeError:  # not arrays: the plan says what is wrong
+        return run(plan_swiglu(gate, up))[0]
+    return _LAUNCHES(key, (gate, up), lambda: plan_swiglu(gate, up))[0]
+
+
+_LAUNCHES = LayerLaunches()
 
 
 def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:

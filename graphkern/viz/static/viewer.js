@@ -1,55 +1,66 @@
 /* graphkern graph viewer.
  *
- * Draws a traced graph on a canvas: layered layout (longest-path layers, barycentric ordering that
- * keeps module groups together, isotonic x placement), nested module groups that collapse into
- * one box, search, a details panel, the blast radius of a failure, pan and zoom (d3-zoom), and a
- * minimap. The data comes from the <script id="gk-data"> element written by graphkern.viz.html.
- * window.gk exposes a small API for tests and for the console.
+ * Draws a traced graph on a canvas. Module scopes nest: every open module is laid out on its own
+ * (longest-path layers top to bottom in data-flow order, barycentric ordering, isotonic x
+ * placement) and drawn as a frame around its contents; a closed module is one box. Edges that
+ * cross a frame leave it through a port on its bottom edge and enter through one on its top edge,
+ * so frames never overlap and a long edge is routed around the boxes between its ends. Weights
+ * and constants are attributes of the node that uses them unless "weights" is on. Search, a
+ * details panel, the blast radius of a failure, pan and zoom (d3-zoom) and a minimap complete it.
+ * The data comes from the <script id="gk-data"> element written by graphkern.viz.html; window.gk
+ * is a small API for tests and for the console.
  */
 (function () {
   "use strict";
   var T0 = performance.now();
   var D = JSON.parse(document.getElementById("gk-data").textContent);
   var d3 = window.d3;
+  var UPSTREAM = 10;
 
   // ------------------------------------------------------------------ data
-  var N = D.nodes.length, G = D.groups.length;
-  var KIND = D.kinds;
+  var N = D.nodes.length, G = D.groups.length, E = D.edges.length, KIND = D.kinds;
   var nId = new Array(N), nKind = new Array(N), nLabel = new Array(N), nOp = new Array(N);
   var nGroup = new Int32Array(N), nStatus = new Int32Array(N), nRoot = new Int32Array(N);
-  var idIndex = new Map();
-  for (var i = 0; i < N; i++) {
+  var nWeight = new Uint8Array(N);
+  var idIndex = new Map(), i, g, e;
+  for (i = 0; i < N; i++) {
     var r = D.nodes[i];
     nId[i] = r[0]; nKind[i] = KIND[r[1]]; nLabel[i] = r[2]; nOp[i] = r[3];
-    nGroup[i] = r[4]; nStatus[i] = r[5]; nRoot[i] = r[6];
+    nGroup[i] = r[4]; nStatus[i] = r[5]; nRoot[i] = r[6]; nWeight[i] = r[7] & 1;
     idIndex.set(r[0], i);
   }
-  var gPath = new Array(G), gLabel = new Array(G), gParent = new Int32Array(G), gDepth = new Int32Array(G);
-  var gChain = new Array(G);   // ancestors, outermost first, including the group itself
-  for (var g = 0; g < G; g++) {
+  var gPath = new Array(G), gLabel = new Array(G), gClass = new Array(G);
+  var gParent = new Int32Array(G), gDepth = new Int32Array(G), gChain = new Array(G);
+  var gChildren = [], topGroups = [];
+  for (g = 0; g < G; g++) {
     var gr = D.groups[g];
-    gPath[g] = gr[0]; gLabel[g] = gr[1]; gParent[g] = gr[2]; gDepth[g] = gr[3];
+    gPath[g] = gr[0]; gLabel[g] = gr[1]; gParent[g] = gr[2]; gDepth[g] = gr[3]; gClass[g] = gr[4] || "";
     gChain[g] = gParent[g] >= 0 ? gChain[gParent[g]].concat([g]) : [g];
+    gChildren.push([]);
   }
-  var gSize = new Int32Array(G), gFailed = new Int32Array(G), gRootFail = new Int32Array(G);
+  for (g = 0; g < G; g++) (gParent[g] >= 0 ? gChildren[gParent[g]] : topGroups).push(g);
+  var eSrc = new Int32Array(E), eDst = new Int32Array(E), outE = [], inE = [];
+  for (i = 0; i < N; i++) { outE.push([]); inE.push([]); }
+  for (e = 0; e < E; e++) {
+    eSrc[e] = D.edges[e][0]; eDst[e] = D.edges[e][1];
+    outE[eSrc[e]].push(e); inE[eDst[e]].push(e);
+  }
+  for (i = 0; i < N; i++) inE[i].sort(function (a, b) { return D.edges[a][5] - D.edges[b][5]; });
+  var details = D.details || {}, sources = D.sources || {};
+  function det(n) { return details[n] || {}; }
+  // per group: what it holds (weights aside), for box captions, panels and the module tree
+  var gOps = new Int32Array(G), gKernels = new Int32Array(G), gFailed = new Int32Array(G);
+  var gRootFail = new Int32Array(G);
   for (i = 0; i < N; i++) {
     if (nGroup[i] < 0) continue;
     var ch = gChain[nGroup[i]];
     for (var c = 0; c < ch.length; c++) {
-      gSize[ch[c]]++;
-      if (nStatus[i]) gFailed[ch[c]]++;
-      if (nStatus[i] && nStatus[i] !== 10) gRootFail[ch[c]]++;
+      g = ch[c];
+      if (!nWeight[i]) { if (nKind[i] === "kernel") gKernels[g]++; else gOps[g]++; }
+      if (nStatus[i]) gFailed[g]++;
+      if (nStatus[i] && nStatus[i] !== UPSTREAM) gRootFail[g]++;
     }
   }
-  var E = D.edges.length;
-  var eSrc = new Int32Array(E), eDst = new Int32Array(E);
-  var outE = [], inE = [];
-  for (i = 0; i < N; i++) { outE.push([]); inE.push([]); }
-  for (var e = 0; e < E; e++) {
-    eSrc[e] = D.edges[e][0]; eDst[e] = D.edges[e][1];
-    outE[eSrc[e]].push(e); inE[eDst[e]].push(e);
-  }
-  var details = D.details || {};
   var diff = D.diff || null;
   var diffMark = new Int8Array(N);   // 1 added, 2 changed
   if (diff) {
@@ -57,177 +68,417 @@
     Object.keys(diff.changed).forEach(function (n) { diffMark[+n] = 2; });
   }
   var roots = [];
-  for (i = 0; i < N; i++) if (nStatus[i] && nStatus[i] !== 10) roots.push(i);
-  var statusName = function (s) { return D.statusNames[s] || String(s); };
+  for (i = 0; i < N; i++) if (nStatus[i] && nStatus[i] !== UPSTREAM) roots.push(i);
+  function statusName(s) { return D.statusNames[s] || String(s); }
+  function downstreamOf(n) { var c = 0; for (var q = 0; q < N; q++) if (nRoot[q] === n && q !== n) c++; return c; }
+
+  // ------------------------------------------------------------------ names in the user's terms
+  function pathParts(p) { return p ? p.split(".") : []; }
+  // a module path or parameter path as seen from inside ``scope``: the shared leading parts go
+  function relative(path, scope) {
+    var a = pathParts(path), b = pathParts(scope), q = 0;
+    while (q < a.length - 1 && q < b.length && a[q] === b[q]) q++;
+    return a.slice(q).join(".");
+  }
+  function scopeOf(n) { return nGroup[n] >= 0 ? gPath[nGroup[n]] : ""; }
+  // what a box says first: the op for an op, the kernel for a kernel, the name otherwise
+  function title(n) {
+    var k = nKind[n];
+    if (k === "op" || k === "kernel") return nOp[n] || nLabel[n];
+    if (k === "input" && nWeight[n]) return relative(nLabel[n], scopeOf(n));
+    if (k === "constant") return det(n).value || nLabel[n];
+    return nLabel[n];
+  }
+  // the weights and constants a node reads, drawn as its attributes while they are not nodes
+  var nAttrs = new Array(N);
+  for (i = 0; i < N; i++) {
+    var list = [];
+    for (var q = 0; q < inE[i].length; q++) { var s = eSrc[inE[i][q]]; if (nWeight[s] && list.indexOf(s) < 0) list.push(s); }
+    nAttrs[i] = list;
+  }
+  function weightShort(s, n) {
+    var w = det(s).weight;
+    return w ? relative(w[1], scopeOf(n)) : nLabel[s];
+  }
+  function weightFull(s) { var w = det(s).weight; return w ? w[0] : nLabel[s]; }
+  function attrLine(n) {
+    if (showWeights || !nAttrs[n].length) return "";
+    return nAttrs[n].map(function (s) { return weightShort(s, n); }).join(", ");
+  }
+  function inputName(n, index) {
+    var names = det(n).input_names;
+    return names && index < names.length ? names[index] : "";
+  }
+
+  // ------------------------------------------------------------------ node colour
+  // The one place a node's fill is decided: a colouring maps a node to its fill and lists its
+  // legend. Add a colouring here (a node statistic, say) and it appears under "colour".
+  var KIND_FILL = { op: "#ffffff", input: "#dbeafe", output: "#dcfce7", constant: "#f1f5f9", kernel: "#ede9fe" };
+  var FAILED_FILL = "#fecaca", UPSTREAM_FILL = "#fff1f2", BOX_FILL = "#e2e8f0";
+  var COLOURINGS = {
+    kind: {
+      label: "kind",
+      fill: function (n) {
+        if (nStatus[n]) return nStatus[n] === UPSTREAM ? UPSTREAM_FILL : FAILED_FILL;
+        return KIND_FILL[nKind[n]] || KIND_FILL.op;
+      },
+      group: function (g) { return gRootFail[g] ? FAILED_FILL : gFailed[g] ? UPSTREAM_FILL : BOX_FILL; },
+      legend: function () {
+        return [[KIND_FILL.op, "#64748b", "op"], [KIND_FILL.kernel, "#6d28d9", "kernel"],
+                [KIND_FILL.input, "#3b82f6", "input"], [KIND_FILL.output, "#16a34a", "output"],
+                [BOX_FILL, "#475569", "module (closed)"]];
+      }
+    }
+  };
+  var colouring = COLOURINGS.kind;
+  // outline: the kind, or the status, which every colouring shows the same way
+  var KIND_STROKE = { op: ["#64748b", 1], input: ["#3b82f6", 1.5], output: ["#16a34a", 1.5],
+                      constant: ["#94a3b8", 1], kernel: ["#6d28d9", 2.2] };
+  function strokeOf(n) {
+    if (nStatus[n] === UPSTREAM) return ["#ef4444", 1.5, 1];
+    if (nStatus[n]) return ["#dc2626", 3, 0];
+    var s = KIND_STROKE[nKind[n]] || KIND_STROKE.op;
+    return [s[0], s[1], 0];
+  }
+  function groupStroke(g) {
+    if (gRootFail[g]) return ["#dc2626", 3, 0];
+    if (gFailed[g]) return ["#ef4444", 1.5, 1];
+    return ["#475569", 1.5, 0];
+  }
 
   // ------------------------------------------------------------------ state
   var collapsed = new Uint8Array(G);
-  var selected = -1;          // a unit key: node index >= 0, or -(group+1) for a collapsed group
+  var showWeights = false;
+  var selected = -1;          // none, a node index >= 0, or groupKey(g) for a module
+  function groupKey(g) { return -g - 2; }
+  function keyGroup(key) { return -key - 2; }
   var matches = new Uint8Array(N), matchList = [], matchCursor = -1;
-  var L = null;               // current layout
+  var L = null;               // the current layout
   var transform = d3.zoomIdentity;
 
-  // ------------------------------------------------------------------ layout
-  var NODE_H = 26, GROUP_H = 34, PAD = 10, LABEL_H = 16, LAYER_GAP = 30, NODE_GAP = 18;
-  var VIRTUAL_W = 4, VIRTUAL_GAP = 8, MAX_SPAN = 80;
+  // ------------------------------------------------------------------ sizes
+  var FONT = "12px system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif";
+  var BOLD = "600 12px system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif";
+  var SMALL = "10px system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif";
+  var MONO = "10px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace";
+  var NODE_H = 28, NODE_H2 = 40, BOX_H = 44, TITLE_H = 24, PAD = 14, PAD_BOTTOM = 14;
+  var LAYER_GAP = 34, NODE_GAP = 22, DUMMY_W = 6, DUMMY_GAP = 10, MAX_W = 260;
   var measure = document.createElement("canvas").getContext("2d");
-  measure.font = "12px system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif";
   var widthCache = new Map();
-  function textWidth(s) {
-    var w = widthCache.get(s);
-    if (w === undefined) { w = measure.measureText(s).width; widthCache.set(s, w); }
+  function textWidth(s, font) {
+    var key = (font || FONT) + "\u0001" + s, w = widthCache.get(key);
+    if (w === undefined) { measure.font = font || FONT; w = measure.measureText(s).width; widthCache.set(key, w); }
     return w;
   }
-  function unitText(key) {
-    if (key >= 0) return nLabel[key];
-    var g = -key - 1;
-    return "\u25B8 " + gLabel[g] + "  \u00B7 " + gSize[g];
+  function clip(text, max, font) {
+    if (textWidth(text, font) <= max) return text;
+    var lo = 0, hi = text.length;
+    while (lo < hi) { var mid = (lo + hi + 1) >> 1; if (textWidth(text.slice(0, mid) + "\u2026", font) <= max) lo = mid; else hi = mid - 1; }
+    return text.slice(0, lo) + "\u2026";
+  }
+  function boxCaption(g) {
+    var bits = [];
+    if (gClass[g]) bits.push(gClass[g]);
+    if (gOps[g]) bits.push(gOps[g] + " op" + (gOps[g] === 1 ? "" : "s"));
+    if (gKernels[g]) bits.push(gKernels[g] + " kernel" + (gKernels[g] === 1 ? "" : "s"));
+    if (gRootFail[g]) bits.push("\u2716 failed");
+    return bits.join(" \u00B7 ");
+  }
+
+  // ------------------------------------------------------------------ what is drawn
+  // Display nodes: every node that is not a weight; with "weights" on, each weight chain is
+  // copied next to every node that reads it, so a weight shared by all layers (an epsilon, a
+  // mask) is drawn where it is used instead of pulling edges across the whole model.
+  var dNode = [], dGroup = [], dRank = [], dES = [], dED = [], dEE = [], dOfNode = null;
+  function buildDisplay() {
+    dNode = []; dGroup = []; dRank = []; dES = []; dED = []; dEE = [];
+    dOfNode = new Int32Array(N).fill(-1);
+    var n, q;
+    for (n = 0; n < N; n++) if (!nWeight[n]) { dOfNode[n] = dNode.length; dNode.push(n); dGroup.push(nGroup[n]); dRank.push(n); }
+    if (showWeights) {
+      var used = new Uint8Array(N);
+      for (n = 0; n < N; n++) {
+        if (nWeight[n]) continue;
+        var copies = new Map();
+        var copy = function (s) {
+          var k = copies.get(s);
+          if (k !== undefined) return k;
+          k = dNode.length; copies.set(s, k); dNode.push(s); dGroup.push(nGroup[n]); dRank.push(n - 1 + s / N); used[s] = 1;
+          if (dOfNode[s] < 0) dOfNode[s] = k;
+          for (var z = 0; z < inE[s].length; z++) {
+            var e2 = inE[s][z], p = eSrc[e2];
+            if (nWeight[p]) { var kp = copy(p); dES.push(kp); dED.push(k); dEE.push(e2); }
+          }
+          return k;
+        };
+        for (q = 0; q < inE[n].length; q++) {
+          var ed = inE[n][q], src = eSrc[ed];
+          if (nWeight[src]) { dES.push(copy(src)); dED.push(dOfNode[n]); dEE.push(ed); }
+        }
+      }
+      for (n = 0; n < N; n++) if (nWeight[n] && !used[n]) {   // read by nothing drawn: its own place
+        dOfNode[n] = dNode.length; dNode.push(n); dGroup.push(nGroup[n]); dRank.push(n);
+      }
+      for (n = 0; n < N; n++) if (nWeight[n] && !used[n]) {
+        for (q = 0; q < outE[n].length; q++) {
+          var e3 = outE[n][q], t = eDst[e3];
+          if (nWeight[t] && !used[t]) { dES.push(dOfNode[n]); dED.push(dOfNode[t]); dEE.push(e3); }
+        }
+      }
+    }
+    for (e = 0; e < E; e++) {
+      if (nWeight[eSrc[e]] || nWeight[eDst[e]]) continue;
+      dES.push(dOfNode[eSrc[e]]); dED.push(dOfNode[eDst[e]]); dEE.push(e);
+    }
+  }
+
+  // ------------------------------------------------------------------ layout
+  function unitText(u) {   // [first line, second line]
+    var lay = L0 || L;
+    if (lay.uBox[u] >= 0) { var g = lay.uBox[u]; return ["\u25B8 " + gLabel[g], boxCaption(g)]; }
+    var n = dNode[lay.uRef[u]];
+    return [title(n), attrLine(n)];
+  }
+  var L0 = null;   // the layout under construction
+  function containerChain(u) {   // open modules around a unit, outermost first
+    var g = L0.uBox[u] >= 0 ? gParent[L0.uBox[u]] : dGroup[L0.uRef[u]];
+    return g >= 0 ? gChain[g] : [];
   }
 
   function layout() {
-    var t = performance.now();
-    // 1. units: a node, or the outermost collapsed group around it
-    var unitOfNode = new Int32Array(N), keys = [], unitOfGroup = new Map();
-    for (var n = 0; n < N; n++) {
-      var key = n, g = nGroup[n];
-      if (g >= 0) {
-        var ch = gChain[g];
-        for (var c = 0; c < ch.length; c++) if (collapsed[ch[c]]) { key = -ch[c] - 1; break; }
-      }
-      if (key >= 0) { unitOfNode[n] = keys.length; keys.push(key); }
+    var t0 = performance.now();
+    buildDisplay();
+    var DN = dNode.length;
+    // 1. units: a display node, or the outermost closed module around it
+    var unitOfDn = new Int32Array(DN), uRef = [], uBox = [], boxUnit = new Map(), n, k, q;
+    for (k = 0; k < DN; k++) {
+      var gg = dGroup[k], box = -1;
+      if (gg >= 0) { var chn = gChain[gg]; for (q = 0; q < chn.length; q++) if (collapsed[chn[q]]) { box = chn[q]; break; } }
+      if (box < 0) { unitOfDn[k] = uRef.length; uRef.push(k); uBox.push(-1); }
       else {
-        var u = unitOfGroup.get(key);
-        if (u === undefined) { u = keys.length; unitOfGroup.set(key, u); keys.push(key); }
-        unitOfNode[n] = u;
+        var u0 = boxUnit.get(box);
+        if (u0 === undefined) { u0 = uRef.length; boxUnit.set(box, u0); uRef.push(k); uBox.push(box); }
+        unitOfDn[k] = u0;
       }
     }
-    var U = keys.length;
-    // chain of enclosing (expanded) groups of each unit, outermost first
-    var uChain = new Array(U);
+    var U = uRef.length;
+    L0 = { U: U, uRef: uRef, uBox: uBox };
+    var uW = new Float64Array(U), uH = new Float64Array(U), uRank = new Float64Array(U);
+    for (var u = 0; u < U; u++) {
+      var tx = unitText(u);
+      if (uBox[u] >= 0) {
+        uW[u] = Math.min(MAX_W + 60, Math.max(150, textWidth(tx[0], BOLD) + 30, textWidth(tx[1], SMALL) + 24));
+        uH[u] = BOX_H; uRank[u] = Infinity;
+      } else {
+        n = dNode[uRef[u]];
+        var w1 = textWidth(tx[0], nKind[n] === "kernel" ? BOLD : FONT) + 24;
+        var w2 = tx[1] ? textWidth(tx[1], SMALL) + 18 : 0;
+        uW[u] = Math.min(MAX_W, Math.max(nWeight[n] ? 40 : 56, w1, w2));
+        uH[u] = tx[1] ? NODE_H2 : (nWeight[n] ? NODE_H - 6 : NODE_H);
+        uRank[u] = dRank[uRef[u]];
+      }
+    }
+    for (k = 0; k < DN; k++) if (uRank[unitOfDn[k]] > dRank[k]) uRank[unitOfDn[k]] = dRank[k];
+    // 2. containers: the root (-1) and every open module with something drawn in it
+    var C = new Map();
+    function container(g) {
+      var c = C.get(g);
+      if (!c) {
+        c = { g: g, items: [], index: new Map(), edges: new Map(), w: 0, h: 0, x: 0, y: 0, rank: Infinity };
+        C.set(g, c);
+        if (g >= 0) { var p = container(gParent[g]); addItem(p, "g" + g, 1, g); }
+      }
+      return c;
+    }
+    function addItem(c, key, type, ref) {
+      var idx = c.index.get(key);
+      if (idx === undefined) { idx = c.items.length; c.index.set(key, idx); c.items.push({ key: key, type: type, ref: ref }); }
+      return idx;
+    }
+    container(-1);
     for (u = 0; u < U; u++) {
-      key = keys[u];
-      if (key >= 0) uChain[u] = nGroup[key] >= 0 ? gChain[nGroup[key]] : [];
-      else { var cg = -key - 1; uChain[u] = gParent[cg] >= 0 ? gChain[gParent[cg]] : []; }
+      var cc = containerChain(u), own = container(cc.length ? cc[cc.length - 1] : -1);
+      addItem(own, "u" + u, 0, u);
     }
-    // 2. unit edges (deduplicated), forward = from an earlier unit to a later one
-    var pred = [], succ = [], seen = new Map(), ueSrc = [], ueDst = [], ueEdge = [], ueCount = [];
-    for (u = 0; u < U; u++) { pred.push([]); succ.push([]); }
-    for (var e = 0; e < E; e++) {
-      var a = unitOfNode[eSrc[e]], b = unitOfNode[eDst[e]];
-      if (a === b) continue;
-      var k = a * U + b, idx = seen.get(k);
-      if (idx !== undefined) { ueCount[idx]++; continue; }
-      seen.set(k, ueSrc.length);
-      ueSrc.push(a); ueDst.push(b); ueEdge.push(e); ueCount.push(1);
-      if (a < b) { succ[a].push(b); pred[b].push(a); }
+    // 3. routes: one per (source display node, target unit), registered as an edge in every
+    // container it crosses: up through ports on the bottom of the source's frames, across at
+    // the innermost frame holding both ends, down through ports on the top of the target's
+    var routes = [], routeOf = new Map();
+    function itemKey(chain, j, unit) { return j < chain.length ? "g" + chain[j] : "u" + unit; }
+    function link(c, a, b, rt) {
+      var key = a + ">" + b, ed = c.edges.get(key);
+      if (!ed) { ed = { a: a, b: b, routes: [] }; c.edges.set(key, ed); }
+      ed.routes.push(rt);
+      return ed;
     }
-    // 3. longest-path layers, then every node sinks to just above its first consumer, so weights
-    // and their transposes sit by the matmul that reads them, not at the top of the graph
-    var layer = new Int32Array(U);
-    for (u = 0; u < U; u++) {
-      var p = pred[u], l = 0;
-      for (var j = 0; j < p.length; j++) if (layer[p[j]] + 1 > l) l = layer[p[j]] + 1;
-      layer[u] = l;
+    for (var de = 0; de < dES.length; de++) {
+      var sDn = dES[de], ua = unitOfDn[sDn], ub = unitOfDn[dED[de]];
+      if (ua === ub) continue;
+      var rkey = sDn * U + ub, ri = routeOf.get(rkey);
+      if (ri !== undefined) { routes[ri].count++; continue; }
+      ri = routes.length; routeOf.set(rkey, ri);
+      var rt = { src: sDn, a: ua, b: ub, edge: dEE[de], count: 1, hops: [] };
+      routes.push(rt);
+      var ca = containerChain(ua), cb = containerChain(ub), m = 0;
+      while (m < ca.length && m < cb.length && ca[m] === cb[m]) m++;
+      var up = [], down = [];
+      for (var j = ca.length - 1; j >= m; j--) {
+        var cj = C.get(ca[j]), port = "o" + sDn;
+        addItem(cj, port, 2, sDn);
+        up.push([cj, link(cj, itemKey(ca, j + 1, ua), port, rt)]);
+      }
+      var lca = C.get(m ? ca[m - 1] : -1);
+      var mid = [lca, link(lca, itemKey(ca, m, ua), itemKey(cb, m, ub), rt)];
+      for (j = m; j < cb.length; j++) {
+        var cj2 = C.get(cb[j]), pin = "i" + sDn;
+        addItem(cj2, pin, 3, sDn);
+        down.push([cj2, link(cj2, pin, itemKey(cb, j + 1, ub), rt)]);
+      }
+      rt.hops = up.concat([mid], down);
     }
-    for (u = U - 1; u >= 0; u--) {
-      if (!succ[u].length) continue;
-      var m = Infinity, s = succ[u];
-      for (j = 0; j < s.length; j++) if (layer[s[j]] < m) m = layer[s[j]];
-      if (m - 1 > layer[u]) layer[u] = m - 1;
+    // 4. lay out each container, innermost first (a module's size is known before its parent's)
+    var order = Array.from(C.values()).sort(function (p, q2) {
+      return (q2.g >= 0 ? gDepth[q2.g] : -1) - (p.g >= 0 ? gDepth[p.g] : -1);
+    });
+    for (q = 0; q < order.length; q++) layoutContainer(order[q], C, uW, uH, uRank);
+    // 5. absolute positions, outermost first
+    var root = C.get(-1);
+    root.x = 0; root.y = 0;
+    var uX = new Float64Array(U), uY = new Float64Array(U);
+    var frames = [];
+    for (q = order.length - 1; q >= 0; q--) {
+      var c2 = order[q];
+      if (c2.g >= 0) frames.push(c2);
+      for (j = 0; j < c2.items.length; j++) {
+        var it = c2.items[j];
+        if (it.type === 0) { uX[it.ref] = c2.x + it.x; uY[it.ref] = c2.y + it.y; }
+        else if (it.type === 1) { var sub = C.get(it.ref); sub.x = c2.x + it.x - sub.w / 2; sub.y = c2.y + it.y; }
+      }
     }
-    // 3b. a long edge gets a virtual point in every layer it crosses (shortest edges first, within
-    // a budget), so it is ordered and placed like a node and routes around nodes, not through them
-    var npred = [], nsucc = [], vLayer = [], uePts = new Array(ueSrc.length), T = U;
-    for (u = 0; u < U; u++) { npred.push([]); nsucc.push([]); }
-    var cand = [];
-    for (j = 0; j < ueSrc.length; j++) {
-      var span = layer[ueDst[j]] - layer[ueSrc[j]];
-      if (ueSrc[j] < ueDst[j] && span > 1 && span <= MAX_SPAN) cand.push(j);
+    // 6. each route as points: (x, y) pairs, vertical at every box, port and layer it crosses
+    for (q = 0; q < routes.length; q++) routePoints(routes[q], C, uX, uY, uH);
+    var bounds = [0, 0, Math.max(1, root.w), Math.max(1, root.h)];
+    var unitOfKey = new Map();
+    for (u = 0; u < U; u++) unitOfKey.set(uBox[u] >= 0 ? groupKey(uBox[u]) : dNode[uRef[u]], u);
+    var frameOf = new Map();
+    frames.forEach(function (f) { frameOf.set(f.g, f); });
+    // per-unit style facts
+    var uStatus = new Int32Array(U), uFailRoot = new Uint8Array(U), uDiff = new Int8Array(U), uMatch = new Uint8Array(U);
+    for (k = 0; k < DN; k++) {
+      u = unitOfDn[k]; n = dNode[k];
+      if (nStatus[n]) { uStatus[u] = uStatus[u] && uStatus[u] !== UPSTREAM ? uStatus[u] : nStatus[n]; if (nStatus[n] !== UPSTREAM) uFailRoot[u] = 1; }
+      if (diffMark[n] && (!uDiff[u] || diffMark[n] === 1)) uDiff[u] = diffMark[n];
     }
-    cand.sort(function (p, q) { return (layer[ueDst[p]] - layer[ueSrc[p]]) - (layer[ueDst[q]] - layer[ueSrc[q]]); });
-    var budget = Math.max(2000, 2 * U), routed = new Uint8Array(ueSrc.length);
-    for (j = 0; j < cand.length; j++) {
-      var ei = cand[j], ea = ueSrc[ei], eb = ueDst[ei], need = layer[eb] - layer[ea] - 1;
-      if (need > budget) continue;
-      budget -= need; routed[ei] = 1;
-      var ca = uChain[ea], cb = uChain[eb], q = 0;
-      while (q < ca.length && q < cb.length && ca[q] === cb[q]) q++;
-      var common = ca.slice(0, q), prev = ea, pts = [];
-      for (l = layer[ea] + 1; l < layer[eb]; l++) {
+    L = {
+      U: U, uRef: uRef, uBox: uBox, unitOfDn: unitOfDn, unitOfKey: unitOfKey, x: uX, y: uY, w: uW, h: uH,
+      routes: routes, frames: frames, frameOf: frameOf, containers: C, bounds: bounds,
+      uStatus: uStatus, uFailRoot: uFailRoot, uDiff: uDiff, uMatch: uMatch, ms: 0
+    };
+    L0 = null;
+    refreshMatches();
+    buildMinimap();
+    L.ms = performance.now() - t0;
+    return L;
+  }
+
+  // One container: its items are units, open child modules and ports; edges among them as
+  // registered by the routes. Longest-path layers, barycentre ordering, isotonic x placement.
+  function layoutContainer(c, C, uW, uH, uRank) {
+    var items = c.items, I = items.length, q, j, it;
+    var w = new Float64Array(I), h = new Float64Array(I), rank = new Float64Array(I);
+    var pins = 0, pouts = 0;
+    for (q = 0; q < I; q++) {
+      it = items[q];
+      if (it.type === 0) { w[q] = uW[it.ref]; h[q] = uH[it.ref]; rank[q] = uRank[it.ref]; }
+      else if (it.type === 1) { var sub = C.get(it.ref); w[q] = sub.w; h[q] = sub.h; rank[q] = sub.rank; }
+      else if (it.type === 3) { w[q] = DUMMY_W; rank[q] = -1; pins++; }
+      else { w[q] = DUMMY_W; rank[q] = Infinity; pouts++; }
+      if (it.type < 2 && rank[q] < c.rank) c.rank = rank[q];
+    }
+    var pred = [], succ = [], isBack = new Uint8Array(c.edges.size);
+    for (q = 0; q < I; q++) { pred.push([]); succ.push([]); }
+    var edges = Array.from(c.edges.values());
+    var ea = new Int32Array(edges.length), eb = new Int32Array(edges.length);
+    for (j = 0; j < edges.length; j++) { ea[j] = c.index.get(edges[j].a); eb[j] = c.index.get(edges[j].b); edges[j].dummies = null; }
+    // data-flow order: the items sorted topologically (ties by rank); where closed modules
+    // make a cycle, the edges into the item that comes first by rank run against the flow
+    var byRank = topoOrder(I, ea, eb, rank, isBack);
+    var place0 = new Int32Array(I);
+    for (q = 0; q < I; q++) place0[byRank[q]] = q;
+    for (j = 0; j < edges.length; j++) {
+      var a = ea[j], b = eb[j];
+      if (!isBack[j] && place0[a] < place0[b]) { succ[a].push(b); pred[b].push(a); }
+      else isBack[j] = 1;
+    }
+    // layers
+    var layer = new Int32Array(I), base = pins ? 1 : 0, maxL = base;
+    for (q = 0; q < I; q++) {
+      var v = byRank[q];
+      if (items[v].type === 3) { layer[v] = 0; continue; }
+      if (items[v].type === 2) continue;
+      var l = base, p = pred[v];
+      for (j = 0; j < p.length; j++) if (layer[p[j]] + 1 > l) l = layer[p[j]] + 1;
+      layer[v] = l;
+      if (l > maxL) maxL = l;
+    }
+    // a unit that nothing feeds sits just above its first consumer, not at the top
+    for (q = I - 1; q >= 0; q--) {
+      v = byRank[q];
+      if (items[v].type >= 2 || pred[v].length || !succ[v].length) continue;
+      var mn = Infinity, s = succ[v];
+      for (j = 0; j < s.length; j++) if (items[s[j]].type < 2 && layer[s[j]] < mn) mn = layer[s[j]];
+      if (mn !== Infinity && mn - 1 > layer[v]) layer[v] = mn - 1;
+    }
+    var outL = maxL + 1;
+    for (q = 0; q < I; q++) if (items[q].type === 2) layer[q] = outL;
+    var nLayers = pouts ? outL + 1 : maxL + 1;
+    // long edges: one dummy point per layer crossed
+    var T = I, dLayer = [], npred = pred.map(function () { return []; }), nsucc = pred.map(function () { return []; });
+    for (j = 0; j < edges.length; j++) {
+      a = ea[j]; b = eb[j];
+      if (isBack[j]) continue;
+      var prev = a, pts = [];
+      for (l = layer[a] + 1; l < layer[b]; l++) {
         var id = T++;
-        vLayer.push(l); uChain.push(common); npred.push([prev]); nsucc.push([]);
-        nsucc[prev].push(id); pts.push(id); prev = id;
+        dLayer.push(l); npred.push([prev]); nsucc.push([]); nsucc[prev].push(id); pts.push(id); prev = id;
       }
-      nsucc[prev].push(eb); npred[eb].push(prev);
-      uePts[ei] = pts;
-    }
-    for (j = 0; j < ueSrc.length; j++) {
-      if (!routed[j] && ueSrc[j] < ueDst[j]) { nsucc[ueSrc[j]].push(ueDst[j]); npred[ueDst[j]].push(ueSrc[j]); }
+      nsucc[prev].push(b); npred[b].push(prev);
+      edges[j].dummies = pts;
     }
     var lay = new Int32Array(T);
     lay.set(layer);
-    for (j = 0; j < vLayer.length; j++) lay[U + j] = vLayer[j];
-    var nLayers = 0;
-    for (u = 0; u < T; u++) if (lay[u] + 1 > nLayers) nLayers = lay[u] + 1;
+    for (j = 0; j < dLayer.length; j++) lay[I + j] = dLayer[j];
+    var W = new Float64Array(T);
+    W.set(w);
+    for (j = I; j < T; j++) W[j] = DUMMY_W;
     var layers = [];
     for (l = 0; l < nLayers; l++) layers.push([]);
-    for (u = 0; u < T; u++) layers[lay[u]].push(u);
-    // 4. ordering: barycentre sweeps, groups kept contiguous within a layer
-    var pos = new Float64Array(T);
-    function setPos(ly) { var h = (ly.length - 1) / 2; for (var q = 0; q < ly.length; q++) pos[ly[q]] = q - h; }
+    var initial = byRank.slice();
+    for (j = I; j < T; j++) initial.push(j);
+    for (q = 0; q < initial.length; q++) layers[lay[initial[q]]].push(initial[q]);
+    // ordering: barycentre sweeps on positions
+    var pos = new Float64Array(T), keyv = new Float64Array(T);
+    function setPos(ly) { for (var z = 0; z < ly.length; z++) pos[ly[z]] = z; }
     layers.forEach(setPos);
-    var keyv = new Float64Array(T);
     function sortLayer(ly, nbrs) {
-      for (var q = 0; q < ly.length; q++) {
-        var v = ly[q], nb = nbrs[v];
-        if (nb.length) { var sum = 0; for (var z = 0; z < nb.length; z++) sum += pos[nb[z]]; keyv[v] = sum / nb.length; }
-        else keyv[v] = pos[v];
+      for (var z = 0; z < ly.length; z++) {
+        var vv = ly[z], nb = nbrs[vv];
+        if (nb.length) { var sum = 0; for (var y = 0; y < nb.length; y++) sum += pos[nb[y]]; keyv[vv] = sum / nb.length; }
+        else keyv[vv] = pos[vv];
       }
-      var out = [];
-      groupSort(ly, 0, out);
-      for (q = 0; q < ly.length; q++) ly[q] = out[q];
+      ly.sort(function (x1, x2) { return keyv[x1] - keyv[x2] || pos[x1] - pos[x2]; });
       setPos(ly);
-    }
-    function groupSort(items, depth, out) {
-      if (items.length === 1) { out.push(items[0]); return; }
-      var blocks = [], byGroup = new Map();
-      for (var q = 0; q < items.length; q++) {
-        var v = items[q], chn = uChain[v];
-        if (chn.length <= depth) { blocks.push({ key: keyv[v], first: q, unit: v, items: null }); continue; }
-        var gg = chn[depth], bl = byGroup.get(gg);
-        if (!bl) { bl = { key: 0, first: q, unit: -1, items: [] }; byGroup.set(gg, bl); blocks.push(bl); }
-        bl.items.push(v); bl.key += keyv[v];
-      }
-      for (q = 0; q < blocks.length; q++) if (blocks[q].items) blocks[q].key /= blocks[q].items.length;
-      blocks.sort(function (x, y) { return x.key - y.key || x.first - y.first; });
-      for (q = 0; q < blocks.length; q++) {
-        if (blocks[q].items) groupSort(blocks[q].items, depth + 1, out); else out.push(blocks[q].unit);
-      }
     }
     for (var sweep = 0; sweep < 4; sweep++) {
       if (sweep % 2 === 0) for (l = 1; l < nLayers; l++) sortLayer(layers[l], npred);
       else for (l = nLayers - 2; l >= 0; l--) sortLayer(layers[l], nsucc);
     }
-    // 5. sizes and x: isotonic regression (pool adjacent violators) towards the neighbours' mean
-    var w = new Float64Array(T), h = new Float64Array(T), x = new Float64Array(T), y = new Float64Array(T);
-    for (u = U; u < T; u++) w[u] = VIRTUAL_W;
-    for (u = 0; u < U; u++) {
-      key = keys[u];
-      var text = unitText(key);
-      var minW = key >= 0 && nKind[key] === "constant" ? 36 : 48;
-      w[u] = Math.min(260, Math.max(minW, textWidth(text) + (key >= 0 ? 20 : 28)));
-      h[u] = key >= 0 ? (nKind[key] === "constant" ? NODE_H - 6 : NODE_H) : GROUP_H;
-    }
-    function boundaries(a, b) {
-      var ca = uChain[a], cb = uChain[b], q = 0;
-      while (q < ca.length && q < cb.length && ca[q] === cb[q]) q++;
-      return (ca.length - q) + (cb.length - q);
-    }
+    // x: isotonic regression towards the neighbours' mean, keeping the separations
+    var x = new Float64Array(T);
     var sep = layers.map(function (ly) {
       var sp = new Float64Array(Math.max(0, ly.length - 1));
-      for (var q = 0; q + 1 < ly.length; q++)
-        sp[q] = (w[ly[q]] + w[ly[q + 1]]) / 2 + (ly[q] >= U || ly[q + 1] >= U ? VIRTUAL_GAP : NODE_GAP) +
-          PAD * boundaries(ly[q], ly[q + 1]);
+      for (var z = 0; z + 1 < ly.length; z++)
+        sp[z] = (W[ly[z]] + W[ly[z + 1]]) / 2 + (ly[z] >= I || ly[z + 1] >= I || items[ly[z]].type >= 2 || items[ly[z + 1]].type >= 2 ? DUMMY_GAP : NODE_GAP);
       return sp;
     });
     for (l = 0; l < nLayers; l++) {
@@ -237,20 +488,18 @@
       for (j = 0; j < ly.length; j++) { x[ly[j]] = cx; if (j < sp.length) cx += sp[j]; }
     }
     var desired = new Float64Array(T);
-    function place(l, nbrs) {
-      var ly = layers[l], sp = sep[l], n = ly.length;
-      if (!n) return;
-      for (var q = 0; q < n; q++) {
-        var v = ly[q], nb = nbrs[v];
-        if (nb.length) { var sum = 0; for (var z = 0; z < nb.length; z++) sum += x[nb[z]]; desired[q] = sum / nb.length; }
-        else desired[q] = x[v];
+    function place(l2, nbrs) {
+      var row = layers[l2], spc = sep[l2], cnt = row.length;
+      if (!cnt) return;
+      for (var z = 0; z < cnt; z++) {
+        var vv = row[z], nb = nbrs[vv];
+        if (nb.length) { var sum = 0; for (var y = 0; y < nb.length; y++) sum += x[nb[y]]; desired[z] = sum / nb.length; }
+        else desired[z] = x[vv];
       }
-      // y_q = x_q - off_q must be non-decreasing; fit to desired_q - off_q
       var off = 0, bsum = [], bcnt = [], bend = [];
-      for (q = 0; q < n; q++) {
-        var tq = desired[q] - off;
-        if (q < n - 1) off += sp[q];
-        bsum.push(tq); bcnt.push(1); bend.push(q);
+      for (z = 0; z < cnt; z++) {
+        bsum.push(desired[z] - off); bcnt.push(1); bend.push(z);
+        if (z < cnt - 1) off += spc[z];
         while (bsum.length > 1 && bsum[bsum.length - 2] / bcnt[bcnt.length - 2] > bsum[bsum.length - 1] / bcnt[bcnt.length - 1]) {
           var s1 = bsum.pop(), c1 = bcnt.pop(), e1 = bend.pop();
           bsum[bsum.length - 1] += s1; bcnt[bcnt.length - 1] += c1; bend[bend.length - 1] = e1;
@@ -259,7 +508,7 @@
       off = 0; var start = 0;
       for (var bi = 0; bi < bsum.length; bi++) {
         var val = bsum[bi] / bcnt[bi];
-        for (q = start; q <= bend[bi]; q++) { x[ly[q]] = val + off; if (q < n - 1) off += sp[q]; }
+        for (z = start; z <= bend[bi]; z++) { x[row[z]] = val + off; if (z < cnt - 1) off += spc[z]; }
         start = bend[bi] + 1;
       }
     }
@@ -267,131 +516,122 @@
       if (pass % 2 === 0) for (l = 1; l < nLayers; l++) place(l, npred);
       else for (l = nLayers - 2; l >= 0; l--) place(l, nsucc);
     }
-    // the passes let long graphs drift sideways layer by layer; remove the slow drift (a moving
-    // average of layer centres over many layers) and keep the local shape
-    var centre = new Float64Array(nLayers), cum = new Float64Array(nLayers + 1);
+    // y: layers stacked, items top-aligned; ports on the frame's top and bottom edges
+    var isModule = c.g >= 0, top = isModule ? TITLE_H + PAD / 2 : 0;
+    var layerTop = new Float64Array(nLayers), layerH = new Float64Array(nLayers), cy = top;
     for (l = 0; l < nLayers; l++) {
-      var lo = Infinity, hi = -Infinity;
-      for (j = 0; j < layers[l].length; j++) { var v = layers[l][j]; lo = Math.min(lo, x[v] - w[v] / 2); hi = Math.max(hi, x[v] + w[v] / 2); }
-      centre[l] = layers[l].length ? (lo + hi) / 2 : (l ? centre[l - 1] : 0);
-      cum[l + 1] = cum[l] + centre[l];
+      if (l === 0 && pins) { layerTop[0] = 0; layerH[0] = 0; continue; }
+      if (l === nLayers - 1 && pouts) continue;
+      var lh = 0;
+      for (j = 0; j < layers[l].length; j++) if (layers[l][j] < I && h[layers[l][j]] > lh) lh = h[layers[l][j]];
+      if (cy > top) cy += LAYER_GAP;
+      layerTop[l] = cy; layerH[l] = lh; cy += lh;
     }
-    var RADIUS = 30;
-    for (l = 0; l < nLayers; l++) {
-      var a0 = Math.max(0, l - RADIUS), a1 = Math.min(nLayers, l + RADIUS + 1);
-      var shift = (cum[a1] - cum[a0]) / (a1 - a0);
-      for (j = 0; j < layers[l].length; j++) x[layers[l][j]] -= shift;
+    var contentBottom = cy;
+    // width: the content centred, wide enough for the frame's title
+    var minX = Infinity, maxX = -Infinity;
+    for (j = 0; j < T; j++) { if (x[j] - W[j] / 2 < minX) minX = x[j] - W[j] / 2; if (x[j] + W[j] / 2 > maxX) maxX = x[j] + W[j] / 2; }
+    if (!T) { minX = 0; maxX = 0; }
+    var contentW = maxX - minX;
+    var titleW = isModule ? textWidth(frameTitle(c.g), BOLD) + 40 : 0;
+    c.w = Math.max(contentW + (isModule ? 2 * PAD : 0), titleW, isModule ? 120 : 1);
+    c.h = contentBottom + (isModule ? PAD_BOTTOM : 0);
+    var shift = (c.w - contentW) / 2 - minX;
+    for (j = 0; j < T; j++) x[j] += shift;
+    if (pouts) { layerTop[nLayers - 1] = c.h; layerH[nLayers - 1] = 0; }
+    for (q = 0; q < I; q++) { items[q].x = x[q]; items[q].y = layerTop[layer[q]]; }
+    for (q = 0; q < I; q++) if (items[q].type === 2) items[q].y = c.h;
+    c.dummyX = x; c.layerTop = layerTop; c.layerH = layerH; c.lay = lay;
+  }
+  // Kahn's algorithm taking the lowest rank among the ready items; on a cycle, the lowest-rank
+  // item left goes next and its remaining incoming edges are marked in isBack
+  function topoOrder(I, ea, eb, rank, isBack) {
+    var indeg = new Int32Array(I), ins = [], outs = [], q, j;
+    for (q = 0; q < I; q++) { ins.push([]); outs.push([]); }
+    for (j = 0; j < ea.length; j++) { if (ea[j] === eb[j]) { isBack[j] = 1; continue; } indeg[eb[j]]++; ins[eb[j]].push(j); outs[ea[j]].push(j); }
+    var heap = [], done = new Uint8Array(I), order = [];
+    function less(x, y) { return rank[x] < rank[y] || (rank[x] === rank[y] && x < y); }
+    function push(v) {
+      heap.push(v); var z = heap.length - 1;
+      while (z > 0) { var p = (z - 1) >> 1; if (!less(heap[z], heap[p])) break; var t = heap[z]; heap[z] = heap[p]; heap[p] = t; z = p; }
     }
-    // 6. y: gaps grow where groups open or close, to leave room for their frames and labels
-    var firstL = new Map(), lastL = new Map();
-    for (u = 0; u < U; u++) {
-      var chn = uChain[u];
-      for (j = 0; j < chn.length; j++) {
-        var gg = chn[j];
-        if (!firstL.has(gg) || firstL.get(gg) > layer[u]) firstL.set(gg, layer[u]);
-        if (!lastL.has(gg) || lastL.get(gg) < layer[u]) lastL.set(gg, layer[u]);
+    function pop() {
+      var top = heap[0], last = heap.pop();
+      if (heap.length) {
+        heap[0] = last; var z = 0;
+        for (;;) {
+          var l = 2 * z + 1, r = l + 1, m = z;
+          if (l < heap.length && less(heap[l], heap[m])) m = l;
+          if (r < heap.length && less(heap[r], heap[m])) m = r;
+          if (m === z) break;
+          var t = heap[z]; heap[z] = heap[m]; heap[m] = t; z = m;
+        }
+      }
+      return top;
+    }
+    for (q = 0; q < I; q++) if (!indeg[q]) push(q);
+    var byRankAll = null;
+    while (order.length < I) {
+      var v;
+      if (heap.length) v = pop();
+      else {   // a cycle: the lowest-rank item not yet placed breaks it
+        if (!byRankAll) { byRankAll = Array.from({ length: I }, function (_, z) { return z; }); byRankAll.sort(function (x, y) { return less(x, y) ? -1 : 1; }); }
+        v = -1;
+        for (q = 0; q < I && v < 0; q++) if (!done[byRankAll[q]]) v = byRankAll[q];
+        for (j = 0; j < ins[v].length; j++) if (!done[ea[ins[v][j]]]) isBack[ins[v][j]] = 1;
+      }
+      if (done[v]) continue;
+      done[v] = 1; order.push(v);
+      for (j = 0; j < outs[v].length; j++) {
+        var w = eb[outs[v][j]];
+        if (!done[w] && --indeg[w] === 0) push(w);
       }
     }
-    var opens = new Int32Array(nLayers + 1), closes = new Int32Array(nLayers + 1);
-    firstL.forEach(function (lv, gg) { opens[lv] = Math.max(opens[lv], gDepth[gg] + 1); });
-    lastL.forEach(function (lv, gg) { closes[lv] = Math.max(closes[lv], gDepth[gg] + 1); });
-    var layerY = new Float64Array(nLayers), layerH = new Float64Array(nLayers), cy = 0;
-    for (l = 0; l < nLayers; l++) {
-      var lh = NODE_H;
-      for (j = 0; j < layers[l].length; j++) if (h[layers[l][j]] > lh) lh = h[layers[l][j]];
-      if (l > 0) cy += LAYER_GAP + PAD * (closes[l - 1] + opens[l]) + (opens[l] ? LABEL_H : 0);
-      else cy += PAD * opens[0] + (opens[0] ? LABEL_H : 0);
-      layerY[l] = cy + lh / 2; layerH[l] = lh;
-      cy += lh;
+    return order;
+  }
+  function frameTitle(g) { return "\u25BE " + gLabel[g] + (gClass[g] ? "  " + gClass[g] : ""); }
+
+  // the drawn path of a route, in absolute coordinates
+  function routePoints(rt, C, uX, uY, uH) {
+    var pts = [];
+    function itemPoint(c, key, bottom) {
+      var it = c.items[c.index.get(key)];
+      if (it.type === 0) return [uX[it.ref], uY[it.ref] + (bottom ? uH[it.ref] : 0)];
+      if (it.type === 1) { var s = C.get(it.ref); return [s.x + s.w / 2, s.y + (bottom ? s.h : 0)]; }
+      return [c.x + it.x, c.y + it.y];
     }
-    for (u = 0; u < T; u++) y[u] = layerY[lay[u]];
-    // each drawn edge's bounding box, for culling
-    var ueBox = new Float64Array(4 * ueSrc.length);
-    for (j = 0; j < ueSrc.length; j++) {
-      var s0 = ueSrc[j], d0 = ueDst[j];
-      var bx0 = Math.min(x[s0], x[d0]), bx1 = Math.max(x[s0], x[d0]);
-      var by0 = Math.min(y[s0], y[d0]) - NODE_H, by1 = Math.max(y[s0], y[d0]) + NODE_H;
-      var pp = uePts[j];
-      if (pp) for (q = 0; q < pp.length; q++) { bx0 = Math.min(bx0, x[pp[q]]); bx1 = Math.max(bx1, x[pp[q]]); }
-      ueBox[4 * j] = bx0; ueBox[4 * j + 1] = by0; ueBox[4 * j + 2] = bx1; ueBox[4 * j + 3] = by1;
+    for (var j = 0; j < rt.hops.length; j++) {
+      var c = rt.hops[j][0], ed = rt.hops[j][1];
+      var a = itemPoint(c, ed.a, true), b = itemPoint(c, ed.b, false);
+      if (!pts.length) pts.push(a[0], a[1]);
+      else if (pts[pts.length - 2] !== a[0] || pts[pts.length - 1] !== a[1]) pts.push(a[0], a[1]);
+      if (ed.dummies) {
+        for (var z = 0; z < ed.dummies.length; z++) {
+          var d = ed.dummies[z], l = c.lay[d], dx = c.x + c.dummyX[d];
+          pts.push(dx, c.y + c.layerTop[l], dx, c.y + c.layerTop[l] + c.layerH[l]);
+        }
+      } else {   // against the flow (only between closed modules): around the right-hand side
+        var xr = Math.max(a[0], b[0]) + 60;
+        pts.push(xr, a[1] + 20, xr, b[1] - 20);
+      }
+      pts.push(b[0], b[1]);
     }
-    // 7. frames of expanded groups: per layer, the span of their members (and sub-frames), so a
-    // frame hugs its nodes and never covers a node of another group in the same layer
-    var spans = new Map();   // group -> Map(layer -> [x0, y0, x1, y1])
-    function grow(gg, l, x0, y0, x1, y1) {
-      var m = spans.get(gg);
-      if (!m) { m = new Map(); spans.set(gg, m); }
-      var sp = m.get(l);
-      if (!sp) m.set(l, [x0, y0, x1, y1]);
-      else { if (x0 < sp[0]) sp[0] = x0; if (y0 < sp[1]) sp[1] = y0; if (x1 > sp[2]) sp[2] = x1; if (y1 > sp[3]) sp[3] = y1; }
+    rt.pts = pts;
+    var x0 = Infinity, y0 = Infinity, x1 = -Infinity, y1 = -Infinity;
+    for (j = 0; j < pts.length; j += 2) {
+      if (pts[j] < x0) x0 = pts[j]; if (pts[j] > x1) x1 = pts[j];
+      if (pts[j + 1] < y0) y0 = pts[j + 1]; if (pts[j + 1] > y1) y1 = pts[j + 1];
     }
-    for (u = 0; u < U; u++) {
-      chn = uChain[u];
-      if (chn.length) grow(chn[chn.length - 1], layer[u], x[u] - w[u] / 2, y[u] - h[u] / 2, x[u] + w[u] / 2, y[u] + h[u] / 2);
-    }
-    var frames = [];
-    for (g = G - 1; g >= 0; g--) {
-      var m = spans.get(g);
-      if (!m) continue;
-      var ls = Array.from(m.keys()).sort(function (p, q) { return p - q; });
-      var rows = ls.map(function (lv) {
-        var sp = m.get(lv);
-        sp[0] -= PAD; sp[2] += PAD; sp[1] -= PAD; sp[3] += PAD;
-        return sp;
-      });
-      rows[0][1] -= LABEL_H;
-      if (gParent[g] >= 0) for (j = 0; j < ls.length; j++) grow(gParent[g], ls[j], rows[j][0], rows[j][1], rows[j][2], rows[j][3]);
-      var fx0 = Infinity, fx1 = -Infinity;
-      rows.forEach(function (r) { fx0 = Math.min(fx0, r[0]); fx1 = Math.max(fx1, r[2]); });
-      frames.push({ g: g, rows: rows, x0: fx0, y0: rows[0][1], x1: fx1, y1: rows[rows.length - 1][3] });
-    }
-    frames.sort(function (p, q) { return gDepth[p.g] - gDepth[q.g]; });
-    var minX = Infinity, maxX = -Infinity, minY = Infinity, maxY = -Infinity;
-    for (u = 0; u < T; u++) {
-      minX = Math.min(minX, x[u] - w[u] / 2); maxX = Math.max(maxX, x[u] + w[u] / 2);
-      minY = Math.min(minY, y[u] - h[u] / 2); maxY = Math.max(maxY, y[u] + h[u] / 2);
-    }
-    frames.forEach(function (f) { minX = Math.min(minX, f.x0); maxX = Math.max(maxX, f.x1); minY = Math.min(minY, f.y0); maxY = Math.max(maxY, f.y1); });
-    if (!U) { minX = minY = 0; maxX = maxY = 1; }
-    var unitOfKey = new Map();
-    for (u = 0; u < U; u++) unitOfKey.set(keys[u], u);
-    // per-unit style facts
-    var uStatus = new Int32Array(U), uFailRoot = new Uint8Array(U), uDiff = new Int8Array(U), uMatch = new Uint8Array(U);
-    for (n = 0; n < N; n++) {
-      u = unitOfNode[n];
-      if (nStatus[n]) { uStatus[u] = uStatus[u] && uStatus[u] !== 10 ? uStatus[u] : nStatus[n]; if (nStatus[n] !== 10) uFailRoot[u] = 1; }
-      if (diffMark[n] && (!uDiff[u] || diffMark[n] === 1)) uDiff[u] = diffMark[n];
-    }
-    L = {
-      U: U, T: T, keys: keys, unitOfNode: unitOfNode, unitOfKey: unitOfKey, layer: lay, layers: layers,
-      uePts: uePts, ueBox: ueBox,
-      layerY: layerY, layerH: layerH, x: x, y: y, w: w, h: h, ueSrc: ueSrc, ueDst: ueDst, ueEdge: ueEdge,
-      ueCount: ueCount, frames: frames, bounds: [minX, minY, maxX, maxY], uStatus: uStatus,
-      uFailRoot: uFailRoot, uDiff: uDiff, uMatch: uMatch, uChain: uChain, ms: performance.now() - t
-    };
-    refreshMatches();
-    buildMinimap();
-    return L;
+    rt.box = [x0, y0, x1, y1];
   }
 
   // ------------------------------------------------------------------ drawing
   var canvas = document.getElementById("gk-canvas"), ctx = canvas.getContext("2d");
   var wrap = document.getElementById("gk-canvas-wrap");
   var dpr = window.devicePixelRatio || 1, cssW = 1, cssH = 1;
-  var FONT = "12px system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif";
-  var STYLE = {
-    op: { fill: "#ffffff", stroke: "#64748b", lw: 1 },
-    input: { fill: "#dbeafe", stroke: "#3b82f6", lw: 1.5 },
-    output: { fill: "#dcfce7", stroke: "#16a34a", lw: 1.5 },
-    constant: { fill: "#f1f5f9", stroke: "#94a3b8", lw: 1 },
-    kernel: { fill: "#ede9fe", stroke: "#6d28d9", lw: 2.2 },
-    group: { fill: "#e2e8f0", stroke: "#475569", lw: 1.5 },
-    failed: { fill: "#fecaca", stroke: "#dc2626", lw: 3 },
-    upstream: { fill: "#fff1f2", stroke: "#ef4444", lw: 1.5 }
-  };
   function resize() {
-    var r = wrap.getBoundingClientRect();
-    cssW = Math.max(1, r.width); cssH = Math.max(1, r.height);
+    var rc = wrap.getBoundingClientRect();
+    cssW = Math.max(1, rc.width); cssH = Math.max(1, rc.height);
     dpr = window.devicePixelRatio || 1;
     canvas.width = Math.round(cssW * dpr); canvas.height = Math.round(cssH * dpr);
     draw();   // now: setting the size cleared the canvas
@@ -402,217 +642,213 @@
     pending = true;
     requestAnimationFrame(function () { pending = false; draw(); });
   }
-  function unitStyle(u) {
-    var key = L.keys[u];
+  // a unit's look: [fill, stroke, line width, dashed]
+  function unitLook(u) {
+    if (L.uBox[u] >= 0) { var g = L.uBox[u], s = groupStroke(g); return [colouring.group(g), s[0], s[1], s[2]]; }
+    var n = dNode[L.uRef[u]], st = strokeOf(n);
+    return [colouring.fill(n), st[0], st[1], st[2]];
+  }
+  function unitStyle(u) {   // a name for tests and the tooltip
     if (L.uStatus[u]) return L.uFailRoot[u] ? "failed" : "upstream";
-    return key >= 0 ? nKind[key] : "group";
+    return L.uBox[u] >= 0 ? "group" : nKind[dNode[L.uRef[u]]];
   }
   function roundRect(c, x, y, w, h, r) {
     c.moveTo(x + r, y); c.arcTo(x + w, y, x + w, y + h, r); c.arcTo(x + w, y + h, x, y + h, r);
     c.arcTo(x, y + h, x, y, r); c.arcTo(x, y, x + w, y, r); c.closePath();
   }
-  // A frame is the outline of its per-layer spans; it steps sideways half-way between two layers,
-  // where only edges run, so it never cuts across a node of another group.
-  function framePath(f) {
-    var rows = f.rows, n = rows.length, q, r, top, bot;
-    function cut(a, b) { return (rows[a][3] + rows[b][1]) / 2; }
-    ctx.moveTo(rows[0][0], rows[0][1]);
-    for (q = 0; q < n; q++) {
-      r = rows[q]; top = q ? cut(q - 1, q) : r[1]; bot = q < n - 1 ? cut(q, q + 1) : r[3];
-      ctx.lineTo(r[0], top); ctx.lineTo(r[0], bot);
+  function unitShape(c, u, grow, rounded) {
+    var x0 = L.x[u] - L.w[u] / 2 - grow, y0 = L.y[u] - grow, w = L.w[u] + 2 * grow, h = L.h[u] + 2 * grow;
+    if (!rounded) { c.rect(x0, y0, w, h); return; }
+    var kind = L.uBox[u] >= 0 ? "group" : nKind[dNode[L.uRef[u]]];
+    roundRect(c, x0, y0, w, h, kind === "input" || kind === "output" ? h / 2 : kind === "op" ? 6 : 4);
+  }
+  var FRAME_FILL = ["rgba(241,245,249,0.85)", "rgba(226,232,240,0.55)", "rgba(203,213,225,0.35)", "rgba(203,213,225,0.3)"];
+  function strokeRoute(rt) {
+    var p = rt.pts, k = transform.k;
+    ctx.moveTo(p[0], p[1]);
+    for (var j = 2; j < p.length; j += 2) {
+      var ax = p[j - 2], ay = p[j - 1], bx = p[j], by = p[j + 1];
+      if (ax === bx || k < 0.15) ctx.lineTo(bx, by);
+      else { var hy = (by - ay) * 0.5; ctx.bezierCurveTo(ax, ay + hy, bx, by - hy, bx, by); }
     }
-    for (q = n - 1; q >= 0; q--) {
-      r = rows[q]; top = q ? cut(q - 1, q) : r[1]; bot = q < n - 1 ? cut(q, q + 1) : r[3];
-      ctx.lineTo(r[2], bot); ctx.lineTo(r[2], top);
-    }
-    ctx.closePath();
   }
   function draw() {
     if (!L) return;
-    var k = transform.k;
+    var k = transform.k, j, u, f;
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     ctx.fillStyle = "#f8fafc"; ctx.fillRect(0, 0, cssW, cssH);
     ctx.setTransform(dpr * k, 0, 0, dpr * k, dpr * transform.x, dpr * transform.y);
     var vx0 = -transform.x / k, vy0 = -transform.y / k, vx1 = vx0 + cssW / k, vy1 = vy0 + cssH / k;
-    var i, u, f;
-    // group frames
-    ctx.font = FONT;
-    for (i = 0; i < L.frames.length; i++) {
-      f = L.frames[i];
-      if (f.x1 < vx0 || f.x0 > vx1 || f.y1 < vy0 || f.y0 > vy1) continue;
-      var failedIn = gFailed[f.g] > 0;
-      ctx.beginPath(); framePath(f);
-      ctx.fillStyle = failedIn ? "rgba(239,68,68,0.045)" : "rgba(100,116,139,0.06)"; ctx.fill();
-      ctx.lineWidth = 1 / Math.max(k, 0.5); ctx.strokeStyle = failedIn ? "#fca5a5" : "#cbd5e1"; ctx.stroke();
-      var r0 = f.rows[0];
-      if (k * 11 >= 5) {
-        ctx.fillStyle = failedIn ? "#991b1b" : "#475569";
-        ctx.font = "600 11px system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif";
-        ctx.fillText("\u25BE " + gLabel[f.g], r0[0] + 6, r0[1] + 12);
-      }
+    function inView(x0, y0, x1, y1) { return !(x1 < vx0 || x0 > vx1 || y1 < vy0 || y0 > vy1); }
+    // frames of open modules, outermost first
+    var frames = [];
+    for (j = 0; j < L.frames.length; j++) {
+      f = L.frames[j];
+      if (inView(f.x, f.y, f.x + f.w, f.y + f.h)) frames.push(f);
     }
-    // edges, batched by style
+    for (j = 0; j < frames.length; j++) {
+      f = frames[j];
+      ctx.beginPath(); roundRect(ctx, f.x, f.y, f.w, f.h, 8);
+      ctx.fillStyle = gRootFail[f.g] ? "rgba(254,226,226,0.55)" : FRAME_FILL[Math.min(3, gDepth[f.g])]; ctx.fill();
+      ctx.lineWidth = Math.max(1, 1 / k); ctx.strokeStyle = gRootFail[f.g] ? "#f87171" : "#94a3b8"; ctx.stroke();
+    }
+    // edges, batched by colour
     var sel = selected, selU = sel === -1 ? -1 : L.unitOfKey.get(sel);
     if (selU === undefined) selU = -1;
-    var batches = { normal: [], failed: [], sel: [] };
-    var box = L.ueBox;
-    for (i = 0; i < L.ueSrc.length; i++) {
-      var a = L.ueSrc[i], b = L.ueDst[i];
-      if (box[4 * i + 2] < vx0 || box[4 * i] > vx1 || box[4 * i + 3] < vy0 || box[4 * i + 1] > vy1) continue;
-      if (a === selU || b === selU) batches.sel.push(i);
-      else if (L.uStatus[a]) batches.failed.push(i);
-      else batches.normal.push(i);
+    var normal = [], failed = [], hot = [];
+    for (j = 0; j < L.routes.length; j++) {
+      var rt = L.routes[j], b = rt.box;
+      if (!inView(b[0], b[1], b[2], b[3])) continue;
+      if (rt.a === selU || rt.b === selU) hot.push(rt);
+      else if (nStatus[dNode[rt.src]]) failed.push(rt);
+      else normal.push(rt);
     }
-    function strokeEdges(list, color, width) {
+    function strokeAll(list, colour, width) {
       if (!list.length) return;
       ctx.beginPath();
-      for (var q = 0; q < list.length; q++) {
-        var e = list[q], a = L.ueSrc[e], b = L.ueDst[e];
-        var ax = L.x[a], ay = L.y[a] + L.h[a] / 2, bx = L.x[b], by = L.y[b] - L.h[b] / 2;
-        ctx.moveTo(ax, ay);
-        var pts = L.uePts[e];
-        if (by <= ay) { // drawn against the flow (only with collapsed groups): a gentle loop
-          ctx.bezierCurveTo(ax + 60, ay + 40, bx + 60, by - 40, bx, by);
-        } else if (pts) {  // through its virtual points, vertical at each
-          var px = ax, py = ay;
-          for (var z = 0; z <= pts.length; z++) {
-            var qx = z < pts.length ? L.x[pts[z]] : bx, qy = z < pts.length ? L.y[pts[z]] : by;
-            if (k < 0.12) ctx.lineTo(qx, qy);
-            else { var hy = (qy - py) * 0.5; ctx.bezierCurveTo(px, py + hy, qx, qy - hy, qx, qy); }
-            px = qx; py = qy;
-          }
-        } else if (k < 0.12) ctx.lineTo(bx, by);
-        else { var my = (by - ay) * 0.5; ctx.bezierCurveTo(ax, ay + my, bx, by - my, bx, by); }
+      for (var z = 0; z < list.length; z++) strokeRoute(list[z]);
+      ctx.strokeStyle = colour; ctx.lineWidth = width / Math.max(k, 0.35); ctx.stroke();
+      if (k < 0.4) return;
+      ctx.beginPath();
+      for (z = 0; z < list.length; z++) {
+        var p = list[z].pts, ex = p[p.length - 2], ey = p[p.length - 1];
+        ctx.moveTo(ex, ey); ctx.lineTo(ex - 3.5, ey - 7); ctx.lineTo(ex + 3.5, ey - 7); ctx.closePath();
       }
-      ctx.strokeStyle = color; ctx.lineWidth = width / Math.max(k, 0.35); ctx.stroke();
-      if (k >= 0.45) {
-        ctx.beginPath();
-        for (q = 0; q < list.length; q++) {
-          e = list[q]; b = L.ueDst[e];
-          bx = L.x[b]; by = L.y[b] - L.h[b] / 2;
-          ctx.moveTo(bx, by); ctx.lineTo(bx - 3.5, by - 7); ctx.lineTo(bx + 3.5, by - 7); ctx.closePath();
-        }
-        ctx.fillStyle = color; ctx.fill();
-      }
+      ctx.fillStyle = colour; ctx.fill();
     }
-    strokeEdges(batches.normal, "#94a3b8", 1);
-    strokeEdges(batches.failed, "#ef4444", 1.4);
-    strokeEdges(batches.sel, "#2563eb", 2.2);
-    // edge labels (shape and dtype) when close enough
-    if (k >= 0.75) {
-      ctx.font = "10px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace";
-      var shown = 0, lists = [batches.sel, batches.failed, batches.normal], placed = [];
-      for (var li = 0; li < lists.length && shown < 400; li++) {
-        for (var q = 0; q < lists[li].length && shown < 400; q++) {
-          var ue = lists[li][q], s = L.ueSrc[ue], t = L.ueDst[ue], pt = L.uePts[ue];
-          if (L.layer[t] - L.layer[s] > 1 && li > 0 && !pt) continue;
-          var ed = D.edges[L.ueEdge[ue]], lab = ed[4] + "[" + ed[3] + "]";
-          var tx = pt ? L.x[pt[0]] : L.x[t], ty = pt ? L.y[pt[0]] : L.y[t] - L.h[t] / 2;
-          var mx = (L.x[s] + tx) / 2 + 4, my = (L.y[s] + L.h[s] / 2 + ty) / 2 + 3;
-          if (mx < vx0 || mx > vx1 || my < vy0 || my > vy1) continue;
-          var lw = textWidth(lab) * 0.86 + 2, clash = false;
-          for (var z = 0; z < placed.length && !clash; z++) {
-            var pz = placed[z];
-            clash = mx < pz[0] + pz[2] + 4 && pz[0] < mx + lw + 4 && Math.abs(my - pz[1]) < 12;
-          }
-          if (clash) continue;
-          placed.push([mx, my, lw]);
-          ctx.fillStyle = "rgba(248,250,252,0.85)"; ctx.fillRect(mx - 1, my - 9, textWidth(lab) * 0.86 + 2, 12);
-          ctx.fillStyle = li === 0 ? "#1d4ed8" : "#64748b"; ctx.fillText(lab, mx, my);
-          shown++;
-        }
-      }
-    }
-    // nodes, batched by style
+    strokeAll(normal, "#94a3b8", 1);
+    strokeAll(failed, "#ef4444", 1.4);
+    strokeAll(hot, "#2563eb", 2.2);
+    // units, batched by look
     var visible = [];
-    for (u = 0; u < L.U; u++) {
-      var hw = L.w[u] / 2, hh = L.h[u] / 2;
-      if (L.x[u] + hw < vx0 || L.x[u] - hw > vx1 || L.y[u] + hh < vy0 || L.y[u] - hh > vy1) continue;
-      visible.push(u);
-    }
-    var byStyle = {};
-    for (i = 0; i < visible.length; i++) {
-      u = visible[i]; var st = unitStyle(u);
-      (byStyle[st] || (byStyle[st] = [])).push(u);
-    }
+    for (u = 0; u < L.U; u++) if (inView(L.x[u] - L.w[u] / 2, L.y[u], L.x[u] + L.w[u] / 2, L.y[u] + L.h[u])) visible.push(u);
     var rounded = k > 0.25;
-    function shape(u, grow) {
-      var x0 = L.x[u] - L.w[u] / 2 - grow, y0 = L.y[u] - L.h[u] / 2 - grow, w = L.w[u] + 2 * grow, h = L.h[u] + 2 * grow;
-      var key = L.keys[u], kind = key >= 0 ? nKind[key] : "group";
-      if (!rounded) ctx.rect(x0, y0, w, h);
-      else if (kind === "input" || kind === "output") roundRect(ctx, x0, y0, w, h, h / 2);
-      else roundRect(ctx, x0, y0, w, h, kind === "op" ? 6 : 3);
+    var halos = [[], [], []];   // search matches, added, changed
+    for (j = 0; j < visible.length; j++) {
+      u = visible[j];
+      if (L.uMatch[u]) halos[0].push(u);
+      if (L.uDiff[u] === 1) halos[1].push(u); else if (L.uDiff[u] === 2) halos[2].push(u);
     }
-    // halos: search matches, diff marks, selection
-    function halo(list, color, grow, width) {
+    function halo(list, colour, grow, width) {
       if (!list.length) return;
-      ctx.beginPath(); for (var q = 0; q < list.length; q++) shape(list[q], grow);
-      ctx.strokeStyle = color; ctx.lineWidth = width; ctx.stroke();
+      ctx.beginPath(); for (var z = 0; z < list.length; z++) unitShape(ctx, list[z], grow, rounded);
+      ctx.strokeStyle = colour; ctx.lineWidth = width; ctx.stroke();
     }
-    var haloMatch = [], haloAdded = [], haloChanged = [];
-    for (i = 0; i < visible.length; i++) {
-      u = visible[i];
-      if (L.uMatch[u]) haloMatch.push(u);
-      if (L.uDiff[u] === 1) haloAdded.push(u); else if (L.uDiff[u] === 2) haloChanged.push(u);
+    halo(halos[1], "#22c55e", 4, 4);
+    halo(halos[2], "#f59e0b", 4, 4);
+    halo(halos[0], "#facc15", 5, 6);
+    var batches = new Map();
+    for (j = 0; j < visible.length; j++) {
+      u = visible[j];
+      var look = unitLook(u), key = look.join("|"), bt = batches.get(key);
+      if (!bt) { bt = { look: look, units: [] }; batches.set(key, bt); }
+      bt.units.push(u);
     }
-    halo(haloAdded, "#22c55e", 4, 4);
-    halo(haloChanged, "#f59e0b", 4, 4);
-    halo(haloMatch, "#facc15", 5, 6);
-    ["constant", "op", "input", "output", "group", "kernel", "upstream", "failed"].forEach(function (st) {
-      var list = byStyle[st];
-      if (!list) return;
-      var S = STYLE[st];
-      ctx.beginPath(); for (var q = 0; q < list.length; q++) shape(list[q], 0);
-      ctx.fillStyle = S.fill; ctx.fill();
-      ctx.setLineDash(st === "upstream" ? [4, 3] : []);
-      ctx.lineWidth = S.lw; ctx.strokeStyle = S.stroke; ctx.stroke();
+    batches.forEach(function (bt) {
+      var lk = bt.look, list = bt.units;
+      ctx.beginPath(); for (var z = 0; z < list.length; z++) unitShape(ctx, list[z], 0, rounded);
+      ctx.fillStyle = lk[0]; ctx.fill();
+      ctx.setLineDash(lk[3] ? [4, 3] : []);
+      ctx.lineWidth = lk[2]; ctx.strokeStyle = lk[1]; ctx.stroke();
       ctx.setLineDash([]);
-      if (st === "group") { // second border: a box that holds more
-        ctx.beginPath(); for (q = 0; q < list.length; q++) shape(list[q], -3);
-        ctx.lineWidth = 0.8; ctx.stroke();
-      }
     });
+    // closed modules: a second border, a box that holds more
+    ctx.beginPath();
+    for (j = 0; j < visible.length; j++) if (L.uBox[visible[j]] >= 0) unitShape(ctx, visible[j], -3, rounded);
+    ctx.lineWidth = 0.8; ctx.strokeStyle = "#64748b"; ctx.stroke();
     if (selU >= 0 && visible.indexOf(selU) >= 0) halo([selU], "#2563eb", 3, 3);
-    // labels
-    if (k >= 0.4) {
-      ctx.font = FONT; ctx.textAlign = "center"; ctx.textBaseline = "middle";
-      for (i = 0; i < visible.length; i++) {
-        u = visible[i]; var key = L.keys[u], st2 = unitStyle(u);
-        ctx.fillStyle = st2 === "failed" ? "#7f1d1d" : st2 === "upstream" ? "#991b1b" : st2 === "kernel" ? "#3b0764" : "#0f172a";
-        var text = unitText(key), maxw = L.w[u] - 10;
-        if (textWidth(text) > maxw) {
-          while (text.length > 2 && textWidth(text + "\u2026") > maxw) text = text.slice(0, -1);
-          text += "\u2026";
-        }
-        if (key >= 0 && nKind[key] === "constant") { ctx.font = "10px system-ui, sans-serif"; ctx.fillText(text, L.x[u], L.y[u] + 1); ctx.font = FONT; }
-        else ctx.fillText(text, L.x[u], L.y[u] + 1);
-      }
+    // labels: at least 9 screen pixels, or none
+    var placed = [];
+    if (k * 12 >= 7) {
+      ctx.textAlign = "center"; ctx.textBaseline = "middle";
+      for (j = 0; j < visible.length; j++) drawUnitLabel(visible[j], k, placed);
       ctx.textAlign = "start"; ctx.textBaseline = "alphabetic";
     }
+    // frame titles, over the edges that enter the frame
+    if (k * 11 >= 7) {
+      for (j = 0; j < frames.length; j++) {
+        f = frames[j];
+        var tt = clip(frameTitle(f.g), f.w - 16, BOLD), tw = textWidth(tt, BOLD);
+        ctx.fillStyle = gRootFail[f.g] ? "#fef2f2" : "#f8fafc";
+        ctx.fillRect(f.x + 6, f.y + 4, tw + 8, 17);
+        ctx.font = BOLD; ctx.fillStyle = gRootFail[f.g] ? "#991b1b" : "#334155";
+        ctx.fillText(tt, f.x + 10, f.y + 17);
+        placed.push([f.x + 6, f.y + 4, f.x + 14 + tw, f.y + 21, "title"]);
+      }
+    }
+    // dtype[shape] once for each array leaving a unit, where it does not cover anything
+    if (k >= 0.7) drawEdgeLabels(visible, placed, hot, vx0, vy0, vx1, vy1);
+    lastPlaced = placed;
     drawMinimap();
+  }
+  var lastPlaced = [];   // what the last frame wrote where: box labels, frame titles, edge labels
+  function drawUnitLabel(u, k, placed) {
+    var x0 = L.x[u] - L.w[u] / 2, w = L.w[u], h = L.h[u], y0 = L.y[u];
+    placed.push([x0, y0, x0 + w, y0 + h, "box"]);
+    var st = unitStyle(u), tx = unitText(u), box = L.uBox[u] >= 0;
+    var scale = Math.max(1, 9 / (12 * k));   // text grows in the world as the view shrinks
+    var room = w - 12;
+    ctx.fillStyle = st === "failed" ? "#7f1d1d" : st === "upstream" ? "#991b1b" : st === "kernel" ? "#3b0764" : "#0f172a";
+    var big = (box || st === "kernel" ? BOLD : FONT), size = 12 * scale;
+    var two = tx[1] && 12 * scale + 10 * scale + 4 <= h;
+    ctx.font = big.replace("12px", size.toFixed(1) + "px");
+    var line1 = clip(tx[0], room / scale, big);
+    if (!line1) return;
+    ctx.fillText(line1, L.x[u], two ? y0 + h / 2 - 7 * scale : y0 + h / 2 + 1);
+    if (two) {
+      ctx.font = SMALL.replace("10px", (10 * scale).toFixed(1) + "px");
+      ctx.fillStyle = st === "failed" ? "#991b1b" : "#475569";
+      ctx.fillText(clip(tx[1], room / scale, SMALL), L.x[u], y0 + h / 2 + 8 * scale);
+    }
+  }
+  function drawEdgeLabels(visible, placed, hot, vx0, vy0, vx1, vy1) {
+    ctx.font = MONO;
+    var done = new Set(), hotSet = new Set(hot);
+    var list = L.routes.slice().sort(function (p, q) { return (hotSet.has(q) ? 1 : 0) - (hotSet.has(p) ? 1 : 0); });
+    var shown = 0;
+    for (var j = 0; j < list.length && shown < 500; j++) {
+      var rt = list[j], ed = D.edges[rt.edge], key = rt.a + ":" + ed[2];
+      if (done.has(key)) continue;
+      var p = rt.pts;
+      if (p[0] < vx0 || p[0] > vx1 || p[1] < vy0 || p[1] > vy1) continue;
+      done.add(key);
+      var text = ed[4] + "[" + ed[3] + "]", tw = textWidth(text, MONO) + 4;
+      var lx = p[0] + 5, ly = p[1] + 4;
+      var box = [lx - 2, ly, lx + tw, ly + 12, "edge"], clash = false;
+      for (var z = 0; z < placed.length && !clash; z++) {
+        var q = placed[z];
+        clash = box[0] < q[2] && q[0] < box[2] && box[1] < q[3] && q[1] < box[3];
+      }
+      if (clash) continue;
+      placed.push(box);
+      ctx.fillStyle = "rgba(248,250,252,0.9)"; ctx.fillRect(box[0], box[1], tw + 2, 12);
+      ctx.fillStyle = hotSet.has(rt) ? "#1d4ed8" : "#64748b"; ctx.fillText(text, lx, ly + 9);
+      shown++;
+    }
   }
 
   // ------------------------------------------------------------------ minimap
   var mini = document.getElementById("gk-minimap"), mctx = mini.getContext("2d");
-  var miniImg = null, MW = 150, MH = 200, msx = 1, msy = 1;
+  // a long graph keeps a usable width: x and y are scaled apart, x by at most 6 times y
+  var miniImg = null, MW = 160, MH = 220, msx = 1, msy = 1;
   function buildMinimap() {
     var b = L.bounds, gw = b[2] - b[0], gh = b[3] - b[1];
-    msy = MH / gh; msx = Math.min(MW / gw, Math.max(msy, 50 / gw));
-    var w = Math.max(20, Math.ceil(gw * msx)), h = MH;
+    msy = Math.min(MH / gh, MW / gw); msx = Math.min(MW / gw, 6 * msy);
+    var w = Math.max(24, Math.ceil(gw * msx)), h = Math.max(24, Math.ceil(gh * msy));
     mini.style.width = w + "px"; mini.style.height = h + "px";
     mini.width = Math.round(w * dpr); mini.height = Math.round(h * dpr);
     miniImg = document.createElement("canvas");
     miniImg.width = mini.width; miniImg.height = mini.height;
     var c = miniImg.getContext("2d");
-    c.setTransform(dpr, 0, 0, dpr, 0, 0);
+    c.setTransform(dpr * msx, 0, 0, dpr * msy, -b[0] * dpr * msx, -b[1] * dpr * msy);
+    L.frames.forEach(function (f) {
+      c.fillStyle = gRootFail[f.g] ? "rgba(254,202,202,0.6)" : "rgba(148,163,184,0.18)";
+      c.fillRect(f.x, f.y, f.w, f.h);
+    });
     for (var u = 0; u < L.U; u++) {
       var st = unitStyle(u);
-      c.fillStyle = st === "failed" ? "#dc2626" : st === "upstream" ? "#fca5a5" : st === "kernel" ? "#7c3aed" : "#94a3b8";
-      c.fillRect((L.x[u] - L.w[u] / 2 - b[0]) * msx, (L.y[u] - b[1]) * msy, Math.max(1, L.w[u] * msx), Math.max(1, L.h[u] * msy));
-    }
-    for (var i = 0; i < roots.length; i++) {
-      var ru = L.unitOfNode[roots[i]];
-      c.fillStyle = "#dc2626"; c.fillRect((L.x[ru] - b[0]) * msx - 3, (L.y[ru] - b[1]) * msy - 2, 6, 4);
+      c.fillStyle = st === "failed" ? "#dc2626" : st === "upstream" ? "#fca5a5" : st === "kernel" ? "#7c3aed" : st === "group" ? "#64748b" : "#94a3b8";
+      c.fillRect(L.x[u] - L.w[u] / 2, L.y[u], Math.max(L.w[u], 1 / msx), Math.max(L.h[u], 1 / msy));
     }
   }
   function drawMinimap() {
@@ -625,13 +861,13 @@
     mctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     var k = transform.k;
     var x0 = (-transform.x / k - b[0]) * msx, y0 = (-transform.y / k - b[1]) * msy;
-    mctx.strokeStyle = "#2563eb"; mctx.lineWidth = 1.5;
-    mctx.strokeRect(x0, y0, Math.max(3, cssW / k * msx), Math.max(3, cssH / k * msy));
+    var vw = Math.max(3, cssW / k * msx), vh = Math.max(3, cssH / k * msy);
+    mctx.fillStyle = "rgba(37,99,235,0.08)"; mctx.strokeStyle = "#2563eb"; mctx.lineWidth = 1.5;
+    mctx.fillRect(x0, y0, vw, vh); mctx.strokeRect(x0, y0, vw, vh);
   }
   function miniNavigate(ev) {
-    var r = mini.getBoundingClientRect(), b = L.bounds;
-    var wx = (ev.clientX - r.left) / msx + b[0], wy = (ev.clientY - r.top) / msy + b[1];
-    centerOn(wx, wy, transform.k, 0);
+    var rc = mini.getBoundingClientRect(), b = L.bounds;
+    centerOn((ev.clientX - rc.left) / msx + b[0], (ev.clientY - rc.top) / msy + b[1], transform.k, 0);
   }
   var miniDrag = false;
   mini.addEventListener("mousedown", function (ev) { miniDrag = true; miniNavigate(ev); ev.preventDefault(); });
@@ -639,212 +875,335 @@
   window.addEventListener("mouseup", function () { miniDrag = false; });
 
   // ------------------------------------------------------------------ zoom
-  var zoom = d3.zoom().scaleExtent([0.002, 4]).clickDistance(4)
+  var zoom = d3.zoom().scaleExtent([0.005, 4]).clickDistance(4)
     .filter(function (ev) { return (!ev.ctrlKey || ev.type === "wheel") && !ev.button && ev.type !== "dblclick"; })
     .on("zoom", function (ev) { transform = ev.transform; requestDraw(); hideTip(); });
-  var sel = d3.select(canvas).call(zoom);
-  function centerOn(wx, wy, k, ms) {
-    var t = d3.zoomIdentity.translate(cssW / 2 - wx * k, cssH / 2 - wy * k).scale(k);
-    if (ms) sel.transition().duration(ms).call(zoom.transform, t); else sel.call(zoom.transform, t);
+  var zsel = d3.select(canvas).call(zoom);
+  function setTransform(t, ms) {
+    if (ms) zsel.transition().duration(ms).call(zoom.transform, t); else zsel.call(zoom.transform, t);
   }
+  function centerOn(wx, wy, k, ms) {
+    setTransform(d3.zoomIdentity.translate(cssW / 2 - wx * k, cssH / 2 - wy * k).scale(k), ms);
+  }
+  var READABLE = 0.55;   // below this zoom a box's text is too small to read
+  // Fit: the whole graph when it is readable so; otherwise its full width (or as much as is
+  // readable) from the top, the minimap showing the rest
   function fit(ms) {
-    var b = L.bounds, gw = b[2] - b[0] + 40, gh = b[3] - b[1] + 40;
-    var k = Math.min(cssW / gw, cssH / gh);
-    if (k < 0.25) { // a tall graph: fit the width, show its top
-      k = Math.max(0.25, Math.min(1, cssW / gw));
-      centerOn((b[0] + b[2]) / 2, b[1] - 20 + cssH / 2 / k, k, ms);
-    } else centerOn((b[0] + b[2]) / 2, (b[1] + b[3]) / 2, Math.min(k, 1.5), ms);
+    var b = L.bounds, gw = b[2] - b[0] + 48, gh = b[3] - b[1] + 48;
+    var k = Math.min(cssW / gw, cssH / gh, 1.25);
+    if (k >= READABLE) { centerOn((b[0] + b[2]) / 2, (b[1] + b[3]) / 2, k, ms); return; }
+    k = Math.max(READABLE, Math.min(1, cssW / gw));
+    var cx = cssW / k >= gw ? (b[0] + b[2]) / 2 : b[0] - 24 + cssW / 2 / k;
+    setTransform(d3.zoomIdentity.translate(cssW / 2 - cx * k, 24 - b[1] * k).scale(k), ms);
+  }
+  function fitAll() {
+    var b = L.bounds, k = Math.min(cssW / (b[2] - b[0] + 40), cssH / (b[3] - b[1] + 40));
+    centerOn((b[0] + b[2]) / 2, (b[1] + b[3]) / 2, k, 0);
   }
 
   // ------------------------------------------------------------------ hit testing
   function toWorld(cx, cy) { return [(cx - transform.x) / transform.k, (cy - transform.y) / transform.k]; }
   function unitAt(wx, wy) {
-    var ly = L.layerY, lo = 0, hi = ly.length - 1;
-    while (lo < hi) { var mid = (lo + hi) >> 1; if (ly[mid] + L.layerH[mid] / 2 < wy) lo = mid + 1; else hi = mid; }
-    for (var l = Math.max(0, lo - 1); l <= Math.min(ly.length - 1, lo + 1); l++) {
-      var row = L.layers[l];
-      for (var q = 0; q < row.length; q++) {
-        var u = row[q];
-        if (u >= L.U) continue;  // a virtual point of a long edge
-        if (Math.abs(L.x[u] - wx) <= L.w[u] / 2 + 2 && Math.abs(L.y[u] - wy) <= L.h[u] / 2 + 2) return u;
-      }
+    for (var u = L.U - 1; u >= 0; u--) {
+      if (Math.abs(L.x[u] - wx) <= L.w[u] / 2 + 2 && wy >= L.y[u] - 2 && wy <= L.y[u] + L.h[u] + 2) return u;
     }
     return -1;
   }
-  function frameHeaderAt(wx, wy) {
-    var best = null;
-    for (var i = 0; i < L.frames.length; i++) {
-      var f = L.frames[i];
-      var r0 = f.rows[0];
-      if (wx >= r0[0] && wx <= r0[2] && wy >= r0[1] && wy <= r0[1] + LABEL_H + 2 && (!best || gDepth[f.g] > gDepth[best.g])) best = f;
+  function frameTitleAt(wx, wy) {
+    var best = -1;
+    for (var j = 0; j < L.frames.length; j++) {
+      var f = L.frames[j];
+      if (wx >= f.x && wx <= f.x + f.w && wy >= f.y && wy <= f.y + TITLE_H) best = f.g;   // the innermost wins: frames come outermost first
     }
-    return best ? best.g : -1;
+    return best;
   }
-  function eventPoint(ev) { var r = canvas.getBoundingClientRect(); return toWorld(ev.clientX - r.left, ev.clientY - r.top); }
+  function eventPoint(ev) { var rc = canvas.getBoundingClientRect(); return toWorld(ev.clientX - rc.left, ev.clientY - rc.top); }
+  function unitKey(u) { return L.uBox[u] >= 0 ? groupKey(L.uBox[u]) : dNode[L.uRef[u]]; }
   canvas.addEventListener("click", function (ev) {
     var p = eventPoint(ev), u = unitAt(p[0], p[1]);
-    if (u >= 0) { select(L.keys[u]); return; }
-    var g = frameHeaderAt(p[0], p[1]);
-    if (g >= 0) { setCollapsed(g, true); select(-g - 1); return; }
+    if (u >= 0) { select(unitKey(u)); return; }
+    var g = frameTitleAt(p[0], p[1]);
+    if (g >= 0) { setCollapsed(g, true); select(groupKey(g)); return; }
     select(-1);
   });
   canvas.addEventListener("dblclick", function (ev) {
     var p = eventPoint(ev), u = unitAt(p[0], p[1]);
     if (u < 0) return;
-    var key = L.keys[u];
-    if (key < 0) { setCollapsed(-key - 1, false); select(-1); }
-    else if (nGroup[key] >= 0) { var g = nGroup[key]; setCollapsed(g, true); select(-g - 1); }
+    if (L.uBox[u] >= 0) { var g = L.uBox[u]; setCollapsed(g, false); select(groupKey(g)); }
+    else { var n = dNode[L.uRef[u]]; if (nGroup[n] >= 0) { g = nGroup[n]; setCollapsed(g, true); select(groupKey(g)); } }
   });
   var tip = document.getElementById("gk-tip");
   function hideTip() { tip.style.display = "none"; }
   canvas.addEventListener("mousemove", function (ev) {
     if (ev.buttons) return;
-    var p = eventPoint(ev), u = unitAt(p[0], p[1]), g = u < 0 ? frameHeaderAt(p[0], p[1]) : -1;
+    var p = eventPoint(ev), u = unitAt(p[0], p[1]), g = u < 0 ? frameTitleAt(p[0], p[1]) : -1;
     canvas.classList.toggle("pointer", u >= 0 || g >= 0);
     if (u < 0 && g < 0) { hideTip(); return; }
     var text;
-    if (u >= 0) {
-      var key = L.keys[u];
-      if (key >= 0) {
-        text = nId[key] + (nOp[key] && nOp[key] !== nLabel[key] ? "  (" + nOp[key] + ")" : "") + "\n" + nKind[key];
-        var outs = outE[key];
-        if (outs.length) { var ed = D.edges[outs[0]]; text += " \u2192 " + ed[4] + "[" + ed[3] + "]"; }
-        if (nStatus[key]) text += "\n" + statusName(nStatus[key]) + (nRoot[key] >= 0 && nRoot[key] !== key ? " (root cause " + nId[nRoot[key]] + ")" : "");
-      } else { var cg = -key - 1; text = gPath[cg] + "\n" + gSize[cg] + " nodes (double-click to expand)"; }
-    } else text = gPath[g] + "\nclick to collapse";
+    if (u >= 0 && L.uBox[u] < 0) {
+      var n = dNode[L.uRef[u]];
+      text = nId[n] + (nOp[n] && nOp[n] !== nLabel[n] ? "  (" + nOp[n] + ")" : "") + "\n" + nKind[n] + (scopeOf(n) ? " in " + scopeOf(n) : "");
+      var outs = outE[n];
+      if (outs.length) { var ed = D.edges[outs[0]]; text += " \u2192 " + ed[4] + "[" + ed[3] + "]"; }
+      if (nAttrs[n].length && !showWeights) text += "\n" + nAttrs[n].map(weightFull).join("\n");
+      if (nStatus[n]) text += "\n" + statusName(nStatus[n]) + (nRoot[n] >= 0 && nRoot[n] !== n ? " (root cause " + nId[nRoot[n]] + ")" : "");
+    } else if (u >= 0) { var cg = L.uBox[u]; text = gPath[cg] + (gClass[cg] ? " (" + gClass[cg] + ")" : "") + "\n" + boxCaption(cg) + "\ndouble-click to open"; }
+    else text = gPath[g] + "\nclick to close";
     tip.textContent = text;
-    var r = wrap.getBoundingClientRect();
-    tip.style.left = Math.min(ev.clientX - r.left + 14, r.width - 200) + "px";
-    tip.style.top = (ev.clientY - r.top + 14) + "px";
+    var rc = wrap.getBoundingClientRect();
+    tip.style.left = Math.min(ev.clientX - rc.left + 14, rc.width - 240) + "px";
+    tip.style.top = (ev.clientY - rc.top + 14) + "px";
     tip.style.display = "block";
   });
   canvas.addEventListener("mouseleave", hideTip);
 
-  // ------------------------------------------------------------------ collapse / expand
-  function setCollapsed(g, on) {
-    if (!!collapsed[g] === on) return;
-    collapsed[g] = on ? 1 : 0;
-    relayout();
+  // ------------------------------------------------------------------ open / close in place
+  // The anchor keeps still on screen across a relayout: the module opened or closed, else the
+  // selection; everything else moves around it.
+  function anchorPoint(key) {
+    if (key === -1 || !L) return null;
+    var u = L.unitOfKey.get(key);
+    if (u !== undefined) return [L.x[u], L.y[u]];
+    if (key < 0) { var f = L.frameOf.get(keyGroup(key)); if (f) return [f.x + f.w / 2, f.y]; }
+    if (key >= 0 && dOfNode && dOfNode[key] >= 0) { u = L.unitOfDn[dOfNode[key]]; return [L.x[u], L.y[u]]; }
+    return null;
   }
-  function relayout(keepKey) {
-    var anchor = null;
-    var focusKey = keepKey !== undefined ? keepKey : selected;
-    if (L && focusKey !== -1 && L.unitOfKey.has(focusKey)) {
-      var u0 = L.unitOfKey.get(focusKey);
-      anchor = [focusKey, L.x[u0] * transform.k + transform.x, L.y[u0] * transform.k + transform.y];
-    }
+  function relayout(anchorKey) {
+    var key = anchorKey !== undefined ? anchorKey : selected;
+    var before = anchorPoint(key);
     layout();
     if (treeBuilt) renderTree();
-    if (anchor) {
-      var u1 = L.unitOfKey.get(anchor[0]);
-      if (u1 === undefined && anchor[0] >= 0) u1 = L.unitOfNode[anchor[0]];
-      if (u1 !== undefined) {
-        var t = d3.zoomIdentity.translate(anchor[1] - L.x[u1] * transform.k, anchor[2] - L.y[u1] * transform.k).scale(transform.k);
-        sel.call(zoom.transform, t);
+    if (selected !== -1 && !L.unitOfKey.has(selected)) selectContaining(selected);
+    var after = anchorPoint(key);
+    if (before && after) {
+      var k = transform.k;
+      setTransform(d3.zoomIdentity.translate(transform.x + (before[0] - after[0]) * k, transform.y + (before[1] - after[1]) * k).scale(k), 0);
+      var u = L.unitOfKey.get(key);   // a box that lands off screen is brought into view
+      if (u !== undefined) {
+        var sx = L.x[u] * k + transform.x, sy0 = L.y[u] * k + transform.y, sy1 = sy0 + L.h[u] * k;
+        if (sx < 0 || sx > cssW || sy1 < 0 || sy0 > cssH) centerOn(L.x[u], L.y[u] + L.h[u] / 2, k, 0);
       }
     }
     requestDraw();
   }
-  function collapseToDepth(depth) {
-    for (var g = 0; g < G; g++) collapsed[g] = depth >= 0 && gDepth[g] >= depth ? 1 : 0;
-    relayout();
-    if (!L.unitOfKey.has(selected)) fit(0);
+  // a selection that is no longer drawn moves to the closed module that now holds it
+  function selectContaining(key) {
+    if (key >= 0) {
+      var u = dOfNode[key] >= 0 ? L.unitOfDn[dOfNode[key]] : -1;
+      if (u >= 0 && L.uBox[u] >= 0) { select(groupKey(L.uBox[u])); return; }
+      if (u >= 0) { select(dNode[L.uRef[u]]); return; }
+    } else {
+      var g = keyGroup(key), chain = gChain[g];
+      for (var q = 0; q < chain.length; q++) if (collapsed[chain[q]]) { select(groupKey(chain[q])); return; }
+      if (L.frameOf.has(g)) { select(key); return; }
+    }
+    select(-1);
+  }
+  function setCollapsed(g, on) {
+    if (!!collapsed[g] === on) return;
+    collapsed[g] = on ? 1 : 0;
+    relayout(groupKey(g));
+  }
+  function setDepth(depth) {
+    applyDepth(depth);
+    depthSel.value = String(depth);
+    relayout(-1);
+    if (selected !== -1 && !L.unitOfKey.has(selected) && !(selected < 0 && L.frameOf.has(keyGroup(selected)))) selectContaining(selected);
+    fit(0);
+  }
+  function applyDepth(depth) {
+    if (depth === "auto") { autoCollapse(); return; }
+    for (var g2 = 0; g2 < G; g2++) collapsed[g2] = depth >= 0 && gDepth[g2] >= depth ? 1 : 0;
+  }
+  // Open at first: the module hierarchy down to the repeated blocks (model.layers.0, .1, ...),
+  // each block one box; small modules stay open. Without repeated blocks, as deep as keeps the
+  // picture to a few hundred boxes.
+  var REPEAT = /\.\d+$/;
+  function autoDepth() {
+    var best = Infinity;
+    for (var g2 = 0; g2 < G; g2++) {
+      if (!REPEAT.test(gLabel[g2])) continue;
+      var sib = gParent[g2] >= 0 ? gChildren[gParent[g2]] : topGroups, count = 0;
+      for (var q = 0; q < sib.length; q++) if (REPEAT.test(gLabel[sib[q]])) count++;
+      if (count >= 2 && gDepth[g2] < best) best = gDepth[g2];
+    }
+    if (best !== Infinity) return best;
+    var drawn = 0;
+    for (var n = 0; n < N; n++) if (!nWeight[n]) drawn++;
+    if (drawn <= 400) return -1;
+    for (var d = 0; d < 12; d++) {
+      var units = 0, seen = new Set();
+      for (n = 0; n < N; n++) {
+        if (nWeight[n]) continue;
+        var gg = nGroup[n];
+        if (gg >= 0 && gDepth[gg] >= d) { var top = gChain[gg][d]; if (!seen.has(top)) { seen.add(top); units++; } }
+        else units++;
+      }
+      if (units > 300) return Math.max(0, d - 1);
+    }
+    return -1;
+  }
+  function autoCollapse() {
+    var depth = autoDepth();
+    for (var g2 = 0; g2 < G; g2++) collapsed[g2] = depth >= 0 && gDepth[g2] >= depth && gOps[g2] + gKernels[g2] > 4 ? 1 : 0;
   }
   function reveal(n) {
     var changed = false;
-    if (nGroup[n] >= 0) gChain[nGroup[n]].forEach(function (g) { if (collapsed[g]) { collapsed[g] = 0; changed = true; } });
-    if (changed) { layout(); if (treeBuilt) renderTree(); }
+    if (nWeight[n] && !showWeights) return;
+    if (nGroup[n] >= 0) gChain[nGroup[n]].forEach(function (g2) { if (collapsed[g2]) { collapsed[g2] = 0; changed = true; } });
+    if (changed) relayout(-1);
   }
 
   // ------------------------------------------------------------------ selection and panel
   var panel = document.getElementById("gk-panel");
   function esc(s) { return String(s == null ? "" : s).replace(/[&<>"']/g, function (ch) { return { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[ch]; }); }
   function link(n) { return '<a data-node="' + n + '" class="gk-mono">' + esc(nId[n]) + "</a>"; }
+  function groupLink(g2) { return '<a data-group="' + g2 + '" class="gk-mono">' + esc(gPath[g2]) + "</a>"; }
   function row(k, v) { return "<tr><td>" + esc(k) + "</td><td>" + v + "</td></tr>"; }
+  function mono(s) { return '<span class="gk-mono">' + esc(s) + "</span>"; }
   function select(key) {
     selected = key;
-    if (key === -1) { panel.classList.remove("open"); requestDraw(); resizeSoon(); return; }
-    var html;
-    if (key >= 0) html = nodePanel(key); else html = groupPanel(-key - 1);
-    panel.innerHTML = html;
+    if (key === -1) { panel.classList.remove("open"); requestDraw(); resize(); return; }
+    panel.innerHTML = key >= 0 ? nodePanel(key) : groupPanel(keyGroup(key));
     panel.classList.add("open");
     panel.scrollTop = 0;
-    resizeSoon();
+    resize();
     requestDraw();
   }
-  function resizeSoon() { resize(); }   // the panel changed the canvas size: follow it now
   function badges(n) {
-    var b = '<span class="gk-badge ' + (nKind[n] === "kernel" ? "kernel" : "") + '">' + esc(nKind[n]) + "</span>";
-    if (nStatus[n] === 10) b += '<span class="gk-badge upstream">UPSTREAM_FAILED</span>';
+    var b = '<span class="gk-badge ' + (nKind[n] === "kernel" ? "kernel" : "") + '">' + esc(nWeight[n] ? (nKind[n] === "op" ? "op on weights" : nKind[n] === "input" ? "weight" : "constant") : nKind[n]) + "</span>";
+    if (nStatus[n] === UPSTREAM) b += '<span class="gk-badge upstream">UPSTREAM_FAILED</span>';
     else if (nStatus[n]) b += '<span class="gk-badge failed">' + esc(statusName(nStatus[n])) + "</span>";
     else b += '<span class="gk-badge ok">OK</span>';
     if (diffMark[n] === 1) b += '<span class="gk-badge added">added</span>';
     if (diffMark[n] === 2) b += '<span class="gk-badge changed">changed</span>';
     return b;
   }
+  // where an input comes from, in the user's terms: the parameter or constant it is, or the
+  // node that made it
+  function producerText(s, n) {
+    if (nWeight[s] && !showWeights) return '<span class="gk-mono" title="' + esc(nId[s]) + '">' + esc(weightFull(s)) + "</span>";
+    return link(s) + (nOp[s] && nKind[s] !== "kernel" ? ' <span class="gk-dim">' + esc(nOp[s]) + "</span>" : nKind[s] === "input" ? ' <span class="gk-dim">input</span>' : "");
+  }
   function nodePanel(n) {
-    var d = details[n] || {};
-    var h = '<header><h2 class="gk-mono" data-testid="panel-title">' + esc(nId[n]) + '</h2><button class="gk-close" title="Close (Esc)">\u00D7</button></header>';
+    var d = det(n), h = "";
+    h += '<header><h2 class="gk-mono" data-testid="panel-title">' + esc(nId[n]) + '</h2><button class="gk-close" title="Close (Esc)">\u00D7</button></header>';
     h += "<section>" + badges(n) + "</section><section><table>";
-    h += row("label", esc(nLabel[n]));
-    if (nOp[n]) h += row(nKind[n] === "kernel" ? "kernel" : "op", '<span class="gk-mono">' + esc(nOp[n]) + "</span>");
-    h += row("scope", nGroup[n] >= 0 ? '<span class="gk-mono">' + esc(gPath[nGroup[n]]) + "</span>" : "<i>top level</i>");
+    if (nOp[n]) h += row(nKind[n] === "kernel" ? "kernel" : "op", mono(nOp[n]));
+    else if (nLabel[n] !== nId[n]) h += row("name", mono(nLabel[n]));
+    h += row("module", nGroup[n] >= 0 ? groupLink(nGroup[n]) + (gClass[nGroup[n]] ? ' <span class="gk-dim">' + esc(gClass[nGroup[n]]) + "</span>" : "") : "<i>top level</i>");
     h += row("status", esc(statusName(nStatus[n])) + " (" + nStatus[n] + ")");
-    if (nStatus[n] && nRoot[n] >= 0 && nRoot[n] !== n) h += row("root cause", link(nRoot[n]) + " \u2014 " + esc(statusName(nStatus[nRoot[n]])));
-    if (d.arguments) h += row("arguments", '<span class="gk-mono">' + esc(d.arguments) + "</span>");
-    if (d.value) h += row("value", '<span class="gk-mono">' + esc(d.value) + "</span>");
+    if (nStatus[n] && nRoot[n] >= 0 && nRoot[n] !== n) h += row("root cause", link(nRoot[n]) + " \u2014 " + esc(statusName(nStatus[nRoot[n]])) + (nGroup[nRoot[n]] >= 0 ? " in " + groupLink(nGroup[nRoot[n]]) : ""));
+    if (d.weight) h += row("is", mono(d.weight[0]));
+    if (d.value) h += row("value", mono(d.value));
+    if (d.arguments) h += row("arguments", mono(d.arguments));
     h += "</table>";
     if (d.message) h += '<pre class="msg" data-testid="panel-message">' + esc(d.message) + "</pre>";
     h += "</section>";
-    if (nStatus[n] && nStatus[n] !== 10) {
-      var count = 0; for (var q = 0; q < N; q++) if (nRoot[q] === n && q !== n) count++;
+    if (nStatus[n] && nStatus[n] !== UPSTREAM) {
+      var count = downstreamOf(n);
       h += "<section><h3>Blast radius</h3>" + count + " node" + (count === 1 ? "" : "s") + " downstream marked UPSTREAM_FAILED</section>";
     }
-    if (nKind[n] === "kernel") {
-      h += "<section><h3>Kernel</h3><table>";
-      ["kernel", "backend", "grid", "threadgroup", "template", "source_hash", "generated_name"].forEach(function (f) {
-        if (d[f] !== undefined && d[f] !== null && d[f] !== "") h += row(f, '<span class="gk-mono">' + esc(d[f]) + "</span>");
+    if (nKind[n] === "kernel") h += kernelSection(n, d);
+    if (inE[n].length) {
+      h += '<section><h3>Inputs</h3><table data-testid="panel-inputs">';
+      inE[n].forEach(function (e2) {
+        var ed = D.edges[e2], name = inputName(n, ed[5]);
+        h += row((name || "#" + ed[5]), producerText(ed[0], n) + ' <span class="gk-mono gk-dim">' + esc(ed[4]) + "[" + esc(ed[3]) + "]</span>");
       });
-      h += "</table>";
-      if (d.source) h += '<pre data-testid="panel-source">' + esc(d.source) + "</pre>";
-      h += "</section>";
-    }
-    var ins = inE[n].slice().sort(function (a, b) { return D.edges[a][5] - D.edges[b][5]; });
-    if (ins.length) {
-      h += "<section><h3>Inputs</h3><table>";
-      ins.forEach(function (e) { var ed = D.edges[e]; h += row("#" + ed[5], link(ed[0]) + ' <span class="gk-mono">' + esc(ed[2]) + ": " + esc(ed[4]) + "[" + esc(ed[3]) + "]</span>"); });
       h += "</table></section>";
     }
     if (outE[n].length) {
       h += "<section><h3>Outputs</h3><table>";
-      outE[n].forEach(function (e) { var ed = D.edges[e]; h += row(esc(ed[2]), '<span class="gk-mono">' + esc(ed[4]) + "[" + esc(ed[3]) + "]</span> \u2192 " + link(ed[1])); });
+      var byArray = new Map();
+      outE[n].forEach(function (e2) { var ed = D.edges[e2]; if (!byArray.has(ed[2])) byArray.set(ed[2], [ed, []]); byArray.get(ed[2])[1].push(ed[1]); });
+      var idx = 0;
+      byArray.forEach(function (v) {
+        h += row("#" + idx++, '<span class="gk-mono">' + esc(v[0][4]) + "[" + esc(v[0][3]) + "]</span> \u2192 " + v[1].slice(0, 8).map(link).join(", ") + (v[1].length > 8 ? " \u2026" : ""));
+      });
       h += "</table></section>";
     }
     if (diff && diff.changed[n]) {
       h += "<section><h3>Changed</h3><table>";
-      diff.changed[n].forEach(function (c) { h += row(c[0], '<span class="gk-mono">' + esc(c[1]) + " \u2192 " + esc(c[2]) + "</span>"); });
+      diff.changed[n].forEach(function (c2) { h += row(c2[0], mono(c2[1] + " \u2192 " + c2[2])); });
       h += "</table></section>";
+    }
+    return h;
+  }
+  function kernelSection(n, d) {
+    var h = "<section><h3>Launch</h3><table>";
+    ["backend", "grid", "threadgroup", "template", "source_hash", "generated_name"].forEach(function (f) {
+      if (d[f] !== undefined && d[f] !== null && d[f] !== "") h += row(f, mono(d[f]));
+    });
+    h += "</table></section>";
+    var table = sources[d.source_hash] || {}, backends = Object.keys(table);
+    if (!backends.length && d.source) { table = {}; table[d.backend || "source"] = d.source; backends = Object.keys(table); }
+    if (backends.length) {
+      var active = backends.indexOf(d.backend) >= 0 ? d.backend : backends[0];
+      h += '<section><h3>Source</h3><div class="gk-tabs">';
+      backends.forEach(function (b) { h += '<button class="gk-tab' + (b === active ? " on" : "") + '" data-source="' + esc(b) + '">' + esc(b === "reference" ? "reference (Python)" : b) + (b === d.backend ? " \u2713" : "") + "</button>"; });
+      h += "</div>";
+      backends.forEach(function (b) { h += '<pre data-testid="panel-source" data-backend="' + esc(b) + '"' + (b === active ? "" : ' hidden') + ">" + esc(table[b]) + "</pre>"; });
+      h += "</section>";
     }
     return h;
   }
   function groupPanel(g) {
     var h = '<header><h2 class="gk-mono" data-testid="panel-title">' + esc(gPath[g]) + '</h2><button class="gk-close">\u00D7</button></header>';
-    h += '<section><span class="gk-badge">module</span>' + (gRootFail[g] ? '<span class="gk-badge failed">contains a failure</span>' : gFailed[g] ? '<span class="gk-badge upstream">upstream failed</span>' : "") + "</section>";
-    h += "<section><table>" + row("nodes", gSize[g]) + row("failed", gFailed[g]) + "</table>";
-    h += '<p><button class="gk-btn" data-expand="' + g + '">' + (collapsed[g] ? "Expand" : "Collapse") + "</button></p></section>";
+    h += '<section><span class="gk-badge">module</span>' + (gClass[g] ? '<span class="gk-badge">' + esc(gClass[g]) + "</span>" : "") + (gRootFail[g] ? '<span class="gk-badge failed">contains a failure</span>' : gFailed[g] ? '<span class="gk-badge upstream">upstream failed</span>' : "") + "</section>";
+    h += "<section><table>" + row("ops", gOps[g]) + row("kernels", gKernels[g]) + row("failed", gFailed[g]);
+    if (gParent[g] >= 0) h += row("in", groupLink(gParent[g]));
+    h += "</table>";
+    h += '<p><button class="gk-btn" data-expand="' + g + '">' + (collapsed[g] ? "Open" : "Close") + "</button></p></section>";
+    var kernels = new Map(), firstFail = -1;
+    for (var n = 0; n < N; n++) {
+      if (nGroup[n] < 0 || gChain[nGroup[n]].indexOf(g) < 0) continue;
+      if (nKind[n] === "kernel") kernels.set(nOp[n], (kernels.get(nOp[n]) || 0) + 1);
+      if (firstFail < 0 && nStatus[n] && nStatus[n] !== UPSTREAM) firstFail = n;
+    }
+    if (firstFail >= 0) h += "<section><h3>Failure</h3>" + link(firstFail) + " \u2014 " + esc(statusName(nStatus[firstFail])) + "</section>";
+    if (kernels.size) {
+      h += "<section><h3>Kernels</h3><table>";
+      kernels.forEach(function (cnt, name) { h += row(name, "\u00D7" + cnt); });
+      h += "</table></section>";
+    }
+    if (gChildren[g].length) {
+      h += "<section><h3>Modules</h3><table>";
+      gChildren[g].slice(0, 40).forEach(function (c2) { h += row(gLabel[c2], groupLink(c2) + ' <span class="gk-dim">' + esc(gClass[c2]) + "</span>"); });
+      h += "</table></section>";
+    }
     return h;
   }
   panel.addEventListener("click", function (ev) {
     var t = ev.target;
     if (t.classList.contains("gk-close")) { select(-1); return; }
     if (t.dataset.node !== undefined) { focusNode(+t.dataset.node); return; }
-    if (t.dataset.expand !== undefined) { var g = +t.dataset.expand; setCollapsed(g, !collapsed[g]); select(collapsed[g] ? -g - 1 : -1); }
+    if (t.dataset.group !== undefined) { focusGroup(+t.dataset.group); return; }
+    if (t.dataset.source !== undefined) {
+      panel.querySelectorAll(".gk-tab").forEach(function (b) { b.classList.toggle("on", b === t); });
+      panel.querySelectorAll("pre[data-backend]").forEach(function (p) { p.hidden = p.dataset.backend !== t.dataset.source; });
+      return;
+    }
+    if (t.dataset.expand !== undefined) { var g = +t.dataset.expand; setCollapsed(g, !collapsed[g]); select(groupKey(g)); }
   });
   function focusNode(n, ms) {
     reveal(n);
     select(n);   // first, so the view is centred in the canvas that the open panel leaves
-    var u = L.unitOfNode[n];
-    centerOn(L.x[u], L.y[u], Math.max(transform.k, 0.9), ms === undefined ? 350 : ms);
+    var p = anchorPoint(n);
+    if (p) { var u = L.unitOfKey.get(n); centerOn(p[0], p[1] + (u !== undefined ? L.h[u] / 2 : 0), Math.max(transform.k, 0.9), ms === undefined ? 350 : ms); }
+  }
+  function focusGroup(g) {
+    var changed = false;
+    gChain[g].slice(0, -1).forEach(function (a) { if (collapsed[a]) { collapsed[a] = 0; changed = true; } });
+    if (changed) relayout(-1);
+    select(groupKey(g));
+    var u = L.unitOfKey.get(groupKey(g));
+    if (u !== undefined) { centerOn(L.x[u], L.y[u] + L.h[u] / 2, Math.max(transform.k, 0.9), 300); return; }
+    var f = L.frameOf.get(g);
+    if (f) {
+      var k = Math.max(Math.min(cssW / (f.w + 40), cssH / (f.h + 40), 1.2), READABLE);
+      centerOn(f.x + f.w / 2, Math.min(f.y + f.h / 2, f.y - 20 + cssH / 2 / k), k, 300);
+    }
   }
 
   // ------------------------------------------------------------------ search
@@ -852,8 +1211,8 @@
   var countEl = document.getElementById("gk-search-count");
   var hay = new Array(N);
   for (i = 0; i < N; i++) {
-    var dd = details[i] || {};
-    hay[i] = (nId[i] + "\u0001" + nLabel[i] + "\u0001" + nOp[i] + "\u0001" + (nGroup[i] >= 0 ? gPath[nGroup[i]] : "") + "\u0001" + (dd.kernel || "")).toLowerCase();
+    var dd = det(i);
+    hay[i] = (nId[i] + "\u0001" + nLabel[i] + "\u0001" + nOp[i] + "\u0001" + scopeOf(i) + "\u0001" + (dd.kernel || "") + "\u0001" + (dd.weight ? dd.weight[0] : "")).toLowerCase();
   }
   var lastQuery = null;
   function runSearch(q) {
@@ -861,8 +1220,8 @@
     lastQuery = q;
     matches = new Uint8Array(N); matchList = []; matchCursor = -1;
     if (q) {
-      var exact = [];
-      for (var n = 0; n < N; n++) if (hay[n].indexOf(q) >= 0) { matches[n] = 1; (nId[n].toLowerCase() === q ? exact : matchList).push(n); }
+      var exact = [], n;
+      for (n = 0; n < N; n++) if (hay[n].indexOf(q) >= 0) { matches[n] = 1; (nId[n].toLowerCase() === q ? exact : matchList).push(n); }
       matchList = exact.concat(matchList);
     }
     refreshMatches();
@@ -870,22 +1229,28 @@
     var html = "";
     for (var j = 0; j < Math.min(matchList.length, 60); j++) {
       n = matchList[j];
-      html += '<div class="gk-result" data-node="' + n + '"><b class="gk-mono">' + esc(nId[n]) + "</b><span>" + esc(nOp[n] || nKind[n]) + (nGroup[n] >= 0 ? " \u00B7 " + esc(gPath[nGroup[n]]) : "") + "</span></div>";
+      html += '<div class="gk-result" data-node="' + n + '"><b class="gk-mono">' + esc(nId[n]) + "</b><span>" + esc(nOp[n] || nKind[n]) + (scopeOf(n) ? " \u00B7 " + esc(scopeOf(n)) : "") + "</span></div>";
     }
     if (matchList.length > 60) html += '<div class="gk-result"><span>\u2026 ' + (matchList.length - 60) + " more (Enter steps through them)</span></div>";
     if (q && !matchList.length) html = '<div class="gk-result"><span>no node matches</span></div>';
     results.innerHTML = html;
     results.classList.toggle("open", !!q);
     requestDraw();
-    return matchList.map(function (n) { return nId[n]; });
+    return matchList.map(function (n2) { return nId[n2]; });
   }
+  // a match hidden as a weight lights up the node that reads it; one in a closed module, the box
   function refreshMatches() {
     if (!L) return;
     L.uMatch = new Uint8Array(L.U);
-    for (var q = 0; q < matchList.length; q++) L.uMatch[L.unitOfNode[matchList[q]]] = 1;
+    for (var q = 0; q < matchList.length; q++) {
+      var n = matchList[q], k = dOfNode[n];
+      if (k >= 0) { L.uMatch[L.unitOfDn[k]] = 1; continue; }
+      for (var z = 0; z < outE[n].length; z++) { var t = eDst[outE[n][z]]; if (dOfNode[t] >= 0) L.uMatch[L.unitOfDn[dOfNode[t]]] = 1; }
+    }
   }
   var searchTimer = 0;
   search.addEventListener("input", function () { clearTimeout(searchTimer); searchTimer = setTimeout(function () { runSearch(search.value); }, 80); });
+  search.addEventListener("search", function () { if (!search.value) runSearch(""); });   // the clear button
   search.addEventListener("keydown", function (ev) {
     if (ev.key === "Enter") {
       clearTimeout(searchTimer);
@@ -903,38 +1268,65 @@
   });
   search.addEventListener("blur", function () { setTimeout(function () { results.classList.remove("open"); }, 150); });
   document.addEventListener("keydown", function (ev) {
-    if (ev.target === search) return;
+    if (ev.target === search || ev.target.tagName === "SELECT") return;
     if (ev.key === "/") { ev.preventDefault(); search.focus(); search.select(); }
     else if (ev.key === "Escape") select(-1);
     else if (ev.key === "f") fit(300);
     else if (ev.key === "m") treeBtn.click();
+    else if (ev.key === "w") weightsBox.click();
     else if ((ev.key === "ArrowUp" || ev.key === "ArrowDown") && selected >= 0) {
-      // follow the data: to the first input's producer, or to the first consumer
-      var list = ev.key === "ArrowUp" ? inE[selected] : outE[selected];
+      // follow the data: to the first input's producer, or to the first consumer (past weights)
+      var list = (ev.key === "ArrowUp" ? inE[selected] : outE[selected]).filter(function (e2) {
+        return showWeights || !nWeight[ev.key === "ArrowUp" ? eSrc[e2] : eDst[e2]];
+      });
       if (list.length) { ev.preventDefault(); focusNode(ev.key === "ArrowUp" ? eSrc[list[0]] : eDst[list[0]], 150); }
     }
   });
 
-  // ------------------------------------------------------------------ toolbar, banners
+  // ------------------------------------------------------------------ toolbar
   document.getElementById("gk-fit").addEventListener("click", function () { fit(300); });
+  var depthSel = document.getElementById("gk-depth");
+  var maxDepth = 0; for (g = 0; g < G; g++) maxDepth = Math.max(maxDepth, gDepth[g] + 1);
+  function option(sel, value, text) { var o = document.createElement("option"); o.value = value; o.textContent = text; sel.appendChild(o); }
+  option(depthSel, "auto", "one box per layer");
+  option(depthSel, "-1", "open all modules");
+  for (var dpt = 0; dpt < maxDepth; dpt++) option(depthSel, String(dpt), dpt ? "open " + dpt + " level" + (dpt > 1 ? "s" : "") : "close all modules");
+  depthSel.addEventListener("change", function () { setDepth(depthSel.value === "auto" ? "auto" : +depthSel.value); });
+  if (!G) depthSel.style.display = "none";
+  var weightsBox = document.getElementById("gk-weights");
+  var anyWeights = false; for (i = 0; i < N && !anyWeights; i++) anyWeights = !!nWeight[i];
+  if (!anyWeights) document.getElementById("gk-weights-label").style.display = "none";
+  weightsBox.addEventListener("change", function () {
+    showWeights = weightsBox.checked;
+    relayout();
+  });
+  var colourSel = document.getElementById("gk-colour");
+  Object.keys(COLOURINGS).forEach(function (name) { option(colourSel, name, "colour: " + COLOURINGS[name].label); });
+  if (Object.keys(COLOURINGS).length < 2) colourSel.style.display = "none";
+  colourSel.addEventListener("change", function () { colouring = COLOURINGS[colourSel.value]; renderLegend(); buildMinimap(); requestDraw(); });
+  var legend = document.getElementById("gk-legend");
+  function renderLegend() {
+    var items = colouring.legend().concat([[FAILED_FILL, "#dc2626", "failed"], [UPSTREAM_FILL, "#ef4444", "downstream of a failure", true]]);
+    if (diff) items.push(["#ffffff", "#22c55e", "added"], ["#ffffff", "#f59e0b", "changed"]);
+    legend.innerHTML = items.map(function (it) {
+      return '<span><i style="background:' + it[0] + ";border-color:" + it[1] + (it[3] ? ";border-style:dashed" : "") + '"></i>' + esc(it[2]) + "</span>";
+    }).join("");
+  }
 
   // ------------------------------------------------------------------ module tree
   var tree = document.getElementById("gk-tree"), treeBtn = document.getElementById("gk-modules");
-  var gChildren = [], topGroups = [];
-  for (g = 0; g < G; g++) gChildren.push([]);
-  for (g = 0; g < G; g++) (gParent[g] >= 0 ? gChildren[gParent[g]] : topGroups).push(g);
   var treeOpen = new Uint8Array(G), treeBuilt = false;
-  function treeRow(g) {
-    var dot = gRootFail[g] ? "#dc2626" : gFailed[g] ? "#fca5a5" : "transparent";
-    return '<div class="gk-trow" data-g="' + g + '" style="padding-left:' + (4 + 14 * gDepth[g]) + 'px">' +
-      '<span class="tw">' + (gChildren[g].length ? (treeOpen[g] ? "\u25BE" : "\u25B8") : "") + "</span>" +
+  function treeRow(g2) {
+    var dot = gRootFail[g2] ? "#dc2626" : gFailed[g2] ? "#fca5a5" : "transparent";
+    return '<div class="gk-trow" data-g="' + g2 + '" style="padding-left:' + (4 + 14 * gDepth[g2]) + 'px">' +
+      '<span class="tw">' + (gChildren[g2].length ? (treeOpen[g2] ? "\u25BE" : "\u25B8") : "") + "</span>" +
       '<span class="dot" style="background:' + dot + '"></span>' +
-      '<span class="nm" title="' + esc(gPath[g]) + '">' + esc(gLabel[g]) + '</span><span class="ct">' + gSize[g] + "</span>" +
-      '<button class="fold" title="fold or unfold in the graph">' + (collapsed[g] ? "unfold" : "fold") + "</button></div>";
+      '<span class="nm" title="' + esc(gPath[g2]) + '">' + esc(gLabel[g2]) + (gClass[g2] ? ' <span class="gk-dim">' + esc(gClass[g2]) + "</span>" : "") + '</span><span class="ct">' + (gOps[g2] + gKernels[g2]) + "</span>" +
+      '<button class="fold" title="close or open in the graph">' + (collapsed[g2] ? "open" : "close") + "</button></div>";
   }
   function treeHtml(list) {
     var h = "";
-    list.forEach(function (g) { h += treeRow(g); if (treeOpen[g]) h += treeHtml(gChildren[g]); });
+    list.forEach(function (g2) { h += treeRow(g2); if (treeOpen[g2]) h += treeHtml(gChildren[g2]); });
     return h;
   }
   function renderTree() {
@@ -944,40 +1336,22 @@
     tree.scrollTop = top;
     treeBuilt = true;
   }
-  function focusGroup(g) {
-    var changed = false;
-    gChain[g].slice(0, -1).forEach(function (a) { if (collapsed[a]) { collapsed[a] = 0; changed = true; } });
-    if (changed) layout();
-    select(-g - 1);
-    var u = L.unitOfKey.get(-g - 1);
-    if (u !== undefined) { centerOn(L.x[u], L.y[u], Math.max(transform.k, 0.9), 300); return; }
-    for (var i = 0; i < L.frames.length; i++) if (L.frames[i].g === g) {
-      var f = L.frames[i], k = Math.max(Math.min(transform.k, 1.2), 0.5);
-      centerOn((f.x0 + f.x1) / 2, Math.min((f.y0 + f.y1) / 2, f.y0 + cssH / 2 / k - 10), k, 300);
-      return;
-    }
-  }
-  treeBtn.addEventListener("click", function () {
-    tree.classList.toggle("open"); renderTree(); resizeSoon();
-  });
+  treeBtn.addEventListener("click", function () { tree.classList.toggle("open"); renderTree(); resize(); });
   tree.addEventListener("click", function (ev) {
     var rowEl = ev.target.closest(".gk-trow");
     if (!rowEl || rowEl.dataset.g === undefined) return;
-    var g = +rowEl.dataset.g;
-    if (ev.target.classList.contains("tw")) { treeOpen[g] = treeOpen[g] ? 0 : 1; renderTree(); }
-    else if (ev.target.classList.contains("fold")) { setCollapsed(g, !collapsed[g]); renderTree(); }
-    else focusGroup(g);
+    var g2 = +rowEl.dataset.g;
+    if (ev.target.classList.contains("tw")) { treeOpen[g2] = treeOpen[g2] ? 0 : 1; renderTree(); }
+    else if (ev.target.classList.contains("fold")) { setCollapsed(g2, !collapsed[g2]); renderTree(); }
+    else focusGroup(g2);
   });
-  var depthSel = document.getElementById("gk-depth");
-  var maxDepth = 0; for (g = 0; g < G; g++) maxDepth = Math.max(maxDepth, gDepth[g] + 1);
-  for (var dpt = 0; dpt < maxDepth; dpt++) { var o = document.createElement("option"); o.value = dpt; o.textContent = dpt ? "collapse below level " + dpt : "collapse all groups"; depthSel.appendChild(o); }
-  depthSel.addEventListener("change", function () { collapseToDepth(+depthSel.value); });
-  if (!G) depthSel.style.display = "none";
+
+  // ------------------------------------------------------------------ banners
   var banner = document.getElementById("gk-banner");
   if (roots.length) {
     var parts = roots.slice(0, 3).map(function (n) {
-      var cnt = 0; for (var q = 0; q < N; q++) if (nRoot[q] === n && q !== n) cnt++;
-      return '<a data-node="' + n + '">' + esc(nId[n]) + "</a> failed with " + esc(statusName(nStatus[n])) + " \u2014 " + cnt + " node" + (cnt === 1 ? "" : "s") + " downstream";
+      var cnt = downstreamOf(n);
+      return '<a data-node="' + n + '">' + esc(nId[n]) + "</a>" + (scopeOf(n) ? " in " + esc(scopeOf(n)) : "") + " failed with " + esc(statusName(nStatus[n])) + " \u2014 " + cnt + " node" + (cnt === 1 ? "" : "s") + " downstream";
     });
     banner.innerHTML = "\u2716 " + parts.join("; ") + (roots.length > 3 ? "; and " + (roots.length - 3) + " more" : "");
     banner.classList.add("show");
@@ -987,35 +1361,46 @@
     var bar = document.getElementById("gk-diffbar");
     bar.innerHTML = esc(diff.title) + ": <b>+" + diff.added.length + "</b> added, <b>\u2212" + diff.removed.length + "</b> removed, <b>~" + Object.keys(diff.changed).length + "</b> changed &nbsp; <a id=\"gk-difftoggle\">details</a><div id=\"gk-difflist\"></div>";
     var dl = document.getElementById("gk-difflist"), lines = [];
-    diff.added.forEach(function (n) { lines.push('<div>+ <a data-node="' + n + '">' + esc(nId[n]) + "</a> " + esc(nOp[n] || nKind[n]) + (nGroup[n] >= 0 ? " [" + esc(gPath[nGroup[n]]) + "]" : "") + "</div>"); });
-    diff.removed.forEach(function (r) { lines.push("<div>\u2212 <span class=\"gk-mono\">" + esc(r[0]) + "</span> " + esc(r[1]) + (r[2] ? " [" + esc(r[2]) + "]" : "") + "</div>"); });
-    Object.keys(diff.changed).forEach(function (n) { lines.push('<div>~ <a data-node="' + n + '">' + esc(nId[+n]) + "</a> " + esc(diff.changed[n].map(function (c) { return c[0]; }).join(", ")) + "</div>"); });
+    diff.added.forEach(function (n) { lines.push('<div>+ <a data-node="' + n + '">' + esc(nId[n]) + "</a> " + esc(nOp[n] || nKind[n]) + (scopeOf(n) ? " [" + esc(scopeOf(n)) + "]" : "") + "</div>"); });
+    diff.removed.forEach(function (r2) { lines.push("<div>\u2212 <span class=\"gk-mono\">" + esc(r2[0]) + "</span> " + esc(r2[1]) + (r2[2] ? " [" + esc(r2[2]) + "]" : "") + "</div>"); });
+    Object.keys(diff.changed).forEach(function (n) { lines.push('<div>~ <a data-node="' + n + '">' + esc(nId[+n]) + "</a> " + esc(diff.changed[n].map(function (c2) { return c2[0]; }).join(", ")) + "</div>"); });
     dl.innerHTML = lines.join("") || "<div>no differences</div>";
-    document.getElementById("gk-legend").insertAdjacentHTML("beforeend",
-      '<i style="border-color:#22c55e;border-width:2.5px"></i>added<i style="border-color:#f59e0b;border-width:2.5px"></i>changed');
     bar.classList.add("show");
     bar.addEventListener("click", function (ev) {
-      if (ev.target.id === "gk-difftoggle") { dl.classList.toggle("open"); resizeSoon(); }
+      if (ev.target.id === "gk-difftoggle") { dl.classList.toggle("open"); resize(); }
       else if (ev.target.dataset.node !== undefined) focusNode(+ev.target.dataset.node);
     });
   }
 
   // ------------------------------------------------------------------ start
-  if (D.options && D.options.collapse_depth != null) {
-    for (g = 0; g < G; g++) collapsed[g] = gDepth[g] >= D.options.collapse_depth ? 1 : 0;
-    if (D.options.collapse_depth >= 0 && D.options.collapse_depth < maxDepth) depthSel.value = String(D.options.collapse_depth);
-  }
+  var start = D.options && D.options.collapse_depth != null ? D.options.collapse_depth : "auto";
+  showWeights = weightsBox.checked = !!(D.options && D.options.show_weights);
+  applyDepth(start);
+  depthSel.value = String(start);
+  if (depthSel.value !== String(start)) depthSel.value = "auto";
+  renderLegend();
   layout();
   resize();
   window.addEventListener("resize", resize);
-  var bnd = L.bounds;
-  if (roots.length && Math.min(cssW / (bnd[2] - bnd[0] + 40), cssH / (bnd[3] - bnd[1] + 40)) < 0.5) {
-    var ru = L.unitOfNode[roots[0]]; centerOn(L.x[ru], L.y[ru], 0.9, 0);
-  } else fit(0);
+  if (roots.length && !L.unitOfKey.has(roots[0]) && dOfNode[roots[0]] < 0) reveal(roots[0]);
+  fit(0);
+  if (roots.length) {   // a failure is what the reader came for: keep it on screen
+    var rp = anchorPoint(roots[0]), ru = L.unitOfDn[dOfNode[roots[0]]];
+    if (rp) {
+      var sx = rp[0] * transform.k + transform.x, sy = (rp[1] + L.h[ru] / 2) * transform.k + transform.y;
+      if (sx < 0 || sx > cssW || sy < 0 || sy > cssH) centerOn(rp[0], rp[1] + L.h[ru] / 2, Math.max(transform.k, 0.9), 0);
+    }
+  }
   draw();
 
   // ------------------------------------------------------------------ API (tests, console)
   function nodeIndex(id) { var n = idIndex.get(id); if (n === undefined) throw new Error("no node " + id); return n; }
+  function groupIndex(path) { var g2 = gPath.indexOf(path); if (g2 < 0) throw new Error("no group " + path); return g2; }
+  function unitOfNode(n) { var k = dOfNode[n]; return k >= 0 ? L.unitOfDn[k] : -1; }
+  function screenRect(x0, y0, w, h) {
+    var k = transform.k, rc = canvas.getBoundingClientRect();
+    return { x: rc.left + x0 * k + transform.x, y: rc.top + y0 * k + transform.y, width: w * k, height: h * k };
+  }
   window.gk = {
     ready: true,
     firstRenderMs: performance.now(),
@@ -1026,28 +1411,51 @@
     search: function (q) { search.value = q; return runSearch(q); },
     select: function (id) { select(id == null ? -1 : nodeIndex(id)); },
     focus: function (id) { focusNode(nodeIndex(id), 0); },
-    selected: function () { return selected >= 0 ? nId[selected] : selected === -1 ? null : gPath[-selected - 1]; },
-    collapse: function (path, on) { var g = gPath.indexOf(path); if (g < 0) throw new Error("no group " + path); setCollapsed(g, on !== false); },
-    collapseToDepth: collapseToDepth,
-    focusGroup: function (path) { var g = gPath.indexOf(path); if (g < 0) throw new Error("no group " + path); focusGroup(g); },
+    selected: function () { return selected >= 0 ? nId[selected] : selected === -1 ? null : gPath[keyGroup(selected)]; },
+    collapse: function (path, on) { setCollapsed(groupIndex(path), on !== false); },
+    expand: function (path) { setCollapsed(groupIndex(path), false); },
+    collapseToDepth: function (d) { setDepth(d); },
+    showWeights: function (on) { if (weightsBox.checked !== !!on) weightsBox.click(); },
+    focusGroup: function (path) { focusGroup(groupIndex(path)); },
     screenBox: function (id) {
-      var n = nodeIndex(id), u = L.unitOfNode[n], k = transform.k, r = canvas.getBoundingClientRect();
-      return { x: r.left + (L.x[u] - L.w[u] / 2) * k + transform.x, y: r.top + (L.y[u] - L.h[u] / 2) * k + transform.y, width: L.w[u] * k, height: L.h[u] * k };
+      var u = unitOfNode(nodeIndex(id));
+      return u < 0 ? null : screenRect(L.x[u] - L.w[u] / 2, L.y[u], L.w[u], L.h[u]);
+    },
+    groupBox: function (path) {   // a closed module's box, or an open one's frame
+      var g2 = groupIndex(path), u = L.unitOfKey.get(groupKey(g2));
+      if (u !== undefined) return screenRect(L.x[u] - L.w[u] / 2, L.y[u], L.w[u], L.h[u]);
+      var f = L.frameOf.get(g2);
+      return f ? screenRect(f.x, f.y, f.w, f.h) : null;
+    },
+    groupState: function (path) {
+      var g2 = groupIndex(path);
+      return { collapsed: !!collapsed[g2], box: L.unitOfKey.has(groupKey(g2)), frame: L.frameOf.has(g2), failed: gRootFail[g2] > 0 };
     },
     nodeState: function (id) {
-      var n = nodeIndex(id), u = L.unitOfNode[n];
+      var n = nodeIndex(id), u = unitOfNode(n);
       return {
-        visible: L.keys[u] === n, style: unitStyle(u), status: statusName(nStatus[n]),
-        failed: nStatus[n] !== 0 && nStatus[n] !== 10, upstream: nStatus[n] === 10,
-        rootCause: nRoot[n] >= 0 ? nId[nRoot[n]] : null, match: !!matches[n], selected: selected === n
+        visible: u >= 0 && L.uBox[u] < 0 && dNode[L.uRef[u]] === n, weight: !!nWeight[n],
+        box: u >= 0 && L.uBox[u] >= 0 ? gPath[L.uBox[u]] : null,
+        style: u >= 0 ? unitStyle(u) : "attribute", status: statusName(nStatus[n]),
+        failed: nStatus[n] !== 0 && nStatus[n] !== UPSTREAM, upstream: nStatus[n] === UPSTREAM,
+        rootCause: nRoot[n] >= 0 ? nId[nRoot[n]] : null, match: !!matches[n], selected: selected === n,
+        text: u >= 0 ? unitText(u) : null
       };
     },
-    transform: function () { return { x: transform.x, y: transform.y, k: transform.k }; },
-    fitAll: function () {  // everything in view, however small
-      var b = L.bounds, k = Math.min(cssW / (b[2] - b[0] + 40), cssH / (b[3] - b[1] + 40));
-      centerOn((b[0] + b[2]) / 2, (b[1] + b[3]) / 2, k, 0);
+    // every drawn box and frame, for checks that nothing overlaps
+    boxes: function () {
+      var out = [];
+      for (var u = 0; u < L.U; u++) out.push({ key: L.uBox[u] >= 0 ? gPath[L.uBox[u]] : nId[dNode[L.uRef[u]]], x: L.x[u] - L.w[u] / 2, y: L.y[u], w: L.w[u], h: L.h[u], parent: containerChain2(u) });
+      return out;
     },
-    redraw: draw
+    frames: function () { return L.frames.map(function (f) { return { path: gPath[f.g], x: f.x, y: f.y, w: f.w, h: f.h, parent: gParent[f.g] >= 0 ? gPath[gParent[f.g]] : "" }; }); },
+    transform: function () { return { x: transform.x, y: transform.y, k: transform.k }; },
+    fit: function () { fit(0); },
+    fitAll: fitAll,
+    redraw: draw,
+    drawnLabels: function () { return lastPlaced.map(function (p) { return { kind: p[4], x: p[0], y: p[1], w: p[2] - p[0], h: p[3] - p[1] }; }); },
+    relayoutMs: function () { var t = performance.now(); layout(); draw(); return performance.now() - t; }
   };
+  function containerChain2(u) { var g2 = L.uBox[u] >= 0 ? gParent[L.uBox[u]] : dGroup[L.uRef[u]]; return g2 >= 0 ? gPath[g2] : ""; }
   document.body.setAttribute("data-ready", "1");
 })();
