@@ -28,11 +28,14 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 7, warmup: int = 1, num
 
 
 def interleaved_samples(fns: dict[str, Callable[[], Any]], rounds: int = 7, number: int = 1,
-                        warmup: int = 1, shuffle: bool = False) -> dict[str, list[float]]:
+                        warmup: int = 1, shuffle: bool = False,
+                        clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Seconds per call of each function in each of ``rounds`` rounds of ``number`` calls, the
     functions taking turns within each round so that drift hits all alike. ``shuffle`` orders each
     round afresh (seeded), so that no function always runs right after the same other one (what
-    one leaves behind, freed buffers of its sizes for one, can speed up or slow down the next)."""
+    one leaves behind, freed buffers of its sizes for one, can speed up or slow down the next).
+    ``clock``: ``time.process_time`` counts this process's CPU time (all its threads), which other
+    jobs on a shared machine disturb less than the wall clock."""
     for fn in fns.values():  # warm-up: builds, compiles, NVRTC, caches
         for _ in range(warmup):
             fn()
@@ -44,10 +47,10 @@ def interleaved_samples(fns: dict[str, Callable[[], Any]], rounds: int = 7, numb
             order.shuffle(names)
         for name in names:
             fn = fns[name]
-            start = time.perf_counter()
+            start = clock()
             for _ in range(number):
                 fn()
-            samples[name].append((time.perf_counter() - start) / number)
+            samples[name].append((clock() - start) / number)
     return samples
 
 

@@ -22,7 +22,8 @@ __version__ = "0.1.0"
 _LAZY = {  # heavier parts, imported on first use so `import graphkern` stays light
     "wrap": "graphkern.models", "patch": "graphkern.models", "unpatch": "graphkern.models",
     "check_model": "graphkern.models", "check": "graphkern.kernel_checks", "diff": "graphkern.viz.graph_diff",
-    "kernels": "graphkern.kernels",
+    "kernels": "graphkern.kernels", "inspect": "graphkern.values", "Inspector": "graphkern.values",
+    "compare": "graphkern.comparison", "Comparison": "graphkern.comparison",
 }
 
 
@@ -39,9 +40,11 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "BoundLaunch",
     "CompiledGraph",
+    "Comparison",
     "Failure",
     "Graph",
     "GraphError",
+    "Inspector",
     "compile",
     "trace",
     "Kernel",
@@ -59,7 +62,9 @@ __all__ = [
     "bind",
     "check",
     "check_model",
+    "compare",
     "diff",
+    "inspect",
     "kernel_cache",
     "kernels",
     "launch",

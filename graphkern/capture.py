@@ -19,11 +19,12 @@ from typing import Any, cast
 import mlx.core as mx
 import networkx as nx
 
-from ._fastpaths import bulk_multidigraph
+from ._fastpaths import adjacency, bulk_multidigraph, move_out_edges
 from .nodes import KernelError, NodeKind, dtype_name
 
 MAGIC = 0x676B7472  # "gktr"
 _INNER_KINDS = (str(NodeKind.OP), str(NodeKind.KERNEL))
+_KERNEL = str(NodeKind.KERNEL)
 _ARGUMENT_CHARS = 120
 
 
@@ -123,10 +124,34 @@ def _tag_id(value: mx.array, nonce: int) -> int | None:
     return rid if magic == MAGIC and seen_nonce == nonce else None
 
 
+@dataclass
+class Wiring:
+    """How each node of a built graph reads its inputs: what running the graph node by node needs
+    (``graphkern.values``), kept only when asked for.
+
+    ``args``: node -> the arrays it reads, in argument order (a kernel node: its launch's array
+    inputs); ``producer``: array -> (node, output index); ``primitives``: op node -> MLX's event
+    for it (``name``, ``arguments``, ``outputs``); ``constants``: constant node -> its value;
+    ``inputs``: the input nodes in argument order; ``outputs``: (output node, array) pairs;
+    ``launches``: kernel node -> the validated launch it ran (filled in by the tracer);
+    ``module_calls``: each module call as (record id, path, what made each of its outputs: (node,
+    output index), or None), in the order the calls returned (inner calls first).
+    """
+
+    args: dict[str, list[str]] = field(default_factory=dict)
+    producer: dict[str, tuple[str, int]] = field(default_factory=dict)
+    primitives: dict[str, dict[str, Any]] = field(default_factory=dict)
+    constants: dict[str, mx.array] = field(default_factory=dict)
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[tuple[str, str]] = field(default_factory=list)
+    launches: dict[str, Any] = field(default_factory=dict)
+    module_calls: list[tuple[int, str, list[tuple[str, int] | None]]] = field(default_factory=list)
+
+
 def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record],
-                nonce: int, attrs: dict[str, Any]) -> nx.MultiDiGraph:
+                nonce: int, attrs: dict[str, Any], wiring: Wiring | None = None) -> nx.MultiDiGraph:
     """Turn the captured events into graphkern's MultiDiGraph (node kinds, attributes and
-    invariants: ``graphkern.schema``)."""
+    invariants: ``graphkern.schema``); with ``wiring``, fill it in too."""
     names = _Names()
     nodes: dict[str, dict[str, Any]] = {}
     producer: dict[str, tuple[str, int]] = {}
@@ -180,6 +205,11 @@ def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record
             info[array] = (shape if shape.__class__ is tuple else tuple(shape), dtype_of(dt))
         if op == "Depends" and ins and ins[-1] in tags:
             depends_of[tags[ins[-1]]] = node
+    if wiring is not None:  # node_args holds the primitives' nodes in event order
+        wiring.primitives = dict(zip(node_args, log.primitives))
+        wiring.inputs = [producer[array][0] for array, _, _ in log.inputs]
+        wiring.constants = {producer[array][0]: value for array, value in log.constants
+                            if array not in tags}
 
     edges = []
     for node, ins in node_args.items():
@@ -191,6 +221,8 @@ def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record
     for index, (array, shape, dt) in enumerate(log.outputs):
         node = names(f"output_{index}")
         nodes[node] = {"kind": _OUTPUT, "label": node, "op": "", "scope": ""}
+        if wiring is not None:
+            wiring.outputs.append((node, array))
         if array in producer:
             edges.append((producer[array][0], node, array,
                           {"shape": tuple(shape), "dtype": dtype_of(dt), "index": 0}))
@@ -198,14 +230,23 @@ def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record
     g.graph.update(attrs)
 
     folder = _Folder(g, node_args, node_outputs, producer, names)
+    modules = []
     for rid in sorted(records, key=lambda r: (records[r].kind != "kernel", len(records[r].scope))):
         record = records[rid]
         depends = depends_of.get(rid)
         if record.kind == "kernel" or record.error is not None:
             folder.fold(record, depends)
         elif depends is not None:
-            folder.scope_module(record, depends)
+            modules.append((record, depends))
+    # record ids follow the order calls returned in, so a module comes after the modules it called
+    modules.sort(key=lambda item: item[0].id)
+    for record, depends in modules:
+        folder.scope_module(record, depends)
     folder.assign_scopes()
+    if wiring is not None:
+        wiring.args = {**node_args, **folder.launch_inputs}
+        wiring.producer = producer
+        wiring.module_calls = folder.module_calls
     return g
 
 
@@ -217,13 +258,16 @@ def innermost_common_scope(scopes: set[str]) -> str:
     >>> innermost_common_scope({"layers", "layers.0.norm", "layers.1.norm"})
     'layers'
     """
-    parts = [s.split(".") for s in scopes]
-    leaves = [p for p in parts if not any(len(q) > len(p) and q[: len(p)] == p for q in parts)]
+    ordered = sorted(scopes)
+    # module paths are identifiers, digits and dots, and "." sorts before all of those: a scope's
+    # descendants ("a.b" -> "a.b.c") come right after it
+    leaves = [s for s, after in zip(ordered, ordered[1:] + [""]) if not (s and after.startswith(s + "."))]
+    first, last = leaves[0].split("."), leaves[-1].split(".")  # the extremes share what all share
     common: list[str] = []
-    for segment in zip(*leaves):
-        if len(set(segment)) > 1:
+    for a, b in zip(first, last):
+        if a != b:
             break
-        common.append(segment[0])
+        common.append(a)
     return ".".join(common)
 
 
@@ -244,6 +288,13 @@ class _Folder:
         self.scopes: dict[str, set[str]] = {}
         self.producer = producer
         self.names = names
+        # arrays a scoped module call returned (tagged) -> the arrays its body reads from
+        # outside: a caller's walk jumps over the call's body from the one to the other
+        self.reads: dict[str, list[str]] = {}
+        self.folded: set[str] = set()
+        self.raw_name: dict[str, str] = {}  # a scoped module's tagged output -> the array's name
+        self.launch_inputs: dict[str, list[str]] = {}  # kernel node -> its launch's array inputs
+        self.module_calls: list[tuple[int, str, list[tuple[str, int] | None]]] = []  # see Wiring
 
     def _record_arrays(self, record: Record, depends: str) -> tuple[list[str], list[str]]:
         ins = self.node_args[depends]
@@ -295,6 +346,7 @@ class _Folder:
             g.add_node(node, **attrs)
             return
         raw_outputs, inputs = self._record_arrays(record, depends)
+        self.launch_inputs[node] = inputs
         body = self._body(raw_outputs, set(inputs), depends, exclusive=True)
         body -= {self.producer[a][0] for a in inputs if a in self.producer}  # inputs stay outside
         generated = [g.nodes[n].get("generated_name") for n in body if g.nodes[n]["op"] == "CustomKernel"]
@@ -314,6 +366,7 @@ class _Folder:
         for _, dst, key, data in list(g.out_edges(depends, keys=True, data=True)):
             g.add_edge(node, dst, key=key, **data)
         g.remove_nodes_from(body | {depends})
+        self.folded.add(node)
         for index, (raw, tagged) in enumerate(zip(raw_outputs, self.node_outputs[depends])):
             self.producer[tagged] = (node, index)
             # a raw output made outside the body keeps its producer: an input returned as it is,
@@ -325,23 +378,80 @@ class _Folder:
     def assign_scopes(self) -> None:
         """Each op's scope: its innermost module, or the common ancestor of the innermost modules
         when MLX merged identical primitives of several calls into one node."""
+        nodes = adjacency(self.g)[0]
         for node, scopes in self.scopes.items():
-            if node in self.g:
-                self.g.nodes[node]["scope"] = innermost_common_scope(scopes)
+            if node in nodes:
+                nodes[node]["scope"] = (next(iter(scopes)) if len(scopes) == 1
+                                        else innermost_common_scope(scopes))
+
+    def _members(self, outputs: list[str], stop: set[str]) -> tuple[list[str], list[str]]:
+        """The op nodes of one module call and the arrays its body reads from outside.
+
+        Walks back from the call's raw outputs to its inputs (``stop``). The body of a module it
+        called, scoped before, is jumped over (from that call's outputs to what it read), so each
+        node is walked by its innermost call alone, not once per enclosing module.
+        """
+        nodes, producer, node_args, reads = adjacency(self.g)[0], self.producer, self.node_args, self.reads
+        members: list[str] = []
+        outside: list[str] = []
+        seen_arrays: set[str] = set()
+        seen: set[str] = set()
+        queue = list(outputs)
+        while queue:
+            array = queue.pop()
+            if array in seen_arrays:
+                continue
+            seen_arrays.add(array)
+            if array in stop:
+                outside.append(array)
+                continue
+            jumped = reads.get(array)
+            if jumped is not None:
+                queue.extend(jumped)
+                continue
+            made = producer.get(array)
+            if made is None:
+                continue
+            node = made[0]
+            if node in seen:
+                continue
+            seen.add(node)
+            kind = nodes[node]["kind"]
+            if kind == _OP:
+                if node not in self.folded:
+                    members.append(node)
+            elif kind != _KERNEL:
+                outside.append(array)  # an input or constant
+                continue
+            queue.extend(node_args.get(node, ()))
+        return members, outside
 
     def scope_module(self, record: Record, depends: str) -> None:
         """Give the primitives of one module call its path; then drop its tag."""
         g = self.g
         raw_outputs, inputs = self._record_arrays(record, depends)
-        for member in self._body(raw_outputs, set(inputs), depends):
-            if g.nodes[member]["kind"] == str(NodeKind.OP):
-                self.scopes.setdefault(member, set()).add(record.scope)
+        members, outside = self._members(raw_outputs, set(inputs))
+        scopes = self.scopes
+        for member in members:
+            found = scopes.get(member)
+            if found is None:
+                scopes[member] = {record.scope}
+            else:
+                found.add(record.scope)
         tagged_outputs = self.node_outputs[depends]
-        for _, dst, key, data in list(g.out_edges(depends, keys=True, data=True)):
-            raw = raw_outputs[tagged_outputs.index(key)]
-            if raw in self.producer:
-                g.add_edge(self.producer[raw][0], dst, key=raw, **data)
-        for raw, tagged in zip(raw_outputs, tagged_outputs):
-            if raw in self.producer:
-                self.producer[tagged] = self.producer[raw]
-        g.remove_node(depends)
+        # an array a module returned from a module it called is keyed by its innermost name
+        raw_names = [self.raw_name.get(raw, raw) for raw in raw_outputs]
+        at = {tagged: i for i, tagged in enumerate(tagged_outputs)}
+        producer = self.producer
+
+        def moved(key: str) -> tuple[str, str] | None:  # the tag's edge, from what made the array
+            made = producer.get(raw_outputs[at[key]])
+            return (made[0], raw_names[at[key]]) if made is not None else None
+
+        move_out_edges(g, depends, moved)
+        for raw, name, tagged in zip(raw_outputs, raw_names, tagged_outputs):
+            if raw in producer:
+                producer[tagged] = producer[raw]
+            self.raw_name[tagged] = name
+            self.reads[tagged] = outside
+        self.module_calls.append((record.id, record.scope, [producer.get(raw) for raw in raw_outputs]))

@@ -17,17 +17,18 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from . import backends, mlx_kernels
 from .autodiff import without_vjp
 from .context import recording
 from .graph import Failure, Graph, GraphError
 from .nodes import Kernel, KernelError, Status
-from .state import Flat, unflatten_outputs
+from .state import Flat, flatten_outputs, unflatten_outputs
 from .trace import Traceable
 from .validation import Launch
 
-__all__ = ["CompiledGraph", "compile"]
+__all__ = ["CompiledGraph", "FiniteCheckedGraph", "all_finite", "compile", "non_finite_error"]
 
 
 # ----------------------------------------------------------------------------- kernels in state
@@ -265,6 +266,9 @@ class CompiledGraph:
     <Status.OK: 0>
     """
 
+    #: Whether calls check their outputs for NaN/Inf (``compile(check_finite=True)``).
+    check_finite = False
+
     def __init__(self, fn: Callable[..., Any], *, state: Any = None, backend: str | None = None):
         self.fn = fn
         self.backend = backend
@@ -488,10 +492,85 @@ class CompiledGraph:
         return (g for g, _ in self._graphs.values())
 
 
-def compile(fn: Callable[..., Any], *, state: Any = None, backend: str | None = None) -> CompiledGraph:
+class FiniteCheckedGraph(CompiledGraph):
+    """A compiled graph that checks every call's outputs for NaN and Inf (one reduction, and a
+    wait for the outputs) and, on finding any, runs ``gk.inspect`` on the same inputs to name the
+    node where they started, as ``jax_debug_nans`` re-runs op by op: the call raises
+    ``GraphError`` with ``Status.NON_FINITE``, that node, its module path and kernel name, and
+    the values graph as ``.graph``."""
+
+    check_finite = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().__call__(*args, **kwargs)
+        if not all_finite(out):
+            raise non_finite_error(self._traceable, Flat.of(args, kwargs, self._traceable.arg_names),
+                                   self.backend)
+        return out
+
+
+def _finite_flag(*arrays: mx.array) -> mx.array:
+    flags = [mx.all(mx.isfinite(a)) for a in arrays]
+    return flags[0] if len(flags) == 1 else mx.all(mx.stack(flags))
+
+
+_compiled_finite_flag = mx.compile(_finite_flag)
+
+
+def all_finite(tree: Any) -> bool:
+    """No NaN or Inf in the floating-point arrays of ``tree`` (evaluates them): one reduction per
+    array, compiled, on the device; where MLX computes on the CPU, numpy reads the evaluated
+    arrays in place instead (an MLX reduction's dispatch costs more than numpy's whole pass)."""
+    arrays = [a for a in flatten_outputs(tree)[0] if mx.issubdtype(a.dtype, mx.inexact)]
+    if not arrays:
+        return True
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return bool(_compiled_finite_flag(*arrays).item())
+    mx.eval(arrays)
+    for a in arrays:
+        # bfloat16, which numpy lacks: an exponent of all ones is an Inf or a NaN
+        host = (np.asarray(a.view(mx.uint16)) & 0x7F80) != 0x7F80 if a.dtype == mx.bfloat16 \
+            else np.isfinite(np.asarray(a))
+        if not host.all():
+            return False
+    return True
+
+
+def non_finite_error(traceable: Traceable, flat: Flat, backend: str | None) -> GraphError:
+    """The ``GraphError`` for a call whose outputs held NaN or Inf: the values trace of the same
+    call names the node where they started."""
+    from .values import Inspector
+
+    graph = Inspector(backend=backend).run(traceable, flat)
+    roots = [f for f in graph.failures() if f.status == Status.NON_FINITE]
+    if roots:
+        error = GraphError(roots[0])
+    else:
+        outputs = tuple(graph.nodes("output"))
+        error = GraphError(Failure("<outputs>", Status.NON_FINITE,
+                                   "the outputs held NaN or Inf, but running the graph node by node "
+                                   "made none (see .graph: values_note says which nodes were not "
+                                   "reached)", outputs))
+    error.graph = graph
+    return error
+
+
+def compile(fn: Callable[..., Any], *, state: Any = None, backend: str | None = None,
+            check_finite: bool = False) -> CompiledGraph:
     """Compile ``fn`` into a ``CompiledGraph`` (see there).
 
     ``state``: extra arrays, lists, dicts or modules ``fn`` reads without taking them as
     arguments; modules ``fn`` is bound to or closes over, and closure arrays, are found alone.
+    ``check_finite``: check each call's outputs for NaN/Inf and name the node where they
+    started (``FiniteCheckedGraph``); off by default, since each call then waits for its outputs.
+
+    >>> import mlx.core as mx, graphkern as gk
+    >>> cf = gk.compile(lambda x: mx.log(x) * 2, check_finite=True)
+    >>> try:
+    ...     cf(mx.array([1.0, -1.0]))
+    ... except gk.GraphError as exc:
+    ...     print(exc.node, exc.status.name)
+    log NON_FINITE
     """
-    return CompiledGraph(fn, state=state, backend=backend)
+    kind = FiniteCheckedGraph if check_finite else CompiledGraph
+    return kind(fn, state=state, backend=backend)

@@ -110,7 +110,10 @@ class Failure:
 
 class GraphError(KernelError):
     """A compiled graph with a failed node was called: names the root node and its module path,
-    code, message and the outputs it affects."""
+    code, message and the outputs it affects (``graph``: the graph showing it, where one was made
+    for the error)."""
+
+    graph: Graph | None = None
 
     def __init__(self, failure: Failure):
         super().__init__("run a graphkern compiled graph",
@@ -187,7 +190,8 @@ class Graph:
         return [n for n in order if self.nx.nodes[n]["kind"] == str(kind)]
 
     def topological_order(self) -> list[str]:
-        return sorted(self.nx.nodes, key=lambda n: self.nx.nodes[n]["order"])
+        data = adjacency(self.nx)[0]  # networkx's own dict: its NodeView costs most of the sort
+        return sorted(data, key=lambda n: data[n]["order"])
 
     def kernels(self) -> list[str]:
         """Names of the kernel nodes, in topological order."""

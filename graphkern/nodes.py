@@ -59,6 +59,9 @@ class Status(enum.IntEnum):
     UPSTREAM_FAILED = 10
     #: Python code inside a traced module raised.
     MODULE_ERROR = 11
+    #: The node's output holds NaN or Inf while its inputs were finite (``gk.inspect``,
+    #: ``check_finite``).
+    NON_FINITE = 12
 
     @property
     def ok(self) -> bool:

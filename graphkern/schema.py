@@ -29,13 +29,15 @@ each descendant is ``UPSTREAM_FAILED`` with the root that failed first.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import networkx as nx
 
 from .nodes import NodeKind, Status, dtype_from_name
 
-__all__ = ["EDGE_FIELDS", "KERNEL_FIELDS", "NODE_FIELDS", "OPTIONAL_FIELDS", "ROOT_FAILURES", "lint"]
+__all__ = ["EDGE_FIELDS", "KERNEL_FIELDS", "NODE_FIELDS", "OPTIONAL_FIELDS", "ROOT_FAILURES", "STAT_KEYS",
+           "lint", "stats_problems"]
 
 _NONE = type(None)
 
@@ -61,7 +63,19 @@ OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "input_names": ((list,), "a kernel's names for its inputs, in order"),
     "template_floats": ((dict,), "a kernel's int template arguments that hold float32 bits, "
                                  "decoded ({'EPS': 1e-05})"),
+    "stats": ((dict,), "summary of the node's output (gk.inspect): STAT_KEYS, min/max/mean/absmax "
+                       "over the finite elements (None when none), nan and inf counts"),
+    "output_stats": ((list,), "one stats per output, for a node of several outputs"),
+    "values_note": ((str,), "why gk.inspect could not reach the node's output"),
+    "module_outputs": ((list,), "the module paths whose call returned this node's output"),
+    "reference_check": ((dict,), "a kernel's output against its reference on the same inputs: "
+                                 "max_abs, max_rel, mismatched, rtol, atol "
+                                 "(gk.Inspector(check_kernels=True))"),
+    "comparison": ((dict,), "after gk.compare, on the second graph's nodes: against (the first "
+                            "graph's node), max_abs, max_rel, ok"),
 }
+#: The keys of a node's ``stats``.
+STAT_KEYS = ("min", "max", "mean", "absmax", "nan", "inf")
 #: Attributes of kernel nodes.
 KERNEL_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "kernel": ((str,), "the kernel's name"),
@@ -119,6 +133,9 @@ def lint(g: nx.MultiDiGraph) -> list[str]:
         status = data.get("status")
         if status not in _STATUSES:
             problems.append(f"{where} has unknown status {status!r}")
+        for stats in [data.get("stats"), *(data.get("output_stats") or [])]:
+            if stats is not None:
+                problems += stats_problems(where, stats)
     for u, v, key, data in g.edges(keys=True, data=True):
         where = f"edge {u!r} -> {v!r} ({key!r})"
         if not isinstance(key, str):
@@ -142,6 +159,26 @@ def lint(g: nx.MultiDiGraph) -> list[str]:
         if nodes[u]["order"] >= nodes[v]["order"]:
             problems.append(f"'order' puts {v!r} before its input {u!r}")
     return problems + _status_problems(g)
+
+
+def stats_problems(where: str, stats: Any) -> list[str]:
+    """What is wrong with one ``stats`` dict: its keys, the counts (non-negative ints) and the
+    summaries (finite floats, or all None when no element is finite).
+
+    >>> stats_problems("n", {"min": 0.0, "max": 1.0, "mean": 0.5, "absmax": 1.0, "nan": 0, "inf": 0})
+    []
+    """
+    if not isinstance(stats, dict) or tuple(stats) != STAT_KEYS:
+        return [f"{where}: stats must have the keys {list(STAT_KEYS)} in order, got "
+                f"{list(stats) if isinstance(stats, dict) else type(stats).__name__}"]
+    problems = [f"{where}: stats[{key!r}] is {stats[key]!r}, not a count" for key in ("nan", "inf")
+                if not _typed(stats[key], (int,)) or stats[key] < 0]
+    summary = [stats[key] for key in STAT_KEYS[:4]]
+    if not (all(v is None for v in summary) or all(
+            _typed(v, (float, int)) and math.isfinite(v) for v in summary)):
+        problems.append(f"{where}: stats min/max/mean/absmax must be finite numbers or all None, "
+                        f"got {summary}")
+    return problems
 
 
 def _status_problems(g: nx.MultiDiGraph) -> list[str]:

@@ -23,9 +23,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from . import backends
-from .capture import MAGIC, EventLog, Record, build_graph
+from .capture import MAGIC, EventLog, Record, Wiring, build_graph
 from .context import current_recorder, recording
 from .graph import Graph, GraphError
 from .nodes import Kernel, KernelError, Status, dtype_name
@@ -42,19 +43,43 @@ class TraceRecorder:
 
     inspects = True  # launches inside run plain: mx.export_function cannot export custom vjps
 
-    def __init__(self, modules: dict[int, str] | None = None, tag: bool = True):
+    def __init__(self, modules: dict[int, str] | None = None, tag: bool = True,
+                 objects: dict[int, nn.Module] | None = None):
         self.records: dict[int, Record] = {}
         self.modules = modules or {}
+        self.objects = objects or {}  # the modules by id, to place a module shared by several parents
+        self._placed: dict[tuple[int, int], str] = {}
         self.stack: list[tuple[int, str]] = []
         self.tag = tag
         self.nonce = random.getrandbits(31)
         self.calls = 0
         self.last_record: int | None = None
         self.kernels: dict[int, Kernel] = {}  # the kernel objects launched, by identity
+        self.launches: list[Launch | None] = []  # each kernel call's launch, in call order
 
     @property
     def scope(self) -> str:
         return self.stack[-1][1] if self.stack else ""
+
+    def path_of(self, module: nn.Module) -> str | None:
+        """The path of a call of ``module``: its path in the model, or, for one module object held
+        by several parents (mlx-lm's MoE layers share one activation), its name under the module
+        calling it."""
+        path = self.modules.get(id(module))
+        if path is None or not self.stack:
+            return path
+        top_id, top = self.stack[-1]
+        if not top or path.startswith(top + "."):
+            return path
+        key = (top_id, id(module))
+        placed = self._placed.get(key)
+        if placed is None:
+            parent = self.objects.get(top_id)
+            children: list[tuple[str, Any]] = tree_flatten(  # type: ignore[assignment]
+                parent.children(), is_leaf=lambda v: isinstance(v, nn.Module)) if parent is not None else []
+            placed = next((f"{top}.{name}" for name, child in children if child is module), path)
+            self._placed[key] = placed
+        return placed
 
     def _tagged(self, record: Record, inputs: list[mx.array], outputs: list[mx.array]) -> list[mx.array]:
         self.records[record.id] = record
@@ -74,6 +99,7 @@ class TraceRecorder:
                         call_index=self.calls, error=error,
                         attrs=_kernel_attrs(launch, kernel, request))
         self.calls += 1
+        self.launches.append(launch)
         return self._tagged(record, inputs, outputs)
 
     def module_call(self, path: str, module: nn.Module, inputs: list[mx.array],
@@ -230,7 +256,7 @@ def _hooked(original: Callable[..., Any]) -> Callable[..., Any]:
         recorder = current_recorder()
         if not isinstance(recorder, TraceRecorder):
             return original(self, *args, **kwargs)
-        path = recorder.modules.get(id(self))
+        path = recorder.path_of(self)
         if path is None or (recorder.stack and recorder.stack[-1][0] == id(self)):
             return original(self, *args, **kwargs)
         inputs = Flat.of(args, kwargs, []).arrays
@@ -280,6 +306,11 @@ class Traceable:
     def module_paths(self) -> dict[int, str]:
         return {mid: path for mid, (path, _) in self.state.modules.items() if path}
 
+    def recorder(self) -> TraceRecorder:
+        """A recorder for one call of ``fn``, knowing its modules."""
+        return TraceRecorder(self.module_paths(),
+                             objects={mid: module for mid, (_, module) in self.state.modules.items()})
+
     def call_flat(self, flat: Flat, arrays: tuple[mx.array, ...], out: dict[str, Any]) -> list[mx.array]:
         args, kwargs = flat.rebuild(arrays)
         result = self.fn(*args, **kwargs)
@@ -288,13 +319,24 @@ class Traceable:
             raise KernelError(_TRACE, f"{self.name} returned no arrays", Status.INVALID_INPUT)
         return outputs
 
-    def trace(self, flat: Flat, backend: str | None = None,
-              used: list[Kernel] | None = None) -> tuple[Graph, Any]:
+    def call_recorded(self, flat: Flat, recorder: TraceRecorder, backend: str | None = None) -> Any:
+        """Call ``fn`` eagerly on ``flat``'s arrays with ``recorder`` seeing its kernel and module
+        calls (as a trace would, in the same order), on this thread."""
+        owners = _ModuleHooks.install([m for _, m in self.state.modules.values()])
+        try:
+            with recording(recorder), backends.using_backend(backend):
+                return self.call_flat(flat, tuple(flat.arrays), {})
+        finally:
+            _ModuleHooks.remove(owners)
+
+    def trace(self, flat: Flat, backend: str | None = None, used: list[Kernel] | None = None,
+              wiring: Wiring | None = None) -> tuple[Graph, Any]:
         """Capture one call as a ``Graph``; returns it with the output tree spec. ``used``, if
-        given, receives the kernel objects the call launched."""
+        given, receives the kernel objects the call launched; ``wiring`` how to run the graph
+        node by node (see ``capture.Wiring``)."""
         n_args = len(flat.arrays)
         state_arrays = self.state.arrays()
-        recorder = TraceRecorder(self.module_paths())
+        recorder = self.recorder()
         out: dict[str, Any] = {}
 
         def flat_fn(*arrays: mx.array) -> list[mx.array]:
@@ -328,8 +370,12 @@ class Traceable:
             attrs = {"name": self.name, "backend": backend or backends.active_backend(),
                      "mlx_version": getattr(mx, "__version__", "?")}
             g = build_graph(log, flat.names + self.state.names, recorder.records,
-                            recorder.nonce, attrs)
+                            recorder.nonce, attrs, wiring)
             self._describe(g, len(flat.names), recorder)
+            if wiring is not None:
+                launches = recorder.launches
+                wiring.launches = {node: launches[data["call_index"]] for node, data in g.nodes(data=True)
+                                   if data["kind"] == "kernel" and data["call_index"] < len(launches)}
             if unseen:
                 warnings.warn(ScopeWarning(
                     f"{self.name} ran the nn.Module {unseen[0]} but graphkern found no module "

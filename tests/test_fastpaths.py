@@ -10,7 +10,7 @@ import pytest
 
 import graphkern as gk
 from graphkern import launch_paths, validation
-from graphkern._fastpaths import BACKEND_VARIABLE, adjacency, bulk_multidigraph, environ_get
+from graphkern._fastpaths import BACKEND_VARIABLE, adjacency, bulk_multidigraph, environ_get, move_out_edges
 
 
 def _decoded(raw: object) -> object:
@@ -66,3 +66,24 @@ def test_an_eager_replay_gives_what_the_plain_launch_gives(opaque_gpu: list[str]
     with gk.without_vjp():
         assert launch_paths.eager_form(launch) is launch_paths.replayed(launch)
         assert gk.apply(kernel, [x, y], spec, **config)[0].tolist() == plain
+
+
+def test_moving_a_nodes_out_edges_equals_the_public_api_route():
+    def build() -> nx.MultiDiGraph:
+        g = nx.MultiDiGraph()
+        g.add_edges_from([("a", "tag", "A", {"i": 0}), ("b", "tag", "B", {"i": 1}),
+                          ("tag", "c", "T1", {"shape": (2,)}), ("tag", "c", "T2", {"shape": (3,)}),
+                          ("tag", "d", "T1", {"shape": (2,)}), ("tag", "e", "T3", {})])
+        return g
+
+    sources = {"T1": ("a", "A"), "T2": ("b", "B")}  # T3: nothing made it, the edge goes
+    expected = build()
+    for _, dst, key, data in list(expected.out_edges("tag", keys=True, data=True)):
+        if key in sources:
+            expected.add_edge(sources[key][0], dst, key=sources[key][1], **data)
+    expected.remove_node("tag")
+    moved = build()
+    move_out_edges(moved, "tag", sources.get)
+    assert nx.utils.graphs_equal(moved, expected)
+    assert sorted(moved.edges(keys=True)) == sorted(expected.edges(keys=True))
+    assert list(moved.predecessors("c")) == ["a", "b"] and "tag" not in moved

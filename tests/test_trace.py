@@ -206,3 +206,45 @@ def test_summary_lists_every_node():
     assert "graph <lambda>: 0 ops, 1 kernels" in text
     for name in g.nx:
         assert name in text
+
+
+def test_a_module_shared_by_several_parents_is_scoped_under_the_one_calling_it() -> None:
+    pytest.importorskip("mlx_lm")
+    from graphkern.models.tiny import tiny_model
+
+    # mlx-lm's SwitchGLU takes ``activation=SwiGLU()`` as a default argument: one module object
+    # in every MoE layer, registered under layer 0's path
+    model = tiny_model("mixtral")
+    assert model.model.layers[0].block_sparse_moe.switch_mlp.activation is \
+        model.model.layers[1].block_sparse_moe.switch_mlp.activation
+    g = gk.trace(model, mx.array([[1, 2, 3, 4]]))
+    scopes = {g.node(n)["scope"] for n in g.nodes("op") if g.node(n)["scope"].endswith("activation")}
+    assert scopes == {f"model.layers.{i}.block_sparse_moe.switch_mlp.activation" for i in range(2)}
+
+
+def test_a_failed_module_node_reads_the_outputs_of_the_modules_before_it() -> None:
+    class Boom(nn.Module):
+        def __call__(self, x: mx.array, y: mx.array) -> mx.array:
+            raise ValueError("boom")
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(4, 4)
+            self.second = nn.Linear(4, 4)
+            self.boom = Boom()
+
+        def __call__(self, x: mx.array) -> mx.array:
+            return self.boom(self.first(x), self.second(x))
+
+    g = gk.trace(Net(), mx.ones((2, 4)))
+    (failed,) = [f.node for f in g.failures()]
+    readers = {g.node(p)["scope"] for p in g.nx.predecessors(failed)}
+    assert readers == {"first", "second"}  # connected to what it was given, not a loose source
+    # and in a patched llama whose layer 5 fused norm fails, fed by layer 4's fused norm and MLP
+    import viz_graphs
+
+    g = viz_graphs.llama(8, broken=5)
+    (failed,) = [f.node for f in g.failures()]
+    assert {g.node(p)["scope"] for p in g.nx.predecessors(failed)} == {
+        "model.layers.4.post_attention_layernorm", "model.layers.4.mlp.down_proj"}

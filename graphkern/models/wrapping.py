@@ -27,12 +27,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from graphkern import backends
-from graphkern.compiled import CompiledGraph
+from graphkern.compiled import CompiledGraph, all_finite, non_finite_error
+from graphkern.compiled import compile as compile_graph
 from graphkern.graph import Graph
 from graphkern.models.cache import cache_states, snapshot, stand_ins, states_of, write_back
 from graphkern.models.structure import StructureWatch
 from graphkern.nodes import KernelError, Status
-from graphkern.state import argument_names, static_key
+from graphkern.state import Flat, argument_names, static_key
+from graphkern.trace import Traceable
 
 __all__ = ["WRAP_OPERATION", "WrappedModel", "wrap"]
 
@@ -68,7 +70,7 @@ class WrappedModel:
     """A model whose forward pass runs as a graphkern compiled graph (see :func:`wrap`)."""
 
     def __init__(self, model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
-                 trace_each_offset: bool = False):
+                 trace_each_offset: bool = False, check_finite: bool = False):
         if not isinstance(model, nn.Module):
             raise KernelError(WRAP_OPERATION, f"wrap expects an mlx.nn.Module, got {type(model).__name__}",
                               Status.INVALID_INPUT)
@@ -77,6 +79,7 @@ class WrappedModel:
         self.max_traces = max_traces
         self._graphs: OrderedDict[Any, CompiledGraph] = OrderedDict()
         self.trace_each_offset = trace_each_offset
+        self.check_finite = check_finite
         self._structure: StructureWatch | None = None
         self._last: CompiledGraph | None = None
         self._arg_names = argument_names(model)
@@ -107,7 +110,8 @@ class WrappedModel:
                 if family in self._cache_calls_traced:
                     return None
                 self._cache_calls_traced.add(family)
-            compiled = CompiledGraph(_forward(self.model), backend=self.backend)
+            compiled = compile_graph(_forward(self.model), backend=self.backend,
+                                     check_finite=self.check_finite)
             self._graphs[static] = compiled
             while len(self._graphs) > self.max_traces:
                 self._graphs.popitem(last=False)
@@ -140,6 +144,11 @@ class WrappedModel:
             # scheduled as a steady compiled call is: MLX compiles and encodes the kernels here,
             # so a failure still raises in this call, while the GPU runs as the caller goes on
             mx.async_eval(out)
+            if self.check_finite and not all_finite(out):  # (waits for the outputs)
+                write_back(cache, before)  # the values trace runs on the cache as it was
+                forward = Traceable(_forward(self.model))
+                flat = Flat.of(args, {**kwargs, "cache": cache_states(cache)}, forward.arg_names)
+                raise non_finite_error(forward, flat, self.backend)
         except BaseException:
             write_back(cache, before)
             raise
@@ -222,7 +231,7 @@ class WrappedModel:
 
 
 def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
-         trace_each_offset: bool = False) -> WrappedModel:
+         trace_each_offset: bool = False, check_finite: bool = False) -> WrappedModel:
     """Run ``model``'s forward pass as a graphkern compiled graph.
 
     Parameters are passed to the compiled function as state, so ``model.update(...)`` and optimizer
@@ -236,6 +245,8 @@ def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
     tracing every token would cost more than running it. ``trace_each_offset=True`` traces and
     compiles every offset instead; ``max_traces`` bounds how many traces are kept. An eager call that
     fails raises what failed (a kernel's ``KernelError``, MLX's error) and leaves the cache as it was.
+    ``check_finite=True`` checks each call's logits for NaN/Inf and raises ``GraphError`` naming the
+    node where they started (see ``gk.compile``); the cache is then left as it was.
     Anything but an ``nn.Module`` is refused with ``KernelError`` (``Status.INVALID_INPUT``).
 
     >>> import mlx.core as mx, mlx.nn as nn
@@ -245,4 +256,5 @@ def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
     >>> wrapped(mx.ones((1, 2))).tolist()
     [[1.0, 1.0]]
     """
-    return WrappedModel(model, backend=backend, max_traces=max_traces, trace_each_offset=trace_each_offset)
+    return WrappedModel(model, backend=backend, max_traces=max_traces, trace_each_offset=trace_each_offset,
+                        check_finite=check_finite)

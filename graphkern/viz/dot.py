@@ -41,6 +41,7 @@ from graphkern.viz._common import (
     status_name,
     weight_like,
 )
+from graphkern.viz.stats import stats_line
 
 __all__ = ["to_dot", "render", "to_svg", "DotError", "FORMATS"]
 
@@ -226,7 +227,7 @@ def _in_edges(g: nx.MultiDiGraph, n: Any) -> list[tuple[Any, Any, Any, dict[str,
 
 def to_dot(graph: Any, *, clusters: bool = True, edge_labels: bool = True, rankdir: str = "TB",
            max_label: int = 40, title: bool = True, weights: bool = False, repeats: bool = True,
-           depth: int | str | None = "auto") -> str:
+           depth: int | str | None = "auto", stats: bool = False) -> str:
     """The graph in Graphviz DOT.
 
     Module scopes are nested ``cluster_`` subgraphs (``layers.0.self_attn.q_proj`` sits in
@@ -239,7 +240,9 @@ def to_dot(graph: Any, *, clusters: bool = True, edge_labels: bool = True, rankd
     them as nodes); consecutive identical blocks such as a model's decoder layers are drawn once,
     titled ``layers.0 … layers.31 ×32`` (``repeats=False`` draws every one); modules deeper than
     ``depth`` are closed into one box each (``"auto"``: only when more than ``AUTO_LIMIT`` boxes
-    would be drawn; ``None``: never).
+    would be drawn; ``None``: never). ``stats=True`` adds a line of each node's output
+    statistics when the graph carries them (``gk.inspect``, ``gk.compare``; a repeated block drawn
+    once shows its first block's, ``repeats=False`` shows every block).
 
     >>> dot = to_dot(graph)                               # doctest: +SKIP
     >>> dot.splitlines()[0]                               # doctest: +SKIP
@@ -285,7 +288,7 @@ def to_dot(graph: Any, *, clusters: bool = True, edge_labels: bool = True, rankd
         for box in boxes:
             what, ref = plan.boxes[box]
             if what == "node":
-                attrs = _node_attrs(ref, g.nodes[ref], max_label, plan.attrs.get(ref, []))
+                attrs = _node_attrs(ref, g.nodes[ref], max_label, plan.attrs.get(ref, []), stats)
             else:
                 attrs = _module_attrs(g, ref, plan, classes, status_of[box], max_label)
             out.append(f"{indent}{_q(box)} [{attrs}];")
@@ -416,7 +419,8 @@ def _module_attrs(g: nx.MultiDiGraph, path: str, plan: _Plan, classes: dict[str,
     return ", ".join(f"{k}={_q(v)}" for k, v in attrs.items())
 
 
-def _node_attrs(n: str, d: dict[str, Any], max_label: int, reads: list[str]) -> str:
+def _node_attrs(n: str, d: dict[str, Any], max_label: int, reads: list[str],
+                stats: bool = False) -> str:
     kind = str(d.get("kind") or "op")
     label = str(d.get("label") or n)
     op = str(d.get("op") or "")
@@ -435,6 +439,9 @@ def _node_attrs(n: str, d: dict[str, Any], max_label: int, reads: list[str]) -> 
     scope = str(d.get("scope") or "")
     if reads:
         lines.append(_short(", ".join(_relative(r, scope) for r in reads), max_label))
+    values = stats_line(d) if stats else None
+    if values:
+        lines.append(_short(values, max_label + 10))
     status = node_status(d)
     tooltip = [f"{n} ({kind}{', ' + op if op and op != label else ''})"]
     if scope:

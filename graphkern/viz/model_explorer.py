@@ -37,6 +37,7 @@ from graphkern.viz._common import (
     status_name,
     weight_like,
 )
+from graphkern.viz.stats import stats_attrs, stats_overlays
 
 __all__ = ["to_model_explorer", "to_model_explorer_node_data", "initial_ui_state", "view",
            "ModelExplorerMissing"]
@@ -142,6 +143,7 @@ def _to_model_explorer(g: Any) -> dict[str, Any]:
             attrs += [_kv(k, v) for k, v in iter_kernel_fields(d)]
             if d.get("source"):
                 attrs.append(_kv("source", d["source"]))
+        attrs += stats_attrs(d)
         arrays = outs[n]
         outputs_meta = [{"id": oid, "attrs": [{"key": "tensor_shape", "value": arrays[key]},
                                               {"key": "__tensor_tag", "value": key}]}
@@ -280,8 +282,9 @@ def to_model_explorer_node_data(graph: Any, timings: Mapping[str, float] | None 
     ``OK`` green, a failure red, ``UPSTREAM_FAILED`` pink; each layer shows how many of its nodes
     have each), ``backend`` (kernel nodes: ``metal``, ``cuda`` or ``reference``) and, when
     ``timings`` (node -> milliseconds) is given or nodes carry ``time_ms``, ``time_ms`` with a
-    gradient. Each value is one ``GraphNodeData`` document; wrap it as ``{graph_id: data}`` for a
-    model with several graphs.
+    gradient; on a values graph (``gk.inspect``, ``gk.compare``) also ``absmax``, ``non_finite``
+    and ``compare_max_abs`` (``graphkern.viz.stats``). Each value is one ``GraphNodeData``
+    document; wrap it as ``{graph_id: data}`` for a model with several graphs.
 
     >>> overlays = to_model_explorer_node_data(graph)      # doctest: +SKIP
     >>> overlays["status"]["results"]["rms_norm"]          # doctest: +SKIP
@@ -313,6 +316,8 @@ def to_model_explorer_node_data(graph: Any, timings: Mapping[str, float] | None 
         out["time_ms"] = {"name": "time (ms)", "results": time_results,
                           "gradient": [{"stop": 0, "bgColor": "#f8fafc"},
                                        {"stop": 1, "bgColor": "#f97316"}]}
+    out.update(stats_overlays(((n, g.nodes[n]) for n in order),
+                              {n: [i for i, _ in places[n]] for n in order}))
     return out
 
 

@@ -1,0 +1,160 @@
+"""``graphkern debug``: where a NaN starts, or where two functions part ways, from the shell.
+
+Exit status: 0 when every value is finite (and, with ``--compare``, within tolerance); 1 with the
+root-cause node printed (the node where a NaN/Inf started, or the first divergence), or when the
+function raised; 2 on bad input (as every ``graphkern`` command).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import click
+
+from graphkern.cli_commands import (
+    EXIT_FAILED,
+    BadInput,
+    _check_outputs,
+    _progress,
+    make_input,
+    parse_input_spec,
+    resolve_target,
+    write_files,
+)
+
+__all__ = ["debug_cmd", "register"]
+
+
+def _root_cause_lines(graph: Any, side: str = "") -> list[str]:
+    """The lines naming where a NaN/Inf started in ``graph`` (none when all is finite)."""
+    from graphkern.nodes import Status
+
+    lines = []
+    for failure in graph.failures():
+        data = graph.nx.nodes[failure.node]
+        where = data.get("scope") or "top level"
+        what = data.get("kernel") or data.get("op") or data.get("kind")
+        lines.append(f"{side}root cause: {failure.node} ({data['kind']} {what}) in {where}: "
+                     f"{failure.status.name}")
+        lines.append(f"  {failure.message}")
+        if failure.status == Status.NON_FINITE:
+            lines.append(f"  reaches: {', '.join(failure.affected_outputs) or 'no outputs'}")
+    return lines
+
+
+def _summary(graph: Any) -> str:
+    values = graph.nx.graph.get("values", {})
+    line = (f"{graph.nx.graph.get('name')}: {graph.nx.number_of_nodes()} nodes, "
+            f"{values.get('nodes', 0)} with values, backend {graph.nx.graph.get('backend')}")
+    if values.get("unreached"):
+        line += f", {values['unreached']} not reached (values_note on each says why)"
+    return line
+
+
+@click.command("debug")
+@click.argument("target", metavar="MODULE:CALLABLE")
+@click.option("--input", "-i", "inputs", multiple=True, metavar="SHAPE:DTYPE",
+              help="One positional argument, e.g. 1,16:int32 (repeat for each argument).")
+@click.option("--compare", "other", metavar="MODULE:CALLABLE",
+              help="Compare against this function or model, on the same inputs (it is the reference).")
+@click.option("--backend", type=click.Choice(["metal", "cuda", "reference"]),
+              help="Kernel backend for MODULE:CALLABLE (default: the active one).")
+@click.option("--compare-backend", type=click.Choice(["metal", "cuda", "reference"]),
+              help="Kernel backend for the --compare side (default: the active one).")
+@click.option("--rtol", default=1e-4, show_default=True, help="Relative tolerance of --compare.")
+@click.option("--atol", default=1e-5, show_default=True, help="Absolute tolerance of --compare.")
+@click.option("--html", type=click.Path(dir_okay=False),
+              help="Write the values graph (or, with --compare, the comparison table) as HTML.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Write the values graph (or, with --compare, the comparison) as JSON.")
+@click.option("--save", type=click.Path(dir_okay=False),
+              help="Write every op and kernel node's full output to a .npz or .safetensors file.")
+@click.option("--seed", default=0, show_default=True, help="Random seed for the inputs.")
+@click.option("--quiet", "-q", is_flag=True, help="Print only the verdict.")
+def debug_cmd(target: str, inputs: tuple[str, ...], other: str | None, backend: str | None,
+              compare_backend: str | None, rtol: float, atol: float, html: str | None,
+              json_path: str | None, save: str | None, seed: int, quiet: bool) -> None:
+    """Run MODULE:CALLABLE node by node on random inputs: name the node where a NaN or Inf
+    started, or, with --compare, the first node where the two differ beyond tolerance.
+
+    \b
+    Examples:
+      graphkern debug mymodel.py:forward -i 1,16:int32 --html values.html
+      graphkern debug mymodel.py:patched -i 1,16:int32 --compare mymodel.py:stock
+      graphkern debug mymodel.py:model -i 1,16:int32 --compare mymodel.py:model --compare-backend reference
+
+    Exit status: 0 all finite (and within tolerance), 1 a root cause was found (printed) or the
+    function raised, 2 bad input.
+    """
+    specs = [parse_input_spec(s) for s in inputs]
+    _check_outputs({"--html": html, "--json": json_path, "--save": save})
+    if save and other:
+        raise BadInput("--save writes one function's values; leave out --compare")
+    if save and os.path.splitext(save)[1].lower() not in (".npz", ".safetensors"):
+        raise BadInput(f"--save {save}: the file must end in .npz or .safetensors")
+    fn, name = resolve_target(target)
+    reference = resolve_target(other)[0] if other else None
+    import mlx.core as mx
+
+    import graphkern as gk
+    from graphkern.comparison import compare
+    from graphkern.values import Inspector
+
+    keys = mx.random.split(mx.random.key(seed), max(2, len(specs)))
+    args = [make_input(shape, dtype, keys[i]) for i, (shape, dtype) in enumerate(specs)]
+    with _progress(not quiet) as step:
+        try:
+            if reference is None:
+                step(f"running {name} node by node")
+                graph = Inspector(backend=backend, save=save, progress=False)(fn, *args)
+                result: Any = graph
+            else:
+                step(f"comparing {name} with {other}")
+                result = compare(reference, fn, *args, rtol=rtol, atol=atol,
+                                    backends=(compare_backend, backend), progress=False)
+        except gk.KernelError as exc:
+            click.echo(f"error: {exc}", err=True)
+            raise SystemExit(EXIT_FAILED) from None
+        except Exception as exc:
+            click.echo(f"error: running {target} raised {type(exc).__name__}: {exc}", err=True)
+            raise SystemExit(EXIT_FAILED) from None
+    files: dict[str, bytes] = {}
+    if reference is None:
+        if html:
+            files[html] = graph.to_html().encode()
+        if json_path:
+            files[json_path] = graph.to_json(indent=1).encode()
+        lines = _root_cause_lines(graph)
+        failed = bool(lines)
+        if not quiet:
+            click.echo(_summary(graph))
+        click.echo("\n".join(lines) if lines else "all values finite")
+    else:
+        if html:
+            files[html] = result.to_html().encode()
+        if json_path:
+            files[json_path] = json.dumps(result.to_dict(), indent=1).encode()
+        lines = _root_cause_lines(result.a, "reference: ") + _root_cause_lines(result.b)
+        failed = bool(lines) or not result.ok
+        if not quiet:
+            click.echo(_summary(result.a))
+            click.echo(_summary(result.b))
+        click.echo(str(result))
+        if lines:
+            click.echo("\n".join(lines))
+    write_files(files)
+    if not quiet:
+        for path in files:
+            click.echo(f"wrote {path}", err=True)
+        if save:
+            click.echo(f"wrote {save}", err=True)
+    if failed:
+        raise SystemExit(EXIT_FAILED)
+
+
+def register(group: click.Group) -> None:
+    """Add ``debug`` to the ``graphkern`` group."""
+    if debug_cmd.name not in group.commands:
+        group.add_command(debug_cmd)

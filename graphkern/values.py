@@ -1,0 +1,825 @@
+"""Values on the graph: ``gk.inspect`` traces a function, runs the graph node by node and records
+summary statistics of every node's output; the first node that made a NaN or Inf is a failure.
+
+The trace is ``gk.trace``'s. Then the graph runs again, node by node, from the call's own
+arguments and state: every op node through the MLX op that makes its primitive
+(:mod:`graphkern.replay`), every kernel node through its validated launch. Each node's output gets
+``stats = {"min", "max", "mean", "absmax", "nan", "inf"}`` (min, max, mean and absmax over its
+finite elements, ``None`` when it has none; ``nan`` and ``inf`` count elements), module outputs
+included (``module_outputs`` names the module calls a node's output left). A node whose array
+cannot be reached gets ``values_note`` saying why, never a guess.
+
+Nothing holds every tensor: values are evaluated in chunks and dropped once their last consumer
+ran. Full tensors are kept only on request, streamed to a ``.npz`` or ``.safetensors`` file.
+
+The root-cause rule, as ``jax_debug_nans``: the first node in topological order whose output holds
+a NaN or Inf while all its inputs were finite gets ``Status.NON_FINITE``; its descendants become
+``UPSTREAM_FAILED`` as for every failure, so ``g.status``, ``g.failures()`` and the pictures show it.
+
+>>> import mlx.core as mx, graphkern as gk
+>>> g = gk.inspect(lambda x: mx.sqrt(x - 10) * 2, mx.arange(4, dtype=mx.float32))
+>>> g.status.name, g.failures()[0].node
+('NON_FINITE', 'sqrt')
+>>> g.nx.nodes["subtract"]["stats"]
+{'min': -10.0, 'max': -7.0, 'mean': -8.5, 'absmax': 10.0, 'nan': 0, 'inf': 0}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any, cast
+
+import mlx.core as mx
+import numpy as np
+
+from . import replay
+from ._fastpaths import adjacency
+from .autodiff import without_vjp
+from .capture import Wiring
+from .graph import Graph
+from .launch_paths import run_launch, run_reference
+from .nodes import Kernel, NodeKind, Status
+from .schema import STAT_KEYS
+from .state import Flat
+from .trace import Traceable, TraceRecorder
+
+__all__ = ["STAT_KEYS", "GraphRun", "Inspector", "array_stats", "difference", "finish_values", "inspect",
+           "is_finite_stats", "root_causes", "run_order", "trace_for_values"]
+
+
+_INSPECT = "inspect a function's values"
+_CHUNK_BYTES = 256 << 20  # evaluate once this many bytes of node outputs are pending
+_CHUNK_NODES = 512
+_ANCHOR_ROUNDS = 3  # eager runs a values run may ask for, after nodes that fail to run again
+# primitives whose output holds their input's values (reordered, reshaped, repeated equally)
+_SAME_VALUES = frozenset({"Reshape", "Flatten", "Unflatten", "ExpandDims", "Squeeze", "Transpose",
+                          "Copy", "StopGradient", "Broadcast", "BroadcastAxes"})
+_INPUT, _CONSTANT, _OUTPUT, _OP, _KERNEL = (k.value for k in (
+    NodeKind.INPUT, NodeKind.CONSTANT, NodeKind.OUTPUT, NodeKind.OP, NodeKind.KERNEL))
+_RUNNABLE = frozenset({int(Status.OK), int(Status.NON_FINITE)})  # statuses a node runs again with
+_MARKABLE = frozenset({int(Status.OK), int(Status.UPSTREAM_FAILED), int(Status.NON_FINITE)})
+_FLOATS = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
+_INF = float("inf")
+
+NodeFilter = Callable[[str, dict[str, Any]], bool]
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def _summary(x: mx.array) -> mx.array:
+    """``[min, max, sum]`` of ``x`` in float32, lazily: 3 reductions. Non-finite elements make
+    the sum non-finite (so does a sum that overflows), which sends the array to
+    ``_finite_summary``."""
+    if x.dtype == mx.complex64:
+        x = mx.abs(x)
+    wide = x if x.dtype in (mx.float32, mx.float64) else x.astype(mx.float32)
+    return mx.stack([mx.min(wide), mx.max(wide), mx.sum(wide)]).astype(mx.float32)
+
+
+def _finite_summary(x: mx.array) -> tuple[mx.array, mx.array]:
+    """``[min, max, mean]`` over the finite elements (the mean summed after scaling by the
+    largest magnitude, so a mask of -3.4e38s does not overflow to -inf), and ``[nan, inf]``."""
+    wide = x.astype(mx.float32) if x.dtype != mx.float32 else x
+    finite = mx.isfinite(wide)
+    count = mx.sum(finite)
+    lo = mx.min(mx.where(finite, wide, _INF))
+    hi = mx.max(mx.where(finite, wide, -_INF))
+    count = mx.maximum(count, 1)
+    total = mx.sum(mx.where(finite, wide, 0))
+    scale = mx.maximum(mx.maximum(mx.abs(lo), mx.abs(hi)), 1e-30)
+    scaled = mx.sum(mx.where(finite, wide / scale, 0)) / count * scale
+    mean = mx.where(mx.isfinite(total), total / count, scaled)
+    return mx.stack([lo, hi, mean]), mx.stack([mx.sum(mx.isnan(wide)), mx.sum(mx.isinf(wide))])
+
+
+def _stats_from(summary: list[float], size: int, counts: Sequence[int] | None = None) -> dict[str, Any]:
+    """``stats`` from ``[min, max, sum]`` (all finite), or from ``_finite_summary``'s ``[min, max,
+    mean]`` and its counts."""
+    nan, inf = (int(counts[0]), int(counts[1])) if counts is not None else (0, 0)
+    finite = size - nan - inf
+    if finite <= 0:
+        return {"min": None, "max": None, "mean": None, "absmax": None, "nan": nan, "inf": inf}
+    lo, hi, third = (float(v) for v in summary)
+    mean = third if counts is not None else third / finite
+    return {"min": lo, "max": hi, "mean": mean, "absmax": max(abs(lo), abs(hi)), "nan": nan, "inf": inf}
+
+
+def _host_array(x: mx.array) -> np.ndarray:
+    """An evaluated array as numpy sees it, without a copy where MLX's memory is the host's
+    (bfloat16, which numpy lacks, through its bits)."""
+    if x.dtype == mx.bfloat16:
+        bits = np.asarray(x.view(mx.uint16)).astype(np.uint32) << 16
+        return bits.view(np.float32)
+    a = np.asarray(x)
+    return np.abs(a) if np.iscomplexobj(a) else a
+
+
+def _host_stats(x: mx.array) -> dict[str, Any]:
+    """``stats`` of an evaluated array with numpy (summed in float64)."""
+    a = _host_array(x)
+    if not a.size:
+        return _stats_from([0.0, 0.0, 0.0], 0)
+    if a.dtype.kind == "b":
+        a = a.view(np.uint8)
+    total = float(a.sum(dtype=np.float64))
+    if math.isfinite(total) or a.dtype.kind not in "fc":
+        return _stats_from([float(a.min()), float(a.max()), total], a.size)
+    finite = np.isfinite(a)
+    nan = int(np.isnan(a).sum())
+    kept = a[finite]
+    if not kept.size:
+        return _stats_from([0.0, 0.0, 0.0], a.size, (nan, a.size - nan))
+    summary = [float(kept.min()), float(kept.max()), float(kept.mean(dtype=np.float64))]
+    return _stats_from(summary, a.size, (nan, a.size - nan - kept.size))
+
+
+def array_stats(x: mx.array) -> dict[str, Any]:
+    """The ``stats`` of one array (evaluates it).
+
+    >>> array_stats(mx.array([1.0, -3.0, float("nan")]))
+    {'min': -3.0, 'max': 1.0, 'mean': -1.0, 'absmax': 3.0, 'nan': 1, 'inf': 0}
+    """
+    batch = _Batch()
+    batch.add(x, lambda stats: None)
+    return batch.flush()[0]
+
+
+def is_finite_stats(stats: dict[str, Any] | None) -> bool:
+    """No NaN and no Inf in these ``stats`` (unknown stats count as finite)."""
+    return stats is None or (stats["nan"] == 0 and stats["inf"] == 0)
+
+
+def _merge(parts: list[dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
+    """One ``stats`` for several outputs of a node."""
+    if len(parts) == 1:
+        return parts[0]
+    known = [(p, n - p["nan"] - p["inf"]) for p, n in zip(parts, sizes) if p["min"] is not None]
+    nan, inf = sum(p["nan"] for p in parts), sum(p["inf"] for p in parts)
+    if not known:
+        return {"min": None, "max": None, "mean": None, "absmax": None, "nan": nan, "inf": inf}
+    total = sum(p["mean"] * finite for p, finite in known)
+    count = sum(finite for _, finite in known)
+    return {"min": min(p["min"] for p, _ in known), "max": max(p["max"] for p, _ in known),
+            "mean": total / count if count else None,
+            "absmax": max(p["absmax"] for p, _ in known), "nan": nan, "inf": inf}
+
+
+class _Batch:
+    """Pending statistics: evaluated together, each handed to its callback.
+
+    Where MLX computes on the CPU the arrays are summarised by numpy, in place (a reduction
+    dispatched by MLX costs more than numpy's whole pass over a small array); on a GPU by
+    MLX's reductions, on the device, and only the summaries come back.
+    """
+
+    def __init__(self, host: bool | None = None) -> None:
+        self.arrays: list[mx.array] = []
+        self.summaries: list[mx.array] = []
+        self.done: list[Callable[[dict[str, Any]], None]] = []
+        self.bytes = 0
+        self.host = mx.default_device().type == mx.DeviceType.cpu if host is None else host
+
+    def add(self, x: mx.array, done: Callable[[dict[str, Any]], None]) -> None:
+        self.arrays.append(x)
+        if not self.host:
+            self.summaries.append(_summary(x) if x.size else mx.zeros((3,)))
+        self.done.append(done)
+        self.bytes += x.nbytes
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def flush(self, also: Sequence[mx.array] = ()) -> list[dict[str, Any]]:
+        """Evaluate the pending statistics (and ``also``); returns them in order."""
+        if not self.arrays:
+            mx.eval(list(also))
+            return []
+        if self.host:
+            mx.eval(self.arrays, *also)
+            out = [_host_stats(x) for x in self.arrays]
+            for stats, done in zip(out, self.done):
+                done(stats)
+            self.arrays, self.done, self.bytes = [], [], 0
+            return out
+        stacked = mx.stack(self.summaries)
+        mx.eval(stacked, *also)
+        summaries: list[list[float]] = stacked.tolist()  # type: ignore[assignment]
+        counts: dict[int, list[int]] = {}
+        redo = [i for i, s in enumerate(summaries) if not all(map(math.isfinite, s))
+                and self.arrays[i].dtype in _FLOATS + (mx.complex64,)]
+        if redo:  # some NaN or Inf (or a sum that overflowed): count them, summarise the rest
+            pairs = [_finite_summary(self.arrays[i]) for i in redo]
+            finite = mx.stack([p[0] for p in pairs])
+            count = mx.stack([p[1] for p in pairs])
+            mx.eval(finite, count)
+            for i, s, c in zip(redo, finite.tolist(), count.tolist()):  # type: ignore[arg-type]
+                summaries[i], counts[i] = s, c  # type: ignore[assignment]
+        out = []
+        for i, (x, done) in enumerate(zip(self.arrays, self.done)):
+            stats = _stats_from(summaries[i], x.size, counts.get(i))
+            done(stats)
+            out.append(stats)
+        self.arrays, self.summaries, self.done, self.bytes = [], [], [], 0
+        return out
+
+
+# ----------------------------------------------------------------------------- running the graph
+
+
+class GraphRun:
+    """One run of a traced graph, node by node, in topological order, from the call's arrays
+    (its flat arguments, then its state), recording ``stats`` on the nodes. ``anchors`` give the
+    outputs of nodes the graph cannot run again (see :func:`eager_anchors`)."""
+
+    def __init__(self, graph: Graph, wiring: Wiring, arrays: list[mx.array], *,
+                 check_kernels: tuple[float, float] | None = None, keep: NodeFilter | None = None,
+                 writer: Any = None, anchors: dict[str, list[mx.array]] | None = None,
+                 more_anchors: Callable[[set[str]], dict[str, list[mx.array]]] | None = None):
+        self.graph = graph
+        self.nodes = adjacency(graph.nx)[0]
+        self.anchors = anchors or {}  # node -> its outputs from an eager run of the function
+        self.more_anchors = more_anchors
+        self.anchor_rounds = 0
+        self.done: set[str] = set()
+        self.wiring = wiring
+        self.arrays = arrays
+        self.check_kernels = check_kernels
+        self.keep = keep
+        self.writer = writer
+        self.env: dict[tuple[str, int], mx.array] = {}
+        self.readers: dict[tuple[str, int], int] = {}  # reads still to come
+        self.batch = _Batch()
+        self.to_write: list[tuple[str, mx.array]] = []
+        self.checks: list[tuple[str, mx.array]] = []
+        self.partial: dict[str, list[dict[str, Any] | None]] = {}
+        self.sizes: dict[str, list[int]] = {}
+        self.sizes_of: dict[tuple[str, int], int] = {}  # each output recorded: its size
+        # statistics still wanted by views of an output (and, meanwhile, those already known)
+        self.waiting: dict[tuple[str, int], list[Callable[[dict[str, Any]], None]]] = {}
+        self.known: dict[tuple[str, int], dict[str, Any]] = {}
+        self.returned = dict(wiring.outputs)
+        self.input_index = {node: i for i, node in enumerate(wiring.inputs)}
+
+    def _count_readers(self, order: list[str]) -> None:
+        producer = self.wiring.producer
+        for node in order:
+            for array in self.wiring.args.get(node, ()):
+                made = producer.get(array)
+                if made is not None:
+                    self.readers[made] = self.readers.get(made, 0) + 1
+        for _, array in self.wiring.outputs:
+            made = producer.get(array)
+            if made is not None:
+                self.readers[made] = self.readers.get(made, 0) + 1
+
+    def _inputs(self, node: str) -> list[mx.array] | str:
+        """The arrays ``node`` reads, or why they cannot be had."""
+        values = []
+        for array in self.wiring.args.get(node, ()):
+            made = self.wiring.producer.get(array)
+            value = self.env.get(made) if made is not None else None
+            if value is None:
+                source = made[0] if made is not None else array
+                return f"its input from {source!r} was not reached"
+            values.append(value)
+        return values
+
+    def _release(self, node: str) -> None:
+        for array in self.wiring.args.get(node, ()):
+            made = self.wiring.producer.get(array)
+            if made is None:
+                continue
+            left = self.readers.get(made, 0) - 1
+            self.readers[made] = left
+            if left <= 0:
+                self.env.pop(made, None)
+
+    def _compute(self, node: str, data: dict[str, Any]) -> list[mx.array] | str:
+        kind = data["kind"]
+        if kind == _INPUT:
+            return [self.arrays[self.input_index[node]]]
+        if kind == _CONSTANT:
+            value = self.wiring.constants.get(node)
+            return [value] if value is not None else "its value was not captured"
+        if data["status"] not in _RUNNABLE:
+            return f"the node has status {Status(data['status']).name}"
+        anchored = self.anchors.pop(node, None)
+        if anchored is not None:
+            return anchored
+        inputs = self._inputs(node)
+        if isinstance(inputs, str):
+            return inputs
+        if kind == _KERNEL:
+            return self._kernel(node, inputs)
+        event = self.wiring.primitives.get(node)
+        if event is None:
+            return "no MLX primitive is recorded for it"
+        specs = [(tuple(shape), dt) for _, shape, dt in event["outputs"]]
+        try:
+            return replay.run(event["name"], event["arguments"], inputs, specs)
+        except replay.NotReplayable as exc:
+            return self._failed_here(node, str(exc))
+
+    def _failed_here(self, node: str, why: str) -> list[mx.array] | str:
+        """A node that could not run again after all: ask for the eager outputs that let the
+        run go on after it (see ``eager_anchors``), a few times at most; its own, if a module
+        call returned it, or why not."""
+        if self.more_anchors is not None and self.anchor_rounds < _ANCHOR_ROUNDS:
+            self.anchor_rounds += 1
+            found = self.more_anchors({node})
+            self.anchors.update({n: v for n, v in found.items() if n not in self.done})
+        anchored = self.anchors.pop(node, None)
+        return anchored if anchored is not None else why
+
+    def _kernel(self, node: str, inputs: list[mx.array]) -> list[mx.array] | str:
+        launch = self.wiring.launches.get(node)
+        if launch is None:
+            return "its launch was not recorded"
+        kernel: Kernel = launch.kernel
+        if len(inputs) != len(kernel.input_names):
+            return (f"kernel {kernel.name!r} takes {len(kernel.input_names)} inputs and the trace "
+                    f"recorded {len(inputs)} arrays (Python scalars are not recorded)")
+        try:
+            with without_vjp():
+                outputs = run_launch(launch, inputs)
+        except Exception as exc:  # the launch ran in the trace; say what failed now
+            return self._failed_here(node, f"running kernel {kernel.name!r} again raised "
+                                           f"{type(exc).__name__}: {exc}")
+        if self.check_kernels is not None and kernel.reference is not None:
+            try:
+                reference = run_reference(launch, inputs)
+            except Exception as exc:
+                self.nodes[node]["reference_check"] = {"error": f"{type(exc).__name__}: {exc}"}
+            else:
+                self.checks.append((node, _errors(outputs, reference, *self.check_kernels)))
+        return list(outputs)
+
+    def _record(self, node: str, index: int, count: int, value: mx.array) -> None:
+        data = self.nodes[node]
+        parts = self.partial.setdefault(node, [None] * count)
+        sizes = self.sizes.setdefault(node, [0] * count)
+        sizes[index] = value.size
+
+        def done(stats: dict[str, Any]) -> None:
+            parts[index] = stats
+            if all(p is not None for p in parts):
+                full = [p for p in parts if p is not None]
+                data["stats"] = _merge(full, sizes)
+                if count > 1:
+                    data["output_stats"] = full
+                del self.partial[node]
+            self.known[(node, index)] = stats
+            for waiting in self.waiting.pop((node, index), ()):
+                waiting(stats)
+
+        source = self._same_values_as(node, data) if count == 1 else None
+        if source is None:
+            self.batch.add(value, done)
+        else:  # a view, a broadcast or an output: its input's statistics, no reduction
+            made, size = source
+            scale = value.size // size if size and value.size % size == 0 else 1
+
+            def derived(stats: dict[str, Any]) -> None:
+                done({**stats, "nan": stats["nan"] * scale, "inf": stats["inf"] * scale}
+                     if scale != 1 else stats)
+
+            known = self.known.get(made)
+            if known is not None:
+                derived(known)
+            else:
+                self.waiting.setdefault(made, []).append(derived)
+        if self.writer is not None and self.keep is not None and self.keep(node, data):
+            self.to_write.append((node if count == 1 else f"{node}:{index}", value))
+
+    def _same_values_as(self, node: str, data: dict[str, Any]) -> tuple[tuple[str, int], int] | None:
+        """(the output whose values this node's output repeats, its size), or None: reshapes,
+        transposes and copies keep the values, a broadcast repeats each one equally often, and an
+        output node returns its producer's array."""
+        if data["kind"] == _OUTPUT:
+            made = self.wiring.producer.get(self.returned.get(node, ""))
+        elif data["kind"] == _OP and data["op"] in _SAME_VALUES:
+            args = self.wiring.args.get(node, ())
+            made = self.wiring.producer.get(args[0]) if len(args) == 1 else None
+        else:
+            return None
+        if made is None or made not in self.sizes_of:
+            return None
+        return made, self.sizes_of[made]
+
+    def flush(self, also: Sequence[mx.array] = ()) -> None:
+        """Evaluate what is pending (and ``also``): statistics, kernel checks, files."""
+        checks = [c for _, c in self.checks]
+        self.batch.flush([*checks, *also])
+        for name, value in self.to_write:
+            self.writer.add(name, value)
+        self.to_write = []
+        nodes = self.graph.nx.nodes
+        for (node, _), check in zip(self.checks, checks):
+            max_abs, max_rel, beyond = cast(list[float], check.tolist())
+            rtol, atol = self.check_kernels or (0.0, 0.0)
+            nodes[node]["reference_check"] = {"max_abs": max_abs, "max_rel": max_rel,
+                                              "mismatched": int(beyond), "rtol": rtol, "atol": atol}
+        self.checks = []
+
+    @property
+    def need_flush(self) -> bool:
+        """Enough node outputs are pending that they should be evaluated now."""
+        return self.batch.bytes > _CHUNK_BYTES or len(self.batch) >= _CHUNK_NODES
+
+    def steps(self) -> Iterator[tuple[str, list[mx.array] | None]]:
+        """Run the nodes in topological order, yielding each with its outputs (None when they
+        cannot be reached); the caller calls ``flush`` when ``need_flush`` and at the end."""
+        order = run_order(self.graph)
+        nodes = self.nodes
+        self._count_readers(order)
+        returned = dict(self.wiring.outputs)
+        for node in order:
+            data = nodes[node]
+            if data["kind"] == _OUTPUT:
+                values = self._output(returned.get(node, ""))
+            else:
+                values = self._compute(node, data)
+                self._release(node)
+            self.done.add(node)
+            if isinstance(values, str):
+                data["values_note"] = values
+                yield node, None
+                continue
+            for index, value in enumerate(values):
+                if self.readers.get((node, index), 0) > 0:
+                    self.env[(node, index)] = value
+                self._record(node, index, len(values), value)
+                self.sizes_of[(node, index)] = value.size
+            yield node, values
+        self.env.clear()
+
+    def run(self, progress: bool | None = None) -> None:
+        """Run every node, evaluating in chunks."""
+        with _progress_bar(progress, self.graph.nx.number_of_nodes()) as advance:
+            for _ in self.steps():
+                if self.need_flush:
+                    self.flush()
+                advance()
+            self.flush()
+
+    def _output(self, array: str) -> list[mx.array] | str:
+        """The array an output node returns (its producer's, read once)."""
+        made = self.wiring.producer.get(array)
+        value = self.env.get(made) if made is not None else None
+        if made is None or value is None:
+            return "the array it returns was not reached"
+        self.readers[made] -= 1
+        if self.readers[made] <= 0:
+            del self.env[made]
+        return [value]
+
+
+def run_order(graph: Graph) -> list[str]:
+    """A topological order that computes each node just before the first node needing it: a
+    depth-first walk back from each sink (outputs first), inputs in argument order, as an eager
+    call would go. Kahn's order (``graph.nodes()``) computes everything that is ready at once,
+    every weight's transpose first, and holds them all until they are read.
+
+    >>> import mlx.core as mx, graphkern as gk
+    >>> run_order(gk.trace(lambda x, y: mx.exp(x) + mx.sin(y), mx.ones(2), mx.ones(2)))
+    ['x', 'exp', 'y', 'sin', 'add', 'output_0']
+    """
+    g = graph.nx
+    data, pred, succ = adjacency(g)
+    sinks = [n for n in graph.nodes() if not succ[n]]
+    sinks.sort(key=lambda n: data[n]["kind"] != _OUTPUT)
+    done: set[str] = set()
+    order: list[str] = []
+    for sink in sinks:
+        stack: list[tuple[str, bool]] = [(sink, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in done:
+                continue
+            if expanded:
+                done.add(node)
+                order.append(node)
+                continue
+            stack.append((node, True))
+            # a node's in-edges are kept in argument order: push the first argument last
+            stack.extend((u, False) for u in reversed(pred[node]) if u not in done)
+    return order
+
+
+def difference(x: mx.array, y: mx.array, rtol: float, atol: float) -> mx.array:
+    """``[max abs, max rel, elements beyond tolerance]`` of ``y`` against the reference ``x``,
+    lazily, in float32: beyond when ``|x - y| > atol + rtol * |x|``; the relative error divides
+    by ``max(|x|, atol)``. NaN against NaN and an Inf against the same Inf agree; NaN against a
+    number is beyond.
+
+    >>> difference(mx.array([1.0, 2.0]), mx.array([1.0, 2.1]), 1e-3, 1e-5).tolist()
+    [0.09999990463256836, 0.04999995231628418, 1.0]
+    """
+    if not x.size:
+        return mx.zeros((3,))
+    a, b = x.astype(mx.float32), y.astype(mx.float32)
+    same = mx.logical_or(a == b, mx.logical_and(mx.isnan(a), mx.isnan(b)))
+    diff = mx.where(same, 0.0, mx.abs(a - b))
+    diff = mx.where(mx.isnan(diff), mx.inf, diff)
+    ref = mx.where(mx.isfinite(a), mx.abs(a), 0.0)
+    beyond = mx.sum(diff > atol + rtol * ref).astype(mx.float32)
+    return mx.stack([mx.max(diff), mx.max(diff / mx.maximum(ref, atol)), beyond])
+
+
+def _errors(outputs: Sequence[mx.array], reference: Sequence[mx.array], rtol: float,
+            atol: float) -> mx.array:
+    """``difference`` over a kernel's outputs against its reference: the worst of each."""
+    rows = mx.stack([difference(r, o, rtol, atol) for o, r in zip(outputs, reference)])
+    return mx.stack([mx.max(rows[:, 0]), mx.max(rows[:, 1]), mx.sum(rows[:, 2])])
+
+
+@contextlib.contextmanager
+def _progress_bar(enabled: bool | None, total: int) -> Iterator[Callable[[], None]]:
+    """A rich progress bar over the nodes on stderr: always with ``True``, never with ``False``,
+    and with ``None`` only on a terminal for graphs of over 2,000 nodes."""
+    if enabled is False or (enabled is None and total <= 2000):
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    if enabled is None and not console.is_terminal:
+        yield lambda: None
+        return
+    with Progress(TextColumn("values"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("values", total=total)
+        yield lambda: bar.advance(task)
+
+
+# ----------------------------------------------------------------------------- root causes
+
+
+def _describe(graph: Graph, node: str) -> str:
+    """``kernel 'swiglu' in model.layers.0.mlp`` / ``op Sqrt in layers.3``."""
+    data = graph.nx.nodes[node]
+    kind = data["kind"]
+    what = f"kernel {data.get('kernel', data['op'])!r}" if kind == _KERNEL else \
+        f"{kind} {data['op'] or data['label']}"
+    if kind == _KERNEL and data.get("backend"):
+        what += f" (backend {data['backend']})"
+    scope = data.get("scope") or ""
+    return f"{what} in {scope}" if scope else what
+
+
+def _non_finite_text(stats: dict[str, Any], size: int) -> str:
+    found = " and ".join(f"{stats[key]} {text}" for key, text in (("nan", "NaN"), ("inf", "Inf"))
+                         if stats[key])
+    return f"{found} of {size} values"
+
+
+def root_causes(graph: Graph) -> list[str]:
+    """Mark the nodes where a NaN or Inf started (``Status.NON_FINITE``, see the module) and
+    propagate; returns them in topological order. Needs ``stats`` on the nodes."""
+    nodes, pred, _ = adjacency(graph.nx)
+    found = []
+    for node in graph.nodes():
+        data = nodes[node]
+        stats = data.get("stats")
+        if is_finite_stats(stats) or data["kind"] == _OUTPUT:
+            continue
+        if data["status"] not in _MARKABLE:
+            continue  # failed for another reason already
+        if any(not is_finite_stats(nodes[p].get("stats")) for p in pred[node]):
+            continue
+        size = sum(math.prod(shape) for shape in _output_shapes(graph, node)) or 1
+        unknown = [p for p in pred[node] if nodes[p].get("stats") is None]
+        message = f"{_describe(graph, node)}: output holds {_non_finite_text(stats, size)}"
+        if data["kind"] == _INPUT:
+            message += " (an input of the call)"
+        elif unknown:
+            message += (f"; the values of its input {unknown[0]!r} were not reached, so the NaN/Inf "
+                        "may come from further up")
+        else:
+            message += " while all its inputs are finite"
+        data["status"], data["message"] = int(Status.NON_FINITE), message
+        found.append(node)
+    if found:
+        graph.refresh()
+    return found
+
+
+def _output_shapes(graph: Graph, node: str) -> list[tuple[int, ...]]:
+    """The shapes of the distinct arrays leaving ``node``."""
+    seen: dict[str, tuple[int, ...]] = {}
+    for _, keyed in adjacency(graph.nx)[2][node].items():
+        for key, edge in keyed.items():
+            seen.setdefault(key, tuple(edge["shape"]))
+    return list(seen.values())
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+def _node_filter(nodes: Collection[str] | NodeFilter | None) -> NodeFilter:
+    if nodes is None:
+        return lambda name, data: data["kind"] in (_OP, _KERNEL)
+    if callable(nodes):
+        return nodes
+    wanted = set(nodes)
+    return lambda name, data: name in wanted
+
+
+class Inspector:
+    """``gk.inspect`` with options (``gk.inspect`` itself takes none: its keyword arguments go to
+    ``fn``, as ``gk.trace``'s do).
+
+    ``save``: a ``.npz`` or ``.safetensors`` path to stream every node's full output to (keys are
+    node names, ``name:i`` for a node's i-th of several outputs); ``nodes``: which nodes to save
+    (names, or ``(name, attrs) -> bool``; default: op and kernel nodes). ``check_kernels``: also
+    run each kernel's reference on the exact inputs it received in the graph and record
+    ``reference_check = {"max_abs", "max_rel"}`` on its node. ``progress``: a progress bar on
+    stderr (``None``: on a terminal, for graphs of over 2,000 nodes). ``backend``: as
+    ``gk.compile``'s.
+
+    >>> import mlx.core as mx, os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "values.npz")
+    >>> g = Inspector(save=path)(lambda x: mx.exp(x) + 1, mx.zeros((2,)))
+    >>> sorted(__import__("numpy").load(path).files)
+    ['add', 'broadcast', 'exp']
+    """
+
+    def __init__(self, *, save: str | os.PathLike[str] | None = None,
+                 nodes: Collection[str] | NodeFilter | None = None, check_kernels: bool = False,
+                 progress: bool | None = None, backend: str | None = None,
+                 tolerance: tuple[float, float] = (1e-4, 1e-5)):
+        self.save = save
+        self.tolerance = tolerance
+        self.nodes = nodes
+        self.check_kernels = check_kernels
+        self.progress = progress
+        self.backend = backend
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
+        traceable = Traceable(fn)
+        return self.run(traceable, Flat.of(args, kwargs, traceable.arg_names))
+
+    def run(self, traceable: Traceable, flat: Flat) -> Graph:
+        """The values graph of one call already flattened (what compiled graphs use)."""
+        graph, wiring, arrays = trace_for_values(traceable, flat, self.backend)
+        writer = None
+        if self.save is not None:
+            from .tensor_files import open_writer
+
+            writer = open_writer(self.save)
+        anchored: set[str] = set()
+
+        def anchors_for(failed: set[str]) -> dict[str, list[mx.array]]:
+            found = eager_anchors(traceable, flat, graph, wiring, self.backend, failed)
+            anchored.update(found)
+            return found
+
+        anchors = anchors_for(set())
+        with (writer if writer is not None else contextlib.nullcontext()):
+            check = self.tolerance if self.check_kernels else None
+            GraphRun(graph, wiring, arrays, check_kernels=check, keep=_node_filter(self.nodes),
+                     writer=writer, anchors=anchors, more_anchors=anchors_for).run(self.progress)
+        finish_values(graph, anchored=sum(1 for n in anchored if "stats" in graph.nx.nodes[n]))
+        return graph
+
+
+def _needs_anchors(graph: Graph, wiring: Wiring, failed: Collection[str] = ()) -> set[str]:
+    """The nodes a run of the graph cannot compute, known before running (ops whose primitive
+    has no replay, kernels given Python scalars, and what depends on them), that an eager run
+    can give instead: those whose every output a module call or kernel launch returned. Each
+    such node unblocks what follows it, so only the first ones on each blocked path are listed.
+    ``failed``: nodes found not to run again while running."""
+    nodes, pred, _ = adjacency(graph.nx)
+    primitives, launches, args = wiring.primitives, wiring.launches, wiring.args
+
+    def cannot_run(node: str) -> bool:
+        kind = nodes[node]["kind"]
+        if kind == _OP:
+            event = primitives.get(node)
+            return event is None or event["name"] not in replay.REPLAYED
+        if kind == _KERNEL:
+            launch = launches.get(node)
+            return launch is None or len(args.get(node, ())) != len(launch.kernel.input_names)
+        return False
+
+    if not failed and not any(map(cannot_run, nodes)):
+        return set()
+    anchorable = {n for n, data in nodes.items() if data["kind"] == _KERNEL}
+    for _, _, made in wiring.module_calls:
+        anchorable.update(m[0] for m in made if m is not None)
+    blocked: set[str] = set()
+    wanted: set[str] = set()
+    for node in graph.nodes():
+        if not (node in failed or cannot_run(node) or any(p in blocked for p in pred[node])):
+            continue
+        if node in anchorable and nodes[node]["status"] == Status.OK:
+            wanted.add(node)
+        else:
+            blocked.add(node)
+    return wanted
+
+
+def eager_anchors(traceable: Traceable, flat: Flat, graph: Graph, wiring: Wiring,
+                  backend: str | None, failed: Collection[str] = ()) -> dict[str, list[mx.array]]:
+    """Outputs for the nodes a run of the graph would not reach, where a module call or kernel
+    launch returned them (see ``_needs_anchors``): the function runs once more, eagerly, with its
+    kernel and module calls recorded in the trace's order, and the wanted calls' outputs are kept
+    (lazily). Empty when every node can run, or when the eager call fails."""
+    wanted = _needs_anchors(graph, wiring, failed)
+    if not wanted:
+        return {}
+    wanted_modules = {rid: made for rid, _, made in wiring.module_calls
+                      if any(m is not None and m[0] in wanted for m in made)}
+    wanted_kernels = {graph.nx.nodes[n]["call_index"]: n for n in wanted
+                      if graph.nx.nodes[n]["kind"] == _KERNEL}
+    recorder = _AnchorRecorder(traceable, set(wanted_modules), set(wanted_kernels))
+    try:
+        traceable.call_recorded(flat, recorder, backend)
+    except Exception:  # the eager call fails where the trace did not: no anchors
+        return {}
+    outputs: dict[tuple[str, int], mx.array] = {}
+    for rid, made in wanted_modules.items():
+        kept = recorder.kept.get(rid)
+        if kept is None or len(kept) != len(made):
+            continue
+        for found, value in zip(made, kept):
+            if found is not None and found[0] in wanted:
+                outputs.setdefault(found, value)
+    for index, node in wanted_kernels.items():
+        for i, value in enumerate(recorder.kernel_outputs.get(index, [])):
+            outputs.setdefault((node, i), value)
+    anchors = {}
+    for node in wanted:
+        event, launch = wiring.primitives.get(node), wiring.launches.get(node)
+        count = len(event["outputs"]) if event is not None else \
+            len(launch.output_specs) if launch is not None else 1
+        if all((node, i) in outputs for i in range(count)):
+            anchors[node] = [outputs[(node, i)] for i in range(count)]
+    return anchors
+
+
+class _AnchorRecorder(TraceRecorder):
+    """Sees an eager call's kernel and module calls without tagging them; keeps the outputs of
+    the wanted module records (by record id) and kernel calls (by call index)."""
+
+    def __init__(self, traceable: Traceable, wanted: set[int], wanted_kernels: set[int]):
+        base = traceable.recorder()
+        super().__init__(base.modules, tag=False, objects=base.objects)
+        self.wanted = wanted
+        self.wanted_kernels = wanted_kernels
+        self.kept: dict[int, list[mx.array]] = {}
+        self.kernel_outputs: dict[int, list[mx.array]] = {}
+
+    def kernel_call(self, launch: Any, kernel: Any, inputs: list[mx.array], outputs: list[mx.array],
+                    error: Any, request: dict[str, Any] | None = None) -> list[mx.array]:
+        if self.calls in self.wanted_kernels:
+            self.kernel_outputs[self.calls] = list(outputs)
+        return super().kernel_call(launch, kernel, inputs, outputs, error, request)
+
+    def module_call(self, path: str, module: Any, inputs: list[mx.array], outputs: list[mx.array],
+                    error: Any) -> list[mx.array]:
+        if len(self.records) in self.wanted:
+            self.kept[len(self.records)] = list(outputs)
+        return super().module_call(path, module, inputs, outputs, error)
+
+
+def trace_for_values(traceable: Traceable, flat: Flat,
+                     backend: str | None = None) -> tuple[Graph, Wiring, list[mx.array]]:
+    """The graph of one call, how to run it, and the arrays it starts from."""
+    wiring = Wiring()
+    graph, _ = traceable.trace(flat, backend, wiring=wiring)
+    nodes = graph.nx.nodes
+    for _, path, made in wiring.module_calls:
+        for found in made:
+            if found is not None and found[0] in nodes:
+                paths = nodes[found[0]].setdefault("module_outputs", [])
+                if path not in paths:
+                    paths.append(path)
+    return graph, wiring, list(flat.arrays) + traceable.state.arrays()
+
+
+def finish_values(graph: Graph, anchored: int = 0) -> None:
+    """After a run: count the nodes reached (``anchored``: of them, from an eager run's module or
+    kernel outputs) and mark where NaN/Inf started."""
+    reached = sum(1 for _, d in graph.nx.nodes(data=True) if "stats" in d)
+    graph.nx.graph["values"] = {"nodes": reached, "unreached": graph.nx.number_of_nodes() - reached,
+                                "from_eager_run": anchored}
+    root_causes(graph)
+
+
+def inspect(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
+    """Trace ``fn`` on these arguments and run it node by node, recording each node's output
+    statistics (``stats``) and naming the node where a NaN or Inf started (``Status.NON_FINITE``,
+    ``g.failures()[0]``). Keyword arguments go to ``fn``; options are :class:`Inspector`'s.
+
+    >>> import mlx.core as mx, graphkern as gk
+    >>> g = gk.inspect(lambda x: mx.log(x), mx.array([1.0, 0.0]))
+    >>> g.status.name, g.nx.nodes["log"]["stats"]["inf"]
+    ('NON_FINITE', 1)
+    """
+    return Inspector()(fn, *args, **kwargs)
