@@ -57,7 +57,10 @@ def test_gpu_kernels_against_their_references_node_by_node(arch: str, dtype: mx.
     assert c.a.nx.graph["backend"] == GPU and c.b.nx.graph["backend"] == "reference"
     assert {c.a.node(k)["backend"] for k in c.a.kernels()} == {GPU}
     assert c.a.ok and c.b.ok, (c.a.failures(), c.b.failures())  # no NaN/Inf started anywhere
-    assert len(c.rows) > 100 and c.first_divergence is None, c.table(c.diverged[:20])
+    # every node of the GPU run found its counterpart (the reference run may hold a few more: its
+    # kernels' ops), and none of them parts ways
+    assert not c.unmatched_a and len(c.rows) > 50, c.unmatched_a[:10]
+    assert c.first_divergence is None, c.table(c.diverged[:20])
     kernel_atol, kernel_rtol = TOLERANCES[dtype]
     gpu_checks = [k for k in c.kernel_checks if k.side == "a"]
     assert len(gpu_checks) == len(c.a.kernels()) > 5
