@@ -19,7 +19,6 @@ follows the call, layer by layer); ``first_divergence`` is the earliest row beyo
 
 from __future__ import annotations
 
-import html
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -172,50 +171,34 @@ class Comparison:
     def __repr__(self) -> str:
         return f"<Comparison: {len(self.rows)} rows, {len(self.diverged)} diverged, ok={self.ok}>"
 
-    def to_html(self) -> str:
-        """One self-contained page: the summary, then every row, diverged rows highlighted and
-        the first divergence linked from the top."""
+    def to_html(self, **options: Any) -> str:
+        """One self-contained page: the compared graph ``b`` in the HTML viewer, each node coloured
+        by its error against ``a`` (beyond tolerance in the "bad" colours, a closed layer by the
+        worst inside it), the first divergence opened and selected; a bar above it with the
+        summary and every row as a table (click a row to go to its node). ``options`` go to
+        ``graphkern.viz.to_html`` (``colour_by="error_rel"``, ``collapse_depth=`` ...).
+
+        >>> open("compare.html", "w").write(c.to_html())     # doctest: +SKIP
+        """
+        from .viz.html import to_html
+
         first = self.first_divergence
-        esc = html.escape
-        head = "".join(f"<p>{esc(line)}</p>" for line in self._head())
-        if first is not None:
-            head += '<p><a href="#first">jump to the first divergence</a></p>'
-        rows = []
-        for r in self.rows:
-            cls = "first" if r is first else ("bad" if r.ok is False else ("na" if r.ok is None else ""))
-            anchor = ' id="first"' if r is first else ""
-            status = {True: "ok", False: "diverged", None: esc(r.note)}[r.ok]
-            rows.append(f'<tr class="{cls}"{anchor}><td>{esc(r.a)}</td><td>{esc(r.b)}</td>'
-                        f"<td>{esc(r.op)}</td><td>{esc(r.scope)}</td><td>{esc(_shape(r.shape))}</td>"
-                        f"<td>{esc(r.dtype_a)} / {esc(r.dtype_b)}</td><td>{_num(r.max_abs)}</td>"
-                        f"<td>{_num(r.max_rel)}</td><td>{'' if r.mismatched is None else r.mismatched}</td>"
-                        f"<td>{status}</td></tr>")
-        checks = ""
-        if self.kernel_checks:
-            check_rows = "".join(
-                f'<tr class="{"" if k.ok else "bad"}"><td>{k.side}</td><td>{esc(k.node)}</td>'
-                f"<td>{esc(k.kernel)}</td><td>{esc(k.scope)}</td><td>{esc(k.backend)}</td>"
-                f"<td>{_num(k.max_abs)}</td><td>{_num(k.max_rel)}</td><td>{'ok' if k.ok else 'off'}</td></tr>"
-                for k in self.kernel_checks)
-            checks = ("<h2>Kernels against their references, on the inputs they received</h2><table>"
-                      "<tr><th>side</th><th>node</th><th>kernel</th><th>scope</th><th>backend</th>"
-                      f"<th>max abs</th><th>max rel</th><th></th></tr>{check_rows}</table>")
-        title = esc(f"compare {self.a.nx.graph.get('name')} / {self.b.nx.graph.get('name')}")
-        return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
-                f"<style>{_CSS}</style></head><body><h1>{title}</h1>{head}<table><tr>"
-                "<th>node a</th><th>node b</th><th>op</th><th>scope</th><th>shape</th><th>dtypes</th>"
-                "<th>max abs</th><th>max rel</th><th>beyond tol.</th><th></th></tr>"
-                f"{''.join(rows)}</table>{checks}</body></html>")
+        doc = {
+            "title": f"compare {self.a.nx.graph.get('name')} / {self.b.nx.graph.get('name')}",
+            "summary": self._head(), "rtol": self.rtol, "atol": self.atol,
+            "first": next((i for i, r in enumerate(self.rows) if r is first), None),
+            "rows": [[r.b, r.b_output, r.a, r.a_output, r.op, r.scope, list(r.shape), r.dtype_a,
+                      r.dtype_b, r.max_abs, r.max_rel, r.mismatched, r.ok, r.note] for r in self.rows],
+            "kernel_checks": [[k.side, k.node, k.kernel, k.scope, k.backend, k.max_abs, k.max_rel, k.ok]
+                              for k in self.kernel_checks],
+        }
+        options.setdefault("title", doc["title"])
+        return to_html(self.b, comparison=doc, **options)
 
     def _repr_html_(self) -> str:
-        return self.to_html()
+        from .viz.html import srcdoc_iframe
 
-
-_CSS = ("body{font:13px system-ui,sans-serif;margin:16px;color:#0f172a}"
-        "table{border-collapse:collapse}td,th{padding:2px 8px;border-bottom:1px solid #e2e8f0;"
-        "text-align:left;font-variant-numeric:tabular-nums}th{position:sticky;top:0;background:#f8fafc}"
-        "tr.bad td{background:#fee2e2}tr.first td{background:#fca5a5;font-weight:600}"
-        "tr.na td{color:#64748b}tr{scroll-margin-top:2.5em}")
+        return srcdoc_iframe(self.to_html())
 
 
 def _num(value: float | None) -> str:

@@ -6,6 +6,7 @@ import json
 import textwrap
 
 import pytest
+import viz_graphs as vg
 from click.testing import CliRunner
 
 from graphkern.cli import main
@@ -56,7 +57,9 @@ def test_compare_names_the_first_divergence_and_exits_1(models: str, tmp_path) -
     assert code == 1
     assert "first divergence: swiglu_off (Multiply -> swiglu_off) in model.layers.3.mlp" in out
     assert json.loads(doc.read_text())["first_divergence"]["b"] == "swiglu_off"
-    assert 'id="first"' in html.read_text()
+    page = vg.page_data(html.read_text())   # the viewer, on the first divergence
+    compared = page["values"]["compare"]
+    assert page["nodes"][compared["rows"][compared["first"]][0]][0] == "swiglu_off"
     code, out, _ = _run("debug", f"{models}:stock", "-i", "2,8:int32", "--compare", f"{models}:stock")
     assert code == 0 and "no divergence" in out
 

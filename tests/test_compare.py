@@ -7,6 +7,7 @@ import json
 import mlx.core as mx
 import planted_bugs as pb
 import pytest
+import viz_graphs as vg
 
 import graphkern as gk
 from graphkern.models.tiny import tiny_model
@@ -51,9 +52,14 @@ def test_the_comparison_prints_draws_and_serialises(swiglu_off: gk.Comparison) -
     text = str(swiglu_off)
     assert "first divergence: swiglu_off (Multiply -> swiglu_off) in model.layers.3.mlp" in text
     assert "DIVERGED" in text
-    page = swiglu_off.to_html()
-    assert page.startswith("<!doctype html>") and '<tr class="first" id="first"><td>' in page
-    assert page.count('class="bad"') == len(swiglu_off.diverged) - 1
+    # the page: the patched graph in the viewer, coloured by error, the rows and the first one
+    data = vg.page_data(swiglu_off.to_html())
+    compared, ids = data["values"]["compare"], [n[0] for n in data["nodes"]]
+    assert data["values"]["colour"] == "error_abs"
+    assert data["meta"]["nodes"] == swiglu_off.b.nx.number_of_nodes()
+    assert ids[compared["rows"][compared["first"]][0]] == "swiglu_off"
+    assert [r[12] for r in compared["rows"]] == [r.ok for r in swiglu_off.rows]
+    assert (compared["rtol"], compared["atol"]) == (swiglu_off.rtol, swiglu_off.atol)
     doc = json.loads(json.dumps(swiglu_off.to_dict(), allow_nan=False))
     assert doc["first_divergence"]["b"] == "swiglu_off" and doc["ok"] is False
     assert len(doc["rows"]) == len(swiglu_off.rows)

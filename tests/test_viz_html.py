@@ -4,18 +4,13 @@
 from __future__ import annotations
 
 import html
-import json
 import re
 
 import viz_graphs as vg
 
 from graphkern.viz.html import repr_html, to_html, viewer_data
 
-
-def _data(page: str) -> dict:
-    m = re.search(r'<script id="gk-data" type="application/json">(.*?)</script>', page, re.S)
-    assert m, "no data block"
-    return json.loads(m.group(1))
+_data = vg.page_data
 
 
 def test_page_is_self_contained() -> None:

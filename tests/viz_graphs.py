@@ -5,12 +5,14 @@ edge per array keyed by its name; ``tests/test_viz_graphs.py`` lints every one),
 can be tested without tracing, at any size, with failures placed where a test wants them.
 ``FakeGraph`` stands in for ``gk.Graph``: it has ``.nx`` and ``.status``. ``traced`` and ``llama``
 are real ``gk.trace``s: a two-block module with a graphkern kernel, and a patched random-weight
-mlx-lm llama of any depth.
+mlx-lm llama of any depth; ``nan_values`` and ``swiglu_comparison`` are ``gk.inspect`` and
+``gk.compare`` of the planted bugs (``planted_bugs``). ``page_data`` reads a viewer page's JSON.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import random
 import re
 from collections import Counter
@@ -350,3 +352,32 @@ def llama_model(layers: int, *, patched: bool = True) -> Any:
     if patched:
         gk.patch(model)
     return model
+
+
+@functools.lru_cache(maxsize=1)
+def nan_values() -> Any:
+    """``gk.inspect`` of the 8-layer tiny llama whose layer 3 post-attention norm makes NaNs
+    (``planted_bugs.nan_llama``). Cached: callers must not change the graph."""
+    import planted_bugs as pb
+
+    import graphkern as gk
+
+    return gk.inspect(pb.nan_llama(), pb.TOKENS)
+
+
+@functools.lru_cache(maxsize=1)
+def swiglu_comparison() -> Any:
+    """``gk.compare`` of the stock 8-layer tiny llama against it patched, layer 3's SwiGLU 1% off
+    (``planted_bugs.swiglu_off_llama``). Cached: callers must not change it."""
+    import planted_bugs as pb
+
+    import graphkern as gk
+
+    return gk.compare(pb.llama(), pb.swiglu_off_llama(), pb.TOKENS)
+
+
+def page_data(page: str) -> dict[str, Any]:
+    """The JSON document a viewer page carries in its ``<script id="gk-data">``."""
+    found = re.search(r'<script id="gk-data" type="application/json">(.*?)</script>', page, re.S)
+    assert found, "no data block"
+    return dict(json.loads(found.group(1)))

@@ -33,8 +33,9 @@ from graphkern.viz._common import (
     template_text,
     weight_like,
 )
+from graphkern.viz.overlay import node_values, values_doc
 
-__all__ = ["to_html", "repr_html", "viewer_data"]
+__all__ = ["to_html", "repr_html", "srcdoc_iframe", "viewer_data"]
 
 KINDS = [kind.value for kind in NodeKind]
 _DETAIL_KEYS = ("message", "value", "arguments", "kernel", "backend", "grid", "threadgroup",
@@ -55,12 +56,16 @@ def _vendor_js() -> str:
 
 
 def viewer_data(graph: Any, *, diff: Mapping[str, Any] | None = None,
-                collapse_depth: int | None = None, show_weights: bool = False) -> dict[str, Any]:
+                collapse_depth: int | None = None, show_weights: bool = False,
+                comparison: Mapping[str, Any] | None = None,
+                colour_by: str | None = None) -> dict[str, Any]:
     """The JSON document the viewer reads: nodes in topological order as compact rows
     ``[id, kind, label, op, group, status, root, flags]`` (flag 1: a weight or constant, drawn as
     an attribute of its consumers), module groups ``[path, label, parent, depth, class]``,
     edges ``[source, target, array, shape, dtype, index]``, per-node details (``weight``: how a
-    weight-like node reads, in full and short) and kernel sources by source hash.
+    weight-like node reads, in full and short; ``output_stats``, ``values_note``,
+    ``reference_check``), kernel sources by source hash, and ``values`` (see
+    ``graphkern.viz.overlay.values_doc``) when nodes carry statistics or a comparison.
 
     >>> data = viewer_data(graph)                          # doctest: +SKIP
     >>> data["nodes"][0][:2]                               # doctest: +SKIP
@@ -98,6 +103,7 @@ def viewer_data(graph: Any, *, diff: Mapping[str, Any] | None = None,
             extra["input_names"] = [str(x) for x in d["input_names"]]
         if n in weights:
             extra["weight"] = [weights[n].full, weights[n].short]
+        extra.update(node_values(d))
         if extra:
             details[str(i)] = extra
     edges: list[list[Any]] = []
@@ -126,6 +132,7 @@ def viewer_data(graph: Any, *, diff: Mapping[str, Any] | None = None,
         "details": details,
         "sources": dict(g.graph.get("kernel_sources") or {}),
         "diff": dict(diff) if diff is not None else None,
+        "values": values_doc(g, order, comparison, colour_by),
         "options": {"collapse_depth": collapse_depth, "show_weights": bool(show_weights)},
     }
 
@@ -164,6 +171,7 @@ _PAGE = """<!DOCTYPE html>
   </div>
   <div id="gk-banner" role="alert"></div>
   <div id="gk-diffbar"></div>
+  <div id="gk-comparebar"></div>
   <div id="gk-main">
     <nav id="gk-tree" aria-label="modules"></nav>
     <div id="gk-canvas-wrap">
@@ -185,7 +193,8 @@ _PAGE = """<!DOCTYPE html>
 
 
 def to_html(graph: Any, *, title: str | None = None, collapse_depth: int | None = None,
-            show_weights: bool = False, diff: Mapping[str, Any] | None = None) -> str:
+            show_weights: bool = False, colour_by: str | None = None,
+            diff: Mapping[str, Any] | None = None, comparison: Mapping[str, Any] | None = None) -> str:
     """One self-contained HTML page that draws the graph and lets you explore it offline.
 
     Module scopes are nested frames laid out one inside another, each drawn top to bottom in
@@ -198,11 +207,23 @@ def to_html(graph: Any, *, title: str | None = None, collapse_depth: int | None 
     threadgroup, template, sources, status, root cause), failures red with their blast radius
     dashed red, pan and zoom, and a minimap. ``diff`` is used by ``GraphDiff.to_html``.
 
+    A graph from ``gk.inspect`` or ``gk.compare`` can be coloured by a node statistic (the
+    "colour" control; ``colour_by`` picks the one it opens with): ``"absmax"``, ``"nonfinite"``
+    (NaN + Inf count, the node where they start apart), ``"error_abs"`` or ``"error_rel"`` (the
+    comparison's error, beyond tolerance in the "bad" colours), or ``"kind"``. It opens
+    coloured by NaN/Inf when a node holds any, else by the comparison's error, else by abs-max;
+    a closed module takes the worst value inside it, and the legend shows the scale and its
+    range (logarithmic where the values span decades). ``comparison`` is used by
+    ``Comparison.to_html``. An unknown ``colour_by``, or one the graph has no values for,
+    raises ``KernelError``.
+
     >>> page = to_html(graph)                             # doctest: +SKIP
     >>> open("trace.html", "w").write(page)               # doctest: +SKIP
+    >>> to_html(gk.inspect(model, tokens), colour_by="absmax")   # doctest: +SKIP
     """
     g = as_nx(graph)
-    data = viewer_data(graph, diff=diff, collapse_depth=collapse_depth, show_weights=show_weights)
+    data = viewer_data(graph, diff=diff, collapse_depth=collapse_depth, show_weights=show_weights,
+                       comparison=comparison, colour_by=colour_by)
     name = graph_name(g)
     meta = data["meta"]
     subtitle = f"{meta['nodes']} nodes · {meta['edges']} edges"
@@ -230,7 +251,11 @@ def repr_html(graph: Any, *, height: int = 600) -> str:
     >>> graph._repr_html_()                               # doctest: +SKIP
     '<iframe ...'
     """
-    page = to_html(graph)
+    return srcdoc_iframe(to_html(graph), height=height)
+
+
+def srcdoc_iframe(page: str, *, height: int = 600) -> str:
+    """A whole viewer page inside a sandboxed ``<iframe srcdoc>`` (for notebooks)."""
     return (f'<iframe srcdoc="{_html.escape(page, quote=True)}" '
             f'style="width:100%;height:{int(height)}px;border:1px solid #e2e8f0;border-radius:6px" '
             'sandbox="allow-scripts" loading="lazy"></iframe>')

@@ -110,11 +110,141 @@
     return names && index < names.length ? names[index] : "";
   }
 
+  // ------------------------------------------------------------------ values (gk.inspect, gk.compare)
+  // D.values (graphkern.viz.overlay): stats per node [min, max, mean, absmax, nan, inf], the
+  // comparison's rows [b node, b output, a node, a output, op, scope, shape, dtype a, dtype b,
+  // max abs, max rel, beyond tolerance, ok, note], the colouring the page opens with. A
+  // non-finite number arrives as text ("Infinity"), which Number() reads back.
+  var V = D.values || null, NON_FINITE = 12;
+  function numberOf(x) { return x === null || x === undefined ? NaN : typeof x === "number" ? x : Number(x); }
+  var nStats = V && V.stats ? V.stats : null;
+  var cmp = V && V.compare ? V.compare : null;
+  var nRows = null, firstNode = -1;
+  // per node, its worst row: verdict (0 none, 1 not compared, 2 within tolerance, 3 beyond), errors
+  var eVerdict = null, eAbs = null, eRel = null;
+  if (cmp) {
+    nRows = new Array(N); eVerdict = new Int8Array(N);
+    eAbs = new Float64Array(N).fill(NaN); eRel = new Float64Array(N).fill(NaN);
+    cmp.rows.forEach(function (r, j) {
+      var n = r[0];
+      if (n < 0) return;
+      (nRows[n] || (nRows[n] = [])).push(j);
+      var verdict = r[12] === true ? 2 : r[12] === false ? 3 : 1;
+      if (verdict > eVerdict[n]) eVerdict[n] = verdict;
+      if (verdict < 2) return;
+      var a = numberOf(r[9]), rel = numberOf(r[10]);
+      if (isNaN(a)) a = Infinity;
+      if (isNaN(rel)) rel = Infinity;
+      if (!(eAbs[n] >= a)) eAbs[n] = a;
+      if (!(eRel[n] >= rel)) eRel[n] = rel;
+    });
+    if (cmp.first !== null && cmp.first !== undefined && cmp.rows[cmp.first]) firstNode = cmp.rows[cmp.first][0];
+  }
+  function elements(n) {   // how many values a node's outputs hold, from the shapes on its edges
+    var seen = new Set(), total = 0, list = outE[n].length ? outE[n] : inE[n];
+    for (var q = 0; q < list.length; q++) {
+      var ed = D.edges[list[q]];
+      if (seen.has(ed[2])) continue;
+      seen.add(ed[2]);
+      total += ed[3] === "" ? 1 : ed[3].split(",").reduce(function (p, d) { return p * (+d || 0); }, 1);
+      if (!outE[n].length) break;
+    }
+    return total;
+  }
+
   // ------------------------------------------------------------------ node colour
   // The one place a node's fill is decided: a colouring maps a node to its fill and lists its
-  // legend. Add a colouring here (a node statistic, say) and it appears under "colour".
+  // legend. The statistic colourings give each node a category (-1 no value, 0 the quiet
+  // range, 1 the loud range, 2 non-finite) and a value; a closed module takes the worst node
+  // inside it (highest category, then largest value), weights only where they are loud.
   var KIND_FILL = { op: "#ffffff", input: "#dbeafe", output: "#dcfce7", constant: "#f1f5f9", kernel: "#ede9fe" };
   var FAILED_FILL = "#fecaca", UPSTREAM_FILL = "#fff1f2", BOX_FILL = "#e2e8f0";
+  var NONE_FILL = "#f1f5f9", NONFINITE_FILL = "#881337", FINITE_FILL = "#ecfdf5", FIRST_HALO = "#ea580c";
+  var LIMIT_FILL = "#94a3b8";
+  var RAMPS = {
+    absmax: ["#f0f9ff", "#7dd3fc", "#0369a1"],
+    count: ["#ffe4e6", "#fb7185"],
+    ok: ["#f7fee7", "#bbf7d0"],
+    bad: ["#fed7aa", "#f97316", "#dc2626"]
+  };
+  var STEPS = 24;   // a ramp in so many colours: few fill batches, and a legend that matches
+  var rampColours = {};
+  function rampOf(name) {
+    var cs = rampColours[name];
+    if (!cs) {
+      var f = d3.piecewise(d3.interpolateLab, RAMPS[name]);
+      cs = []; for (var q = 0; q <= STEPS; q++) cs.push(d3.color(f(q / STEPS)).formatHex());
+      rampColours[name] = cs;
+    }
+    return cs;
+  }
+  // a scale over the values of one category: logarithmic where they span two decades or more
+  function scaleOver(values, ramp) {
+    var lo = Infinity, hi = -Infinity, pos = Infinity;
+    for (var q = 0; q < values.length; q++) {
+      var x = values[q];
+      if (!isFinite(x)) continue;
+      if (x < lo) lo = x; if (x > hi) hi = x;
+      if (x > 0 && x < pos) pos = x;
+    }
+    if (lo === Infinity) return null;
+    var log = pos !== Infinity && hi / pos >= 100, a = log ? Math.log10(pos) : lo, b = log ? Math.log10(hi) : hi;
+    var cs = rampOf(ramp);
+    return {
+      lo: log ? pos : lo, hi: hi, log: log, ramp: ramp, zero: lo <= 0,
+      colour: function (x) {
+        var v = log ? (x > 0 ? Math.log10(x) : a) : x;
+        var t = b > a ? (v - a) / (b - a) : hi > 0 ? 1 : 0;
+        return cs[Math.round(Math.max(0, Math.min(1, t)) * STEPS)];
+      }
+    };
+  }
+  // a statistic: cat and val per node, per group the worst, the scales of categories 0 and 1;
+  // nodes of category ``apart`` are left out of their modules' worst
+  function statMeasure(nodeCat, nodeVal, ramps, fills, apart) {
+    var cat = new Int8Array(N), val = new Float64Array(N), n, q;
+    for (n = 0; n < N; n++) { cat[n] = nodeCat(n); val[n] = cat[n] >= 0 ? nodeVal(n) : NaN; }
+    var gCat = new Int8Array(G).fill(-1), gVal = new Float64Array(G).fill(NaN), gWorst = new Int32Array(G).fill(-1);
+    var pools = [[], []];
+    for (n = 0; n < N; n++) {
+      var c = cat[n];
+      if (c < 0 || (nWeight[n] && c < 1)) continue;
+      if (c < 2) pools[c].push(val[n]);
+      if (nGroup[n] < 0 || c === apart) continue;
+      var chain = gChain[nGroup[n]];
+      for (q = 0; q < chain.length; q++) {
+        var g2 = chain[q];
+        if (c > gCat[g2] || (c === gCat[g2] && val[n] > gVal[g2])) { gCat[g2] = c; gVal[g2] = val[n]; gWorst[g2] = n; }
+      }
+    }
+    var scales = [ramps[0] ? scaleOver(pools[0], ramps[0]) : null, ramps[1] ? scaleOver(pools[1], ramps[1]) : null];
+    function fillOf(c, x) {
+      if (c < 0) return NONE_FILL;
+      if (c === 2) return fills[2];
+      if (scales[c]) return isFinite(x) ? scales[c].colour(x) : scales[c].colour(scales[c].lo);
+      return fills[c] || NONE_FILL;
+    }
+    return {
+      cat: cat, val: val, gCat: gCat, gVal: gVal, gWorst: gWorst, scales: scales,
+      fill: function (n2) { return fillOf(cat[n2], val[n2]); },
+      group: function (g2) { return fillOf(gCat[g2], gVal[g2]); }
+    };
+  }
+  // a statistic colouring: its measure is built the first time it is chosen
+  function statColouring(label, build, legend) {
+    var m = null;
+    function get() { return m || (m = build()); }
+    return {
+      label: label, stat: true,
+      fill: function (n) { return get().fill(n); },
+      group: function (g) { return get().group(g); },
+      measure: get,
+      legend: function () { return legend(get()); }
+    };
+  }
+  function rampLegend(title, sc) {
+    return sc ? { ramp: sc, title: title } : null;
+  }
   var COLOURINGS = {
     kind: {
       label: "kind",
@@ -130,7 +260,60 @@
       }
     }
   };
-  var colouring = COLOURINGS.kind;
+  // A value at its dtype's largest finite magnitude is a mask's fill (attention scores masked
+  // with the dtype's minimum), not a magnitude: arithmetic that overflows gives Inf. Such nodes
+  // are drawn apart and left out of the scale and of their modules' worst.
+  var DTYPE_MAX = { float32: 3.4028234663852886e38, float16: 65504, bfloat16: 3.3895313892515355e38, float64: 1.7976931348623157e308 };
+  function dtypeOf(n) { var list = outE[n].length ? outE[n] : inE[n]; return list.length ? D.edges[list[0]][4] : ""; }
+  function atDtypeLimit(n) {
+    var lim = DTYPE_MAX[dtypeOf(n)];
+    return lim !== undefined && numberOf(nStats[n][3]) >= lim * (1 - 1e-6);
+  }
+  if (nStats) {
+    COLOURINGS.absmax = statColouring("abs-max", function () {
+      // integers and booleans (token ids, indices, masks) are not magnitudes: no colour
+      return statMeasure(function (n) {
+        var s = nStats[n];
+        return !s ? -1 : s[4] + s[5] ? 2 : dtypeOf(n).indexOf("float") < 0 ? -1 : atDtypeLimit(n) ? 1 : 0;
+      },
+                         function (n) { var x = numberOf(nStats[n][3]); return isNaN(x) ? 0 : x; },
+                         ["absmax", null], [null, LIMIT_FILL, NONFINITE_FILL], 1);
+    }, function (m) {
+      var items = [rampLegend("abs-max", m.scales[0]), [NONFINITE_FILL, "#64748b", "holds NaN / Inf"]];
+      for (var n = 0; n < N; n++) if (m.cat[n] === 1) { items.push([LIMIT_FILL, "#64748b", "\u00B1 its dtype's largest (a mask's fill)"]); break; }
+      return items.concat([[NONE_FILL, "#64748b", "no values, or not floating point"]]);
+    });
+    COLOURINGS.nonfinite = statColouring("NaN / Inf", function () {
+      return statMeasure(function (n) { var s = nStats[n]; return !s ? -1 : nStatus[n] === NON_FINITE ? 2 : s[4] + s[5] ? 1 : 0; },
+                     function (n) { return nStats[n][4] + nStats[n][5]; },
+                     [null, "count"], [FINITE_FILL, null, NONFINITE_FILL]);
+    }, function (m) {
+      return [[NONFINITE_FILL, "#dc2626", "NaN / Inf starts here"], rampLegend("NaN + Inf count below it", m.scales[1]),
+              [FINITE_FILL, "#64748b", "finite"], [NONE_FILL, "#64748b", "no values"]];
+    });
+  }
+  if (cmp) {
+    var errorColouring = function (label, errors) {
+      return statColouring(label, function () {
+        return statMeasure(function (n) { var v = eVerdict[n]; return v < 2 ? -1 : !isFinite(errors[n]) ? 2 : v - 2; },
+                       function (n) { return errors[n]; }, ["ok", "bad"], [null, null, NONFINITE_FILL]);
+      }, function (m) {
+        return [rampLegend(label + ", within tolerance", m.scales[0]), rampLegend("beyond tolerance", m.scales[1]),
+                [NONFINITE_FILL, "#64748b", "NaN / Inf error"], [NONE_FILL, "#64748b", "not compared"],
+                ["#ffffff", FIRST_HALO, "first divergence", false, true]];
+      });
+    };
+    COLOURINGS.error_abs = errorColouring("max abs error", eAbs);
+    COLOURINGS.error_rel = errorColouring("max rel error", eRel);
+  }
+  var colouring = COLOURINGS[V && COLOURINGS[V.colour] ? V.colour : "kind"];
+  var lumCache = new Map();
+  function luminance(colour) {   // 0 (black) .. 255 (white)
+    var y = lumCache.get(colour);
+    if (y === undefined) { var c = d3.rgb(colour); y = 0.2126 * c.r + 0.7152 * c.g + 0.0722 * c.b; lumCache.set(colour, y); }
+    return y;
+  }
+  function isDark(colour) { return luminance(colour) < 135; }   // white text reads better on it
   // outline: the kind, or the status, which every colouring shows the same way
   var KIND_STROKE = { op: ["#64748b", 1], input: ["#3b82f6", 1.5], output: ["#16a34a", 1.5],
                       constant: ["#94a3b8", 1], kernel: ["#6d28d9", 2.2] };
@@ -737,6 +920,10 @@
     halo(halos[1], "#22c55e", 4, 4);
     halo(halos[2], "#f59e0b", 4, 4);
     halo(halos[0], "#facc15", 5, 6);
+    if (firstNode >= 0 && dOfNode[firstNode] >= 0) {
+      var fu = L.unitOfDn[dOfNode[firstNode]];
+      if (visible.indexOf(fu) >= 0) halo([fu], FIRST_HALO, 5, 3.5);
+    }
     var batches = new Map();
     for (j = 0; j < visible.length; j++) {
       u = visible[j];
@@ -788,7 +975,8 @@
     var st = unitStyle(u), tx = unitText(u), box = L.uBox[u] >= 0;
     var scale = Math.max(1, 9 / (12 * k));   // text grows in the world as the view shrinks
     var room = w - 12;
-    ctx.fillStyle = st === "failed" ? "#7f1d1d" : st === "upstream" ? "#991b1b" : st === "kernel" ? "#3b0764" : "#0f172a";
+    var dark = colouring.stat && isDark(unitLook(u)[0]);
+    ctx.fillStyle = dark ? "#ffffff" : st === "failed" ? "#7f1d1d" : st === "upstream" ? "#991b1b" : st === "kernel" ? "#3b0764" : "#0f172a";
     var big = (box || st === "kernel" ? BOLD : FONT), size = 12 * scale;
     var two = tx[1] && 12 * scale + 10 * scale + 4 <= h;
     ctx.font = big.replace("12px", size.toFixed(1) + "px");
@@ -797,7 +985,7 @@
     ctx.fillText(line1, L.x[u], two ? y0 + h / 2 - 7 * scale : y0 + h / 2 + 1);
     if (two) {
       ctx.font = SMALL.replace("10px", (10 * scale).toFixed(1) + "px");
-      ctx.fillStyle = st === "failed" ? "#991b1b" : "#475569";
+      ctx.fillStyle = dark ? "#e2e8f0" : st === "failed" ? "#991b1b" : colouring.stat ? "#1e293b" : "#475569";
       ctx.fillText(clip(tx[1], room / scale, SMALL), L.x[u], y0 + h / 2 + 8 * scale);
     }
   }
@@ -846,8 +1034,9 @@
       c.fillRect(f.x, f.y, f.w, f.h);
     });
     for (var u = 0; u < L.U; u++) {
-      var st = unitStyle(u);
-      c.fillStyle = st === "failed" ? "#dc2626" : st === "upstream" ? "#fca5a5" : st === "kernel" ? "#7c3aed" : st === "group" ? "#64748b" : "#94a3b8";
+      var st = unitStyle(u), lk = colouring.stat ? unitLook(u)[0] : null;
+      if (lk) c.fillStyle = luminance(lk) > 225 ? "#cbd5e1" : lk;   // pale fills vanish on the white
+      else c.fillStyle = st === "failed" ? "#dc2626" : st === "upstream" ? "#fca5a5" : st === "kernel" ? "#7c3aed" : st === "group" ? "#64748b" : "#94a3b8";
       c.fillRect(L.x[u] - L.w[u] / 2, L.y[u], Math.max(L.w[u], 1 / msx), Math.max(L.h[u], 1 / msy));
     }
   }
@@ -947,6 +1136,8 @@
       if (outs.length) { var ed = D.edges[outs[0]]; text += " \u2192 " + ed[4] + "[" + ed[3] + "]"; }
       if (nAttrs[n].length && !showWeights) text += "\n" + nAttrs[n].map(weightFull).join("\n");
       if (nStatus[n]) text += "\n" + statusName(nStatus[n]) + (nRoot[n] >= 0 && nRoot[n] !== n ? " (root cause " + nId[nRoot[n]] + ")" : "");
+      var vl = valuesLine(n);
+      if (vl) text += "\n" + vl;
     } else if (u >= 0) { var cg = L.uBox[u]; text = gPath[cg] + (gClass[cg] ? " (" + gClass[cg] + ")" : "") + "\n" + boxCaption(cg) + "\ndouble-click to open"; }
     else text = gPath[g] + "\nclick to close";
     tip.textContent = text;
@@ -1075,6 +1266,9 @@
     if (nStatus[n] === UPSTREAM) b += '<span class="gk-badge upstream">UPSTREAM_FAILED</span>';
     else if (nStatus[n]) b += '<span class="gk-badge failed">' + esc(statusName(nStatus[n])) + "</span>";
     else b += '<span class="gk-badge ok">OK</span>';
+    var st = nStats ? nStats[n] : null;
+    if (st && st[4]) b += '<span class="gk-badge nonfinite">NaN</span>';
+    if (st && st[5]) b += '<span class="gk-badge nonfinite">Inf</span>';
     if (diffMark[n] === 1) b += '<span class="gk-badge added">added</span>';
     if (diffMark[n] === 2) b += '<span class="gk-badge changed">changed</span>';
     return b;
@@ -1100,6 +1294,7 @@
     h += "</table>";
     if (d.message) h += '<pre class="msg" data-testid="panel-message">' + esc(d.message) + "</pre>";
     h += "</section>";
+    h += valuesSection(n, d) + compareSection(n) + referenceSection(d);
     if (nStatus[n] && nStatus[n] !== UPSTREAM) {
       var count = downstreamOf(n);
       h += "<section><h3>Blast radius</h3>" + count + " node" + (count === 1 ? "" : "s") + " downstream marked UPSTREAM_FAILED</section>";
@@ -1129,6 +1324,85 @@
       h += "</table></section>";
     }
     return h;
+  }
+  // gk.inspect's statistics of the node's output (each output's too, where it has several)
+  function statsRows(st, size) {
+    var h = row("min", mono(fmt(st[0]))) + row("max", mono(fmt(st[1]))) + row("mean", mono(fmt(st[2]))) + row("abs-max", mono(fmt(st[3])));
+    [["NaN", st[4]], ["Inf", st[5]]].forEach(function (p) {
+      var bad = p[1] > 0, share = bad && size ? " (" + fmt(100 * p[1] / size) + "% of " + count(size) + ")" : "";
+      h += row(p[0], '<span class="gk-mono' + (bad ? ' gk-nonfinite' : "") + '">' + count(p[1]) + share + "</span>");
+    });
+    return h;
+  }
+  function valuesSection(n, d) {
+    var st = nStats ? nStats[n] : null;
+    if (!st && !d.values_note) return "";
+    var h = '<section data-testid="panel-values"><h3>Values</h3>';
+    if (st) {
+      if (st[0] === null && st[4] + st[5]) h += '<p class="gk-dim">no finite value: min, max, mean and abs-max count finite values only</p>';
+      h += "<table>" + statsRows(st, elements(n)) + "</table>";
+    }
+    if (d.output_stats) {
+      d.output_stats.forEach(function (s2, k) {
+        if (s2) h += '<h3>output #' + k + "</h3><table>" + statsRows(s2, 0) + "</table>";
+      });
+    }
+    if (d.module_outputs) h += '<p class="gk-dim">output of ' + d.module_outputs.map(esc).join(", ") + "</p>";
+    if (d.values_note) h += '<p class="gk-dim">' + esc(d.values_note) + "</p>";
+    return h + "</section>";
+  }
+  function verdictBadge(r, j) {
+    if (j === cmp.first) return '<span class="gk-badge failed">first divergence</span>';
+    if (r[12] === false) return '<span class="gk-badge bad">beyond tolerance</span>';
+    if (r[12] === true) return '<span class="gk-badge ok">within tolerance</span>';
+    return '<span class="gk-badge">' + esc(r[13] || "not compared") + "</span>";
+  }
+  function tolerance() {
+    return cmp.rtol !== null && cmp.rtol !== undefined ? "|a \u2212 b| \u2264 " + fmt(cmp.atol) + " + " + fmt(cmp.rtol) + " \u00B7 |a|" : "";
+  }
+  // gk.compare's rows for this node: its error against the reference graph's node
+  function compareSection(n) {
+    if (!nRows || !nRows[n]) return "";
+    var h = '<section data-testid="panel-compare"><h3>Compared</h3>';
+    nRows[n].forEach(function (j) {
+      var r = cmp.rows[j], size = r[6] ? r[6].reduce(function (p, x) { return p * x; }, 1) : 0;
+      h += "<p>" + verdictBadge(r, j) + "</p><table>";
+      h += row("against", mono(r[2] + (r[3] ? " #" + r[3] : "")) + ' <span class="gk-dim">in the reference</span>');
+      if (r[1]) h += row("output", "#" + r[1]);
+      if (r[4]) h += row("op", mono(r[4].replace(" -> ", " \u2192 ")));
+      if (r[6]) h += row("shape", mono(r[7] === r[8] ? r[7] + "[" + r[6].join(",") + "]" : r[7] + " / " + r[8] + " [" + r[6].join(",") + "]"));
+      h += row("max abs", mono(fmt(r[9]))) + row("max rel", mono(fmt(r[10])));
+      if (r[11] !== null && r[11] !== undefined) h += row("beyond", mono(count(r[11]) + (size ? " of " + count(size) : "")));
+      if (tolerance()) h += row("tolerance", mono(tolerance()));
+      h += "</table>";
+    });
+    return h + "</section>";
+  }
+  // a kernel checked in place: its output against its reference on the inputs it received
+  function referenceSection(d) {
+    var c = d.reference_check;
+    if (!c) return "";
+    var h = '<section data-testid="panel-refcheck"><h3>Against its reference, in place</h3><table>';
+    if (c.error) h += row("error", mono(c.error));
+    else {
+      var bad = c.mismatched > 0;
+      h += row("verdict", '<span class="gk-badge ' + (bad ? "bad" : "ok") + '">' + (bad ? "beyond tolerance" : "within tolerance") + "</span>");
+      h += row("max abs", mono(fmt(c.max_abs))) + row("max rel", mono(fmt(c.max_rel)));
+      if (c.mismatched !== undefined) h += row("beyond", mono(count(c.mismatched)));
+      if (c.rtol !== undefined) h += row("tolerance", mono("rtol " + fmt(c.rtol) + ", atol " + fmt(c.atol)));
+    }
+    return h + "</table></section>";
+  }
+  // one line of a node's values, for the tooltip
+  function valuesLine(n) {
+    var bits = [], st = nStats ? nStats[n] : null;
+    if (st) {
+      if (st[0] !== null) bits.push("[" + fmt(st[0]) + ", " + fmt(st[1]) + "] abs-max " + fmt(st[3]));
+      if (st[4]) bits.push("NaN " + count(st[4]));
+      if (st[5]) bits.push("Inf " + count(st[5]));
+    }
+    if (eVerdict && eVerdict[n] >= 2) bits.push("error abs " + fmt(eAbs[n]) + ", rel " + fmt(eRel[n]) + (eVerdict[n] === 3 ? " (beyond tolerance)" : ""));
+    return bits.join(" \u00B7 ");
   }
   function kernelSection(n, d) {
     var h = "<section><h3>Launch</h3><table>";
@@ -1162,6 +1436,10 @@
       if (firstFail < 0 && nStatus[n] && nStatus[n] !== UPSTREAM) firstFail = n;
     }
     if (firstFail >= 0) h += "<section><h3>Failure</h3>" + link(firstFail) + " \u2014 " + esc(statusName(nStatus[firstFail])) + "</section>";
+    if (colouring.stat) {
+      var m = colouring.measure(), w = m.gWorst[g];
+      if (w >= 0) h += '<section data-testid="panel-worst"><h3>Worst inside, by ' + esc(colouring.label) + "</h3>" + link(w) + " " + esc(valuesLine(w)) + "</section>";
+    }
     if (kernels.size) {
       h += "<section><h3>Kernels</h3><table>";
       kernels.forEach(function (cnt, name) { h += row(name, "\u00D7" + cnt); });
@@ -1303,15 +1581,52 @@
   var colourSel = document.getElementById("gk-colour");
   Object.keys(COLOURINGS).forEach(function (name) { option(colourSel, name, "colour: " + COLOURINGS[name].label); });
   if (Object.keys(COLOURINGS).length < 2) colourSel.style.display = "none";
-  colourSel.addEventListener("change", function () { colouring = COLOURINGS[colourSel.value]; renderLegend(); buildMinimap(); requestDraw(); });
+  colourSel.addEventListener("change", function () { setColouring(colourSel.value); });
+  function setColouring(name) {
+    if (!COLOURINGS[name]) throw new Error("no colouring " + name);
+    colouring = COLOURINGS[name];
+    colourSel.value = name;
+    renderLegend();
+    if (selected !== -1) select(selected);   // the panel names the worst value by this colouring
+    buildMinimap();
+    requestDraw();
+  }
   var legend = document.getElementById("gk-legend");
+  // items: [fill, border, text, dashed border, a ring] or a ramp {ramp: scale, title}
   function renderLegend() {
-    var items = colouring.legend().concat([[FAILED_FILL, "#dc2626", "failed"], [UPSTREAM_FILL, "#ef4444", "downstream of a failure", true]]);
+    var failed = colouring.stat ? "#ffffff" : FAILED_FILL, upstream = colouring.stat ? "#ffffff" : UPSTREAM_FILL;
+    var items = colouring.legend().concat([[failed, "#dc2626", "failed"], [upstream, "#ef4444", "downstream of a failure", true]]);
     if (diff) items.push(["#ffffff", "#22c55e", "added"], ["#ffffff", "#f59e0b", "changed"]);
     legend.innerHTML = items.map(function (it) {
-      return '<span><i style="background:' + it[0] + ";border-color:" + it[1] + (it[3] ? ";border-style:dashed" : "") + '"></i>' + esc(it[2]) + "</span>";
+      if (!it) return "";
+      if (it.ramp) return rampHtml(it.title, it.ramp);
+      return '<span><i style="background:' + it[0] + ";border-color:" + it[1] + (it[3] ? ";border-style:dashed" : "") +
+        (it[4] ? ";border-width:3px;border-radius:4px" : "") + '"></i>' + esc(it[2]) + "</span>";
     }).join("");
   }
+  function rampHtml(title, sc) {
+    if (sc.lo === sc.hi) {   // one value: one swatch
+      return '<span class="gk-ramp" data-testid="legend-ramp"><i class="gk-swatch" style="background:' + sc.colour(sc.hi) + '"></i><b>' + esc(title) + "</b>" +
+        '<em data-testid="ramp-lo">' + esc(fmt(sc.lo)) + "</em></span>";
+    }
+    var cs = rampOf(sc.ramp), stops = cs.map(function (c, q) { return c + " " + (100 * q / STEPS).toFixed(1) + "%"; });
+    return '<span class="gk-ramp" data-testid="legend-ramp"><b>' + esc(title) + "</b>" +
+      '<em data-testid="ramp-lo">' + (sc.zero && sc.log ? "\u2264 " : "") + esc(fmt(sc.lo)) + "</em>" +
+      '<i style="background:linear-gradient(90deg,' + stops.join(",") + ')"></i>' +
+      '<em data-testid="ramp-hi">' + esc(fmt(sc.hi)) + "</em>" + (sc.log ? '<small title="logarithmic scale">log</small>' : "") + "</span>";
+  }
+  // numbers as people read them: 4 significant digits, exponents outside [1e-3, 1e5)
+  function fmt(x) {
+    if (x === null || x === undefined) return "\u2013";
+    x = numberOf(x);
+    if (isNaN(x)) return "NaN";
+    if (!isFinite(x)) return x > 0 ? "\u221E" : "\u2212\u221E";
+    if (x === 0) return "0";
+    var a = Math.abs(x);
+    var t = a >= 1e5 || a < 1e-3 ? x.toExponential(2).replace("e+", "e") : String(+x.toPrecision(4));
+    return t.replace("-", "\u2212");
+  }
+  function count(x) { return Number(x).toLocaleString("en-US"); }
 
   // ------------------------------------------------------------------ module tree
   var tree = document.getElementById("gk-tree"), treeBtn = document.getElementById("gk-modules");
@@ -1372,6 +1687,48 @@
     });
   }
 
+  if (cmp) {   // gk.compare: the summary, the first divergence, every row as a table on request
+    var cbar = document.getElementById("gk-comparebar"), fr = firstNode >= 0 ? cmp.rows[cmp.first] : null;
+    var head = '<b>' + esc(cmp.title) + "</b>";
+    if (cmp.summary.length) head += ": " + esc(cmp.summary[0].replace(/^compare .*?: /, ""));
+    if (fr) head += ' \u00B7 first divergence <a data-node="' + fr[0] + '">' + esc(nId[fr[0]]) + "</a> (" + esc(fr[4].replace(" -> ", " \u2192 ")) + ")" +
+      (fr[5] ? " in " + esc(fr[5]) : "") + ": max abs " + esc(fmt(fr[9])) + ", max rel " + esc(fmt(fr[10]));
+    else if (cmp.first === null || cmp.first === undefined) head += " \u00B7 no divergence";
+    cbar.innerHTML = head + (cmp.rows.length ? ' &nbsp; <a id="gk-cmptoggle">table</a>' : "") +
+      (cmp.summary.length > 2 ? '<div class="gk-dim">' + cmp.summary.slice(2).map(esc).join("<br>") + "</div>" : "") +
+      '<div id="gk-cmplist"></div>';
+    cbar.classList.add("show");
+    var cl = document.getElementById("gk-cmplist");
+    cbar.addEventListener("click", function (ev) {
+      var t = ev.target.closest("[data-node]");
+      if (ev.target.id === "gk-cmptoggle") {
+        if (!cl.innerHTML) cl.innerHTML = compareTable();
+        cl.classList.toggle("open"); resize();
+        if (cl.classList.contains("open")) { var fe = document.getElementById("first"); if (fe) cl.scrollTop = Math.max(0, fe.offsetTop - 40); }
+      } else if (t && +t.dataset.node >= 0) focusNode(+t.dataset.node);
+    });
+  }
+  function compareTable() {
+    var h = "<table><thead><tr><th>node a</th><th>node b</th><th>op</th><th>scope</th><th>shape</th><th>dtypes</th><th>max abs</th><th>max rel</th><th>beyond tol.</th><th></th></tr></thead><tbody>";
+    cmp.rows.forEach(function (r, j) {
+      var cls = j === cmp.first ? "first" : r[12] === false ? "bad" : r[12] === null ? "na" : "";
+      h += '<tr class="' + cls + '"' + (j === cmp.first ? ' id="first"' : "") + ' data-node="' + r[0] + '"><td>' + esc(r[2]) + "</td><td>" + esc(r[0] >= 0 ? nId[r[0]] : "") +
+        "</td><td>" + esc(r[4]) + "</td><td>" + esc(r[5]) + "</td><td>" + esc(r[6] ? "[" + r[6].join(", ") + "]" : "") + "</td><td>" + esc(r[7] + (r[8] && r[8] !== r[7] ? " / " + r[8] : "")) +
+        "</td><td>" + fmt(r[9]) + "</td><td>" + fmt(r[10]) + "</td><td>" + (r[11] === null || r[11] === undefined ? "" : count(r[11])) + "</td><td>" +
+        (r[12] === true ? "ok" : r[12] === false ? "diverged" : esc(r[13])) + "</td></tr>";
+    });
+    h += "</tbody></table>";
+    if (cmp.checks.length) {
+      h += "<h4>Kernels against their references, on the inputs they received</h4><table><thead><tr><th>side</th><th>node</th><th>kernel</th><th>scope</th><th>backend</th><th>max abs</th><th>max rel</th><th></th></tr></thead><tbody>";
+      cmp.checks.forEach(function (k) {
+        h += '<tr class="' + (k[8] ? "" : "bad") + '" data-node="' + k[2] + '"><td>' + esc(k[0]) + "</td><td>" + esc(k[1]) + "</td><td>" + esc(k[3]) + "</td><td>" + esc(k[4]) + "</td><td>" + esc(k[5]) +
+          "</td><td>" + fmt(k[6]) + "</td><td>" + fmt(k[7]) + "</td><td>" + (k[8] ? "ok" : "off") + "</td></tr>";
+      });
+      h += "</tbody></table>";
+    }
+    return h;
+  }
+
   // ------------------------------------------------------------------ start
   var start = D.options && D.options.collapse_depth != null ? D.options.collapse_depth : "auto";
   showWeights = weightsBox.checked = !!(D.options && D.options.show_weights);
@@ -1391,6 +1748,8 @@
       if (sx < 0 || sx > cssW || sy < 0 || sy > cssH) centerOn(rp[0], rp[1] + L.h[ru] / 2, Math.max(transform.k, 0.9), 0);
     }
   }
+  colourSel.value = Object.keys(COLOURINGS).filter(function (k) { return COLOURINGS[k] === colouring; })[0];
+  if (firstNode >= 0) focusNode(firstNode, 0);   // a comparison opens on where it parts ways
   draw();
 
   // ------------------------------------------------------------------ API (tests, console)
@@ -1454,6 +1813,14 @@
     fitAll: fitAll,
     redraw: draw,
     drawnLabels: function () { return lastPlaced.map(function (p) { return { kind: p[4], x: p[0], y: p[1], w: p[2] - p[0], h: p[3] - p[1] }; }); },
+    colourBy: function (name) { setColouring(name); draw(); },
+    colouring: function () { return colourSel.value; },
+    colourings: function () { return Object.keys(COLOURINGS); },
+    fillOf: function (id) {   // the fill a node, or the module box holding it, is drawn with
+      var u = unitOfNode(nodeIndex(id));
+      return u < 0 ? null : unitLook(u)[0];
+    },
+    groupFill: function (path) { return colouring.group(groupIndex(path)); },
     relayoutMs: function () { var t = performance.now(); layout(); draw(); return performance.now() - t; }
   };
   function containerChain2(u) { var g2 = L.uBox[u] >= 0 ? gParent[L.uBox[u]] : dGroup[L.uRef[u]]; return g2 >= 0 ? gPath[g2] : ""; }
