@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import planted_bugs as pb
 import pytest
 import viz_graphs as vg
 
@@ -376,6 +377,176 @@ def test_readme_screenshot_script(browser: Any, tmp_path: Path) -> None:
     page.close()
     assert stats["colours"] > 200 and stats["background"] < 0.8, stats
     assert (ROOT / "docs" / "viewer.png").read_bytes()[:8] == data[:8]   # the committed one
+
+
+# ----------------------------------------------------------------------------- values
+
+
+def _near(rgb: tuple[int, int, int], colours: list[str], tol: int = 6) -> bool:
+    return any(_close(rgb, c, tol) for c in colours)
+
+
+def _number(text: str) -> float:
+    return float(text.replace("\u2212", "-").replace(",", ""))
+
+
+def test_colour_by_nan_on_a_llama_with_a_planted_nan_kernel(viewer: Any) -> None:
+    import networkx as nx
+
+    g = vg.nan_values()
+    [root] = [f.node for f in g.failures()]
+    v = viewer(g, size=(1600, 1000))
+    palette = v.js("gk.palette")
+    # the control is there, offers the statistics, and opens on NaN / Inf since a node holds some
+    assert v.page.is_visible("#gk-colour")
+    options = v.page.eval_on_selector_all("#gk-colour option", "os => os.map(o => o.value)")
+    assert options == ["kind", "absmax", "nonfinite"] and v.js("gk.colouring()") == "nonfinite"
+    v.page.select_option("#gk-colour", "kind")
+    assert _close(v.pixel(*_centre_left(v.group("model.layers.3"))), "#fecaca")   # status colours
+    v.page.select_option("#gk-colour", "nonfinite")
+    # closed layers: the one where the NaN starts, those below it (by their worst count), above
+    root_fill = v.pixel(*_centre_left(v.group("model.layers.3")))
+    assert _close(root_fill, palette["nonfinite"])
+    below = [v.pixel(*_centre_left(v.group(f"model.layers.{i}"))) for i in (4, 5, 6, 7)]
+    counts = v.js("gk.scales()")[1]
+    assert all(_near(c, counts["colours"]) and not _close(c, palette["nonfinite"], 40) for c in below)
+    for i in (0, 1, 2):
+        assert _close(v.pixel(*_centre_left(v.group(f"model.layers.{i}"))), palette["finite"])
+    # the legend: the root's colour, the count's scale and range (logarithmic: 16 .. 2,048)
+    legend = v.page.inner_text("#gk-legend")
+    assert "NaN / Inf starts here" in legend and "finite" in legend
+    lo = _number(v.page.inner_text("[data-testid=ramp-lo]"))
+    hi = _number(v.page.inner_text("[data-testid=ramp-hi]"))
+    assert hi == g.node("output_0")["stats"]["nan"] == pb.TOKENS.size * 128 and 0 < lo < hi
+    assert counts["log"] and "log" in v.page.inner_text("[data-testid=legend-ramp]")
+    v.shot("nan-llama-closed")
+    # opened: the root cause, the nodes below it in its layer, the finite ones above it
+    v.click_node(root)
+    v.page.wait_for_selector("[data-testid=panel-values]")
+    (source,) = g.inputs_of(root)
+    after = next(n for n in nx.descendants(g.nx, root) if v.state(n)["visible"] and g.node(n)["kind"] == "op")
+    assert _close(v.fill(root), palette["nonfinite"])
+    assert _near(v.fill(after), counts["colours"]) and _close(v.fill(source), palette["finite"])
+    assert v.state(root)["style"] == "failed" and v.state(after)["style"] == "upstream"
+    # the details panel: all six statistics, readable
+    v.click_node(root)
+    v.page.wait_for_selector("[data-testid=panel-values]")
+    values = v.page.inner_text("[data-testid=panel-values]")
+    assert "NaN\t1,024 (100% of 1,024)" in values and "Inf\t0" in values
+    assert "min\t\u2013" in values and "abs-max\t\u2013" in values and "no finite value" in values
+    assert "NaN" in v.page.inner_text("#gk-panel header + section")      # a NaN badge by the status
+    v.shot("nan-llama-root-selected")
+    v.click_node(source)
+    v.page.wait_for_function("id => gk.selected() === id", arg=source)
+    table = v.page.inner_text("[data-testid=panel-values] table")
+    rows = dict(line.split("\t") for line in table.splitlines())
+    stats = g.node(source)["stats"]
+    assert list(rows) == ["min", "max", "mean", "abs-max", "NaN", "Inf"]
+    for key, label in (("min", "min"), ("max", "max"), ("mean", "mean"), ("absmax", "abs-max")):
+        assert _number(rows[label]) == pytest.approx(stats[key], rel=1e-3), key
+    assert rows["NaN"] == rows["Inf"] == "0"
+    # abs-max: the NaN node still stands out; the finite ones on the blue scale
+    v.page.select_option("#gk-colour", "absmax")
+    scale = v.js("gk.scales()")[0]
+    assert _close(v.fill(root), palette["nonfinite"]) and _near(v.fill(source), scale["colours"])
+    assert "abs-max" in v.page.inner_text("#gk-legend")
+    v.shot("nan-llama-absmax")
+    assert v.errors == []
+
+
+def test_abs_max_of_a_healthy_llama_leaves_the_attention_mask_apart(viewer: Any) -> None:
+    import graphkern as gk
+
+    g = gk.inspect(pb.llama(), pb.TOKENS)
+    v = viewer(g, size=(1600, 1000))
+    assert v.js("gk.colouring()") == "absmax" and v.page.inner_text("#gk-banner") == ""
+    scale = v.js("gk.scales()")[0]
+    # masked attention scores hold float32's most negative number: drawn apart, not the maximum
+    masked = [n for n, d in g.nx.nodes(data=True) if d["op"] == "Select"]
+    assert masked and all(g.node(n)["stats"]["absmax"] > 3e38 for n in masked)
+    assert 1 < scale["hi"] < 1e4 and scale["log"]
+    v.js("id => gk.focus(id)", masked[0])
+    assert _close(v.fill(masked[0]), v.js("gk.palette")["limit"])
+    # a closed layer takes its largest value: the residual stream grows layer by layer
+    fills = [v.js("p => gk.groupFill(p)", f"model.layers.{i}") for i in range(pb.LAYERS)]
+    assert all(f in scale["colours"] for f in fills)
+    # the module's panel names the node with the largest value inside
+    v.js("p => gk.focusGroup(p)", "model.layers.7")
+    worst = v.page.inner_text("[data-testid=panel-worst]")
+    inside = [n for n, d in g.nx.nodes(data=True) if d["scope"].startswith("model.layers.7")
+              and d["op"] != "Select" and "stats" in d and not v.state(n)["weight"]]
+    top = max(inside, key=lambda n: g.node(n)["stats"]["absmax"])
+    assert worst.splitlines()[-1].startswith(top + " [") and "abs-max" in worst
+    v.shot("llama-absmax")
+    assert v.errors == []
+
+
+def test_comparison_page_colours_the_first_divergence_bad(viewer: Any) -> None:
+    c = vg.swiglu_comparison()
+    first = c.first_divergence
+    v = viewer(c.to_html(), size=(1600, 1000))
+    # it opens on the first divergence: its layer open, the node selected, its row in the panel
+    assert v.js("gk.colouring()") == "error_abs" and v.js("gk.selected()") == first.b == "swiglu_off"
+    assert v.state(first.b)["visible"] and v.js("gk.groupState('model.layers.3')")["frame"]
+    panel = v.page.inner_text("[data-testid=panel-compare]")
+    assert "first divergence" in panel and "Multiply \u2192 swiglu_off" in panel and "0.01" in panel
+    assert f"{first.mismatched:,} of 2,048" in panel
+    bar = v.page.inner_text("#gk-comparebar")
+    assert "first divergence swiglu_off" in bar and f"{len(c.diverged)} beyond" in bar
+    # colours: the diverging node and what follows in the "bad" ramp, what came before "ok"
+    ok, bad = v.js("gk.scales()")
+    assert _near(v.pixel(*_centre_left(v.box(first.b))), bad["colours"])
+    assert v.js("id => gk.fillOf(id)", first.b) == bad["colours"][-1]   # the largest error here
+    assert v.js("p => gk.groupFill(p)", "model.layers.5") in bad["colours"]
+    for i in (0, 1, 2):
+        assert v.js("p => gk.groupFill(p)", f"model.layers.{i}") in ok["colours"]
+    assert bad["lo"] > 0 and bad["hi"] == pytest.approx(max(r.max_abs for r in c.diverged))
+    legend = v.page.inner_text("#gk-legend")
+    assert "beyond tolerance" in legend and "first divergence" in legend
+    v.shot("compare-swiglu-first-divergence")
+    # by relative error: the planted 1%
+    v.page.select_option("#gk-colour", "error_rel")
+    assert _near(v.pixel(*_centre_left(v.box(first.b))), v.js("gk.scales()")[1]["colours"])
+    # every row, as a table; a row takes you to its node
+    v.page.click("#gk-cmptoggle")
+    rows = v.page.locator("#gk-cmplist tbody tr")
+    assert rows.count() == len(c.rows) + len(c.kernel_checks)
+    assert v.page.inner_text("#gk-cmplist tr.first").split("\t")[:3] == [first.a, first.b, first.op]
+    assert v.page.locator("#gk-cmplist tr.bad").count() == len(c.diverged) - 1
+    v.shot("compare-swiglu-table")
+    v.page.click("#gk-cmplist tbody tr >> nth=0")
+    assert v.js("gk.selected()") == c.rows[0].b
+    assert v.errors == []
+
+
+def test_an_infinite_error_stands_out(viewer: Any) -> None:
+    import mlx.core as mx
+
+    import graphkern as gk
+
+    c = gk.compare(lambda x: mx.exp(mx.log(x)), lambda x: mx.exp(mx.log(x * 0)), mx.ones((3,)))
+    v = viewer(c.to_html())
+    assert v.js("gk.colouring()") == "nonfinite"      # b holds -Inf: where it starts comes first
+    assert v.js("gk.selected()") == "log" and "first divergence" in v.page.inner_text("#gk-panel")
+    v.page.select_option("#gk-colour", "error_abs")
+    assert "max abs\t\u221E" in v.page.inner_text("[data-testid=panel-compare]")
+    assert "Inf\t3 (100% of 3)" in v.page.inner_text("[data-testid=panel-values]")
+    palette = v.js("gk.palette")
+    assert _close(v.fill("log"), palette["nonfinite"])
+    assert "NaN / Inf error" in v.page.inner_text("#gk-legend")
+    assert v.errors == []
+
+
+def test_a_plain_trace_offers_no_colouring(viewer: Any) -> None:
+    v = viewer(vg.llama(2))
+    assert not v.page.is_visible("#gk-colour") and v.js("gk.colourings()") == ["kind"]
+    assert v.page.inner_text("#gk-comparebar") == "" and "ramp" not in v.page.inner_html("#gk-legend")
+    assert v.errors == []
+
+
+def _centre_left(b: dict) -> tuple[float, float]:
+    """A point inside a box, clear of its label and border."""
+    return b["x"] + 8, b["y"] + b["height"] / 2
 
 
 # ----------------------------------------------------------------------------- hand-built graphs

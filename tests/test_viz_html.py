@@ -6,9 +6,15 @@ from __future__ import annotations
 import html
 import re
 
+import mlx.core as mx
+import pytest
 import viz_graphs as vg
 
+import graphkern as gk
+from graphkern import KernelError
+from graphkern.schema import STAT_KEYS
 from graphkern.viz.html import repr_html, to_html, viewer_data
+from graphkern.viz.overlay import json_number
 
 _data = vg.page_data
 
@@ -134,3 +140,73 @@ def test_options_reach_the_page() -> None:
     page = to_html(vg.llama(2), collapse_depth=-1, show_weights=True)
     assert _data(page)["options"] == {"collapse_depth": -1, "show_weights": True}
     assert 'id="gk-weights"' in page and 'id="gk-search-count"' in page and 'id="gk-foot"' in page
+
+
+# ----------------------------------------------------------------------------- values
+
+
+def test_statistics_reach_the_page_as_rows_by_node() -> None:
+    g = vg.nan_values()
+    data = _data(g.to_html())
+    ids = [r[0] for r in data["nodes"]]
+    values = data["values"]
+    assert values["colour"] == "nonfinite" and values["compare"] is None   # NaN: opens on it
+    assert len(values["stats"]) == len(ids)
+    for node in ("nan_sqrt", "output_0", ids[0]):
+        assert values["stats"][ids.index(node)] == [g.node(node)["stats"][k] for k in STAT_KEYS]
+    assert _details(data, "nan_sqrt")["module_outputs"] == ["model.layers.3.post_attention_layernorm"]
+    assert _data(to_html(vg.nan_values(), colour_by="absmax"))["values"]["colour"] == "absmax"
+
+
+def test_a_plain_trace_carries_no_values() -> None:
+    assert viewer_data(vg.llama(2))["values"] is None
+    assert viewer_data(vg.llama(2), colour_by="kind")["values"] is None
+
+
+def test_colour_by_must_name_a_colouring_the_graph_has_values_for() -> None:
+    with pytest.raises(KernelError, match=r"to_html.*colour_by must be one of 'kind', 'absmax'.*got 'abs'"):
+        to_html(vg.nan_values(), colour_by="abs")
+    with pytest.raises(KernelError, match=r"'absmax': no node carries statistics \(gk.inspect"):
+        to_html(vg.llama(2), colour_by="absmax")
+    with pytest.raises(KernelError, match=r"cannot colour by 'error_rel': no node carries a comparison"):
+        to_html(vg.nan_values(), colour_by="error_rel")
+
+
+def test_infinite_errors_travel_as_text_the_browser_reads_back() -> None:
+    c = gk.compare(lambda x: mx.log(x), lambda x: mx.log(x * 0), mx.ones((3,)))
+    assert c.first_divergence.max_abs == float("inf")
+    data = _data(c.to_html())       # strict JSON: no bare Infinity
+    rows = data["values"]["compare"]["rows"]
+    first = rows[data["values"]["compare"]["first"]]
+    assert first[9] == "Infinity" and first[12] is False
+    assert data["values"]["colour"] == "nonfinite"   # b holds -Inf: the NaN/Inf colouring first
+    assert json_number(float("nan")) == "NaN" and json_number(-float("inf")) == "-Infinity"
+
+
+def test_a_compared_graph_alone_draws_its_errors_from_its_nodes() -> None:
+    c = vg.swiglu_comparison()
+    data = _data(c.b.to_html())
+    ids = [r[0] for r in data["nodes"]]
+    compared = data["values"]["compare"]
+    assert data["values"]["colour"] == "error_abs"
+    assert ids[compared["rows"][compared["first"]][0]] == "swiglu_off"
+    assert {ids[r[0]] for r in compared["rows"]} == {n for n in ids if "comparison" in c.b.node(n)}
+    row = next(r for r in compared["rows"] if ids[r[0]] == "swiglu_off")
+    assert row[2] == c.first_divergence.a and row[10] == pytest.approx(0.01, rel=1e-3)
+
+
+def test_kernels_checked_in_place_show_their_check() -> None:
+    model = vg.llama_model(1)
+    g = gk.Inspector(check_kernels=True)(model, mx.array([[1, 2, 3, 4]]))
+    data = viewer_data(g)
+    kernel = g.kernels()[0]
+    check = _details(data, kernel)["reference_check"]
+    assert check == {k: v for k, v in g.node(kernel)["reference_check"].items()}
+    assert check["mismatched"] == 0
+
+
+def test_a_comparison_in_a_notebook_is_a_sandboxed_viewer() -> None:
+    c = gk.compare(lambda x: x * 2, lambda x: x * 2, mx.ones((3,)))
+    out = c._repr_html_()
+    assert out.startswith("<iframe srcdoc=") and 'sandbox="allow-scripts"' in out
+    assert html.unescape(re.search(r'srcdoc="(.*?)" style=', out, re.S).group(1)) == c.to_html()

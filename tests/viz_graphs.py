@@ -377,7 +377,12 @@ def swiglu_comparison() -> Any:
 
 
 def page_data(page: str) -> dict[str, Any]:
-    """The JSON document a viewer page carries in its ``<script id="gk-data">``."""
+    """The JSON document a viewer page carries in its ``<script id="gk-data">``, read as strictly as
+    a browser does (no NaN or Infinity)."""
     found = re.search(r'<script id="gk-data" type="application/json">(.*?)</script>', page, re.S)
     assert found, "no data block"
-    return dict(json.loads(found.group(1)))
+    return dict(json.loads(found.group(1), parse_constant=_not_json))
+
+
+def _not_json(name: str) -> None:
+    raise AssertionError(f"the page's data holds {name}, which the browser's JSON.parse refuses")

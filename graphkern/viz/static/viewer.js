@@ -1821,6 +1821,12 @@
       return u < 0 ? null : unitLook(u)[0];
     },
     groupFill: function (path) { return colouring.group(groupIndex(path)); },
+    // the current colouring's scales (quiet range, loud range) and the fixed fills
+    scales: function () {
+      if (!colouring.stat) return [];
+      return colouring.measure().scales.map(function (sc) { return sc ? { lo: sc.lo, hi: sc.hi, log: sc.log, colours: rampOf(sc.ramp) } : null; });
+    },
+    palette: { none: NONE_FILL, nonfinite: NONFINITE_FILL, finite: FINITE_FILL, limit: LIMIT_FILL },
     relayoutMs: function () { var t = performance.now(); layout(); draw(); return performance.now() - t; }
   };
   function containerChain2(u) { var g2 = L.uBox[u] >= 0 ? gParent[L.uBox[u]] : dGroup[L.uRef[u]]; return g2 >= 0 ? gPath[g2] : ""; }
