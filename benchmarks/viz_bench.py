@@ -1,6 +1,7 @@
 """Drawing benchmarks: a 10,000-node graph and real traced mlx-lm llamas; prints raw figures (ms).
 
-Budgets: first render in headless Chromium of a traced 32-layer llama <= 1 s and of a
+Budgets: first render in headless Chromium of a traced 32-layer llama (and of its gk.inspect
+values graph, coloured by abs-max) <= 1 s and of a
 10,000-node graph <= 3 s; Graphviz SVG of an 8-layer llama <= 5 s and of a 32-layer one <= 20 s;
 JSON and Model Explorer export <= 1 s each; DOT text <= 1 s.
 
@@ -11,7 +12,9 @@ The 10,000-node graph is tests/viz_graphs.py's transformer-like trace (about 60 
 nested module scopes, one failed kernel half-way so that a third of the graph is
 UPSTREAM_FAILED), wrapped in ``gk.Graph`` so the JSON export is the real ``Graph.to_json``. The
 real models are random-weight mlx-lm llamas (hidden size 64, ``graphkern.models.tiny``'s llama
-config with ``num_hidden_layers`` set), ``gk.patch``ed and ``gk.trace``d on eight tokens. The
+config with ``num_hidden_layers`` set), ``gk.patch``ed and ``gk.trace``d on eight tokens, and the
+same model run through ``gk.inspect`` (statistics on every node: the viewer opens coloured by
+abs-max). The
 browser is Debian's Chromium driven by playwright (``$GRAPHKERN_CHROMIUM`` overrides the path);
 "first render" is ``performance.now()`` when the viewer has parsed the data, laid the graph out
 and drawn its first frame, i.e. the time from navigation start to a usable picture, at 1600x1000.
@@ -39,6 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+import mlx.core as mx  # noqa: E402
 import viz_graphs  # noqa: E402
 
 import graphkern as gk  # noqa: E402
@@ -47,6 +51,7 @@ from graphkern.viz.html import to_html  # noqa: E402
 from graphkern.viz.model_explorer import to_model_explorer  # noqa: E402
 
 CPU: dict[str, list[float]] = {}
+TOKENS = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])   # as viz_graphs.llama traces
 
 
 def timed(fn: Callable[[], Any], repeat: int) -> tuple[list[float], Any]:
@@ -180,6 +185,18 @@ def llamas(args: argparse.Namespace, results: list[dict[str, Any]], browser: Bro
             results.append(row("  of which the layout", runs["layout"], None))
             results.append(row("  open one layer in place (relayout + draw)", runs["open"], None))
             results.append(row("  open every module (relayout + draw)", runs["all"], None))
+            values = gk.inspect(viz_graphs.llama_model(layers), TOKENS)
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "values.html"
+                path.write_text(to_html(values))
+                runs = browser.runs(path, args.repeat, {
+                    "nan": "gk.colourBy('nonfinite')",
+                    "all": "gk.collapseToDepth(-1)",
+                })
+            results.append(row(f"Chromium first render, llama {layers} layers, inspected (abs-max)",
+                               runs["first"], 1000 if layers >= 32 else None))
+            results.append(row("  colour by NaN/Inf instead (scale, legend + draw)", runs["nan"], None))
+            results.append(row("  open every module, coloured (relayout + draw)", runs["all"], None))
         if args.no_graphviz:
             continue
         budget = 5000 if layers <= 8 else 20000
