@@ -1,9 +1,9 @@
 """Drawing benchmarks: a 10,000-node graph and real traced mlx-lm llamas; prints raw figures (ms).
 
 Budgets: first render in headless Chromium of a traced 32-layer llama (and of its gk.inspect
-values graph, coloured by abs-max) <= 1 s and of a
-10,000-node graph <= 3 s; Graphviz SVG of an 8-layer llama <= 5 s and of a 32-layer one <= 20 s;
-JSON and Model Explorer export <= 1 s each; DOT text <= 1 s.
+values graph, coloured by abs-max) <= 1 s and of a 10,000-node graph <= 3 s; Graphviz SVG of an
+8-layer llama <= 5 s and of a 32-layer one <= 20 s; JSON and Model Explorer export <= 1 s each;
+DOT text <= 1 s.
 
     python benchmarks/viz_bench.py [--nodes 10000] [--layers 8,32] [--repeat 5] [--no-browser]
                                    [--no-graphviz] [--dot-timeout 60] [--json F]
