@@ -198,11 +198,9 @@ class GraphDiff:
 
     def _repr_html_(self) -> str:
         """In a notebook: the diff viewer in a sandboxed iframe."""
-        import html
+        from graphkern.viz.html import srcdoc_iframe
 
-        return (f'<iframe srcdoc="{html.escape(self.to_html(), quote=True)}" '
-                'style="width:100%;height:600px;border:1px solid #e2e8f0;border-radius:6px" '
-                'sandbox="allow-scripts" loading="lazy"></iframe>')
+        return srcdoc_iframe(self.to_html())
 
 
 def _is_cascade(c: NodeChange) -> bool:

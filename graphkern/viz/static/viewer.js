@@ -164,7 +164,7 @@
   var RAMPS = {
     absmax: ["#f0f9ff", "#7dd3fc", "#0369a1"],
     count: ["#ffe4e6", "#fb7185"],
-    ok: ["#f7fee7", "#bbf7d0"],
+    ok: ["#dcfce7", "#86efac"],
     bad: ["#fed7aa", "#f97316", "#dc2626"]
   };
   var STEPS = 24;   // a ramp in so many colours: few fill batches, and a legend that matches
