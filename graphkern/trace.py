@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import gc
 import inspect
 import os
 import random
@@ -26,6 +25,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import backends
+from ._fastpaths import gc_paused
 from .capture import MAGIC, EventLog, Record, Wiring, build_graph
 from .context import current_recorder, recording
 from .graph import Graph, GraphError
@@ -355,7 +355,7 @@ class Traceable:
                 mx.export_function(log, flat_fn, *flat.arrays, *state_arrays)
 
         owners = _ModuleHooks.install([m for _, m in self.state.modules.values()])
-        with _gc_paused():
+        with gc_paused():
             try:
                 _on_deep_stack(capture)
             except KernelError:
@@ -477,19 +477,6 @@ def _on_deep_stack(work: Callable[[], None]) -> None:
         finally:
             threading.stack_size(previous)
     future.result()
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a trace allocates its many small, acyclic
-    objects (it otherwise runs dozens of times and doubles the cost); restored afterwards."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:

@@ -15,14 +15,13 @@ repeated layers so that each decoder layer is one box.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import re
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
+from graphkern._fastpaths import gc_paused
 from graphkern.viz._common import (
     UPSTREAM_FAILED,
     all_in_edges,
@@ -80,19 +79,8 @@ def to_model_explorer(graph: Any) -> dict[str, Any]:
     """
     # The export builds a few hundred thousand small dicts and lists and no cycles: the cyclic
     # garbage collector would only re-scan them (and a big process's heap) over and over.
-    with _no_gc():
+    with gc_paused():
         return _to_model_explorer(as_nx(graph))
-
-
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _to_model_explorer(g: Any) -> dict[str, Any]:
