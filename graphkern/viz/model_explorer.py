@@ -44,6 +44,8 @@ __all__ = ["to_model_explorer", "to_model_explorer_node_data", "initial_ui_state
 INSTALL_HINT = ("Model Explorer is not installed; install the optional extra: "
                 "pip install 'graphkern[model-explorer]' (or pip install ai-edge-model-explorer)")
 
+_COLLECTIVE_STYLE = {"backgroundColor": "#ffedd5", "borderColor": "#c2410c",
+                     "hoveredBorderColor": "#7c2d12"}
 _KERNEL_STYLE = {"backgroundColor": "#ede9fe", "borderColor": "#6d28d9",
                  "hoveredBorderColor": "#4c1d95"}
 _FAILED_STYLE = {"backgroundColor": "#fecaca", "borderColor": "#dc2626",
@@ -131,13 +133,19 @@ def _to_model_explorer(g: Any) -> dict[str, Any]:
             attrs += [_kv(k, v) for k, v in iter_kernel_fields(d)]
             if d.get("source"):
                 attrs.append(_kv("source", d["source"]))
+        elif kind == "collective":
+            attrs += [_kv(k, d[k]) for k in ("reduce", "group_size", "rank", "peer")
+                      if d.get(k) is not None]
+        if d.get("on_rank") is not None:
+            attrs.append(_kv("on_rank", d["on_rank"]))
         attrs += stats_attrs(d)
         arrays = outs[n]
         outputs_meta = [{"id": oid, "attrs": [{"key": "tensor_shape", "value": arrays[key]},
                                               {"key": "__tensor_tag", "value": key}]}
                         for key, oid in out_ids[n].items()]
         style = (_UPSTREAM_STYLE if status == UPSTREAM_FAILED else _FAILED_STYLE if status
-                 else _KERNEL_STYLE if kind == "kernel" else None)
+                 else _KERNEL_STYLE if kind == "kernel"
+                 else _COLLECTIVE_STYLE if kind == "collective" else None)
         for node_id, namespace in places[n]:
             incoming = [{"sourceNodeId": _placed_id(places, u, namespace),
                          "sourceNodeOutputId": out_ids[u].get(str(key), "0"),
