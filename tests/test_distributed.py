@@ -117,6 +117,39 @@ def test_other_threads_keep_the_real_collectives_during_a_trace() -> None:
     assert mx.distributed.all_sum is REAL["all_sum"]
 
 
+def test_overlapping_traces_keep_the_stand_ins_until_the_last_one_ends() -> None:
+    group = mx.distributed.init()
+    first_inside, second_inside, first_done = threading.Event(), threading.Event(), threading.Event()
+    graphs: dict[str, gk.Graph] = {}
+
+    def first(x: mx.array) -> mx.array:
+        first_inside.set()
+        second_inside.wait(30)  # the second trace starts in here, and outlives this one
+        return sum_gradients(group)(x) + 1
+
+    def second(x: mx.array) -> mx.array:
+        x = sum_gradients(group)(x)
+        second_inside.set()
+        first_done.wait(30)
+        return sum_gradients(group)(x) * 2
+
+    def run_first() -> None:
+        graphs["first"] = gk.trace(first, mx.ones((2,)))
+        first_done.set()
+
+    one = threading.Thread(target=run_first)
+    one.start()
+    assert first_inside.wait(30)
+    two = threading.Thread(target=lambda: graphs.update(second=gk.trace(second, mx.ones((2,)))))
+    two.start()
+    one.join(30)
+    two.join(30)
+    assert graphs["first"].nodes("collective") == ["sum_gradients"]
+    assert [graphs["second"].node(n)["op"] for n in graphs["second"].nodes("collective")] == \
+        ["sum_gradients", "sum_gradients"]
+    assert hasattr(globals()["sum_gradients"], "cache_info")  # MLX's own again
+
+
 class Sender(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         return mx.distributed.send(x, 1) + 1

@@ -25,16 +25,18 @@ from ..graph import Failure, Graph, GraphError
 from ..nodes import KernelError, NodeKind, Status
 from .collectives import REAL
 
-__all__ = ["COMMUNICATING", "Collective", "GroupError", "agree", "collectives_of", "exchange_bytes",
-           "gather_bytes"]
+__all__ = ["COMMUNICATING", "GROUP_WIDE", "Collective", "GroupError", "agree", "collectives_of",
+           "exchange_bytes", "gather_bytes"]
 
 _AGREE = "run a graphkern compiled graph across ranks"
 _HEADER = struct.Struct("<IiQQQI")  # magic, status, fingerprint, sends, receives, detail bytes
 _MAGIC = 0x67_6B_61_67  # "gkag"
 _MASK = (1 << 64) - 1
 _P2P = ("send", "recv")
+#: the collectives every rank of the group enters together
+GROUP_WIDE = frozenset({"all_sum", "all_gather", "all_max", "all_min", "sum_scatter"})
 #: the collectives that move data in a forward pass (``sum_gradients`` only does in the backward)
-COMMUNICATING = frozenset({"all_sum", "all_gather", "all_max", "all_min", "sum_scatter", *_P2P})
+COMMUNICATING = GROUP_WIDE | frozenset(_P2P)
 
 
 class GroupError(GraphError):

@@ -154,9 +154,9 @@ class _Fronts:
             cls.traces += 1
             for namespace in namespaces:
                 for key, value in list(namespace.items()):
-                    if value is not _REAL_SUM_GRADIENTS:
-                        continue
                     slot = (id(namespace), key)
+                    if value is not _REAL_SUM_GRADIENTS and slot not in cls.bindings:
+                        continue  # (a binding another trace put in front is counted again)
                     _, count = cls.bindings.get(slot, (namespace, 0))
                     namespace[key] = _sum_gradients
                     cls.bindings[slot] = (namespace, count + 1)

@@ -16,16 +16,16 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import mlx.core as mx
 import networkx as nx
 
 from ..graph import Graph
 from ..nodes import KernelError, NodeKind, Status
-from .agreement import collectives_of, gather_bytes
+from .agreement import GROUP_WIDE, Collective, collectives_of, gather_bytes
 
 __all__ = ["gather", "merge"]
 
 _MERGE = "merge the graphs of several ranks"
-_GROUP_OPS = frozenset({"all_sum", "all_gather", "all_max", "all_min", "sum_scatter"})
 
 
 def gather(graph: Graph, group: Any = None) -> list[Graph]:
@@ -36,8 +36,6 @@ def gather(graph: Graph, group: Any = None) -> list[Graph]:
     >>> [h.nx.graph["rank"] for h in gather(g)]          # one process: a group of one
     [0]
     """
-    import mlx.core as mx
-
     group = group if group is not None else mx.distributed.init()
     graphs = [Graph.from_json(text) for text in gather_bytes(group, graph.to_json().encode())]
     for rank, g in enumerate(graphs):
@@ -78,7 +76,11 @@ def merge(graphs: Sequence[Graph]) -> Graph:
     first = by_rank[min(by_rank)].nx.graph
     job.graph.update(name=f"{first.get('name', 'graph')} on {len(by_rank)} ranks",
                      backend=first.get("backend", ""), mlx_version=first.get("mlx_version", ""),
-                     ranks=sorted(by_rank))
+                     ranks=sorted(by_rank),
+                     modules={f"rank{rank}.{path}": cls for rank, g in by_rank.items()
+                              for path, cls in (g.nx.graph.get("modules") or {}).items()},
+                     kernel_sources={h: src for g in by_rank.values()
+                                     for h, src in (g.nx.graph.get("kernel_sources") or {}).items()})
     for rank in sorted(by_rank):
         _add_rank(job, rank, by_rank[rank].nx)
     unmatched = _link(job, {rank: by_rank[rank] for rank in sorted(by_rank)})
@@ -106,31 +108,44 @@ def _add_rank(job: nx.MultiDiGraph, rank: int, g: nx.MultiDiGraph) -> None:
 
 def _link(job: nx.MultiDiGraph, graphs: dict[int, Graph]) -> list[str]:
     """Add the cross-rank edges; what could not be matched, as sentences."""
-    sequences = {rank: [c for c in collectives_of(g) if c.op in _GROUP_OPS] for rank, g in graphs.items()}
-    unmatched = []
-    longest = max(len(s) for s in sequences.values())
-    for k in range(longest):
+    collectives = {rank: collectives_of(g) for rank, g in graphs.items()}
+    unmatched = _link_group_wide(job, collectives) + _link_messages(job, collectives)
+    if not nx.is_directed_acyclic_graph(job):  # collectives matched out of their call order
+        job.remove_edges_from([(u, v, k) for u, v, k, d in job.edges(keys=True, data=True)
+                               if d.get("cross_rank")])
+        unmatched.append("the ranks' collectives cannot be matched in call order")
+    return unmatched
+
+
+def _link_group_wide(job: nx.MultiDiGraph, collectives: dict[int, list[Collective]]) -> list[str]:
+    """The k-th group-wide collective of every rank reads what every other rank gave its own,
+    while the ranks' sequences agree."""
+    sequences = {rank: [c for c in cs if c.op in GROUP_WIDE] for rank, cs in collectives.items()}
+    for k in range(max(len(s) for s in sequences.values())):
         members = {rank: s[k] for rank, s in sequences.items() if k < len(s)}
         if len(members) != len(sequences) or len({c.signature for c in members.values()}) != 1:
-            unmatched.append(f"collective #{k} differs across ranks: " + "; ".join(
-                f"rank {r}: {c.describe()}" for r, c in members.items()))
-            break
-        for rank, collective in members.items():
-            sources = [(u, key, data) for u, _, key, data in
-                       job.in_edges(_name(rank, collective.node), keys=True, data=True)
-                       if not data.get("cross_rank")]
+            return [f"collective #{k} differs across ranks: " + "; ".join(
+                f"rank {r}: {c.describe()}" for r, c in members.items())]
+        for rank, mine in members.items():
+            given = [(u, key, data) for u, _, key, data in
+                     job.in_edges(_name(rank, mine.node), keys=True, data=True)
+                     if not data.get("cross_rank")]
             for other, theirs in members.items():
                 if other != rank:
-                    _cross(job, sources, rank, _name(other, theirs.node))
-    # point to point: the k-th recv of rank d from rank s reads the k-th send of s to d
+                    _cross(job, given, rank, _name(other, theirs.node))
+    return []
+
+
+def _link_messages(job: nx.MultiDiGraph, collectives: dict[int, list[Collective]]) -> list[str]:
+    """The k-th ``recv`` of rank d from rank s reads the k-th ``send`` of s to d."""
     sends: dict[tuple[int, int], list[str]] = {}
-    for rank, g in graphs.items():
-        for c in collectives_of(g):
+    for rank, cs in collectives.items():
+        for c in cs:
             if c.op == "send" and c.peer is not None:
                 sends.setdefault((rank, c.peer), []).append(_name(rank, c.node))
-    taken: Counter[tuple[int, int]] = Counter()
-    for rank, g in graphs.items():
-        for c in collectives_of(g):
+    unmatched, taken = [], Counter[tuple[int, int]]()
+    for rank, cs in collectives.items():
+        for c in cs:
             if c.op != "recv" or c.peer is None:
                 continue
             channel = (c.peer, rank)
@@ -142,10 +157,6 @@ def _link(job: nx.MultiDiGraph, graphs: dict[int, Graph]) -> list[str]:
             sent = [(queue[k], key, data) for _, _, key, data in
                     job.in_edges(queue[k], keys=True, data=True) if not data.get("cross_rank")]
             _cross(job, sent[:1], c.peer, _name(rank, c.node))
-    if not nx.is_directed_acyclic_graph(job):  # collectives matched out of their call order
-        job.remove_edges_from([(u, v, k) for u, v, k, d in job.edges(keys=True, data=True)
-                               if d.get("cross_rank")])
-        unmatched.append("the ranks' collectives cannot be matched in call order")
     return unmatched
 
 
