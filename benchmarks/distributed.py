@@ -2,15 +2,16 @@
 
 Run: python benchmarks/distributed.py [--hidden 256 --layers 4 --length 32 --rounds 15 --number 20]
 
-It launches itself on two local ranks through ``mlx.launch -n 2 --backend ring`` (run under
-``mlx.launch`` already, it is one of the ranks) and rank 0 prints, for both ranks:
+It launches itself on two local ranks over 127.0.0.1 (``graphkern.distributed.launcher``; under
+``mlx.launch -n 2 --backend ring`` it is one of the ranks) and rank 0 prints, for both ranks:
 
 1. a steady call of the sharded model (evaluated): hand-written ``mx.compile`` of the sharded model,
    ``gk.compile``, ``gk.wrap``, and ``gk.wrap(timeout=60)`` (the watchdog: a watched call waits for
    its outputs and enters the flight record), timed in alternation, with each one's median ratio to
    ``mx.compile`` over the rounds (target for the steady call: <= 1.02), in wall time and in the
    calling thread's CPU time (what graphkern adds runs there; on a busy machine the wall time of a
-   ring collective varies by milliseconds);
+   ring collective varies by milliseconds), and the bytes each call receives over the ring (the
+   same for every side: graphkern adds no collective);
 2. what agreeing on a new signature costs: one agreement (every rank's status and collective
    fingerprint in one ``all_gather``) next to a bare ``all_sum`` of one float, and the first call of
    a new signature through ``gk.wrap`` (trace, agreement, compile, run) next to a fresh
@@ -21,9 +22,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import socket
 import statistics
-import subprocess
+import struct
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,9 @@ from _timing import forward_arguments, header, interleaved_samples, paired_ratio
 
 import graphkern as gk  # noqa: E402
 from graphkern.distributed.agreement import agree, gather_bytes  # noqa: E402
+from graphkern.distributed.launcher import run_ranks  # noqa: E402
 from graphkern.distributed.sync import describe_call  # noqa: E402
+from graphkern.distributed.watchdog import ring_connections  # noqa: E402
 from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
 
 
@@ -49,15 +52,39 @@ def arguments() -> Any:
 
 
 def launch() -> None:
-    """Run this script on two local ranks and pass their output on."""
-    launcher = shutil.which("mlx.launch")
-    if launcher is None:
-        sys.exit("mlx.launch not found: install mlx (it comes with it)")
-    command = [launcher, "-n", "2", "--backend", "ring", "--python", sys.executable, __file__,
-               *sys.argv[1:]]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    sys.exit(subprocess.run(command, env=env).returncode)
+    """Run this script on two local ranks and print what rank 0 printed."""
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                          os.environ.get("PYTHONPATH", "")])}
+    runs = run_ranks([sys.executable, __file__, *sys.argv[1:]], 2, timeout=3600, env=env)
+    failed = [run for run in runs if run.returncode != 0]
+    for run in failed or runs[:1]:
+        if failed:
+            print(f"--- rank {run.rank} (exit {run.returncode})")
+        print("\n".join(line for line in run.output.splitlines() if not line.startswith("[ring] ")))
+    sys.exit(1 if failed else 0)
+
+
+def ring_bytes() -> int | None:
+    """Bytes this process has received over its ring connections (Linux's TCP_INFO
+    ``tcpi_bytes_received``), or None where that cannot be read."""
+    if not hasattr(socket, "TCP_INFO"):
+        return None
+    total = 0
+    for sock in ring_connections():
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        if len(info) < 136:
+            return None
+        total += struct.unpack_from("<Q", info, 128)[0]
+    return total
+
+
+def bytes_per_call(fn: Any, calls: int) -> float | None:
+    """Ring bytes received per call of ``fn`` (both ranks make the same calls)."""
+    before = ring_bytes()
+    for _ in range(calls):
+        fn()
+    after = ring_bytes()
+    return None if before is None or after is None else (after - before) / calls
 
 
 def rank_main(args: Any) -> None:
@@ -86,7 +113,8 @@ def rank_main(args: Any) -> None:
                               clock=time.thread_time)
     steady = {name: {**stats, "ratio": paired_ratio(samples, name, "mx.compile"),
                      "cpu": statistics.median(cpu[name]),
-                     "cpu_ratio": paired_ratio(cpu, name, "mx.compile")}
+                     "cpu_ratio": paired_ratio(cpu, name, "mx.compile"),
+                     "bytes": bytes_per_call(sides[name], 20)}
               for name, stats in summary(samples).items()}
 
     graph = wrapped.graph
@@ -97,6 +125,7 @@ def rank_main(args: Any) -> None:
         "all_sum of 1 float": lambda: mx.eval(mx.distributed.all_sum(one, group=group)),
     }, rounds=args.rounds, number=args.agreements)
     costs = {name: statistics.median(v) for name, v in agreement.items()}
+    costs_bytes = bytes_per_call(lambda: agree(group, graph, None, what), 20)
     first: dict[str, float] = {}
     sides = [("mx.compile", lambda: mx.compile(model, inputs=model.state)),
              ("gk.wrap", lambda: gk.wrap(model))]
@@ -109,7 +138,7 @@ def rank_main(args: Any) -> None:
             start = time.perf_counter()
             mx.eval(fn(fresh))
             first[name] = first.get(name, 0.0) + (time.perf_counter() - start) / 2
-    mine = {"steady": steady, "agreement": costs, "first": first}
+    mine = {"steady": steady, "agreement": costs, "agreement_bytes": costs_bytes, "first": first}
     reports = [json.loads(b) for b in gather_bytes(group, json.dumps(mine).encode())]
     if rank == 0:
         report(args, reports)
@@ -136,7 +165,14 @@ def report(args: Any, reports: list[dict[str, Any]]) -> None:
             cells.append(f"rank {r}: {s['cpu'] * 1e6:8.1f} x{s['cpu_ratio']:.3f} "
                          f"{(s['cpu'] - base['cpu']) * 1e6:+7.1f}")
         print(f"{name:>20}  " + "   ".join(cells))
-    print("\nagreeing on a new signature, median us")
+    print("\nsteady call, bytes received over the ring per call (TCP_INFO): the same for every side "
+          "means graphkern adds no collective")
+    for name in reports[0]["steady"]:
+        print(f"{name:>20}  " + "   ".join(f"rank {r}: {rep['steady'][name]['bytes']}"
+                                         for r, rep in enumerate(reports)))
+    print("\nagreeing on a new signature, median us (one agreement receives "
+          + ", ".join(f"{rep['agreement_bytes']} bytes on rank {r}" for r, rep in enumerate(reports))
+          + ")")
     for name in reports[0]["agreement"]:
         print(f"{name:>20}  " + "   ".join(f"rank {r}: {rep['agreement'][name] * 1e6:8.1f}"
                                          for r, rep in enumerate(reports)))

@@ -20,7 +20,7 @@ import mlx.nn.layers.distributed as mlx_distributed
 import pytest
 from click.testing import CliRunner
 from mlx.nn.layers.distributed import sum_gradients
-from ring import run_ranks
+from ring import run_scenario
 
 import graphkern as gk
 from graphkern.cli import main
@@ -215,19 +215,19 @@ def test_an_abort_in_the_flight_folder_stops_the_next_watched_call(tmp_path: Pat
 @pytest.fixture(scope="module")
 def models_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     folder = tmp_path_factory.mktemp("models")
-    return folder, run_ranks("models", folder)
+    return folder, run_scenario("models", folder)
 
 
 @pytest.fixture(scope="module")
 def refusals_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     folder = tmp_path_factory.mktemp("refusals")
-    return folder, run_ranks("refusals", folder)
+    return folder, run_scenario("refusals", folder)
 
 
 @pytest.fixture(scope="module")
 def runtime_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     folder = tmp_path_factory.mktemp("runtime")
-    return folder, run_ranks("runtime", folder)
+    return folder, run_scenario("runtime", folder)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])

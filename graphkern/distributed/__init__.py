@@ -27,7 +27,8 @@ In a single process ``mx.distributed.init()`` is a group of one, where all of th
 from __future__ import annotations
 
 from .agreement import GroupError
+from .launcher import RankRun, run_ranks
 from .ranks import gather, merge
 from .watchdog import CollectiveTimeout, JobAborted
 
-__all__ = ["CollectiveTimeout", "GroupError", "JobAborted", "gather", "merge"]
+__all__ = ["CollectiveTimeout", "GroupError", "JobAborted", "RankRun", "gather", "merge", "run_ranks"]

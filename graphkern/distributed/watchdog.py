@@ -42,7 +42,7 @@ from typing import Any
 from ..nodes import Status
 from .agreement import GroupError
 
-__all__ = ["CollectiveTimeout", "FlightRecorder", "Job", "JobAborted"]
+__all__ = ["CollectiveTimeout", "FlightRecorder", "Job", "JobAborted", "ring_connections"]
 
 _POLL = 0.05  # seconds between the watchdog's looks at deadlines and at the flight folder
 _GRACE = 2.0  # seconds a raising rank waits for the others' flight records
@@ -244,11 +244,13 @@ def _socket_fds() -> list[int]:
     return found
 
 
-def _abort_ring(ports: set[int]) -> int:
-    """Shut down every TCP connection of this process on one of ``ports``; how many."""
-    count = 0
+def ring_connections(ports: set[int] | None = None) -> Iterator[socket.socket]:
+    """This process's TCP connections on one of ``ports`` (default: ``MLX_HOSTFILE``'s), the ring's
+    connections to its peers, each as a socket on a duplicate of its descriptor (closed when the
+    next one is asked for)."""
+    ports = _ring_ports() if ports is None else ports
     if not ports:
-        return count
+        return
     for fd in _socket_fds():
         try:
             sock = socket.socket(fileno=os.dup(fd))
@@ -263,12 +265,20 @@ def _abort_ring(ports: set[int]) -> int:
             except OSError:  # not connected (a listening socket)
                 continue
             if mine in ports or theirs in ports:
-                sock.shutdown(socket.SHUT_RDWR)
-                count += 1
+                yield sock
         except OSError:
             continue
         finally:
             sock.close()
+
+
+def _abort_ring(ports: set[int]) -> int:
+    """Shut down every ring connection of this process (see ``ring_connections``); how many."""
+    count = 0
+    for sock in ring_connections(ports):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
     return count
 
 
