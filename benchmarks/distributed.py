@@ -78,13 +78,20 @@ def ring_bytes() -> int | None:
     return total
 
 
-def bytes_per_call(fn: Any, calls: int) -> float | None:
-    """Ring bytes received per call of ``fn`` (both ranks make the same calls)."""
+def bytes_per_call(fn: Any, calls: int, group: Any) -> int | None:
+    """Ring bytes received per call of ``fn`` (both ranks make the same calls), rounded. Each rank
+    reads its count before a barrier (an ``all_sum`` of one float, a few bytes) that opens the
+    window and after one that closes it, so no rank's calls reach the other outside its window."""
+    def barrier() -> None:
+        mx.eval(mx.distributed.all_sum(mx.ones((1,)), group=group))
+
     before = ring_bytes()
+    barrier()
     for _ in range(calls):
         fn()
+    barrier()
     after = ring_bytes()
-    return None if before is None or after is None else (after - before) / calls
+    return None if before is None or after is None else round((after - before) / calls)
 
 
 def rank_main(args: Any) -> None:
@@ -114,7 +121,7 @@ def rank_main(args: Any) -> None:
     steady = {name: {**stats, "ratio": paired_ratio(samples, name, "mx.compile"),
                      "cpu": statistics.median(cpu[name]),
                      "cpu_ratio": paired_ratio(cpu, name, "mx.compile"),
-                     "bytes": bytes_per_call(sides[name], 20)}
+                     "bytes": bytes_per_call(sides[name], 20, group)}
               for name, stats in summary(samples).items()}
 
     graph = wrapped.graph
@@ -125,7 +132,7 @@ def rank_main(args: Any) -> None:
         "all_sum of 1 float": lambda: mx.eval(mx.distributed.all_sum(one, group=group)),
     }, rounds=args.rounds, number=args.agreements)
     costs = {name: statistics.median(v) for name, v in agreement.items()}
-    costs_bytes = bytes_per_call(lambda: agree(group, graph, None, what), 20)
+    costs_bytes = bytes_per_call(lambda: agree(group, graph, None, what), 20, group)
     first: dict[str, float] = {}
     sides = [("mx.compile", lambda: mx.compile(model, inputs=model.state)),
              ("gk.wrap", lambda: gk.wrap(model))]
