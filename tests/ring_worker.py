@@ -92,6 +92,10 @@ def models(group: Any, out: Path) -> dict[str, Any]:
             cache = model.make_cache()
             wrapped(TOKENS, cache=cache)
             facts["cache"] = diff(wrapped(mx.array([[2]]), cache=cache), cache_ref)
+            values = gk.inspect(model, TOKENS)  # its collectives run for real, on both ranks at once
+            facts["inspect"] = {"values": values.nx.graph["values"], "status": int(values.status),
+                                "mean": values.node("output_0")["stats"]["mean"],
+                                "ref_mean": float(ref.mean().item())}
         report = gk.patch(model)
         patched = gk.wrap(model)
         facts["patched"] = diff(patched(TOKENS), ref)

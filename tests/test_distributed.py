@@ -261,6 +261,14 @@ def test_wrap_compile_and_patch_match_the_unsharded_model_on_every_rank(models_j
     assert ranks[0][arch]["patched_kernels"] == ranks[1][arch]["patched_kernels"]
 
 
+def test_inspect_runs_a_sharded_model_node_by_node_on_every_rank(models_job: Any) -> None:
+    _, ranks = models_job
+    for result in ranks:
+        seen = result["llama"]["inspect"]
+        assert seen["status"] == gk.Status.OK and seen["values"]["unreached"] == 0
+        assert abs(seen["mean"] - seen["ref_mean"]) < 1e-5  # the logits' mean, as unsharded
+
+
 def test_a_pipelined_model_sends_and_receives(models_job: Any) -> None:
     _, (rank0, rank1) = models_job
     assert [c[0] for c in rank0["pipeline"]["collectives"]] == ["recv", "all_gather"]

@@ -30,7 +30,7 @@ import mlx.nn.layers.distributed as _mlx_distributed
 
 from ..context import current_recorder
 
-__all__ = ["COLLECTIVE_OPS", "REAL", "standing_in"]
+__all__ = ["COLLECTIVE_OPS", "REAL", "run_again", "standing_in"]
 
 #: the collectives of ``mx.distributed`` that graphkern stands in, with their leading parameters
 _PARAMETERS: dict[str, tuple[str, ...]] = {
@@ -194,6 +194,28 @@ def _namespaces(fn: Any, modules: Iterable[nn.Module]) -> list[dict[str, Any]]:
         if isinstance(namespace, dict):
             found.setdefault(id(namespace), namespace)
     return list(found.values())
+
+
+def run_again(data: dict[str, Any], inputs: list[mx.array]) -> list[mx.array] | str:
+    """A collective node of a trace run again on ``inputs`` (``gk.inspect`` runs graphs node by
+    node): ``sum_gradients`` is the identity, a group-wide collective runs for real over the
+    global group, so every rank must run the same graph at the same time, as it runs the model;
+    the outputs, or why the node cannot run (a point-to-point one, a group other than the global
+    one).
+
+    >>> run_again({"op": "all_sum", "group_size": 1}, [mx.ones((2,))])[0].tolist()
+    [1.0, 1.0]
+    """
+    op = data.get("op")
+    if op == "sum_gradients":
+        return [inputs[0]]
+    if op not in REAL or op in ("send", "recv"):
+        return f"a {op} is not run again (its peer would have to run it at the same time)"
+    group = mx.distributed.init()
+    if group.size() != data.get("group_size"):
+        return (f"it ran over a group of {data.get('group_size')} ranks, not the global group of "
+                f"{group.size()}")
+    return [REAL[op](inputs[0], group=group)]
 
 
 @contextmanager
