@@ -35,7 +35,8 @@ def interleaved_samples(fns: dict[str, Callable[[], Any]], rounds: int = 7, numb
     round afresh (seeded), so that no function always runs right after the same other one (what
     one leaves behind, freed buffers of its sizes for one, can speed up or slow down the next).
     ``clock``: ``time.process_time`` counts this process's CPU time (all its threads), which other
-    jobs on a shared machine disturb less than the wall clock."""
+    jobs on a shared machine disturb less than the wall clock; ``time.thread_time`` the calling
+    thread's alone."""
     for fn in fns.values():  # warm-up: builds, compiles, NVRTC, caches
         for _ in range(warmup):
             fn()

@@ -11,17 +11,21 @@ times more; each has a test (``tests/test_fastpaths.py``) that it agrees with th
   wrap every access in an object.
 - ``move_out_edges``: a node's out-edges handed to other sources and the node removed, for the
   hundreds of module tags a model's trace drops.
+- ``gc_paused``: the cyclic garbage collector off while a trace or an export builds hundreds of
+  thousands of small acyclic objects (it would rescan them, and the heap, dozens of times).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import networkx as nx
 
-__all__ = ["BACKEND_VARIABLE", "adjacency", "bulk_multidigraph", "environ_get", "move_out_edges"]
+__all__ = ["BACKEND_VARIABLE", "adjacency", "bulk_multidigraph", "environ_get", "gc_paused", "move_out_edges"]
 
 _ENVIRON = getattr(os.environ, "_data", None) if os.name == "posix" else None
 #: ``GRAPHKERN_BACKEND`` as the key of the mapping ``environ_get`` reads (bytes on POSIX).
@@ -83,3 +87,15 @@ def move_out_edges(g: nx.MultiDiGraph, node: Any,
         del succ[source][node]
     del succ[node], pred[node], node_data[node]
     nx._clear_cache(g)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused for the block, and left as it was found afterwards."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

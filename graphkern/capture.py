@@ -3,8 +3,9 @@
 MLX reports inputs, outputs, constants and one event per primitive. graphkern's tracer tags each
 kernel call and module call with ``mx.depends(outputs, inputs + [tag])``, where ``tag`` is a small
 uint32 constant ``[MAGIC, record id, nonce]``; here each tagged ``Depends`` is found again, the
-primitives between a kernel record's inputs and outputs fold into one ``kernel`` node, module
-records give their primitives a scope, and the tags themselves disappear.
+primitives between a kernel record's inputs and outputs fold into one ``kernel`` node (a collective
+record's stand-in into one ``collective`` node), module records give their primitives a scope, and
+the tags themselves disappear.
 """
 
 from __future__ import annotations
@@ -23,18 +24,22 @@ from ._fastpaths import adjacency, bulk_multidigraph, move_out_edges
 from .nodes import KernelError, NodeKind, dtype_name
 
 MAGIC = 0x676B7472  # "gktr"
-_INNER_KINDS = (str(NodeKind.OP), str(NodeKind.KERNEL))
+_INNER_KINDS = (str(NodeKind.OP), str(NodeKind.KERNEL), str(NodeKind.COLLECTIVE))
 _KERNEL = str(NodeKind.KERNEL)
+#: folded nodes a module's walk goes through to what they read
+_WALKED = (_KERNEL, str(NodeKind.COLLECTIVE))
+#: the node kind a folded record becomes (a failed module: an op standing for the module)
+_FOLDED_KINDS = {"kernel": _KERNEL, "collective": str(NodeKind.COLLECTIVE)}
 _ARGUMENT_CHARS = 120
 
 
 @dataclass
 class Record:
-    """One graphkern call seen while tracing: a kernel launch or a module call."""
+    """One graphkern call seen while tracing: a kernel launch, a collective or a module call."""
 
     id: int
-    kind: str  # "kernel" or "module"
-    name: str  # kernel name, or the module's class name
+    kind: str  # "kernel", "collective" or "module"
+    name: str  # kernel name, collective op, or the module's class name
     scope: str  # module path the call ran in (for modules: their own path)
     n_outputs: int
     call_index: int = 0
@@ -230,11 +235,15 @@ def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record
     g.graph.update(attrs)
 
     folder = _Folder(g, node_args, node_outputs, producer, names)
+    def fold_order(rid: int) -> tuple[bool, int]:  # collectives in call order, named all_sum, all_sum_1...
+        record = records[rid]
+        return record.kind == "module", -1 if record.kind == "collective" else len(record.scope)
+
     modules = []
-    for rid in sorted(records, key=lambda r: (records[r].kind != "kernel", len(records[r].scope))):
+    for rid in sorted(records, key=fold_order):
         record = records[rid]
         depends = depends_of.get(rid)
-        if record.kind == "kernel" or record.error is not None:
+        if record.kind != "module" or record.error is not None:
             folder.fold(record, depends)
         elif depends is not None:
             modules.append((record, depends))
@@ -334,11 +343,12 @@ class _Folder:
         return body
 
     def fold(self, record: Record, depends: str | None) -> None:
-        """Replace a kernel record's primitives (or a failed module's placeholders) by one node."""
+        """Replace a kernel or collective record's primitives (or a failed module's placeholders)
+        by one node."""
         g = self.g
         node = self.names(record.name)
         attrs = dict(record.attrs)
-        attrs.update(kind=str(NodeKind.KERNEL) if record.kind == "kernel" else str(NodeKind.OP),
+        attrs.update(kind=_FOLDED_KINDS.get(record.kind, _OP),
                      label=node, op=record.name, scope=record.scope, call_index=record.call_index)
         if record.error is not None:
             attrs.update(status=int(record.error.status), message=str(record.error))
@@ -420,7 +430,7 @@ class _Folder:
             if kind == _OP:
                 if node not in self.folded:
                     members.append(node)
-            elif kind != _KERNEL:
+            elif kind not in _WALKED:
                 outside.append(array)  # an input or constant
                 continue
             queue.extend(node_args.get(node, ()))

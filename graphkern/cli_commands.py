@@ -169,6 +169,17 @@ def load_graph(path: str) -> Any:
 _IMAGES = ("--svg", "--png", "--pdf")
 
 
+def merge_graphs(paths: tuple[str, ...]) -> Any:
+    """The graphs of a job's ranks, one file each, as one graph (``graphkern.distributed.merge``)."""
+    from graphkern import KernelError
+    from graphkern.distributed import merge
+
+    try:
+        return merge([load_graph(path) for path in paths])
+    except KernelError as e:
+        raise BadInput(f"cannot merge {', '.join(paths)}: {e.description}") from None
+
+
 def _check_outputs(paths: dict[str, str | None]) -> None:
     from graphkern.nodes import KernelError
     from graphkern.viz.dot import format_for
@@ -396,32 +407,38 @@ def trace_cmd(target: str, inputs: tuple[str, ...], json_path: str | None, html:
 
 
 @click.command("show")
-@click.argument("file", metavar="FILE.json", type=click.Path(dir_okay=False))
+@click.argument("files", metavar="FILE.json...", nargs=-1, required=True,
+                type=click.Path(dir_okay=False))
 @_with_outputs
 @click.option("--brief", is_flag=True, help="Print the summary lines only, not the per-node table.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
-def show_cmd(file: str, html: str | None, dot: str | None, svg: str | None, png: str | None,
-             pdf: str | None, me: str | None, depth: int | None, weights: bool,
+def show_cmd(files: tuple[str, ...], html: str | None, dot: str | None, svg: str | None,
+             png: str | None, pdf: str | None, me: str | None, depth: int | None, weights: bool,
              all_blocks: bool, brief: bool, quiet: bool) -> None:
     """Print a saved graph (from --json or Graph.to_json) and convert it to other formats.
 
-    \b
-    Example:
-      graphkern show graph.json --html graph.html --svg graph.svg
+    Several files are the graphs of a distributed job's ranks, one each: they are merged into one
+    graph, a lane per rank, collectives linked across ranks, and a rank's failure marked wherever
+    it reaches on every rank.
 
-    Exit status: 0 OK, 1 the graph has a failed node, 2 the file cannot be read.
+    \b
+    Examples:
+      graphkern show graph.json --html graph.html --svg graph.svg
+      graphkern show rank0.json rank1.json --html job.html
+
+    Exit status: 0 OK, 1 the graph has a failed node, 2 a file cannot be read.
     """
     outputs = {"--html": html, "--dot": dot, "--svg": svg, "--png": png, "--pdf": pdf,
                "--model-explorer": me}
     _check_outputs(outputs)
-    graph = load_graph(file)
+    graph = load_graph(files[0]) if len(files) == 1 else merge_graphs(files)
     with _progress(not quiet) as step:
-        files = render_outputs(graph, outputs, step, _drawing(depth, weights, all_blocks))
+        written = render_outputs(graph, outputs, step, _drawing(depth, weights, all_blocks))
     if not quiet:
         click.echo(brief_summary(graph))
         if not brief:
             click.echo(graph.summary())
-    _finish(graph, files, quiet)
+    _finish(graph, written, quiet)
 
 
 @click.command("diff")

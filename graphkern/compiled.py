@@ -22,6 +22,8 @@ import numpy as np
 from . import backends, mlx_kernels
 from .autodiff import without_vjp
 from .context import recording
+from .distributed.collectives import standing_in
+from .distributed.sync import describe_call, rank_sync
 from .graph import Failure, Graph, GraphError
 from .nodes import Kernel, KernelError, Status
 from .state import Flat, flatten_outputs, unflatten_outputs
@@ -171,6 +173,8 @@ class _PassThrough:
 
     def __init__(self, probe: bool = False) -> None:
         self.probe = probe
+        # a probe re-runs one rank's call alone: its collectives must not reach the other ranks
+        self.stands_in_collectives = probe
         self.calls = 0
         self.failed: tuple[int, Exception] | None = None
 
@@ -269,11 +273,15 @@ class CompiledGraph:
     #: Whether calls check their outputs for NaN/Inf (``compile(check_finite=True)``).
     check_finite = False
 
-    def __init__(self, fn: Callable[..., Any], *, state: Any = None, backend: str | None = None):
+    def __init__(self, fn: Callable[..., Any], *, state: Any = None, backend: str | None = None,
+                 group: Any = None, timeout: float | None = None):
         self.fn = fn
         self.backend = backend
         self._traceable = Traceable(fn, state)
         self._state = self._traceable.state
+        # several ranks: agreement before a new signature runs, and the watchdog (timeout=)
+        self._sync = rank_sync([m for _, m in self._state.modules.values()], group, timeout)
+        self._watched = self._sync is not None and self._sync.job is not None
         self._graphs: dict[Any, tuple[Graph, Any]] = {}
         self._slots: dict[Any, _KernelSlots] = {}
         self._last: Graph | None = None
@@ -379,8 +387,15 @@ class CompiledGraph:
             elif outputs is not None:
                 try:
                     # scheduled, not waited for: kernels compile and encode here, so a failure
-                    # still raises in this call, while the GPU runs during what follows
-                    mx.async_eval(outputs)
+                    # still raises in this call, while the GPU runs during what follows; a
+                    # watchdog (timeout=) must see the collectives finish
+                    if self._watched:
+                        self._sync.evaluate(outputs, steady.graph)  # type: ignore[union-attr]
+                    else:
+                        mx.async_eval(outputs)
+                except GraphError:  # the ranks aborted the job (graphkern.distributed)
+                    self._steady = None
+                    raise
                 except Exception as exc:
                     self._steady = None  # the next call takes the long way, which refuses a
                     # graph whose node this failure marks
@@ -411,10 +426,12 @@ class CompiledGraph:
         call.flat = prepared.flat  # its structure, for when MLX traces _run_flat
         try:
             if self.backend is None:
-                outputs = self._run_compiled(prepared.compiled, arrays)
+                outputs = self._run_compiled(prepared.compiled, arrays, graph)
             else:
                 with backends.using_backend(self.backend):
-                    outputs = self._run_compiled(prepared.compiled, arrays)
+                    outputs = self._run_compiled(prepared.compiled, arrays, graph)
+        except GraphError:  # the ranks aborted the job (graphkern.distributed)
+            raise
         except Exception as exc:
             flat = Flat.of(args, kwargs, self._traceable.arg_names)
             raise self._attribute(prepared.graph, flat, exc, call.recorder) from exc
@@ -436,7 +453,15 @@ class CompiledGraph:
     def _prepare(self, flat: Flat) -> _Prepared:
         """Trace (if new) and compile (if new) for this call's signature."""
         key = flat.key()
-        graph, spec = self._entry(flat, key)
+        sync = self._sync
+        try:
+            graph, spec = self._entry(flat, key)
+        except KernelError as exc:
+            if sync is not None:  # the other ranks must hear of it before anyone runs
+                sync.agree(key, None, exc, describe_call(self._traceable.name, flat.arrays))
+            raise
+        if sync is not None:
+            sync.agree(key, graph, None, describe_call(self._traceable.name, flat.arrays))
         compiled = self._compiled.get(key[0])
         if compiled is None:
             state = self._state
@@ -446,12 +471,16 @@ class CompiledGraph:
             compiled = self._compiled[key[0]] = mx.compile(self._run_flat, inputs=inputs)
         return _Prepared(key, flat, graph, spec, compiled, self._slots[key])
 
-    def _run_compiled(self, compiled: Callable[..., Any], arrays: list[mx.array]) -> list[mx.array]:
+    def _run_compiled(self, compiled: Callable[..., Any], arrays: list[mx.array],
+                      graph: Graph) -> list[mx.array]:
         outputs = compiled(*arrays)
         failed = self._call_state.recorder.failed
         if failed is not None:  # a launch failed while MLX traced
             raise failed[1]
-        mx.eval(outputs)
+        if self._watched:
+            self._sync.evaluate(outputs, graph)  # type: ignore[union-attr]
+        else:
+            mx.eval(outputs)
         return outputs  # type: ignore[no-any-return]
 
     def _attribute(self, graph: Graph, flat: Flat, exc: Exception,
@@ -463,8 +492,9 @@ class CompiledGraph:
                         and graph.node(n)["generated_name"] in message), None)
         if culprit is None and recorder.failed is None:
             recorder = _PassThrough(probe=True)
+            modules = [m for _, m in self._state.modules.values()]
             try:
-                with recording(recorder):  # type: ignore[arg-type]
+                with standing_in(self.fn, modules), recording(recorder):  # type: ignore[arg-type]
                     self._traceable.call_flat(flat, tuple(flat.arrays), {})
             except Exception:  # the eager re-run may fail the same way; the first error stands
                 pass
@@ -475,11 +505,15 @@ class CompiledGraph:
         status = found.status if isinstance(found, KernelError) else mlx_kernels.status_of_mlx_error(message)
         if culprit is None:
             outputs = tuple(graph.nodes("output"))
-            return GraphError(Failure("<eval>", status, message, outputs))
-        data = graph.node(culprit)
-        data["status"], data["message"] = int(status), message
-        graph.refresh()
-        return graph.error() or GraphError(Failure(culprit, status, message, ()))
+            error = GraphError(Failure("<eval>", status, message, outputs))
+        else:
+            data = graph.node(culprit)
+            data["status"], data["message"] = int(status), message
+            graph.refresh()
+            error = graph.error() or GraphError(Failure(culprit, status, message, ()))
+        if self._sync is not None:
+            self._sync.failed(error)  # with a watchdog, the other ranks stop waiting for this one
+        return error
 
     def clear(self) -> None:
         """Forget every trace (the next call re-traces)."""
@@ -487,6 +521,8 @@ class CompiledGraph:
         self._slots.clear()
         self._forget_compiled()
         self._last = None
+        if self._sync is not None:
+            self._sync.clear()
 
     def traces(self) -> Iterator[Graph]:
         return (g for g, _ in self._graphs.values())
@@ -556,13 +592,17 @@ def non_finite_error(traceable: Traceable, flat: Flat, backend: str | None) -> G
 
 
 def compile(fn: Callable[..., Any], *, state: Any = None, backend: str | None = None,
-            check_finite: bool = False) -> CompiledGraph:
+            check_finite: bool = False, group: Any = None, timeout: float | None = None) -> CompiledGraph:
     """Compile ``fn`` into a ``CompiledGraph`` (see there).
 
     ``state``: extra arrays, lists, dicts or modules ``fn`` reads without taking them as
     arguments; modules ``fn`` is bound to or closes over, and closure arrays, are found alone.
     ``check_finite``: check each call's outputs for NaN/Inf and name the node where they
     started (``FiniteCheckedGraph``); off by default, since each call then waits for its outputs.
+    Across processes (``mx.distributed``, see ``graphkern.distributed``): the ranks of ``group``
+    (default: the group ``fn``'s sharded modules hold) agree before a new signature runs, and
+    ``timeout`` (seconds) arms a watchdog that turns a call stuck in its collectives into an
+    error on every rank.
 
     >>> import mlx.core as mx, graphkern as gk
     >>> cf = gk.compile(lambda x: mx.log(x) * 2, check_finite=True)
@@ -573,4 +613,4 @@ def compile(fn: Callable[..., Any], *, state: Any = None, backend: str | None = 
     log NON_FINITE
     """
     kind = FiniteCheckedGraph if check_finite else CompiledGraph
-    return kind(fn, state=state, backend=backend)
+    return kind(fn, state=state, backend=backend, group=group, timeout=timeout)

@@ -96,6 +96,9 @@ class NodeKind(str, enum.Enum):
     OP = "op"
     KERNEL = "kernel"
     OUTPUT = "output"
+    #: a collective of ``mx.distributed`` (``all_sum``, ``send``...) or the ``sum_gradients`` of a
+    #: sharded layer, stood in by graphkern while tracing (see ``graphkern.distributed``)
+    COLLECTIVE = "collective"
 
     def __str__(self) -> str:
         return self.value

@@ -9,14 +9,22 @@ A traced function is one ``networkx.MultiDiGraph``. Its nodes are of the kinds o
 - ``op``: one MLX primitive (``op`` is MLX's name, ``arguments`` its state as text);
 - ``kernel``: one graphkern kernel launch, whatever primitives it ran as (the reference's ops on a
   CPU, ``CustomKernel`` on a GPU);
+- ``collective``: one collective of ``mx.distributed`` (``all_sum``, ``all_gather``, ``all_max``,
+  ``all_min``, ``sum_scatter``, ``send``, ``recv``) or the ``sum_gradients`` of a sharded layer
+  (the identity forward whose backward sums gradients over the group), as graphkern stood it in
+  while tracing (``op`` is the collective's name, ``call_index`` its position among the call's
+  collectives);
 - ``output``: one output of the traced function.
 
 Every node carries the attributes of :data:`NODE_FIELDS`; kernel nodes add those of
-:data:`KERNEL_FIELDS`. A kernel node's launch configuration (``grid``, ``threadgroup``,
-``template``) is the one it ran with, or for a launch refused before running, the one it was
-given. The graph's own attributes (``g.graph``) name the traced function (``name``), the
-``backend``, ``mlx_version``, each module path's class (``modules``) and the sources of the
-kernels launched by backend, keyed by source hash (``kernel_sources``). Each edge is one array
+:data:`KERNEL_FIELDS`, collective nodes those of :data:`COLLECTIVE_FIELDS`. A kernel node's
+launch configuration (``grid``, ``threadgroup``, ``template``) is the one it ran with, or for a
+launch refused before running, the one it was given. The graph's own attributes (``g.graph``)
+name the traced function (``name``), the ``backend``, ``mlx_version``, each module path's class
+(``modules``) and the sources of the kernels launched by backend, keyed by source hash
+(``kernel_sources``); a trace with collectives adds this process's ``rank`` and ``group_size``.
+A graph of several ranks (``graphkern.distributed.merge``) gives every node its ``on_rank`` and
+links the ranks' collectives by edges marked ``cross_rank``. Each edge is one array
 flowing from its producer to one consumer, keyed by MLX's name for the array, with the
 attributes of :data:`EDGE_FIELDS` (``index`` is the argument position at the consumer).
 Statuses are :class:`~graphkern.nodes.Status` codes: a failed node is its own ``root_cause``;
@@ -36,8 +44,9 @@ import networkx as nx
 
 from .nodes import NodeKind, Status, dtype_from_name
 
-__all__ = ["EDGE_FIELDS", "KERNEL_FIELDS", "NODE_FIELDS", "OPTIONAL_FIELDS", "ROOT_FAILURES", "STAT_KEYS",
-           "lint", "stats_problems"]
+__all__ = ["COLLECTIVES", "COLLECTIVE_FIELDS", "EDGE_FIELDS", "KERNEL_FIELDS", "NODE_FIELDS",
+           "OPTIONAL_EDGE_FIELDS", "OPTIONAL_FIELDS", "ROOT_FAILURES", "STAT_KEYS", "lint",
+           "stats_problems"]
 
 _NONE = type(None)
 
@@ -73,6 +82,7 @@ OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
                                  "(gk.Inspector(check_kernels=True))"),
     "comparison": ((dict,), "after gk.compare, on the second graph's nodes: against (the first "
                             "graph's node), max_abs, max_rel, ok"),
+    "on_rank": ((int,), "the rank whose graph the node belongs to, in a graph of several ranks"),
 }
 #: The keys of a node's ``stats``.
 STAT_KEYS = ("min", "max", "mean", "absmax", "nan", "inf")
@@ -82,11 +92,25 @@ KERNEL_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "backend": ((str,), "metal, cuda or reference ('' when the launch was refused before)"),
     "source": ((str, _NONE), "the kernel body compiled on the backend"),
 }
+#: What a collective node's ``op`` may be.
+COLLECTIVES = frozenset({"all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv",
+                         "sum_gradients"})
+#: Attributes of collective nodes.
+COLLECTIVE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "reduce": ((str, _NONE), "sum, max or min for reductions (sum_gradients: its backward's sum)"),
+    "group_size": ((int,), "the size of the group the collective ran over"),
+    "rank": ((int,), "this process's rank in that group"),
+    "peer": ((int, _NONE), "the destination of a send, the source of a recv; None otherwise"),
+}
 #: Attributes of every edge.
 EDGE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "shape": ((tuple, list), "the array's shape"),
     "dtype": ((str,), "the array's dtype name"),
     "index": ((int,), "the argument position at the consumer"),
+}
+#: Attributes some edges have.
+OPTIONAL_EDGE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "cross_rank": ((bool,), "an array of one rank read by another rank's collective"),
 }
 ROOT_FAILURES = frozenset(int(s) for s in Status if s not in (Status.OK, Status.UPSTREAM_FAILED))
 _KINDS = frozenset(k.value for k in NodeKind)
@@ -126,6 +150,10 @@ def lint(g: nx.MultiDiGraph) -> list[str]:
             problems.append(f"{where} has unknown kind {kind!r}")
         if kind == NodeKind.KERNEL.value:
             problems += _field_problems(where, data, KERNEL_FIELDS, required=True)
+        if kind == NodeKind.COLLECTIVE.value:
+            problems += _field_problems(where, data, COLLECTIVE_FIELDS, required=True)
+            if data.get("op") not in COLLECTIVES:
+                problems.append(f"{where} is a collective of unknown op {data.get('op')!r}")
         if kind in (NodeKind.INPUT.value, NodeKind.CONSTANT.value) and g.in_degree(node):
             problems.append(f"{where} is an {kind} but has predecessors")
         if kind == NodeKind.OUTPUT.value and g.out_degree(node):
@@ -141,6 +169,7 @@ def lint(g: nx.MultiDiGraph) -> list[str]:
         if not isinstance(key, str):
             problems.append(f"{where}: the key must be the array's name")
         problems += _field_problems(where, data, EDGE_FIELDS, required=True)
+        problems += _field_problems(where, data, OPTIONAL_EDGE_FIELDS, required=False)
         shape = data.get("shape", ())
         if isinstance(shape, (tuple, list)) and not all(_typed(d, (int,)) and d >= 0 for d in shape):
             problems.append(f"{where}: shape {shape!r} is not non-negative ints")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import gc
 import inspect
 import os
 import random
@@ -26,8 +25,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import backends
+from ._fastpaths import gc_paused
 from .capture import MAGIC, EventLog, Record, Wiring, build_graph
 from .context import current_recorder, recording
+from .distributed.collectives import standing_in
 from .graph import Graph, GraphError
 from .nodes import Kernel, KernelError, Status, dtype_name
 from .state import Flat, State, argument_names, flatten_outputs, unflatten_outputs
@@ -39,9 +40,10 @@ _TRACE = "trace a function with graphkern"
 
 
 class TraceRecorder:
-    """Collects the kernel and module calls of one trace and tags their outputs."""
+    """Collects the kernel, collective and module calls of one trace and tags their outputs."""
 
     inspects = True  # launches inside run plain: mx.export_function cannot export custom vjps
+    stands_in_collectives = True  # mx.export_function cannot record collectives either
 
     def __init__(self, modules: dict[int, str] | None = None, tag: bool = True,
                  objects: dict[int, nn.Module] | None = None):
@@ -56,6 +58,8 @@ class TraceRecorder:
         self.last_record: int | None = None
         self.kernels: dict[int, Kernel] = {}  # the kernel objects launched, by identity
         self.launches: list[Launch | None] = []  # each kernel call's launch, in call order
+        self.collectives = 0
+        self.group: dict[str, int] = {}  # rank and group_size of the first collective
 
     @property
     def scope(self) -> str:
@@ -100,6 +104,15 @@ class TraceRecorder:
                         attrs=_kernel_attrs(launch, kernel, request))
         self.calls += 1
         self.launches.append(launch)
+        return self._tagged(record, inputs, outputs)
+
+    def collective_call(self, op: str, attrs: dict[str, Any], inputs: list[mx.array],
+                        outputs: list[mx.array]) -> list[mx.array]:
+        """Record a collective's stand-in (see ``graphkern.distributed.collectives``)."""
+        record = Record(len(self.records), "collective", op, self.scope, len(outputs),
+                        call_index=self.collectives, attrs=attrs)
+        self.collectives += 1
+        self.group = self.group or {"rank": attrs["rank"], "group_size": attrs["group_size"]}
         return self._tagged(record, inputs, outputs)
 
     def module_call(self, path: str, module: nn.Module, inputs: list[mx.array],
@@ -354,10 +367,12 @@ class Traceable:
                     _watch_modules(unseen, enabled=not self.state.modules):
                 mx.export_function(log, flat_fn, *flat.arrays, *state_arrays)
 
-        owners = _ModuleHooks.install([m for _, m in self.state.modules.values()])
-        with _gc_paused():
+        modules = [m for _, m in self.state.modules.values()]
+        owners = _ModuleHooks.install(modules)
+        with gc_paused():
             try:
-                _on_deep_stack(capture)
+                with standing_in(self.fn, modules):
+                    _on_deep_stack(capture)
             except KernelError:
                 raise
             except Exception as exc:
@@ -368,7 +383,7 @@ class Traceable:
             if used is not None:
                 used.extend(recorder.kernels.values())
             attrs = {"name": self.name, "backend": backend or backends.active_backend(),
-                     "mlx_version": getattr(mx, "__version__", "?")}
+                     "mlx_version": getattr(mx, "__version__", "?"), **recorder.group}
             g = build_graph(log, flat.names + self.state.names, recorder.records,
                             recorder.nonce, attrs, wiring)
             self._describe(g, len(flat.names), recorder)
@@ -477,19 +492,6 @@ def _on_deep_stack(work: Callable[[], None]) -> None:
         finally:
             threading.stack_size(previous)
     future.result()
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a trace allocates its many small, acyclic
-    objects (it otherwise runs dozens of times and doubles the cost); restored afterwards."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:

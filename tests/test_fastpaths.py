@@ -87,3 +87,22 @@ def test_moving_a_nodes_out_edges_equals_the_public_api_route():
     assert nx.utils.graphs_equal(moved, expected)
     assert sorted(moved.edges(keys=True)) == sorted(expected.edges(keys=True))
     assert list(moved.predecessors("c")) == ["a", "b"] and "tag" not in moved
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_paused_collector_is_left_as_it_was_found(enabled: bool) -> None:
+    import gc
+
+    from graphkern._fastpaths import gc_paused
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() == enabled
+        with pytest.raises(ValueError), gc_paused():
+            raise ValueError("a failing trace")
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()

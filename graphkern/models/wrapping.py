@@ -29,6 +29,7 @@ import mlx.nn as nn
 from graphkern import backends
 from graphkern.compiled import CompiledGraph, all_finite, non_finite_error
 from graphkern.compiled import compile as compile_graph
+from graphkern.distributed.sync import rank_sync
 from graphkern.graph import Graph
 from graphkern.models.cache import cache_states, snapshot, stand_ins, states_of, write_back
 from graphkern.models.structure import StructureWatch
@@ -70,12 +71,17 @@ class WrappedModel:
     """A model whose forward pass runs as a graphkern compiled graph (see :func:`wrap`)."""
 
     def __init__(self, model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
-                 trace_each_offset: bool = False, check_finite: bool = False):
+                 trace_each_offset: bool = False, check_finite: bool = False,
+                 group: Any = None, timeout: float | None = None):
         if not isinstance(model, nn.Module):
             raise KernelError(WRAP_OPERATION, f"wrap expects an mlx.nn.Module, got {type(model).__name__}",
                               Status.INVALID_INPUT)
         self.model = model
         self.backend = backend
+        # several ranks (graphkern.distributed): the group and watchdog every compiled graph shares
+        self._sync = rank_sync([m for _, m in model.named_modules()], group, timeout)
+        self._group = self._sync.group if self._sync is not None else None
+        self.timeout = timeout
         self.max_traces = max_traces
         self._graphs: OrderedDict[Any, CompiledGraph] = OrderedDict()
         self.trace_each_offset = trace_each_offset
@@ -110,8 +116,7 @@ class WrappedModel:
                 if family in self._cache_calls_traced:
                     return None
                 self._cache_calls_traced.add(family)
-            compiled = compile_graph(_forward(self.model), backend=self.backend,
-                                     check_finite=self.check_finite)
+            compiled = self._new_compiled()
             self._graphs[static] = compiled
             while len(self._graphs) > self.max_traces:
                 self._graphs.popitem(last=False)
@@ -141,9 +146,14 @@ class WrappedModel:
         try:
             with backends.using_backend(self.backend):
                 out = self.model(*args, cache=cache, **kwargs)
-            # scheduled as a steady compiled call is: MLX compiles and encodes the kernels here,
-            # so a failure still raises in this call, while the GPU runs as the caller goes on
-            mx.async_eval(out)
+            if self._sync is not None and self._sync.job is not None:
+                # a watchdog (timeout=) must see the collectives finish
+                self._sync.evaluate(out, call=f"{type(self.model).__name__} (eager)")
+            else:
+                # scheduled as a steady compiled call is: MLX compiles and encodes the kernels
+                # here, so a failure still raises in this call, while the GPU runs as the caller
+                # goes on
+                mx.async_eval(out)
             if self.check_finite and not all_finite(out):  # (waits for the outputs)
                 write_back(cache, before)  # the values trace runs on the cache as it was
                 forward = Traceable(_forward(self.model))
@@ -208,8 +218,12 @@ class WrappedModel:
         args, kwargs, _ = self._prepare(args, cache, kwargs)
         compiled = self._compiled(args, kwargs)
         if compiled is None:  # a call that runs eagerly is still traced when asked for
-            compiled = CompiledGraph(_forward(self.model), backend=self.backend)
+            compiled = self._new_compiled()
         return compiled.trace(*args, **kwargs)
+
+    def _new_compiled(self) -> CompiledGraph:
+        return compile_graph(_forward(self.model), backend=self.backend, check_finite=self.check_finite,
+                             group=self._group, timeout=self.timeout)
 
     def clear(self) -> None:
         """Forget every trace."""
@@ -231,7 +245,8 @@ class WrappedModel:
 
 
 def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
-         trace_each_offset: bool = False, check_finite: bool = False) -> WrappedModel:
+         trace_each_offset: bool = False, check_finite: bool = False, group: Any = None,
+         timeout: float | None = None) -> WrappedModel:
     """Run ``model``'s forward pass as a graphkern compiled graph.
 
     Parameters are passed to the compiled function as state, so ``model.update(...)`` and optimizer
@@ -248,6 +263,9 @@ def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
     ``check_finite=True`` checks each call's logits for NaN/Inf and raises ``GraphError`` naming the
     node where they started (see ``gk.compile``); the cache is then left as it was.
     Anything but an ``nn.Module`` is refused with ``KernelError`` (``Status.INVALID_INPUT``).
+    A sharded model (``model.shard(group)``) runs on every rank as ``gk.compile`` runs it there:
+    the ranks agree before a new signature runs, and ``timeout`` (seconds) arms the watchdog
+    (see ``graphkern.distributed``); ``group`` defaults to the one the sharded layers hold.
 
     >>> import mlx.core as mx, mlx.nn as nn
     >>> model = nn.Linear(2, 2)
@@ -257,4 +275,4 @@ def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
     [[1.0, 1.0]]
     """
     return WrappedModel(model, backend=backend, max_traces=max_traces, trace_each_offset=trace_each_offset,
-                        check_finite=check_finite)
+                        check_finite=check_finite, group=group, timeout=timeout)

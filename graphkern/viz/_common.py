@@ -279,6 +279,24 @@ def template_text(data: Mapping[str, Any]) -> str:
                      for name, value in items)
 
 
+def collective_text(data: Mapping[str, Any]) -> str:
+    """What a collective node does, in a few words.
+
+    >>> collective_text({"op": "all_sum", "reduce": "sum", "group_size": 2, "rank": 1})
+    'sum over 2 ranks (rank 1)'
+    >>> collective_text({"op": "send", "group_size": 2, "rank": 1, "peer": 0})
+    'to rank 0 of 2 (rank 1)'
+    """
+    size, rank, peer = data.get("group_size"), data.get("rank"), data.get("peer")
+    if peer is not None:
+        head = f"{'to' if data.get('op') == 'send' else 'from'} rank {peer} of {size}"
+    elif data.get("op") == "all_gather":
+        head = f"gather over {size} ranks"
+    else:
+        head = f"{data.get('reduce') or data.get('op')} over {size} ranks"
+    return f"{head} (rank {rank})"
+
+
 def iter_kernel_fields(data: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
     """``(name, text)`` of the kernel attributes worth showing, in a fixed order."""
     for key in ("kernel", "backend", "grid", "threadgroup", "template", "source_hash",

@@ -32,6 +32,7 @@ from graphkern.viz._common import (
     all_in_edges,
     as_nx,
     atomic_write,
+    collective_text,
     format_tensor,
     graph_name,
     is_root_failure,
@@ -62,9 +63,12 @@ _KIND_STYLE: dict[str, dict[str, str]] = {
     "op": {"shape": "box", "style": "rounded,filled", "fillcolor": "#ffffff", "color": "#64748b"},
     "kernel": {"shape": "box3d", "style": "filled,bold", "fillcolor": "#ede9fe",
                "color": "#6d28d9", "fontcolor": "#3b0764"},
+    "collective": {"shape": "hexagon", "style": "filled,bold", "fillcolor": "#ffedd5",
+                   "color": "#c2410c", "fontcolor": "#7c2d12"},
     "module": {"shape": "box", "style": "filled,bold", "fillcolor": "#e2e8f0", "color": "#475569",
                "peripheries": "2"},
 }
+_CROSS_RANK = 'style="dashed", color="#ea580c", penwidth=1.4, constraint=false'
 _FAILED = {"fillcolor": "#fecaca", "color": "#dc2626", "fontcolor": "#7f1d1d", "penwidth": "2.5"}
 _UPSTREAM = {"color": "#dc2626", "fontcolor": "#991b1b", "penwidth": "1.2",
              "fillcolor": "#fff1f2"}
@@ -232,9 +236,10 @@ def to_dot(graph: Any, *, clusters: bool = True, edge_labels: bool = True, rankd
 
     Module scopes are nested ``cluster_`` subgraphs (``layers.0.self_attn.q_proj`` sits in
     ``layers.0`` > ``self_attn`` > ``q_proj``); kernel nodes are violet 3-D boxes that show their
-    backend and grid; root failures are filled red with their status; nodes downstream of a
-    failure are dashed red with a tooltip naming the root cause; edges are labelled
-    ``dtype[shape]`` (``edge_labels=False`` leaves them bare).
+    backend and grid; collectives are orange hexagons, their cross-rank edges dashed orange; root
+    failures are filled red with their status; nodes downstream of a failure are dashed red with
+    a tooltip naming the root cause; edges are labelled ``dtype[shape]`` (``edge_labels=False``
+    leaves them bare).
 
     Weights and constants are written into the node that reads them (``weights=True`` draws
     them as nodes); consecutive identical blocks such as a model's decoder layers are drawn once,
@@ -340,7 +345,9 @@ def to_dot(graph: Any, *, clusters: bool = True, edge_labels: bool = True, rankd
         elif edge_labels:
             attrs.append(f"label={_q(' ' + tensor)}")
         attrs.append(f"tooltip={_q(f'{key}: {tensor} ({u} -> {v})')}")
-        if node_status(g.nodes[u]):
+        if data.get("cross_rank"):  # one rank's array read by another rank's collective
+            attrs.append(_CROSS_RANK)
+        elif node_status(g.nodes[u]):
             attrs.append('color="#dc2626"')
             attrs.append("penwidth=1.5")
         out.append(f"  {_q(a)} -> {_q(b)} [{', '.join(attrs)}];")
@@ -434,6 +441,8 @@ def _node_attrs(n: str, d: dict[str, Any], max_label: int, reads: list[str],
             extra += f" tg {'x'.join(str(x) for x in tg)}"
         if extra.strip():
             lines.append(extra.strip())
+    elif kind == "collective":
+        lines.append(collective_text(d))
     elif kind == "constant" and d.get("value"):
         lines.append(_short(str(d["value"]), max_label))
     scope = str(d.get("scope") or "")

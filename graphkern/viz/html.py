@@ -39,7 +39,8 @@ __all__ = ["to_html", "repr_html", "srcdoc_iframe", "viewer_data"]
 
 KINDS = [kind.value for kind in NodeKind]
 _DETAIL_KEYS = ("message", "value", "arguments", "kernel", "backend", "grid", "threadgroup",
-                "source_hash", "source", "generated_name")
+                "source_hash", "source", "generated_name", "reduce", "group_size", "rank", "peer",
+                "on_rank")
 #: node flags in the viewer's rows
 WEIGHT = 1  # a weight or constant (or computed from them alone): drawn as its consumers' attribute
 
@@ -62,10 +63,11 @@ def viewer_data(graph: Any, *, diff: Mapping[str, Any] | None = None,
     """The JSON document the viewer reads: nodes in topological order as compact rows
     ``[id, kind, label, op, group, status, root, flags]`` (flag 1: a weight or constant, drawn as
     an attribute of its consumers), module groups ``[path, label, parent, depth, class]``,
-    edges ``[source, target, array, shape, dtype, index]``, per-node details (``weight``: how a
-    weight-like node reads, in full and short; ``output_stats``, ``values_note``,
-    ``reference_check``), kernel sources by source hash, and ``values`` (see
-    ``graphkern.viz.overlay.values_doc``) when nodes carry statistics or a comparison.
+    edges ``[source, target, array, shape, dtype, index]`` (a seventh item, 1, for an edge between
+    two ranks of a merged job), per-node details (``weight``: how a weight-like node reads, in
+    full and short; ``output_stats``, ``values_note``, ``reference_check``), kernel sources by
+    source hash, and ``values`` (see ``graphkern.viz.overlay.values_doc``) when nodes carry
+    statistics or a comparison.
 
     >>> data = viewer_data(graph)                          # doctest: +SKIP
     >>> data["nodes"][0][:2]                               # doctest: +SKIP
@@ -110,8 +112,9 @@ def viewer_data(graph: Any, *, diff: Mapping[str, Any] | None = None,
     ins = all_in_edges(g)
     for n in order:
         for u, _, key, data in ins[n]:
-            edges.append([index[u], index[n], str(key), format_shape(data.get("shape")),
-                          str(data.get("dtype") or "?"), int(data.get("index") or 0)])
+            row = [index[u], index[n], str(key), format_shape(data.get("shape")),
+                   str(data.get("dtype") or "?"), int(data.get("index") or 0)]
+            edges.append(row + [1] if data.get("cross_rank") else row)  # 1: between two ranks
     roots = [n for n in order if node_status(g.nodes[n]) not in (0, 10)]
     first = g.nodes[roots[0]] if roots else None
     return {

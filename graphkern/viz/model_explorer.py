@@ -15,14 +15,13 @@ repeated layers so that each decoder layer is one box.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import re
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
+from graphkern._fastpaths import gc_paused
 from graphkern.viz._common import (
     UPSTREAM_FAILED,
     all_in_edges,
@@ -45,6 +44,8 @@ __all__ = ["to_model_explorer", "to_model_explorer_node_data", "initial_ui_state
 INSTALL_HINT = ("Model Explorer is not installed; install the optional extra: "
                 "pip install 'graphkern[model-explorer]' (or pip install ai-edge-model-explorer)")
 
+_COLLECTIVE_STYLE = {"backgroundColor": "#ffedd5", "borderColor": "#c2410c",
+                     "hoveredBorderColor": "#7c2d12"}
 _KERNEL_STYLE = {"backgroundColor": "#ede9fe", "borderColor": "#6d28d9",
                  "hoveredBorderColor": "#4c1d95"}
 _FAILED_STYLE = {"backgroundColor": "#fecaca", "borderColor": "#dc2626",
@@ -80,19 +81,8 @@ def to_model_explorer(graph: Any) -> dict[str, Any]:
     """
     # The export builds a few hundred thousand small dicts and lists and no cycles: the cyclic
     # garbage collector would only re-scan them (and a big process's heap) over and over.
-    with _no_gc():
+    with gc_paused():
         return _to_model_explorer(as_nx(graph))
-
-
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _to_model_explorer(g: Any) -> dict[str, Any]:
@@ -143,13 +133,19 @@ def _to_model_explorer(g: Any) -> dict[str, Any]:
             attrs += [_kv(k, v) for k, v in iter_kernel_fields(d)]
             if d.get("source"):
                 attrs.append(_kv("source", d["source"]))
+        elif kind == "collective":
+            attrs += [_kv(k, d[k]) for k in ("reduce", "group_size", "rank", "peer")
+                      if d.get(k) is not None]
+        if d.get("on_rank") is not None:
+            attrs.append(_kv("on_rank", d["on_rank"]))
         attrs += stats_attrs(d)
         arrays = outs[n]
         outputs_meta = [{"id": oid, "attrs": [{"key": "tensor_shape", "value": arrays[key]},
                                               {"key": "__tensor_tag", "value": key}]}
                         for key, oid in out_ids[n].items()]
         style = (_UPSTREAM_STYLE if status == UPSTREAM_FAILED else _FAILED_STYLE if status
-                 else _KERNEL_STYLE if kind == "kernel" else None)
+                 else _KERNEL_STYLE if kind == "kernel"
+                 else _COLLECTIVE_STYLE if kind == "collective" else None)
         for node_id, namespace in places[n]:
             incoming = [{"sourceNodeId": _placed_id(places, u, namespace),
                          "sourceNodeOutputId": out_ids[u].get(str(key), "0"),

@@ -157,7 +157,9 @@
   // legend. The statistic colourings give each node a category (-1 no value, 0 the quiet
   // range, 1 the loud range, 2 non-finite) and a value; a closed module takes the worst node
   // inside it (highest category, then largest value), weights only where they are loud.
-  var KIND_FILL = { op: "#ffffff", input: "#dbeafe", output: "#dcfce7", constant: "#f1f5f9", kernel: "#ede9fe" };
+  var KIND_FILL = { op: "#ffffff", input: "#dbeafe", output: "#dcfce7", constant: "#f1f5f9", kernel: "#ede9fe",
+                    collective: "#ffedd5" };
+  var hasCollectives = nKind.indexOf("collective") >= 0;
   var FAILED_FILL = "#fecaca", UPSTREAM_FILL = "#fff1f2", BOX_FILL = "#e2e8f0";
   var NONE_FILL = "#f1f5f9", NONFINITE_FILL = "#881337", FINITE_FILL = "#ecfdf5", FIRST_HALO = "#ea580c";
   var LIMIT_FILL = "#94a3b8";
@@ -254,9 +256,10 @@
       },
       group: function (g) { return gRootFail[g] ? FAILED_FILL : gFailed[g] ? UPSTREAM_FILL : BOX_FILL; },
       legend: function () {
-        return [[KIND_FILL.op, "#64748b", "op"], [KIND_FILL.kernel, "#6d28d9", "kernel"],
-                [KIND_FILL.input, "#3b82f6", "input"], [KIND_FILL.output, "#16a34a", "output"],
-                [BOX_FILL, "#475569", "module (closed)"]];
+        return [[KIND_FILL.op, "#64748b", "op"], [KIND_FILL.kernel, "#6d28d9", "kernel"]].concat(
+          hasCollectives ? [[KIND_FILL.collective, "#c2410c", "collective"]] : [],
+          [[KIND_FILL.input, "#3b82f6", "input"], [KIND_FILL.output, "#16a34a", "output"],
+           [BOX_FILL, "#475569", "module (closed)"]]);
       }
     }
   };
@@ -316,7 +319,7 @@
   function isDark(colour) { return luminance(colour) < 135; }   // white text reads better on it
   // outline: the kind, or the status, which every colouring shows the same way
   var KIND_STROKE = { op: ["#64748b", 1], input: ["#3b82f6", 1.5], output: ["#16a34a", 1.5],
-                      constant: ["#94a3b8", 1], kernel: ["#6d28d9", 2.2] };
+                      constant: ["#94a3b8", 1], kernel: ["#6d28d9", 2.2], collective: ["#c2410c", 2.2] };
   function strokeOf(n) {
     if (nStatus[n] === UPSTREAM) return ["#ef4444", 1.5, 1];
     if (nStatus[n]) return ["#dc2626", 3, 0];
@@ -410,7 +413,7 @@
       }
     }
     for (e = 0; e < E; e++) {
-      if (nWeight[eSrc[e]] || nWeight[eDst[e]]) continue;
+      if (nWeight[eSrc[e]] || nWeight[eDst[e]] || D.edges[e][6]) continue;   // [6]: cross-rank, drawn apart
       dES.push(dOfNode[eSrc[e]]); dED.push(dOfNode[eDst[e]]); dEE.push(e);
     }
   }
@@ -835,6 +838,11 @@
     if (L.uStatus[u]) return L.uFailRoot[u] ? "failed" : "upstream";
     return L.uBox[u] >= 0 ? "group" : nKind[dNode[L.uRef[u]]];
   }
+  function hexagon(c, x, y, w, h) {
+    var d = Math.min(h / 2, w / 4);
+    c.moveTo(x + d, y); c.lineTo(x + w - d, y); c.lineTo(x + w, y + h / 2);
+    c.lineTo(x + w - d, y + h); c.lineTo(x + d, y + h); c.lineTo(x, y + h / 2); c.closePath();
+  }
   function roundRect(c, x, y, w, h, r) {
     c.moveTo(x + r, y); c.arcTo(x + w, y, x + w, y + h, r); c.arcTo(x + w, y + h, x, y + h, r);
     c.arcTo(x, y + h, x, y, r); c.arcTo(x, y, x + w, y, r); c.closePath();
@@ -843,6 +851,7 @@
     var x0 = L.x[u] - L.w[u] / 2 - grow, y0 = L.y[u] - grow, w = L.w[u] + 2 * grow, h = L.h[u] + 2 * grow;
     if (!rounded) { c.rect(x0, y0, w, h); return; }
     var kind = L.uBox[u] >= 0 ? "group" : nKind[dNode[L.uRef[u]]];
+    if (kind === "collective") { hexagon(c, x0, y0, w, h); return; }
     roundRect(c, x0, y0, w, h, kind === "input" || kind === "output" ? h / 2 : kind === "op" ? 6 : 4);
   }
   var FRAME_FILL = ["rgba(241,245,249,0.85)", "rgba(226,232,240,0.55)", "rgba(203,213,225,0.35)", "rgba(203,213,225,0.3)"];
@@ -854,6 +863,24 @@
       if (ax === bx || k < 0.15) ctx.lineTo(bx, by);
       else { var hy = (by - ay) * 0.5; ctx.bezierCurveTo(ax, ay + hy, bx, by - hy, bx, by); }
     }
+  }
+  // edges between two ranks of a merged job: drawn over the layout, which they do not shape, so
+  // the ranks' lanes stand side by side
+  var crossE = [];
+  for (e = 0; e < E; e++) if (D.edges[e][6]) crossE.push(e);
+  function strokeCrossRank(k) {
+    if (!crossE.length) return;
+    var drawn = new Set();
+    ctx.beginPath();
+    for (var z = 0; z < crossE.length; z++) {
+      var ua = unitOfNode(eSrc[crossE[z]]), ub = unitOfNode(eDst[crossE[z]]);
+      if (ua < 0 || ub < 0 || ua === ub || drawn.has(ua * L.U + ub)) continue;
+      drawn.add(ua * L.U + ub);
+      var ax = L.x[ua], ay = L.y[ua] + L.h[ua], bx = L.x[ub], by = L.y[ub], my = (ay + by) / 2;
+      ctx.moveTo(ax, ay); ctx.bezierCurveTo(ax, my, bx, my, bx, by);
+    }
+    ctx.setLineDash([6, 4]); ctx.strokeStyle = "#ea580c"; ctx.lineWidth = 1.4 / Math.max(k, 0.35);
+    ctx.stroke(); ctx.setLineDash([]);
   }
   function draw() {
     if (!L) return;
@@ -901,6 +928,7 @@
     }
     strokeAll(normal, "#94a3b8", 1);
     strokeAll(failed, "#ef4444", 1.4);
+    strokeCrossRank(k);
     strokeAll(hot, "#2563eb", 2.2);
     // units, batched by look
     var visible = [];
@@ -1291,6 +1319,11 @@
     if (d.weight) h += row("is", mono(d.weight[0]));
     if (d.value) h += row("value", mono(d.value));
     if (d.arguments) h += row("arguments", mono(d.arguments));
+    if (nKind[n] === "collective") {   // what it does across the ranks
+      h += row("group", esc((d.reduce ? d.reduce + " over " : "over ") + d.group_size + " ranks (rank " + d.rank + ")"));
+      if (d.peer != null) h += row(nOp[n] === "send" ? "to rank" : "from rank", esc(d.peer));
+    }
+    if (d.on_rank != null) h += row("on rank", esc(d.on_rank));
     h += "</table>";
     if (d.message) h += '<pre class="msg" data-testid="panel-message">' + esc(d.message) + "</pre>";
     h += "</section>";

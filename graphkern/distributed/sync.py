@@ -1,0 +1,131 @@
+"""What a compiled graph needs to run on several ranks: the group, the agreement, the watchdog.
+
+``gk.compile`` and ``gk.wrap`` hold a :class:`RankSync` when the function they compile runs over
+a group of more than one rank (``group=``, else a ``mx.distributed.Group`` held by one of its
+modules, as mlx-lm's sharded layers hold theirs). It agrees with the other ranks before a new
+signature runs (``graphkern.distributed.agreement``) and, with ``timeout=``, watches every call
+that may communicate (``graphkern.distributed.watchdog``). Steady calls cost nothing more.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+
+from ..graph import Graph
+from ..nodes import KernelError, Status, dtype_name
+from .agreement import COMMUNICATING, GroupError, agree, collectives_of
+from .watchdog import Job
+
+__all__ = ["RankSync", "find_group", "rank_sync"]
+
+
+def find_group(modules: Any) -> Any:
+    """The largest ``mx.distributed.Group`` held as an attribute by one of ``modules`` (mlx-lm's
+    sharded linears hold ``group``, its MoE blocks ``sharding_group``), or None.
+
+    >>> find_group([]) is None
+    True
+    """
+    best = None
+    for module in modules:
+        for value in vars(module).values():
+            if isinstance(value, mx.distributed.Group) and (best is None or value.size() > best.size()):
+                best = value
+    return best
+
+
+def _check_timeout(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise KernelError("compile a graphkern graph", f"timeout must be a positive number of seconds, "
+                          f"got {timeout!r}", Status.INVALID_INPUT)
+    return float(timeout)
+
+
+def rank_sync(modules: Any, group: Any = None, timeout: Any = None) -> RankSync | None:
+    """The ``RankSync`` of a function whose modules are ``modules``, or None when it runs on one
+    rank (no group of more than one found, none given). ``timeout`` is checked either way."""
+    seconds = _check_timeout(timeout)
+    if group is not None and not isinstance(group, mx.distributed.Group):
+        raise KernelError("compile a graphkern graph", f"group must be an mx.distributed.Group, got "
+                          f"{type(group).__name__}", Status.INVALID_INPUT)
+    group = group if group is not None else find_group(modules)
+    if group is None or group.size() == 1:
+        return None
+    return RankSync(group, seconds)
+
+
+class RankSync:
+    """The agreement and the watchdog of one compiled function on its group (see the module)."""
+
+    def __init__(self, group: Any, timeout: float | None) -> None:
+        self.group = group
+        self.timeout = timeout
+        self.job = Job.of(group) if timeout is not None else None
+        self._outcomes: dict[Any, GroupError | None] = {}
+        # per graph: the call it traced (for messages) and its collectives, described once
+        self._described: dict[int, tuple[Graph, str, tuple[str, ...]]] = {}
+
+    def agree(self, key: Any, graph: Graph | None, error: KernelError | None, what: str) -> None:
+        """Agree once per signature ``key``; raises the ``GroupError`` every rank raises.
+        ``what`` names the call (``describe_call``)."""
+        if key not in self._outcomes:
+            with self.watch(graph, f"agreement on {what}", what):
+                self._outcomes[key] = agree(self.group, graph, error, what)
+        outcome = self._outcomes[key]
+        if outcome is not None:
+            if not outcome.in_step:
+                self.failed(outcome)  # with a watchdog, the others hear of it before they hang
+            raise outcome
+
+    def evaluate(self, outputs: Any, graph: Graph | None = None, call: str | None = None) -> None:
+        """Evaluate ``outputs`` as one watched call (``graph`` the trace they come from, ``call``
+        its name when there is none); as ``mx.eval`` without a watchdog."""
+        with self.watch(graph, call):
+            mx.eval(outputs)
+
+    @contextmanager
+    def watch(self, graph: Graph | None, call: str | None = None, what: str | None = None) -> Iterator[None]:
+        """The body as one watched call when there is a watchdog, else as it is. ``call`` names
+        it in the flight record (default: the call ``graph`` was traced for)."""
+        if self.job is None or self.timeout is None:
+            yield
+            return
+        traced, collectives = self._describe(graph, what)
+        with self.job.watch(self.timeout, call or traced, collectives):
+            yield
+
+    def failed(self, error: Exception) -> None:
+        """This rank failed while running: abort the job (with a watchdog) so no rank waits."""
+        if self.job is not None:
+            self.job.fail(error)
+
+    def clear(self) -> None:
+        self._outcomes.clear()
+        self._described.clear()
+
+    def _describe(self, graph: Graph | None, what: str | None) -> tuple[str, tuple[str, ...]]:
+        if graph is None:
+            return what or "a call", ()
+        known = self._described.get(id(graph))
+        if known is None or known[0] is not graph:
+            known = self._described[id(graph)] = (
+                graph, what or str(graph.nx.graph.get("name", "graph")),
+                tuple(c.describe() for c in collectives_of(graph) if c.op in COMMUNICATING))
+        return known[1], known[2]
+
+
+def describe_call(name: str, arrays: list[mx.array]) -> str:
+    """``Model(int32[1, 3])``: a call as flight records and messages name it.
+
+    >>> describe_call("f", [mx.zeros((2, 3))])
+    'f(float32[2, 3])'
+    """
+    return f"{name}({', '.join(f'{dtype_name(a.dtype)}{list(a.shape)}' for a in arrays)})"
