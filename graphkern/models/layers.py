@@ -25,6 +25,8 @@ import mlx.nn as nn
 
 from graphkern import kernels as gkk
 from graphkern.autodiff import vjp_enabled, without_vjp
+from graphkern.kernels.ops.rope import int_offset_array
+from graphkern.models.segments import Segments, segments_apply
 
 __all__ = [
     "KernelAddRMSNorm",
@@ -105,6 +107,14 @@ class KernelLayer(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
+
+    def segments(self) -> Segments:
+        """This layer's compiled segments (see ``graphkern.models.segments``), made on first use."""
+        found: Segments | None = self.__dict__.get("_gk_segments")
+        if found is None or found.layer() is not self:  # a copy of a layer makes its own
+            found = Segments(self)
+            object.__setattr__(self, "_gk_segments", found)
+        return found
 
     def _extra_repr(self) -> str:
         return f"{self.kernel} kernel, replaces {type(self.original).__name__}"
@@ -319,12 +329,18 @@ class KernelAttention(KernelLayer):
         self._gk_norms = norms
         self._gk_sdpa = sdpa
 
-    def forward(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        B, L, _ = x.shape
+    def position(self, x: mx.array, cache: Any) -> tuple[Any, Rotary] | None:
+        """(the offset, how to rotate) for a call on ``x`` with ``cache``, or None when the stock
+        layer's RoPE runs it. An int offset comes as the int32 array the kernels take."""
         offset = cache.offset if cache is not None else 0
-        rotary = self.rope.rotary(L, offset)
-        if rotary is None:  # the stock layer's RoPE runs this call
-            return self.original(x, mask, cache)  # type: ignore[no-any-return]
+        rotary = self.rope.rotary(x.shape[1], offset)
+        if rotary is None:
+            return None
+        return (int_offset_array(offset) if offset.__class__ is int else offset), rotary
+
+    def project(self, x: mx.array, offset: Any, rotary: Rotary) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries and keys (normalized per head, rotated) and values, each ``(B, heads, L, D)``."""
+        B, L, _ = x.shape
         heads, kv_heads = getattr(self, self._gk_heads[0]), getattr(self, self._gk_heads[1])
         queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_weight = k_weight = None
@@ -335,12 +351,30 @@ class KernelAttention(KernelLayer):
                                     traditional=rotary.traditional, base=rotary.base, scale=rotary.scale,
                                     offset=offset, freqs=rotary.freqs, input_scale=rotary.input_scale,
                                     q_weight=q_weight, k_weight=k_weight, eps=eps)
-        values = values.reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
+        return queries, keys, values.reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, mask: Any, cache: Any) -> mx.array:
+        """The cache update and attention, as the stock layer makes them: ``(B, heads, L, D)``."""
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-        output = self._gk_sdpa(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
-        output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(output)  # type: ignore[no-any-return]
+        return self._gk_sdpa(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+
+    def output(self, attended: mx.array) -> mx.array:
+        """``o_proj`` of the heads put back side by side: ``(B, L, hidden)``."""
+        B, _, L, _ = attended.shape
+        return self.o_proj(attended.transpose(0, 2, 1, 3).reshape(B, L, -1))  # type: ignore[no-any-return]
+
+    def forward(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        position = self.position(x, cache)
+        if position is None:  # the stock layer's RoPE runs this call
+            return self.original(x, mask, cache)  # type: ignore[no-any-return]
+        segments = self.segments()
+        if segments.usable and segments_apply(x):
+            projected = segments("project", x, *position)
+            if projected is not None:
+                queries, keys, values = projected
+                return segments("output", self.attend(queries, keys, values, mask, cache))  # type: ignore[no-any-return]
+        return self.output(self.attend(*self.project(x, *position), mask, cache))
 
 
 #: The residual a block is called without: a stock call, not a link of a fused chain.
@@ -375,6 +409,16 @@ class KernelResidualBlock(KernelLayer):
         return isinstance(self.input_layernorm, KernelAddRMSNorm)
 
     def forward(self, x: mx.array, mask: Any = None, cache: Any = None, residual: Any = _ALONE) -> Any:
+        attention = self.self_attn
+        if isinstance(attention, KernelAttention) and segments_apply(x):
+            position = attention.position(x, cache)
+            segments = self.segments()
+            if position is not None and segments.usable:
+                entered = segments("enter", x, None if residual is _ALONE else residual, *position)
+                if entered is not None:
+                    x, queries, keys, values = entered
+                    attended = attention.attend(queries, keys, values, mask, cache)
+                    return segments("leave", x, attended, residual is _ALONE)
         if residual is _ALONE:
             r = self.self_attn(self.input_layernorm(x), mask, cache)
             h, normed = self.post_attention_layernorm(x, r)
@@ -386,6 +430,23 @@ class KernelResidualBlock(KernelLayer):
         r = self.self_attn(normed, mask, cache)
         h, normed = self.post_attention_layernorm(x, r)
         return h, self[self._gk_ffn](normed)
+
+    def enter(self, x: mx.array, residual: mx.array | None, offset: mx.array,
+              rotary: Rotary) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """The first segment, up to the cache update: the input norm (with the pending residual
+        add) and the attention's projections: ``(x + residual, queries, keys, values)``."""
+        if residual is None:
+            normed = self.input_layernorm(x)
+        else:
+            x, normed = self.input_layernorm(x, residual)
+        return (x, *self.self_attn.project(normed, offset, rotary))
+
+    def leave(self, x: mx.array, attended: mx.array, alone: bool) -> Any:
+        """The second segment, after attention: ``o_proj``, the residual add fused into the norm,
+        the feed-forward; its own last add made here when called ``alone``, else left to the next."""
+        h, normed = self.post_attention_layernorm(x, self.self_attn.output(attended))
+        out = self[self._gk_ffn](normed)
+        return h + out if alone else (h, out)
 
     def failed_output(self, x: mx.array, mask: Any = None, cache: Any = None, residual: Any = _ALONE) -> Any:
         """What a trace puts in place of a failed call (graphkern.trace): zeros of its outputs."""

@@ -42,7 +42,8 @@ from graphkern.kernels._headers import dual_header
 from graphkern.kernels._host_math import host_float
 from graphkern.nodes import Kernel, KernelError, Status, TemplateArg
 
-__all__ = ["ROPE", "ROPE_CUDA", "plan_rope", "rope", "rope_reference", "rotate_reference", "rotary_template"]
+__all__ = ["ROPE", "ROPE_CUDA", "int_offset_array", "plan_rope", "rope", "rope_reference", "rotate_reference",
+           "rotary_template"]
 
 #: Rows (heads, batch entries) one thread rotates at a position: their angles are computed once.
 ROWS_PER_THREAD = 4
@@ -360,6 +361,15 @@ def _offset_array(offset: int, in_shape: bool) -> mx.array:
     if in_shape:
         return mx.array(np.zeros((0, offset + OFFSET_BIAS), dtype=np.int32))
     return mx.array([offset], dtype=mx.int32)
+
+
+def int_offset_array(offset: int) -> mx.array:
+    """An int offset as the int32 array a RoPE kernel takes, one array per value.
+
+    >>> int_offset_array(7).tolist(), int_offset_array(7) is int_offset_array(7)
+    ([7], True)
+    """
+    return _offset_array(offset, False)
 
 
 _INT_DTYPES = (mx.int32, mx.int64, mx.uint32, mx.int16, mx.int8, mx.uint8, mx.uint16)

@@ -1,0 +1,116 @@
+"""Compiled segments: the parts of a patched layer's forward between its KV-cache updates, replayed
+through ``mx.compile`` while a model decodes.
+
+Decoding a token is host-bound: each launch costs the host more time than the GPU spends on it,
+and a Python layer call costs more than the launch. So in evaluation (no vjp), outside graphkern's
+traces and for calls of a few tokens, a patched block runs what lies between two cache updates
+(input norm, projections and ``rope_qk``; then ``o_proj``, the fused residual norm and the
+feed-forward) as a compiled function of the layer's arrays: a call replays the recorded primitives
+in C++ instead of running the layers' Python again. The cache update and attention itself run as
+in the stock layer, between two segments.
+
+The layer's arrays are the first argument of each compiled call, so replacing a weight (training,
+``load_weights``, quantizing) is seen at the next call, and a changed structure traces anew. Each
+thread has its own compiled forms (MLX keeps one compile cache a thread), and a layer holds its
+forms while they hold only a weak reference back, so dropping a model frees its weights.
+
+A segment's trace swaps the tracers into the layer for its duration, as ``mx.compile(inputs=...)``
+does: a layer must not be called from another thread while it traces its first call of a shape.
+
+>>> import mlx.nn as nn
+>>> class Twice(nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.weight = mx.ones((4,))
+...     def scaled(self, x):
+...         return x * self.weight * 2
+>>> layer = Twice()
+>>> segments = Segments(layer)
+>>> segments("scaled", mx.ones((4,))).tolist()
+[2.0, 2.0, 2.0, 2.0]
+>>> layer.weight = mx.full((4,), 3.0)     # the next call reads the new weight
+>>> segments("scaled", mx.ones((4,))).tolist()
+[6.0, 6.0, 6.0, 6.0]
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from threading import get_ident
+from typing import Any
+
+import mlx.core as mx
+
+from graphkern.autodiff import vjp_enabled
+from graphkern.context import state
+
+__all__ = ["MAX_SEGMENT_TOKENS", "Segments", "segments_apply"]
+
+#: Calls of at most this many tokens run compiled segments (decoding, speculative verification).
+#: Longer ones (prefill) run layer by layer: each new prompt length would be a new trace.
+MAX_SEGMENT_TOKENS = 16
+
+_NOT_A_TREE = "[compile] Function arguments must be trees"
+
+
+def segments_apply(x: mx.array) -> bool:
+    """Whether a layer called with ``x`` (``(B, L, D)``) runs its compiled segments: no vjp (an
+    evaluating model, or ``gk.without_vjp()``), no graphkern trace recording the launches, and at
+    most ``MAX_SEGMENT_TOKENS`` tokens."""
+    return state.recorder is None and not vjp_enabled() and x.ndim == 3 and x.shape[1] <= MAX_SEGMENT_TOKENS
+
+
+class Segments:
+    """One layer's compiled segments: ``segments(name, *args)`` is ``getattr(layer, name)(*args)``
+    through ``mx.compile``, traced once per thread and per signature of the arguments (shapes,
+    dtypes, the values of non-array arguments) and of the layer's arrays.
+
+    Arguments are trees of arrays and constants (what ``mx.compile`` takes). A layer whose tree
+    holds something else cannot be passed: :attr:`usable` turns False and :meth:`__call__` returns
+    None, for the caller to run the layer's own forward.
+    """
+
+    __slots__ = ("layer", "_forms", "usable")
+
+    def __init__(self, layer: Any):
+        self.layer = weakref.ref(layer)
+        self._forms: dict[tuple[str, int], Callable[..., Any]] = {}
+        self.usable = True
+
+    def __call__(self, name: str, *args: Any) -> Any:
+        key = (name, get_ident())
+        form = self._forms.get(key)
+        if form is None:
+            form = self._forms[key] = mx.compile(_traced(self.layer, name))
+        try:
+            return form(self.layer(), *args)
+        except ValueError as exc:
+            if not str(exc).startswith(_NOT_A_TREE):
+                raise
+            self.usable = False
+            return None
+
+
+def _traced(layer_ref: weakref.ReferenceType[Any], name: str) -> Callable[..., Any]:
+    def traced(tree: dict[str, Any], *args: Any) -> Any:
+        layer = layer_ref()
+        _exchange(layer, tree)
+        try:
+            return getattr(layer, name)(*args)
+        finally:
+            _exchange(layer, tree)
+
+    return traced
+
+
+def _exchange(live: Any, other: Any) -> None:
+    """Swap the arrays of ``live`` (a module tree) with those at the same places in ``other`` (its
+    copy as ``mx.compile`` rebuilt it, of plain dicts and lists); its own inverse. A tuple is
+    swapped whole, being immutable."""
+    items = live.items() if isinstance(live, dict) else enumerate(live)
+    for key, value in list(items):
+        if isinstance(value, (mx.array, tuple)):
+            live[key], other[key] = other[key], value
+        elif isinstance(value, (dict, list)):
+            _exchange(value, other[key])

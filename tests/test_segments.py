@@ -1,0 +1,150 @@
+"""Compiled segments (graphkern.models.segments): an evaluating patched model decodes through
+mx.compile'd pieces of its blocks. They must give the stock model's logits, see replaced weights,
+stay out of training, traces and long calls, keep one form a thread, and let a model be freed."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_map
+
+pytest.importorskip("mlx_lm")
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+import graphkern as gk  # noqa: E402
+from graphkern.models import segments as segments_module  # noqa: E402
+from graphkern.models.layers import KernelAttention, KernelResidualBlock  # noqa: E402
+from graphkern.models.segments import Segments, segments_apply  # noqa: E402
+from graphkern.models.tiny import tiny_model  # noqa: E402
+
+PROMPT = mx.array([[3, 17, 42, 5, 99, 1, 7, 64]])
+
+
+def _pair(arch: str) -> tuple[nn.Module, nn.Module]:
+    stock, patched = tiny_model(arch), tiny_model(arch)
+    gk.patch(patched)
+    stock.eval()
+    patched.eval()
+    return stock, patched
+
+
+def _forms(model: nn.Module) -> int:
+    return sum(len(layer.segments()._forms) for layer in model.model.layers
+               if isinstance(layer, KernelResidualBlock) and "_gk_segments" in layer.__dict__)
+
+
+def _decode(model: nn.Module, steps: int = 6) -> list[mx.array]:
+    cache = make_prompt_cache(model)
+    logits = [model(PROMPT, cache=cache)]
+    token = mx.argmax(logits[-1][:, -1:], axis=-1)
+    for _ in range(steps):
+        logits.append(model(token, cache=cache))
+        token = mx.argmax(logits[-1][:, -1:], axis=-1)
+    return logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral"])
+def test_an_evaluating_patched_model_decodes_through_segments_as_stock_does(arch: str) -> None:
+    stock, patched = _pair(arch)
+    for ours, theirs in zip(_decode(patched), _decode(stock)):
+        assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5).item()
+    blocks = len(patched.model.layers)
+    assert _forms(patched) == 2 * blocks  # enter and leave, this thread
+    generated = [t for t, _ in generate_step(PROMPT[0], patched, max_tokens=8)]
+    assert generated == [t for t, _ in generate_step(PROMPT[0], stock, max_tokens=8)]
+
+
+def test_segments_read_the_weights_of_each_call() -> None:
+    stock, patched = _pair("llama")
+    _decode(patched, 2)
+    traced = _forms(patched)
+    new = tree_map(lambda v: v * 1.5, stock.model.layers[0].mlp.parameters())
+    stock.model.layers[0].mlp.update(new)
+    patched.model.layers[0].mlp.update(new)
+    for ours, theirs in zip(_decode(patched, 3), _decode(stock, 3)):
+        assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5).item()
+    assert _forms(patched) == traced  # same shapes: nothing traced again
+
+
+def test_training_traces_and_long_calls_run_layer_by_layer() -> None:
+    _, patched = _pair("llama")
+    patched.train()
+    _decode(patched, 2)
+    assert _forms(patched) == 0
+    patched.eval()
+    cache = make_prompt_cache(patched)
+    long = mx.zeros((1, segments_module.MAX_SEGMENT_TOKENS + 1), dtype=mx.int32)
+    patched(long, cache=cache)
+    assert _forms(patched) == 0
+    x = mx.zeros((1, 1, 8))
+    with gk.without_vjp():
+        assert segments_apply(x)
+    assert not segments_apply(mx.zeros((1, segments_module.MAX_SEGMENT_TOKENS + 1, 8)))
+    graph = gk.trace(lambda t: patched(t), mx.array([[1]]))
+    kernels = {graph.node(n)["kernel"] for n in graph.kernels()}
+    assert {"gk_rope_qk", "gk_add_rms_norm", "gk_swiglu"} <= kernels
+    assert _forms(patched) == 0
+
+
+def test_each_thread_has_its_own_forms() -> None:
+    stock, patched = _pair("qwen3")
+    expected = _decode(stock, 3)
+    results: dict[int, list[mx.array]] = {}
+
+    def worker(i: int) -> None:
+        results[i] = _decode(patched, 3)
+        mx.eval(results[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got in results.values():
+        for ours, theirs in zip(got, expected):
+            assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5).item()
+    assert _forms(patched) == 2 * 2 * len(patched.model.layers)
+
+
+def test_a_dropped_model_is_freed_with_its_forms() -> None:
+    _, patched = _pair("llama")
+    _decode(patched, 1)
+    alive = weakref.ref(patched.model.layers[0])
+    del patched
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_standalone_attention_runs_project_and_output_segments() -> None:
+    stock, patched = _pair("llama")
+    attention = patched.model.layers[0].self_attn
+    assert isinstance(attention, KernelAttention)
+    x = mx.random.normal((1, 1, stock.args.hidden_size), key=mx.random.key(3))
+    cs, cp = make_prompt_cache(stock), make_prompt_cache(patched)
+    for _ in range(3):
+        ours = attention(x, None, cp[0])
+        theirs = stock.model.layers[0].self_attn(x, None, cs[0])
+        assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5).item()
+    assert {name for name, _ in attention.segments()._forms} == {"project", "output"}
+
+
+def test_a_layer_that_is_not_a_tree_of_arrays_runs_its_own_forward() -> None:
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = mx.ones((2,))
+            self.extras = [object()]  # not something mx.compile takes
+
+        def scaled(self, x: Any) -> Any:
+            return x * self.weight
+
+    layer = Odd()
+    segments = Segments(layer)
+    assert segments("scaled", mx.ones((2,))) is None and not segments.usable
