@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import graphkern.kernels as gkk
+from graphkern.kernels.ops.projections import projections_fit
 
 Wanted = Callable[[str], bool]  # is this kernel to be measured?
 
@@ -231,9 +232,58 @@ def _prologue_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float, wan
     return rows
 
 
+def _projection_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float, wanted: Wanted) -> list[Row]:
+    """norm_projections and norm_swiglu against what they replace at decoding's few rows: the
+    residual add, mx.fast.rms_norm and the matrix products (and the SwiGLU gating), compiled.
+    ``shape`` is (rows, hidden); the weights are a Llama block's of that hidden size: queries of
+    hidden, keys and values of a quarter, gate and up of 2.75x. Each call takes the last call's
+    sum as its input."""
+    m, k = shape
+    if not projections_fit(mx.zeros(shape, dt)):  # float32 rows past one block's shared memory
+        return []
+    key = iter(mx.random.split(mx.random.key(0), 8))
+    x = mx.random.normal(shape, key=next(key)).astype(dt)
+    r = (0.1 * mx.random.normal(shape, key=next(key))).astype(dt)
+    w = (1 + 0.1 * mx.random.normal((k,), key=next(key))).astype(dt)
+    hidden = (k * 11 // 4 + 63) // 64 * 64
+    mats = [(mx.random.normal((n, k), key=next(key)) / k**0.5).astype(dt) for n in (k, k // 4, k // 4)]
+    gate, up = [(mx.random.normal((hidden, k), key=next(key)) / k**0.5).astype(dt) for _ in range(2)]
+    mx.eval(x, r, w, mats, gate, up)
+    rows = []
+    if wanted("norm_projections"):
+        def ours_qkv(s: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
+            return gkk.norm_projections(s[0], w, mats, 1e-5, residual=r)
+
+        def stock_qkv(s: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
+            h = s[0] + r
+            n = mx.fast.rms_norm(h, w, 1e-5)
+            return (h, *(n @ mat.T for mat in mats))
+
+        init = (x, *(mx.zeros((m, w_.shape[0]), dt) for w_ in mats))
+        moved = sum(a.size for a in mats) * dt.size
+        rows.append(_bench("norm_projections", shape, dt, moved, ours_qkv, stock_qkv, init,
+                           "add, mx.fast.rms_norm, 3 matmuls", copy_bps))
+    if wanted("norm_swiglu"):
+        def ours_mlp(s: tuple[mx.array, mx.array]) -> tuple[mx.array, mx.array]:
+            h, out = gkk.norm_swiglu(s[0], w, gate, up, 1e-5, residual=r)
+            return h, out
+
+        def stock_mlp(s: tuple[mx.array, mx.array]) -> tuple[mx.array, mx.array]:
+            h = s[0] + r
+            n = mx.fast.rms_norm(h, w, 1e-5)
+            return h, nn.silu(n @ gate.T) * (n @ up.T)
+
+        moved = 2 * gate.size * dt.size
+        init = (x, mx.zeros((m, hidden), dt))
+        rows.append(_bench("norm_swiglu", shape, dt, moved, ours_mlp, stock_mlp, init,
+                           "add, mx.fast.rms_norm, 2 matmuls, silu * up", copy_bps))
+    return rows
+
+
 ROW_KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "softmax", "swiglu", "gelu", "gelu_approx")
 ROPE_KERNELS = ("rope", "rope_traditional")
 PROLOGUE_KERNELS = ("rope_qk", "rope_qk_norm")
+PROJECTION_KERNELS = ("norm_projections", "norm_swiglu")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -255,7 +305,7 @@ def selection(kernels: Sequence[str] | None, dtypes: Sequence[str] | None) -> tu
     >>> selection(["swiglu"], ["float32"])
     ({'swiglu'}, [mlx.core.float32])
     """
-    known_kernels = ROW_KERNELS + ROPE_KERNELS + PROLOGUE_KERNELS
+    known_kernels = ROW_KERNELS + ROPE_KERNELS + PROLOGUE_KERNELS + PROJECTION_KERNELS
     names = set(known_kernels if kernels is None else kernels)
     for given, known, what in ((names, known_kernels, "kernels"),
                                (set(dtypes or ()), tuple(DTYPES), "dtypes")):
@@ -287,6 +337,9 @@ def run(quick: bool = False, progress: bool = False, kernels: Sequence[str] | No
     if names & set(PROLOGUE_KERNELS):  # prefill of 2048 tokens, 32 heads; decode at batch 8
         groups += [(_prologue_kernels, shape) for shape in ([(1, 2048, 4096)] if quick else
                                                             [(1, 2048, 4096), (1, 8192, 8192), (8, 1, 4096)])]
+    if names & set(PROJECTION_KERNELS):  # decoding: one token of a 2048 or 4096 model; 8 of 2048
+        groups += [(_projection_kernels, shape) for shape in ([(1, 2048), (8, 2048)] if quick else
+                                                              [(1, 2048), (8, 2048), (1, 4096)])]
     for bench, shape in groups:
         for dt in chosen:
             new = bench(shape, dt, copy_bps, wanted)

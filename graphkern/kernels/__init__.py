@@ -1,4 +1,5 @@
-"""graphkern's kernel library: fused normalization, RoPE, attention prologue, activation and softmax kernels.
+"""graphkern's kernel library: fused normalization, RoPE, attention prologue,
+norm-fed projections, activation and softmax kernels.
 
 Each kernel is a :class:`graphkern.Kernel` with a Metal body, a CUDA body and a pure-MLX reference,
 for float32, float16 and bfloat16 (float32 arithmetic inside), and a layer function that picks the
@@ -20,6 +21,7 @@ from graphkern.kernels._base import Case, LibraryEntry, Plan, apply_plan
 from graphkern.kernels.ops.add_rms_norm import ADD_RMS_NORM, add_rms_norm
 from graphkern.kernels.ops.gelu import GELU, gelu
 from graphkern.kernels.ops.layer_norm import LAYER_NORM, layer_norm
+from graphkern.kernels.ops.projections import NORM_PROJECTIONS, NORM_SWIGLU, norm_projections, norm_swiglu
 from graphkern.kernels.ops.rms_norm import RMS_NORM, rms_norm
 from graphkern.kernels.ops.rope import ROPE, rope
 from graphkern.kernels.ops.rope_qk import ROPE_QK, rope_qk
@@ -32,6 +34,8 @@ __all__ = [
     "GELU",
     "LAYER_NORM",
     "LIBRARY",
+    "NORM_PROJECTIONS",
+    "NORM_SWIGLU",
     "RMS_NORM",
     "ROPE",
     "ROPE_QK",
@@ -45,6 +49,8 @@ __all__ = [
     "entries_for",
     "gelu",
     "layer_norm",
+    "norm_projections",
+    "norm_swiglu",
     "rms_norm",
     "rope",
     "rope_qk",

@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from graphkern.kernels._base import LibraryEntry
-from graphkern.kernels.ops import add_rms_norm, gelu, layer_norm, rms_norm, rope, rope_qk, softmax, swiglu
+from graphkern.kernels.ops import (
+    add_rms_norm,
+    gelu,
+    layer_norm,
+    projections,
+    rms_norm,
+    rope,
+    rope_qk,
+    softmax,
+    swiglu,
+)
 from graphkern.nodes import Kernel, KernelError, Status
 
 __all__ = ["LIBRARY", "entries_for"]
@@ -23,6 +33,8 @@ LIBRARY: dict[str, LibraryEntry] = {
         softmax.ENTRY,
         gelu.ENTRY,
         gelu.ENTRY_APPROX,
+        projections.ENTRY,
+        projections.ENTRY_SWIGLU,
     )
 }
 

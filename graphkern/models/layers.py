@@ -25,6 +25,7 @@ import mlx.nn as nn
 
 from graphkern import kernels as gkk
 from graphkern.autodiff import vjp_enabled, without_vjp
+from graphkern.kernels.ops.projections import projections_fit
 from graphkern.kernels.ops.rope import int_offset_array
 from graphkern.models.segments import Segments, segments_apply
 
@@ -340,9 +341,14 @@ class KernelAttention(KernelLayer):
 
     def project(self, x: mx.array, offset: Any, rotary: Rotary) -> tuple[mx.array, mx.array, mx.array]:
         """Queries and keys (normalized per head, rotated) and values, each ``(B, heads, L, D)``."""
-        B, L, _ = x.shape
+        return self.rotate(self.q_proj(x), self.k_proj(x), self.v_proj(x), offset, rotary)
+
+    def rotate(self, queries: mx.array, keys: mx.array, values: mx.array, offset: Any,
+               rotary: Rotary) -> tuple[mx.array, mx.array, mx.array]:
+        """The projections ``(B, L, features)`` in attention's layout, queries and keys normalized
+        per head and rotated (one ``rope_qk`` launch)."""
+        B, L, _ = queries.shape
         heads, kv_heads = getattr(self, self._gk_heads[0]), getattr(self, self._gk_heads[1])
-        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_weight = k_weight = None
         eps = 1e-5
         if self._gk_norms:
@@ -375,6 +381,24 @@ class KernelAttention(KernelLayer):
                 queries, keys, values = projected
                 return segments("output", self.attend(queries, keys, values, mask, cache))  # type: ignore[no-any-return]
         return self.output(self.attend(*self.project(x, *position), mask, cache))
+
+
+def _plain_weights(module: nn.Module, names: tuple[str, ...], x: mx.array) -> list[mx.array] | None:
+    """The weights of ``module``'s children ``names`` when each is a plain ``nn.Linear`` without a
+    bias, in x's dtype (what the projection kernels take), else None."""
+    weights = []
+    for name in names:
+        linear = module.get(name)
+        if type(linear) is not nn.Linear or "bias" in linear or linear.weight.dtype != x.dtype:
+            return None
+        weights.append(linear.weight)
+    return weights
+
+
+def _fuses(norm: nn.Module, residual: mx.array | None, x: mx.array) -> bool:
+    """Whether ``norm`` (with the residual add before it) can run inside a projection kernel on x."""
+    return (isinstance(norm, KernelAddRMSNorm if residual is not None else KernelRMSNorm)
+            and projections_fit(x))
 
 
 #: The residual a block is called without: a stock call, not a link of a fused chain.
@@ -434,18 +458,39 @@ class KernelResidualBlock(KernelLayer):
     def enter(self, x: mx.array, residual: mx.array | None, offset: mx.array,
               rotary: Rotary) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """The first segment, up to the cache update: the input norm (with the pending residual
-        add) and the attention's projections: ``(x + residual, queries, keys, values)``."""
+        add) and the attention's projections: ``(x + residual, queries, keys, values)``. For a few
+        rows, norm and plain projections are one ``norm_projections`` launch."""
+        attention = self.self_attn
+        norm = self.input_layernorm
+        weights = _plain_weights(attention, ("q_proj", "k_proj", "v_proj"), x)
+        if weights is not None and _fuses(norm, residual, x):
+            outputs = gkk.norm_projections(x, norm.scale(), weights, norm.eps, residual)
+            if residual is not None:
+                x = outputs[0]
+            queries, keys, values = outputs[-3:]
+            return (x, *attention.rotate(queries, keys, values, offset, rotary))
         if residual is None:
-            normed = self.input_layernorm(x)
+            normed = norm(x)
         else:
-            x, normed = self.input_layernorm(x, residual)
-        return (x, *self.self_attn.project(normed, offset, rotary))
+            x, normed = norm(x, residual)
+        return (x, *attention.project(normed, offset, rotary))
 
     def leave(self, x: mx.array, attended: mx.array, alone: bool) -> Any:
         """The second segment, after attention: ``o_proj``, the residual add fused into the norm,
-        the feed-forward; its own last add made here when called ``alone``, else left to the next."""
-        h, normed = self.post_attention_layernorm(x, self.self_attn.output(attended))
-        out = self[self._gk_ffn](normed)
+        the feed-forward; its own last add made here when called ``alone``, else left to the next.
+        For a few rows, a SwiGLU feed-forward's norm, gate and up are one ``norm_swiglu`` launch."""
+        r = self.self_attn.output(attended)
+        ffn = self[self._gk_ffn]
+        norm = self.post_attention_layernorm
+        weights = None
+        if isinstance(ffn, KernelSwiGLUMLP):
+            weights = _plain_weights(ffn, ("gate_proj", "up_proj"), x)
+        if weights is not None and _fuses(norm, r, x):
+            h, gated = gkk.norm_swiglu(x, norm.scale(), weights[0], weights[1], norm.eps, residual=r)
+            out = ffn.down_proj(gated)
+        else:
+            h, normed = norm(x, r)
+            out = ffn(normed)
         return h + out if alone else (h, out)
 
     def failed_output(self, x: mx.array, mask: Any = None, cache: Any = None, residual: Any = _ALONE) -> Any:

@@ -41,6 +41,10 @@ GPU_SHAPES: dict[str, list[tuple[int, ...]]] = {
     "swiglu": [(64, 14336), (3, 1001)],
     "gelu": [(64, 4096), (3, 1001)],
     "gelu_approx": [(64, 4096)],
+    # decoding rows: one token of 2048, 8 rows of 512 (16-byte vectors), 3 rows of 100 (8-byte), 99
+    # (scalar)
+    "norm_projections": [(1, 1, 2048), (8, 512), (3, 100), (2, 99)],
+    "norm_swiglu": [(1, 1, 2048), (8, 512), (3, 100), (2, 99)],
 }
 
 
@@ -65,7 +69,7 @@ def _misaligned(a: mx.array) -> mx.array:
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "layer_norm", "add_rms_norm", "softmax", "swiglu", "gelu",
-                                  "rope", "rope_qk_norm"])
+                                  "rope", "rope_qk_norm", "norm_swiglu"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_misaligned_pointers_take_the_scalar_path(name: str, dtype: mx.Dtype) -> None:
     entry = LIBRARY[name]

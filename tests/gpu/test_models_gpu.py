@@ -146,3 +146,23 @@ def test_fused_models_equal_stock_on_device(arch: str) -> None:
     saved = {"llama": 3, "qwen3": 5, "mixtral": 3}[arch] * len(model.layers)
     assert stock_launches.total - fused_launches.total == saved
     unpatch(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral"])
+def test_evaluating_models_decode_through_fused_segments_on_device(arch: str) -> None:
+    """In evaluation a patched block decodes through compiled segments whose norms feed
+    norm_projections and norm_swiglu: logits at each step and 16 generated tokens against stock."""
+    stock, patched = tiny_model(arch), tiny_model(arch)
+    patch(patched)
+    stock.eval()
+    patched.eval()
+    cs, cp = make_prompt_cache(stock), make_prompt_cache(patched)
+    expected, got = stock(TOKENS[:1], cache=cs), patched(TOKENS[:1], cache=cp)
+    atol, rtol = MODEL_TOLERANCES[mx.float32]
+    for _ in range(6):
+        assert mx.allclose(got, expected, atol=atol, rtol=rtol).item(), mx.abs(got - expected).max().item()
+        token = mx.argmax(expected[:, -1:], axis=-1)
+        expected, got = stock(token, cache=cs), patched(token, cache=cp)
+    forms = patched.model.layers[0].segments()._forms
+    assert {name for name, _ in forms} == {"enter", "leave"}
+    assert _generate(patched) == _generate(stock)

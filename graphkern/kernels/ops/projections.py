@@ -1,0 +1,527 @@
+"""RMSNorm feeding the projections after it, for a few tokens at a time: one launch for
+``rms_norm(x + residual) @ W.T`` over up to three weights (a block's query, key and value
+projections), or for ``silu(n @ Wg.T) * (n @ Wu.T)`` (its SwiGLU feed-forward's gate and up).
+
+Decoding feeds a handful of token rows (``M = x.size / K``) through each layer, and then every
+launch costs the host more than the GPU spends on it. Stock MLX makes an add, a norm and three
+matrix-vector products (or two and the gating) as separate launches; here each thread block
+normalizes the rows into shared memory (block 0 also writes the sum ``h``) and its warps each
+reduce one weight row against them: one launch, the weights read once, for ``M <= MAX_ROWS`` rows
+of at most ``SHARED_BYTES`` together. The products round to the dtype as MLX's do before the
+gating, which is :func:`~graphkern.kernels.swiglu`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+
+from graphkern.kernels._base import (
+    Case,
+    LayerLaunches,
+    LibraryEntry,
+    Plan,
+    check_dtype,
+    check_vector,
+    eps_template,
+    output_spec,
+    run,
+    runs_on_cuda,
+    template_arg,
+    unused_input,
+    vector_width,
+)
+from graphkern.kernels._headers import dual_header
+from graphkern.kernels.ops.rms_norm import rms_norm_reference
+from graphkern.nodes import Kernel, KernelError, Status, dtype_name
+
+__all__ = ["NORM_PROJECTIONS", "NORM_SWIGLU", "MAX_ROWS", "norm_projections", "norm_swiglu",
+           "plan_norm_projections", "plan_norm_swiglu", "projections_fit"]
+
+#: Most token rows a launch takes (each warp keeps one float sum per row in registers).
+MAX_ROWS = 8
+#: Bytes of normalized rows a block keeps in shared memory, at most (CUDA's static limit; Metal's
+#: threadgroup memory is 32 KB).
+SHARED_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024}
+#: Threads a block: 8 warps, one weight row each.
+BLOCK = 256
+
+_CUDA = r"""
+namespace gk {
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  return v;
+}
+
+// The M rows of x (+ r, rounded to T, block 0 writing the sum to h) RMS-normalized into xs, rounded
+// as rms_norm rounds: T(T(v * inv) * w). Every thread of the block takes part.
+template <typename T, int M, int K, int NT, bool RESID, bool HAS_W>
+__device__ __forceinline__ void norm_rows(const T* x, const T* r, const T* w, T* h, T* xs, float eps,
+                                          float* red) {
+  for (int m = 0; m < M; ++m) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < K; i += NT) {
+      float v = static_cast<float>(x[m * K + i]);
+      if constexpr (RESID) {
+        v = round_to<T>(v + static_cast<float>(r[m * K + i]));
+        if (blockIdx.x == 0) {
+          h[m * K + i] = static_cast<T>(v);
+        }
+      }
+      xs[m * K + i] = static_cast<T>(v);
+      ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum<NT>(ss, red) / K + eps);
+    for (int i = threadIdx.x; i < K; i += NT) {  // each thread rereads only what it wrote
+      float o = round_to<T>(static_cast<float>(xs[m * K + i]) * inv);
+      if constexpr (HAS_W) {
+        o *= static_cast<float>(w[i]);
+      }
+      xs[m * K + i] = static_cast<T>(o);
+    }
+  }
+  __syncthreads();
+}
+
+// acc[m] += row . xs[m] over this warp's lanes (each V elements at a time), then summed over the warp.
+template <typename T, int M, int K, int V>
+__device__ __forceinline__ void row_dot(const T* row, const T* xs, float (&acc)[M]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    acc[m] = 0.0f;
+  }
+#pragma unroll 4
+  for (int k = lane * V; k < K; k += 32 * V) {
+    float wv[V];
+    load<T, V>(row, k, wv);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float xv[V];
+      load<T, V>(xs + m * K, k, xv);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        acc[m] += wv[j] * xv[j];
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    acc[m] = warp_sum(acc[m]);
+  }
+}
+
+// y[m, r] = xs[m] . W[r] for the r-th row of one projection of n rows.
+template <typename T, int M, int K, int V>
+__device__ __forceinline__ void project_row(const T* W, T* y, int r, int n, const T* xs) {
+  float acc[M];
+  row_dot<T, M, K, V>(W + static_cast<long long>(r) * K, xs, acc);
+  if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      y[static_cast<long long>(m) * n + r] = static_cast<T>(acc[m]);
+    }
+  }
+}
+
+}  // namespace gk
+"""
+
+# The shared opening: the normalized rows in shared memory, and this warp's weight row.
+_CUDA_START = r"""
+  __shared__ float red[32];
+  __shared__ __align__(16) unsigned char xs_bytes[M * K * sizeof(T)];
+  T* xs = reinterpret_cast<T*>(xs_bytes);
+  gk::norm_rows<T, M, K, NT, RESID, HAS_W>(x, residual, w, h, xs, __int_as_float(EPS), red);
+  const int row = blockIdx.x * (NT / 32) + threadIdx.x / 32;"""
+
+_CUDA_PROJECTIONS = _CUDA_START + r"""
+  const int n0 = w0_shape[0];
+  const int n1 = NW > 1 ? w1_shape[0] : 0;
+  const int n2 = NW > 2 ? w2_shape[0] : 0;
+  const bool vec = gk::aligned<V>(w0) && gk::aligned<V>(w1) && gk::aligned<V>(w2);
+  if (row < n0) {
+    if (vec) gk::project_row<T, M, K, V>(w0, y0, row, n0, xs);
+    else gk::project_row<T, M, K, 1>(w0, y0, row, n0, xs);
+  } else if (row < n0 + n1) {
+    if (vec) gk::project_row<T, M, K, V>(w1, y1, row - n0, n1, xs);
+    else gk::project_row<T, M, K, 1>(w1, y1, row - n0, n1, xs);
+  } else if (row < n0 + n1 + n2) {
+    if (vec) gk::project_row<T, M, K, V>(w2, y2, row - n0 - n1, n2, xs);
+    else gk::project_row<T, M, K, 1>(w2, y2, row - n0 - n1, n2, xs);
+  }
+"""
+
+_CUDA_SWIGLU = _CUDA_START + r"""
+  const int n = gate_shape[0];
+  if (row < n) {
+    float g[M];
+    float u[M];
+    if (gk::aligned<V>(gate) && gk::aligned<V>(up)) {
+      gk::row_dot<T, M, K, V>(gate + static_cast<long long>(row) * K, xs, g);
+      gk::row_dot<T, M, K, V>(up + static_cast<long long>(row) * K, xs, u);
+    } else {
+      gk::row_dot<T, M, K, 1>(gate + static_cast<long long>(row) * K, xs, g);
+      gk::row_dot<T, M, K, 1>(up + static_cast<long long>(row) * K, xs, u);
+    }
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float gm = gk::round_to<T>(g[m]);
+        out[static_cast<long long>(m) * n + row] =
+            static_cast<T>(gm * (1.0f / (1.0f + expf(-gm))) * gk::round_to<T>(u[m]));
+      }
+    }
+  }
+"""
+
+_METAL = r"""
+namespace gk {
+
+template <typename T, int M, int K, int NT, bool RESID, bool HAS_W, typename PX, typename PW, typename PH>
+inline void norm_rows(PX x, PX r, PW w, PH h, threadgroup T* xs, float eps, uint tid, uint lane, uint simd,
+                      uint block, threadgroup float* red) {
+  for (int m = 0; m < M; ++m) {
+    float ss = 0.0f;
+    for (int i = tid; i < K; i += NT) {
+      float v = static_cast<float>(x[m * K + i]);
+      if (RESID) {
+        v = round_to<T>(v + static_cast<float>(r[m * K + i]));
+        if (block == 0) {
+          h[m * K + i] = static_cast<T>(v);
+        }
+      }
+      xs[m * K + i] = static_cast<T>(v);
+      ss += v * v;
+    }
+    const float inv = metal::precise::rsqrt(block_reduce<NT>(ss, red, lane, simd, Sum()) / K + eps);
+    for (int i = tid; i < K; i += NT) {
+      float o = round_to<T>(static_cast<float>(xs[m * K + i]) * inv);
+      if (HAS_W) {
+        o *= static_cast<float>(w[i]);
+      }
+      xs[m * K + i] = static_cast<T>(o);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+template <typename T, int M, int K, typename PW>
+inline void row_dot(PW row, threadgroup const T* xs, uint lane, thread float (&acc)[M]) {
+  for (int m = 0; m < M; ++m) {
+    acc[m] = 0.0f;
+  }
+  for (int k = lane; k < K; k += 32) {
+    const float wv = static_cast<float>(row[k]);
+    for (int m = 0; m < M; ++m) {
+      acc[m] += wv * static_cast<float>(xs[m * K + k]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    acc[m] = metal::simd_sum(acc[m]);
+  }
+}
+
+}  // namespace gk
+"""
+
+_METAL_START = r"""
+  threadgroup float red[32];
+  threadgroup T xs[M * K];
+  const uint lane = thread_index_in_simdgroup;
+  gk::norm_rows<T, M, K, NT, RESID, HAS_W>(x, residual, w, h, xs, as_type<float>(EPS),
+      thread_position_in_threadgroup.x, lane, simdgroup_index_in_threadgroup,
+      threadgroup_position_in_grid.x, red);
+  const int row = threadgroup_position_in_grid.x * (NT / 32) + simdgroup_index_in_threadgroup;
+  float acc[M];"""
+
+_METAL_PROJECTIONS = _METAL_START + r"""
+  const int n0 = w0_shape[0];
+  const int n1 = NW > 1 ? w1_shape[0] : 0;
+  const int n2 = NW > 2 ? w2_shape[0] : 0;
+  int r = row;
+  int n = n0;
+  if (row < n0) {
+    gk::row_dot<T, M, K>(w0 + size_t(r) * K, xs, lane, acc);
+  } else if (row < n0 + n1) {
+    r = row - n0;
+    n = n1;
+    gk::row_dot<T, M, K>(w1 + size_t(r) * K, xs, lane, acc);
+  } else if (row < n0 + n1 + n2) {
+    r = row - n0 - n1;
+    n = n2;
+    gk::row_dot<T, M, K>(w2 + size_t(r) * K, xs, lane, acc);
+  } else {
+    return;
+  }
+  if (lane == 0) {
+    for (int m = 0; m < M; ++m) {
+      if (row < n0) y0[size_t(m) * n + r] = static_cast<T>(acc[m]);
+      else if (row < n0 + n1) y1[size_t(m) * n + r] = static_cast<T>(acc[m]);
+      else y2[size_t(m) * n + r] = static_cast<T>(acc[m]);
+    }
+  }
+"""
+
+_METAL_SWIGLU = _METAL_START + r"""
+  const int n = gate_shape[0];
+  if (row < n) {
+    float u[M];
+    gk::row_dot<T, M, K>(gate + size_t(row) * K, xs, lane, acc);
+    gk::row_dot<T, M, K>(up + size_t(row) * K, xs, lane, u);
+    if (lane == 0) {
+      for (int m = 0; m < M; ++m) {
+        const float g = gk::round_to<T>(acc[m]);
+        out[size_t(m) * n + row] = static_cast<T>(
+            g * (1.0f / (1.0f + metal::precise::exp(-g))) * gk::round_to<T>(u[m]));
+      }
+    }
+  }
+"""
+
+
+def _normed(x: mx.array, residual: mx.array, w: mx.array, EPS: int, RESID: bool,
+            HAS_W: bool) -> tuple[mx.array, mx.array]:
+    h = x + residual if RESID else x
+    return h, rms_norm_reference(h, w, EPS=EPS, HAS_W=HAS_W)[0]
+
+
+def norm_projections_reference(x: mx.array, residual: mx.array, w: mx.array, w0: mx.array, w1: mx.array,
+                               w2: mx.array, *, EPS: int, RESID: bool, HAS_W: bool,
+                               NW: int) -> list[mx.array]:
+    """Pure-MLX ``h = x + residual`` (when RESID) and ``rms_norm(h) @ W.T`` for the NW weights; an
+    absent output is a one-element zero."""
+    h, normed = _normed(x, residual, w, EPS, RESID, HAS_W)
+    absent = mx.zeros((1,), x.dtype)
+    outputs = [normed @ weight.T if i < NW else absent for i, weight in enumerate((w0, w1, w2))]
+    return [h if RESID else mx.zeros((1,), x.dtype), *outputs]
+
+
+def norm_swiglu_reference(x: mx.array, residual: mx.array, w: mx.array, gate: mx.array, up: mx.array, *,
+                          EPS: int, RESID: bool, HAS_W: bool) -> list[mx.array]:
+    """Pure-MLX ``h`` and ``silu(n @ gate.T) * (n @ up.T)`` (products rounded, gating in float32)."""
+    h, normed = _normed(x, residual, w, EPS, RESID, HAS_W)
+    g = (normed @ gate.T).astype(mx.float32)
+    u = (normed @ up.T).astype(mx.float32)
+    return [h if RESID else mx.zeros((1,), x.dtype), (g * mx.sigmoid(g) * u).astype(x.dtype)]
+
+
+NORM_PROJECTIONS = Kernel(
+    "gk_norm_projections",
+    input_names=["x", "residual", "w", "w0", "w1", "w2"],
+    output_names=["h", "y0", "y1", "y2"],
+    metal=_METAL_PROJECTIONS,
+    cuda=_CUDA_PROJECTIONS,
+    header=dual_header(_CUDA, _METAL, body=_CUDA_PROJECTIONS),
+    reference=norm_projections_reference,
+)
+
+NORM_SWIGLU = Kernel(
+    "gk_norm_swiglu",
+    input_names=["x", "residual", "w", "gate", "up"],
+    output_names=["h", "out"],
+    metal=_METAL_SWIGLU,
+    cuda=_CUDA_SWIGLU,
+    header=dual_header(_CUDA, _METAL, body=_CUDA_SWIGLU),
+    reference=norm_swiglu_reference,
+)
+
+
+def projections_fit(x: mx.array) -> bool:
+    """Whether rows like ``x``'s (``(..., K)``) fit one launch: ``M = x.size / K`` rows, at most
+    ``MAX_ROWS``, of at most ``SHARED_BYTES`` together on the active backend."""
+    k = x.shape[-1]
+    rows = x.size // k if k else 0
+    limit = SHARED_BYTES["cuda" if runs_on_cuda() else "metal"]
+    return 0 < rows <= MAX_ROWS and rows * k * x.dtype.size <= limit
+
+
+def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weight: mx.array | None,
+          eps: float, matrices: Sequence[mx.array], names: Sequence[str], gated: bool) -> Plan:
+    """A launch of ``kernel``: one output per matrix (``gated``: one output, gate and up together)."""
+    check_dtype(op, x)
+    k = x.shape[-1]
+    if not projections_fit(x):
+        raise KernelError(op, f"x has {x.size // max(k, 1)} rows of {k} {dtype_name(x.dtype)}; one launch "
+                          f"takes 1 to {MAX_ROWS} rows of at most {SHARED_BYTES['cuda'] // 1024} KB together",
+                          Status.INVALID_LAUNCH)
+    if residual is not None:
+        check_dtype(op, residual, "residual")
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise KernelError(op, f"residual is {tuple(residual.shape)} {dtype_name(residual.dtype)} but "
+                              f"x is "
+                              f"{tuple(x.shape)} {dtype_name(x.dtype)}", Status.INVALID_INPUT)
+    if weight is not None:
+        check_vector(op, weight, x, "weight")
+    for name, matrix in zip(names, matrices):
+        if not isinstance(matrix, mx.array):
+            raise KernelError(op, f"{name} must be an mx.array, got {type(matrix).__name__}",
+                              Status.INVALID_INPUT)
+        if matrix.ndim != 2 or matrix.shape[1] != k or matrix.shape[0] == 0:
+            raise KernelError(op, f"{name} has shape {tuple(matrix.shape)}; expected (N, {k}) for x's last "
+                              f"dimension {k}", Status.INVALID_INPUT)
+        if matrix.dtype != x.dtype:
+            raise KernelError(op, f"dtype mismatch: {name} is {dtype_name(matrix.dtype)} but x is "
+                              f"{dtype_name(x.dtype)}", Status.INVALID_INPUT)
+    if gated and matrices[1].shape != matrices[0].shape:
+        raise KernelError(op, f"{names[1]} has shape {tuple(matrices[1].shape)} but {names[0]} has "
+                          f"{tuple(matrices[0].shape)}", Status.INVALID_INPUT)
+    out_rows = [matrices[0].shape[0]] if gated else [w.shape[0] for w in matrices]
+    lead = x.shape[:-1]
+    h_spec = output_spec(x.shape if residual is not None else (1,), x.dtype)
+    unused = unused_input(x.dtype)
+    pad = 0 if gated else 3 - len(matrices)  # absent weights and outputs: one-element stand-ins
+    specs = (h_spec, *(output_spec((*lead, n), x.dtype) for n in out_rows),
+             *(output_spec((1,), x.dtype),) * pad)
+    inputs = (x, unused if residual is None else residual, unused if weight is None else weight, *matrices,
+              *(unused,) * pad)
+    template = (template_arg("T", x.dtype), template_arg("M", x.size // k), template_arg("K", k),
+                template_arg("V", vector_width(k, x.dtype)), template_arg("NT", BLOCK),
+                template_arg("RESID", residual is not None), template_arg("HAS_W", weight is not None),
+                eps_template(eps, op), *(() if gated else (template_arg("NW", len(matrices)),)))
+    blocks = -(-sum(out_rows) // (BLOCK // 32))
+    return Plan(kernel, inputs, specs, (blocks * BLOCK, 1, 1), (BLOCK, 1, 1), template)
+
+
+def plan_norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence[mx.array],
+                          eps: float = 1e-5, residual: mx.array | None = None) -> Plan:
+    """The launch :func:`norm_projections` makes (validated)."""
+    op = "norm_projections"
+    if not isinstance(projections, (list, tuple)) or not 1 <= len(projections) <= 3:
+        raise KernelError(op, f"projections must be a list of 1 to 3 weight matrices, got "
+                          f"{projections!r:.80}",
+                          Status.INVALID_INPUT)
+    names = [f"projections[{i}]" for i in range(len(projections))]
+    return _plan(op, NORM_PROJECTIONS, x, residual, weight, eps, projections, names, gated=False)
+
+
+def plan_norm_swiglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.array, eps: float = 1e-5,
+                     residual: mx.array | None = None) -> Plan:
+    """The launch :func:`norm_swiglu` makes (validated)."""
+    return _plan("norm_swiglu", NORM_SWIGLU, x, residual, weight, eps, (gate, up), ("gate", "up"), gated=True)
+
+
+def norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence[mx.array],
+                     eps: float = 1e-5, residual: mx.array | None = None) -> tuple[mx.array, ...]:
+    """``n = rms_norm(x, weight, eps)`` (of ``x + residual`` when given) and ``n @ W.T`` for each of
+    1 to 3 weight matrices ``W`` of shape ``(N, K)``, in one launch, for up to ``MAX_ROWS`` rows of
+    ``x`` (``(..., K)``). Returns the products, after ``h = x + residual`` when a residual is given:
+    what a block's input norm and its query, key and value projections compute.
+
+    >>> x, w = mx.ones((1, 4)), mx.ones((4,))
+    >>> q, k = norm_projections(x, w, [mx.ones((2, 4)), mx.full((1, 4), 0.5)], eps=0.0)
+    >>> q.tolist(), k.tolist()
+    ([[4.0, 4.0]], [[2.0]])
+    """
+    try:
+        key = (x.shape, x.dtype, eps, eps.__class__, residual is None,
+               None if weight is None else (weight.shape, weight.dtype),
+               tuple((w.shape, w.dtype) for w in projections))
+    except (AttributeError, TypeError):  # not arrays: the plan says what is wrong
+        key = None
+    arrays = tuple(a for a in (x, residual, weight) if a is not None) + tuple(projections)
+    outputs = _run(_PROJECTIONS, key, arrays,
+                   lambda: plan_norm_projections(x, weight, projections, eps, residual))
+    found = outputs[1:1 + len(projections)]
+    return (outputs[0], *found) if residual is not None else tuple(found)
+
+
+def norm_swiglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.array, eps: float = 1e-5,
+                residual: mx.array | None = None) -> mx.array | tuple[mx.array, mx.array]:
+    """``n = rms_norm(x, weight, eps)`` (of ``x + residual`` when given) and ``silu(n @ gate.T) *
+    (n @ up.T)`` in one launch, for up to ``MAX_ROWS`` rows: a SwiGLU feed-forward's input side.
+    Returns it, or ``(h, it)`` with ``h = x + residual`` when a residual is given.
+
+    >>> out = norm_swiglu(mx.ones((1, 4)), None, mx.ones((2, 4)), mx.ones((2, 4)), eps=0.0)
+    >>> [round(v, 4) for v in out[0].tolist()]
+    [15.7122, 15.7122]
+    """
+    try:
+        key = (x.shape, x.dtype, eps, eps.__class__, residual is None,
+               None if weight is None else (weight.shape, weight.dtype), gate.shape, gate.dtype, up.shape,
+               up.dtype)
+    except (AttributeError, TypeError):
+        key = None
+    arrays = tuple(a for a in (x, residual, weight) if a is not None) + (gate, up)
+    h, out = _run(_SWIGLU, key, arrays, lambda: plan_norm_swiglu(x, weight, gate, up, eps, residual))
+    return (h, out) if residual is not None else out
+
+
+def _run(launches: LayerLaunches, key: object, arrays: tuple[mx.array, ...],
+         make_plan: Callable[[], Plan]) -> list[mx.array]:
+    if key is None:
+        return run(make_plan())
+    return launches(key, arrays, make_plan)
+
+
+_PROJECTIONS = LayerLaunches()
+_SWIGLU = LayerLaunches()
+
+
+def _make_projection_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
+    kx, kr, kw, k0, k1, k2 = mx.random.split(key, 6)
+    k = shape[-1]
+    x = mx.random.normal(tuple(shape), key=kx).astype(dtype)
+    r = mx.random.normal(tuple(shape), key=kr).astype(dtype)
+    w = (1.0 + 0.5 * mx.random.normal((k,), key=kw)).astype(dtype)
+    mats = [(mx.random.normal((n, k), key=kk) / k**0.5).astype(dtype)
+            for n, kk in ((96, k0), (32, k1), (32, k2))]
+    return Case((x, w, mats), {"eps": 1e-5, "residual": r})
+
+
+def _make_swiglu_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
+    kx, kr, kw, kg, ku = mx.random.split(key, 5)
+    k = shape[-1]
+    x = mx.random.normal(tuple(shape), key=kx).astype(dtype)
+    r = mx.random.normal(tuple(shape), key=kr).astype(dtype)
+    w = (1.0 + 0.5 * mx.random.normal((k,), key=kw)).astype(dtype)
+    gate = (2.0 * mx.random.normal((80, k), key=kg) / k**0.5).astype(dtype)
+    up = (mx.random.normal((80, k), key=ku) / k**0.5).astype(dtype)
+    return Case((x, w, gate, up), {"eps": 1e-5, "residual": r})
+
+
+def _stock_projections(x: mx.array, weight: mx.array | None, projections: Sequence[mx.array],
+                       eps: float = 1e-5,
+                       residual: mx.array | None = None) -> tuple[mx.array, ...]:
+    h = x if residual is None else x + residual
+    normed = mx.fast.rms_norm(h, weight, eps)
+    outputs = tuple(normed @ w.T for w in projections)
+    return outputs if residual is None else (h, *outputs)
+
+
+def _stock_swiglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.array, eps: float = 1e-5,
+                  residual: mx.array | None = None) -> mx.array | tuple[mx.array, mx.array]:
+    import mlx.nn as nn
+
+    h = x if residual is None else x + residual
+    normed = mx.fast.rms_norm(h, weight, eps)
+    out = nn.silu(normed @ gate.T) * (normed @ up.T)
+    return out if residual is None else (h, out)
+
+
+ENTRY = LibraryEntry(
+    name="norm_projections",
+    kernel=NORM_PROJECTIONS,
+    fn=norm_projections,
+    plan=plan_norm_projections,
+    make_inputs=_make_projection_inputs,
+    stock=_stock_projections,
+    shapes=((1, 64), (2, 1, 128), (8, 256), (1, 1, 2048)),
+    description="residual add + RMSNorm + up to 3 projections, for up to 8 rows (decoding)",
+)
+
+ENTRY_SWIGLU = LibraryEntry(
+    name="norm_swiglu",
+    kernel=NORM_SWIGLU,
+    fn=norm_swiglu,
+    plan=plan_norm_swiglu,
+    make_inputs=_make_swiglu_inputs,
+    stock=_stock_swiglu,
+    shapes=((1, 64), (2, 1, 128), (8, 256), (1, 1, 2048)),
+    description="residual add + RMSNorm + SwiGLU gate/up projections, for up to 8 rows (decoding)",
+)
