@@ -44,8 +44,10 @@ MAX_ROWS = 8
 #: Bytes of normalized rows a block keeps in shared memory, at most (CUDA's static limit; Metal's
 #: threadgroup memory is 32 KB).
 SHARED_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024}
-#: Threads a block: 8 warps, one weight row each.
+#: Threads a block, one weight row a warp: 8 warps, or 16 for more than 2 rows, where normalizing
+#: the rows (which each block does) costs more and fewer blocks do it.
 BLOCK = 256
+WIDE_BLOCK = 512
 
 _CUDA = r"""
 namespace gk {
@@ -59,30 +61,68 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // The M rows of x (+ r, rounded to T, block 0 writing the sum to h) RMS-normalized into xs, rounded
-// as rms_norm rounds: T(T(v * inv) * w). Every thread of the block takes part.
-template <typename T, int M, int K, int NT, bool RESID, bool HAS_W>
+// as rms_norm rounds: T(T(v * inv) * w). One pass of V-wide loads, one reduction for all M rows.
+// Every thread of the block takes part; red holds M * NT / 32 floats.
+template <typename T, int M, int K, int V, int NT, bool RESID, bool HAS_W>
 __device__ __forceinline__ void norm_rows(const T* x, const T* r, const T* w, T* h, T* xs, float eps,
                                           float* red) {
+  constexpr int WARPS = NT / 32;
+  float ss[M];
+#pragma unroll
   for (int m = 0; m < M; ++m) {
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < K; i += NT) {
-      float v = static_cast<float>(x[m * K + i]);
+    ss[m] = 0.0f;
+    for (int i = threadIdx.x * V; i < K; i += NT * V) {
+      float v[V];
+      load<T, V>(x + m * K, i, v);
       if constexpr (RESID) {
-        v = round_to<T>(v + static_cast<float>(r[m * K + i]));
+        float rv[V];
+        load<T, V>(r + m * K, i, rv);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          v[j] = round_to<T>(v[j] + rv[j]);
+        }
         if (blockIdx.x == 0) {
-          h[m * K + i] = static_cast<T>(v);
+          store<T, V>(h + m * K, i, v);
         }
       }
-      xs[m * K + i] = static_cast<T>(v);
-      ss += v * v;
-    }
-    const float inv = rsqrtf(block_sum<NT>(ss, red) / K + eps);
-    for (int i = threadIdx.x; i < K; i += NT) {  // each thread rereads only what it wrote
-      float o = round_to<T>(static_cast<float>(xs[m * K + i]) * inv);
-      if constexpr (HAS_W) {
-        o *= static_cast<float>(w[i]);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        ss[m] += v[j] * v[j];
       }
-      xs[m * K + i] = static_cast<T>(o);
+      store<T, V>(xs + m * K, i, v);
+    }
+    ss[m] = warp_sum(ss[m]);
+  }
+  if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      red[m * WARPS + threadIdx.x / 32] = ss[m];
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    float total = 0.0f;
+#pragma unroll
+    for (int i = 0; i < WARPS; ++i) {
+      total += red[m * WARPS + i];
+    }
+    const float inv = rsqrtf(total / K + eps);
+    for (int i = threadIdx.x * V; i < K; i += NT * V) {  // each thread rereads only what it wrote
+      float v[V];
+      float wv[V];
+      load<T, V>(xs + m * K, i, v);
+      if constexpr (HAS_W) {
+        load<T, V>(w, i, wv);
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        v[j] = round_to<T>(v[j] * inv);
+        if constexpr (HAS_W) {
+          v[j] *= wv[j];
+        }
+      }
+      store<T, V>(xs + m * K, i, v);
     }
   }
   __syncthreads();
@@ -132,53 +172,57 @@ __device__ __forceinline__ void project_row(const T* W, T* y, int r, int n, cons
 }  // namespace gk
 """
 
-# The shared opening: the normalized rows in shared memory, and this warp's weight row.
+# The shared opening: the normalized rows in shared memory, and this warp's weight row. Rows of
+# V-aligned pointers take V-wide accesses throughout, others the scalar path (``VA``).
 _CUDA_START = r"""
-  __shared__ float red[32];
+  __shared__ float red[M * (NT / 32)];
   __shared__ __align__(16) unsigned char xs_bytes[M * K * sizeof(T)];
   T* xs = reinterpret_cast<T*>(xs_bytes);
-  gk::norm_rows<T, M, K, NT, RESID, HAS_W>(x, residual, w, h, xs, __int_as_float(EPS), red);
+  const float eps = __int_as_float(EPS);
   const int row = blockIdx.x * (NT / 32) + threadIdx.x / 32;"""
 
-_CUDA_PROJECTIONS = _CUDA_START + r"""
-  const int n0 = w0_shape[0];
-  const int n1 = NW > 1 ? w1_shape[0] : 0;
-  const int n2 = NW > 2 ? w2_shape[0] : 0;
-  const bool vec = gk::aligned<V>(w0) && gk::aligned<V>(w1) && gk::aligned<V>(w2);
-  if (row < n0) {
-    if (vec) gk::project_row<T, M, K, V>(w0, y0, row, n0, xs);
-    else gk::project_row<T, M, K, 1>(w0, y0, row, n0, xs);
-  } else if (row < n0 + n1) {
-    if (vec) gk::project_row<T, M, K, V>(w1, y1, row - n0, n1, xs);
-    else gk::project_row<T, M, K, 1>(w1, y1, row - n0, n1, xs);
-  } else if (row < n0 + n1 + n2) {
-    if (vec) gk::project_row<T, M, K, V>(w2, y2, row - n0 - n1, n2, xs);
-    else gk::project_row<T, M, K, 1>(w2, y2, row - n0 - n1, n2, xs);
-  }
-"""
 
-_CUDA_SWIGLU = _CUDA_START + r"""
-  const int n = gate_shape[0];
-  if (row < n) {
-    float g[M];
-    float u[M];
-    if (gk::aligned<V>(gate) && gk::aligned<V>(up)) {
-      gk::row_dot<T, M, K, V>(gate + static_cast<long long>(row) * K, xs, g);
-      gk::row_dot<T, M, K, V>(up + static_cast<long long>(row) * K, xs, u);
-    } else {
-      gk::row_dot<T, M, K, 1>(gate + static_cast<long long>(row) * K, xs, g);
-      gk::row_dot<T, M, K, 1>(up + static_cast<long long>(row) * K, xs, u);
-    }
-    if ((threadIdx.x & 31) == 0) {
+def _cuda_body(aligned: str, work: str) -> str:
+    """A body that runs ``work`` (which names ``VA``, the vector width it may use) V-wide when the
+    ``aligned`` pointers are, else one element at a time."""
+    run = r"""
+    gk::norm_rows<T, M, K, VA, NT, RESID, HAS_W>(x, residual, w, h, xs, eps, red);""" + work
+    return (_CUDA_START + f"\n  if ({aligned}) {{\n    constexpr int VA = V;" + run + "\n  } else {\n"
+            "    constexpr int VA = 1;" + run + "\n  }\n")
+
+
+_CUDA_PROJECTIONS = _cuda_body(
+    "gk::aligned<V>(x) && gk::aligned<V>(residual) && gk::aligned<V>(w) && gk::aligned<V>(h) && "
+    "gk::aligned<V>(w0) && gk::aligned<V>(w1) && gk::aligned<V>(w2)", r"""
+    const int n0 = w0_shape[0];
+    const int n1 = NW > 1 ? w1_shape[0] : 0;
+    const int n2 = NW > 2 ? w2_shape[0] : 0;
+    if (row < n0) {
+      gk::project_row<T, M, K, VA>(w0, y0, row, n0, xs);
+    } else if (row < n0 + n1) {
+      gk::project_row<T, M, K, VA>(w1, y1, row - n0, n1, xs);
+    } else if (row < n0 + n1 + n2) {
+      gk::project_row<T, M, K, VA>(w2, y2, row - n0 - n1, n2, xs);
+    }""")
+
+_CUDA_SWIGLU = _cuda_body(
+    "gk::aligned<V>(x) && gk::aligned<V>(residual) && gk::aligned<V>(w) && gk::aligned<V>(h) && "
+    "gk::aligned<V>(gate) && gk::aligned<V>(up)", r"""
+    const int n = gate_shape[0];
+    if (row < n) {
+      float g[M];
+      float u[M];
+      gk::row_dot<T, M, K, VA>(gate + static_cast<long long>(row) * K, xs, g);
+      gk::row_dot<T, M, K, VA>(up + static_cast<long long>(row) * K, xs, u);
+      if ((threadIdx.x & 31) == 0) {
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const float gm = gk::round_to<T>(g[m]);
-        out[static_cast<long long>(m) * n + row] =
-            static_cast<T>(gm * (1.0f / (1.0f + expf(-gm))) * gk::round_to<T>(u[m]));
+        for (int m = 0; m < M; ++m) {
+          const float gm = gk::round_to<T>(g[m]);
+          out[static_cast<long long>(m) * n + row] =
+              static_cast<T>(gm * (1.0f / (1.0f + expf(-gm))) * gk::round_to<T>(u[m]));
+        }
       }
-    }
-  }
-"""
+    }""")
 
 _METAL = r"""
 namespace gk {
@@ -285,6 +329,15 @@ _METAL_SWIGLU = _METAL_START + r"""
 """
 
 
+def _product(normed: mx.array, weight: mx.array) -> mx.array:
+    """``normed @ weight.T`` in the inputs' precision. MLX's CUDA backend multiplies float32 matrices
+    of more than one row on TF32 tensor cores (errors near 1e-3), so a float32 oracle runs its
+    product on the CPU, whose float32 products are exact."""
+    if normed.dtype == mx.float32 and mx.default_device() == mx.gpu and not mx.metal.is_available():
+        return mx.matmul(normed, weight.T, stream=mx.cpu)
+    return normed @ weight.T
+
+
 def _normed(x: mx.array, residual: mx.array, w: mx.array, EPS: int, RESID: bool,
             HAS_W: bool) -> tuple[mx.array, mx.array]:
     h = x + residual if RESID else x
@@ -298,7 +351,7 @@ def norm_projections_reference(x: mx.array, residual: mx.array, w: mx.array, w0:
     absent output is a one-element zero."""
     h, normed = _normed(x, residual, w, EPS, RESID, HAS_W)
     absent = mx.zeros((1,), x.dtype)
-    outputs = [normed @ weight.T if i < NW else absent for i, weight in enumerate((w0, w1, w2))]
+    outputs = [_product(normed, weight) if i < NW else absent for i, weight in enumerate((w0, w1, w2))]
     return [h if RESID else mx.zeros((1,), x.dtype), *outputs]
 
 
@@ -306,8 +359,8 @@ def norm_swiglu_reference(x: mx.array, residual: mx.array, w: mx.array, gate: mx
                           EPS: int, RESID: bool, HAS_W: bool) -> list[mx.array]:
     """Pure-MLX ``h`` and ``silu(n @ gate.T) * (n @ up.T)`` (products rounded, gating in float32)."""
     h, normed = _normed(x, residual, w, EPS, RESID, HAS_W)
-    g = (normed @ gate.T).astype(mx.float32)
-    u = (normed @ up.T).astype(mx.float32)
+    g = _product(normed, gate).astype(mx.float32)
+    u = _product(normed, up).astype(mx.float32)
     return [h if RESID else mx.zeros((1,), x.dtype), (g * mx.sigmoid(g) * u).astype(x.dtype)]
 
 
@@ -380,12 +433,14 @@ def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weigh
              *(output_spec((1,), x.dtype),) * pad)
     inputs = (x, unused if residual is None else residual, unused if weight is None else weight, *matrices,
               *(unused,) * pad)
-    template = (template_arg("T", x.dtype), template_arg("M", x.size // k), template_arg("K", k),
-                template_arg("V", vector_width(k, x.dtype)), template_arg("NT", BLOCK),
+    m = x.size // k
+    block = BLOCK if m <= 2 else WIDE_BLOCK
+    template = (template_arg("T", x.dtype), template_arg("M", m), template_arg("K", k),
+                template_arg("V", vector_width(k, x.dtype)), template_arg("NT", block),
                 template_arg("RESID", residual is not None), template_arg("HAS_W", weight is not None),
                 eps_template(eps, op), *(() if gated else (template_arg("NW", len(matrices)),)))
-    blocks = -(-sum(out_rows) // (BLOCK // 32))
-    return Plan(kernel, inputs, specs, (blocks * BLOCK, 1, 1), (BLOCK, 1, 1), template)
+    blocks = -(-sum(out_rows) // (block // 32))
+    return Plan(kernel, inputs, specs, (blocks * block, 1, 1), (block, 1, 1), template)
 
 
 def plan_norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence[mx.array],
