@@ -54,11 +54,14 @@ def browser() -> Iterator[Any]:
 class Viewer:
     """A loaded viewer page plus the errors it logged."""
 
-    def __init__(self, browser: Any, page_html: str, tmp: Path, size: tuple[int, int] = (1280, 800)):
+    def __init__(self, browser: Any, page_html: str, tmp: Path, size: tuple[int, int] = (1280, 800),
+                 init_script: str | None = None):
         self.path = tmp / "graph.html"
         self.tmp = tmp
         self.path.write_text(page_html)
         self.page = browser.new_page(viewport={"width": size[0], "height": size[1]})
+        if init_script:   # runs in the page before the viewer's own script
+            self.page.add_init_script(init_script)
         self.errors: list[str] = []
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
@@ -85,8 +88,11 @@ class Viewer:
         self.page.mouse.click(b["x"] + b["width"] / 2, b["y"] + b["height"] / 2)
 
     def pixel(self, x: float, y: float) -> tuple[int, int, int]:
-        """The canvas colour at CSS pixel (x, y) of the page."""
-        return tuple(self.js("""([x, y]) => {
+        """The canvas colour at CSS pixel (x, y) of the page, once the canvas shows the page's
+        current state: the viewer repaints on the animation frame after a change (a colouring
+        chosen, a pan), so a read straight after one would see the picture before it."""
+        return tuple(self.js("""async ([x, y]) => {
+            await gk.painted();
             const c = document.getElementById('gk-canvas'), r = c.getBoundingClientRect();
             const s = c.width / r.width;
             const d = c.getContext('2d').getImageData(
@@ -451,6 +457,23 @@ def test_colour_by_nan_on_a_llama_with_a_planted_nan_kernel(viewer: Any) -> None
     assert _close(v.fill(root), palette["nonfinite"]) and _near(v.fill(source), scale["colours"])
     assert "abs-max" in v.page.inner_text("#gk-legend")
     v.shot("nan-llama-absmax")
+    assert v.errors == []
+
+
+# every animation frame 300 ms late, as on a machine busy with other work
+LATE_FRAMES = """(() => { const raf = window.requestAnimationFrame.bind(window);
+    window.requestAnimationFrame = cb => setTimeout(() => raf(cb), 300); })()"""
+
+
+def test_a_chosen_colouring_is_on_the_canvas_once_painted_even_when_frames_come_late(viewer: Any) -> None:
+    # the viewer repaints on the animation frame after a change; gk.painted() tells a reader
+    # (and Viewer.pixel) when the canvas shows it, however late that frame comes
+    v = viewer(vg.nan_values(), size=(1600, 1000), init_script=LATE_FRAMES)
+    at, nonfinite = _centre_left(v.group("model.layers.3")), v.js("gk.palette")["nonfinite"]
+    for name, want in (("kind", "#fecaca"), ("nonfinite", nonfinite), ("kind", "#fecaca")):
+        v.page.select_option("#gk-colour", name)
+        assert _close(v.pixel(*at), want), name
+    assert v.js("() => gk.painted().then(() => 'settled')") == "settled"   # nothing pending: at once
     assert v.errors == []
 
 

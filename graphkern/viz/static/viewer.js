@@ -822,11 +822,22 @@
     canvas.width = Math.round(cssW * dpr); canvas.height = Math.round(cssH * dpr);
     draw();   // now: setting the size cleared the canvas
   }
-  var pending = false;
+  // redraws asked for between two frames are folded into one, drawn just before the next frame
+  // is shown; painted() resolves once the canvas shows everything asked for so far
+  var pending = false, onPainted = [];
   function requestDraw() {
     if (pending) return;
     pending = true;
-    requestAnimationFrame(function () { pending = false; draw(); });
+    requestAnimationFrame(function () {
+      pending = false;
+      try { draw(); } finally {
+        var waiting = onPainted; onPainted = [];
+        waiting.forEach(function (resolve) { resolve(); });
+      }
+    });
+  }
+  function painted() {
+    return pending ? new Promise(function (resolve) { onPainted.push(resolve); }) : Promise.resolve();
   }
   // a unit's look: [fill, stroke, line width, dashed]
   function unitLook(u) {
@@ -1845,6 +1856,7 @@
     fit: function () { fit(0); },
     fitAll: fitAll,
     redraw: draw,
+    painted: painted,   // a Promise: the canvas has been redrawn since the last change
     drawnLabels: function () { return lastPlaced.map(function (p) { return { kind: p[4], x: p[0], y: p[1], w: p[2] - p[0], h: p[3] - p[1] }; }); },
     colourBy: function (name) { setColouring(name); draw(); },
     colouring: function () { return colourSel.value; },
