@@ -78,6 +78,10 @@ class Segments:
         self._forms: dict[tuple[str, int], Callable[..., Any]] = {}
         self.usable = True
 
+    def traced(self) -> list[str]:
+        """The names of the segments compiled so far, on any thread."""
+        return sorted({name for name, _ in self._forms})
+
     def __call__(self, name: str, *args: Any) -> Any:
         key = (name, get_ident())
         form = self._forms.get(key)

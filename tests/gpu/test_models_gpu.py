@@ -137,6 +137,13 @@ def test_fused_models_equal_stock_on_device(arch: str) -> None:
     atol, rtol = MODEL_TOLERANCES[mx.float32]
     assert mx.allclose(model(TOKENS), stock_logits, atol=atol, rtol=rtol).item()
     assert _generate(model) == stock_tokens
+    if arch == "mixtral" and CUDA:
+        # mlx 0.32.4's CUDA backend cannot differentiate the stock Mixtral itself (evaluating its
+        # gradients fails in cuGraphAddKernelNode with "invalid argument"), so there is nothing to
+        # hold the patched one to here; tests/test_fusions.py compares its gradients on the CPU.
+        assert stock_launches.total - fused_launches.total == 3 * len(model.layers)
+        unpatch(model)
+        return
     loss, grads = nn.value_and_grad(model, _loss)(model)
     assert abs(loss.item() - stock_loss.item()) < 1e-4
     stock, fused = dict(tree_flatten(stock_grads)), dict(tree_flatten(grads))
@@ -163,6 +170,5 @@ def test_evaluating_models_decode_through_fused_segments_on_device(arch: str) ->
         assert mx.allclose(got, expected, atol=atol, rtol=rtol).item(), mx.abs(got - expected).max().item()
         token = mx.argmax(expected[:, -1:], axis=-1)
         expected, got = stock(token, cache=cs), patched(token, cache=cp)
-    forms = patched.model.layers[0].segments()._forms
-    assert {name for name, _ in forms} == {"enter", "leave"}
+    assert patched.model.layers[0].segments().traced() == ["enter", "leave"]
     assert _generate(patched) == _generate(stock)
