@@ -148,3 +148,65 @@ def test_a_layer_that_is_not_a_tree_of_arrays_runs_its_own_forward() -> None:
     layer = Odd()
     segments = Segments(layer)
     assert segments("scaled", mx.ones((2,))) is None and not segments.usable
+
+
+def test_patch_selects_the_decoding_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphkern.kernels as gkk
+
+    calls: list[str] = []
+    for name in ("norm_projections", "norm_swiglu"):
+        real = getattr(gkk, name)
+        def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(gkk, name, spy)
+    assert {"norm_projections", "norm_swiglu"} <= set(gk.models.kernel_names())
+    stock = tiny_model("llama")
+    stock.eval()
+    for kernels, expected in ((["add_rms_norm", "rope_qk", "swiglu"], set()),
+                              (["add_rms_norm", "rope_qk", "swiglu", "norm_swiglu"], {"norm_swiglu"}),
+                              ("all", {"norm_projections", "norm_swiglu"})):
+        calls.clear()
+        patched = tiny_model("llama")
+        gk.patch(patched, kernels=kernels)
+        patched.eval()
+        for ours, theirs in zip(_decode(patched, 2), _decode(stock, 2)):
+            assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5).item()
+        assert set(calls) == expected, kernels
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda x, w, m: gk.kernels.norm_projections(x, w, []), "1 to 3 weight matrices"),
+    (lambda x, w, m: gk.kernels.norm_projections(x, w, [m, m, m, m]), "1 to 3 weight matrices"),
+    (lambda x, w, m: gk.kernels.norm_projections(x, w, [m.T]), "expected (N, 16)"),
+    (lambda x, w, m: gk.kernels.norm_projections(x, w, [m.astype(mx.float16)]), "dtype mismatch"),
+    (lambda x, w, m: gk.kernels.norm_projections(x, w, ["W"]), "must be an mx.array"),
+    (lambda x, w, m: gk.kernels.norm_projections(mx.ones((9, 16)), w, [m]), "1 to 8 rows"),
+    (lambda x, w, m: gk.kernels.norm_projections(x, w[:8], [m]), "weight has shape"),
+    (lambda x, w, m: gk.kernels.norm_projections(x, w, [m], residual=x[:1]), "residual is"),
+    (lambda x, w, m: gk.kernels.norm_swiglu(x, w, m, m[:4]), "up has shape"),
+    (lambda x, w, m: gk.kernels.norm_swiglu(x, w, m, m, eps=-1.0), "eps must be"),
+])
+def test_projection_kernels_refuse_bad_arguments_by_name(call: Any, says: str) -> None:
+    x, w, m = mx.ones((2, 16)), mx.ones((16,)), mx.ones((8, 16))
+    with pytest.raises(gk.KernelError) as raised:
+        call(x, w, m)
+    assert raised.value.operation in ("norm_projections", "norm_swiglu") and says in str(raised.value)
+    assert mx.allclose(gk.kernels.norm_projections(x, w, [m])[0], mx.full((2, 8), 16.0), atol=1e-3).item()
+
+
+def test_a_quantized_model_decodes_through_segments_with_its_own_products(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphkern.kernels as gkk
+
+    stock, patched = tiny_model("llama"), tiny_model("llama")
+    for model in (stock, patched):
+        nn.quantize(model, group_size=32, bits=4)
+        model.eval()
+    gk.patch(patched)
+    monkeypatch.setattr(gkk, "norm_projections", None)  # quantized projections are not plain Linears
+    monkeypatch.setattr(gkk, "norm_swiglu", None)
+    for ours, theirs in zip(_decode(patched, 3), _decode(stock, 3)):
+        assert mx.allclose(ours, theirs, atol=1e-4, rtol=1e-4).item()
+    assert patched.model.layers[0].segments().traced() == ["enter", "leave"]

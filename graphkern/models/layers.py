@@ -109,6 +109,10 @@ class KernelLayer(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
+    def select(self, kernels: frozenset[str]) -> None:
+        """Told by ``patch`` which kernels were selected, for a layer that can use more than its
+        own (by default it uses only ``kernel``)."""
+
     def segments(self) -> Segments:
         """This layer's compiled segments (see ``graphkern.models.segments``), made on first use."""
         found: Segments | None = self.__dict__.get("_gk_segments")
@@ -418,14 +422,20 @@ class KernelResidualBlock(KernelLayer):
     """
 
     kernel = "add_rms_norm"
+    #: The kernels a block can also decode with, when ``patch`` selects them.
+    DECODING_KERNELS = frozenset({"norm_projections", "norm_swiglu"})
 
     def __init__(self, original: nn.Module, ffn: str, norm: KernelAddRMSNorm,
                  input_norm: KernelAddRMSNorm | None = None):
         super().__init__(original)
         self._gk_ffn = ffn
+        self._gk_decoding = self.DECODING_KERNELS
         self.post_attention_layernorm = norm
         if input_norm is not None:
             self.input_layernorm = input_norm
+
+    def select(self, kernels: frozenset[str]) -> None:
+        self._gk_decoding = self.DECODING_KERNELS & kernels
 
     @property
     def chains(self) -> bool:
@@ -462,7 +472,9 @@ class KernelResidualBlock(KernelLayer):
         rows, norm and plain projections are one ``norm_projections`` launch."""
         attention = self.self_attn
         norm = self.input_layernorm
-        weights = _plain_weights(attention, ("q_proj", "k_proj", "v_proj"), x)
+        weights = None
+        if "norm_projections" in self._gk_decoding:
+            weights = _plain_weights(attention, ("q_proj", "k_proj", "v_proj"), x)
         if weights is not None and _fuses(norm, residual, x):
             outputs = gkk.norm_projections(x, norm.scale(), weights, norm.eps, residual)
             if residual is not None:
@@ -483,7 +495,7 @@ class KernelResidualBlock(KernelLayer):
         ffn = self[self._gk_ffn]
         norm = self.post_attention_layernorm
         weights = None
-        if isinstance(ffn, KernelSwiGLUMLP):
+        if isinstance(ffn, KernelSwiGLUMLP) and "norm_swiglu" in self._gk_decoding:
             weights = _plain_weights(ffn, ("gate_proj", "up_proj"), x)
         if weights is not None and _fuses(norm, r, x):
             h, gated = gkk.norm_swiglu(x, norm.scale(), weights[0], weights[1], norm.eps, residual=r)

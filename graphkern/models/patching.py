@@ -480,8 +480,9 @@ RULES: list[Rule] = [
 
 
 def kernel_names() -> list[str]:
-    """The kernel names ``patch(kernels=...)`` accepts."""
-    return sorted({rule.kernel for rule in RULES})
+    """The kernel names ``patch(kernels=...)`` accepts: those of the rules, and those fused blocks
+    also decode with (``norm_projections``, ``norm_swiglu``)."""
+    return sorted({rule.kernel for rule in RULES} | KernelResidualBlock.DECODING_KERNELS)
 
 
 # ----------------------------------------------------------------------------- walking
@@ -527,7 +528,8 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> list[Patche
     >>> [p.path for p in patch(model, kernels=["rms_norm"])]
     ['layers.1']
     """
-    rules = [rule for rule in RULES if rule.kernel in _select(kernels)]
+    selected = frozenset(_select(kernels))
+    rules = [rule for rule in RULES if rule.kernel in selected]
     installs: list[tuple[Any, Any, KernelLayer]] = []
     report: list[Patched] = []
 
@@ -537,6 +539,7 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> list[Patche
                 (r for r in rules if r.matches(child)), None)
             if rule is not None:
                 child = rule.build(child, child_path)
+                child.select(selected)
                 installs.append((container, key, child))
                 report.append(Patched(child_path, rule.kernel, rule.name,
                                       type(child.original).__qualname__))
