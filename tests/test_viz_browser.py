@@ -587,7 +587,9 @@ def test_search_finds_a_node(viewer: Any) -> None:
     v = viewer(vg.transformer(2))
     v.page.click("#gk-search")
     v.page.keyboard.type("rms_norm_1")
-    v.page.wait_for_selector("#gk-results.open .gk-result")
+    # the results follow each keystroke: wait for those of the whole query, not of "rms_norm"
+    v.page.wait_for_function("() => (document.querySelector('#gk-results.open .gk-result') || {})"
+                             ".innerText?.startsWith('rms_norm_1')", timeout=10000)
     first = v.page.inner_text("#gk-results .gk-result >> nth=0")
     assert first.startswith("rms_norm_1")
     assert v.state("rms_norm_1")["match"] and not v.state("rms_norm")["match"]
