@@ -225,14 +225,21 @@ def test_opening_a_layer_keeps_the_rest_still(viewer: Any) -> None:
     assert v.errors == []
 
 
+def _type_search(v: Any, query: str) -> None:
+    """Type ``query`` into the search box and wait for its results: they follow each keystroke,
+    so those of a prefix can be on the page for a moment."""
+    v.page.click("#gk-search")
+    v.page.keyboard.type(query)
+    v.page.wait_for_function("q => (document.querySelector('#gk-results.open .gk-result') || {})"
+                             ".innerText?.startsWith(q)", arg=query, timeout=10000)
+
+
 def test_search_and_select_on_a_real_llama(viewer: Any) -> None:
     v = viewer(vg.llama(8), size=(1600, 1000))
     g = vg.llama(8).nx
     kernel = next(n for n, d in g.nodes(data=True)
                   if d["kind"] == "kernel" and d["scope"] == "model.layers.6.input_layernorm")
-    v.page.click("#gk-search")
-    v.page.keyboard.type(kernel)
-    v.page.wait_for_selector("#gk-results.open .gk-result")
+    _type_search(v, kernel)
     assert v.page.inner_text("#gk-results .gk-result >> nth=0").startswith(kernel)
     assert v.page.inner_text("#gk-search-count") == "1 found"
     assert v.state(kernel)["box"] == "model.layers.6" and v.state(kernel)["match"]
@@ -585,11 +592,7 @@ def test_loads_without_console_errors(viewer: Any) -> None:
 
 def test_search_finds_a_node(viewer: Any) -> None:
     v = viewer(vg.transformer(2))
-    v.page.click("#gk-search")
-    v.page.keyboard.type("rms_norm_1")
-    # the results follow each keystroke: wait for those of the whole query, not of "rms_norm"
-    v.page.wait_for_function("() => (document.querySelector('#gk-results.open .gk-result') || {})"
-                             ".innerText?.startsWith('rms_norm_1')", timeout=10000)
+    _type_search(v, "rms_norm_1")
     first = v.page.inner_text("#gk-results .gk-result >> nth=0")
     assert first.startswith("rms_norm_1")
     assert v.state("rms_norm_1")["match"] and not v.state("rms_norm")["match"]
