@@ -93,24 +93,52 @@ def test_training_traces_and_long_calls_run_layer_by_layer() -> None:
     assert _forms(patched) == 0
 
 
-def test_each_thread_has_its_own_forms() -> None:
+@pytest.mark.parametrize("round_", range(3))
+def test_threads_decoding_one_model_at_once_each_trace_their_own_forms(round_: int) -> None:
     stock, patched = _pair("qwen3")
     expected = _decode(stock, 3)
     results: dict[int, list[mx.array]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
 
     def worker(i: int) -> None:
-        results[i] = _decode(patched, 3)
-        mx.eval(results[i])
+        try:
+            start.wait()  # all four trace their first segments at once
+            results[i] = _decode(patched, 3)
+            mx.eval(results[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert not errors, errors
     for got in results.values():
         for ours, theirs in zip(got, expected):
             assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5).item()
-    assert _forms(patched) == 2 * 2 * len(patched.model.layers)
+    assert _forms(patched) == 4 * 2 * len(patched.model.layers)
+
+
+def test_a_trace_leaves_the_layer_itself_untouched() -> None:
+    seen: list[bool] = []
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = mx.ones((4,))
+            self.inner = nn.Linear(4, 4)
+
+        def scaled(self, x: Any) -> Any:
+            seen.append(layer.weight is weight and layer.inner.weight is inner)  # the live layer
+            return self.inner(x * self.weight)
+
+    layer = Scaled()
+    weight, inner = layer.weight, layer.inner.weight
+    segments = Segments(layer)
+    out = segments("scaled", mx.ones((2, 4)))
+    assert seen == [True] and mx.allclose(out, layer.scaled(mx.ones((2, 4)))).item()
 
 
 def test_a_dropped_model_is_freed_with_its_forms() -> None:
