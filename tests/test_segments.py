@@ -87,10 +87,15 @@ def test_training_traces_and_long_calls_run_layer_by_layer() -> None:
     with gk.without_vjp():
         assert segments_apply(x)
     assert not segments_apply(mx.zeros((1, segments_module.MAX_SEGMENT_TOKENS + 1, 8)))
+    # a trace of a decoding call records the segments' kernels, run eagerly: what decoding runs
     graph = gk.trace(lambda t: patched(t), mx.array([[1]]))
     kernels = {graph.node(n)["kernel"] for n in graph.kernels()}
-    assert {"gk_rope_qk", "gk_add_rms_norm", "gk_swiglu"} <= kernels
+    assert {"gk_norm_projections", "gk_rope_qk", "gk_norm_swiglu", "gk_add_rms_norm"} == kernels
     assert _forms(patched) == 0
+    patched.train()  # training: layer by layer
+    graph = gk.trace(lambda t: patched(t), mx.array([[1]]))
+    layer_by_layer = {"gk_rms_norm", "gk_rope_qk", "gk_add_rms_norm", "gk_swiglu"}
+    assert {graph.node(n)["kernel"] for n in graph.kernels()} == layer_by_layer
 
 
 @pytest.mark.parametrize("round_", range(3))
@@ -238,3 +243,29 @@ def test_a_quantized_model_decodes_through_segments_with_its_own_products(
     for ours, theirs in zip(_decode(patched, 3), _decode(stock, 3)):
         assert mx.allclose(ours, theirs, atol=1e-4, rtol=1e-4).item()
     assert patched.model.layers[0].segments().traced() == ["enter", "leave"]
+
+
+def test_a_nan_from_a_decoding_kernel_is_found_by_inspect_and_check_finite(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphkern.kernels as gkk
+
+    real = gkk.norm_swiglu
+    broken = gk.Kernel("nan_swiglu", ["x"], ["out"], reference=lambda x: [mx.sqrt(-1.0 - mx.abs(x))])
+
+    def planted(x: Any, weight: Any, gate: Any, up: Any, eps: float = 1e-5, residual: Any = None) -> Any:
+        h, out = real(x, weight, gate, up, eps, residual=residual)
+        if gate is patched.model.layers[1].mlp.gate_proj.weight:  # layer 1 only
+            out = gk.launch(broken, [out], [gk.OutputSpec(out.shape, out.dtype)], grid=(out.size, 1, 1),
+                            threadgroup=(32, 1, 1))[0]
+        return h, out
+
+    _, patched = _pair("llama")
+    monkeypatch.setattr(gkk, "norm_swiglu", planted)
+    token = mx.array([[5]])
+    graph = gk.inspect(patched, token)
+    [failure] = graph.failures()
+    assert graph.node(failure.node)["kernel"] == "nan_swiglu"
+    assert graph.node(failure.node)["scope"].startswith("model.layers.1")
+    with pytest.raises(gk.GraphError) as raised:
+        gk.wrap(patched, check_finite=True)(token)
+    assert raised.value.node == failure.node

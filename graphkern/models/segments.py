@@ -46,7 +46,7 @@ import mlx.core as mx
 from graphkern.autodiff import vjp_enabled
 from graphkern.context import state
 
-__all__ = ["MAX_SEGMENT_TOKENS", "Segments", "segments_apply"]
+__all__ = ["MAX_SEGMENT_TOKENS", "Segments", "decoding", "segments_apply"]
 
 #: Calls of at most this many tokens run compiled segments (decoding, speculative verification).
 #: Longer ones (prefill) run layer by layer: each new prompt length would be a new trace.
@@ -55,11 +55,17 @@ MAX_SEGMENT_TOKENS = 16
 _NOT_A_TREE = "[compile] Function arguments must be trees"
 
 
+def decoding(x: mx.array) -> bool:
+    """Whether a layer called with ``x`` (``(B, L, D)``) decodes: no vjp (an evaluating model, or
+    ``gk.without_vjp()``) and at most ``MAX_SEGMENT_TOKENS`` tokens. Such a call runs a block's
+    segments, compiled, or eagerly inside a graphkern trace (which then records what runs)."""
+    return not vjp_enabled() and x.ndim == 3 and x.shape[1] <= MAX_SEGMENT_TOKENS
+
+
 def segments_apply(x: mx.array) -> bool:
-    """Whether a layer called with ``x`` (``(B, L, D)``) runs its compiled segments: no vjp (an
-    evaluating model, or ``gk.without_vjp()``), no graphkern trace recording the launches, and at
-    most ``MAX_SEGMENT_TOKENS`` tokens."""
-    return state.recorder is None and not vjp_enabled() and x.ndim == 3 and x.shape[1] <= MAX_SEGMENT_TOKENS
+    """Whether a layer called with ``x`` runs its compiled segments: it :func:`decodes <decoding>`
+    and no graphkern trace is recording the launches."""
+    return state.recorder is None and decoding(x)
 
 
 class Segments:
