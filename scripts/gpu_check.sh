@@ -3,13 +3,15 @@
 #   bash scripts/gpu_check.sh kernels  # library kernels: gpu tests, then benchmarks/gpu_kernels.py --quick
 #   bash scripts/gpu_check.sh core     # conformance, NVRTC failures, precompiled kernels; gpu_core.py
 #   bash scripts/gpu_check.sh models   # patched mlx-lm models: gpu tests, then benchmarks/models.py
+#   bash scripts/gpu_check.sh generate # mlx-lm generation, stock against patched (the large models, both
+#                                      # 16-bit dtypes, eager), then the host time a launch costs
 #   bash scripts/gpu_check.sh bench    # the full kernel benchmark (all sizes); arguments after it go
 #                                      # to it: bench --kernels swiglu,gelu --dtypes float32
 #   bash scripts/gpu_check.sh tune     # launch-shape sweep of the row kernels (benchmarks/gpu_row_configs.py);
 #                                      # arguments after it go to the sweep: tune --kernels softmax --dtypes float32
 # Logs and results go to the folder $OUT names, else ./gpu-results.
 set -uo pipefail
-part=${1:?usage: gpu_check.sh kernels|core|models|bench|tune [benchmark arguments]}
+part=${1:?usage: gpu_check.sh kernels|core|models|generate|bench|tune [benchmark arguments]}
 shift
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -28,9 +30,13 @@ case "$part" in
   models)
     gpu_tests tests/gpu/test_models_gpu.py | tee "$out/pytest_models.txt" | tail -15
     python3 benchmarks/models.py --sizes tiny,medium --length 128 --rounds 9 2>&1 | tee "$out/models.txt" ;;
+  generate)
+    python3 benchmarks/generate.py --sizes large --dtypes bfloat16,float16 --modes eager --rounds 3 \
+      --tokens 48 --prefill 256,2048 --breakdown --json "$out/generate.json" 2>&1 | tee "$out/generate.txt"
+    python3 benchmarks/launch_cost.py 2>&1 | tee "$out/launch_cost.txt" ;;
   bench)
     python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels_full.json" "$@" 2>&1 | tee "$out/gpu_kernels_full.txt" ;;
   tune)
     python3 benchmarks/gpu_row_configs.py --dtypes bfloat16,float32 "$@" 2>&1 | tee "$out/row_configs.txt" ;;
-  *) echo "unknown part '$part': use kernels, core, models, bench or tune" >&2; exit 2 ;;
+  *) echo "unknown part '$part': use kernels, core, models, generate, bench or tune" >&2; exit 2 ;;
 esac
