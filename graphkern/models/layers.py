@@ -25,6 +25,7 @@ import mlx.nn as nn
 
 from graphkern import kernels as gkk
 from graphkern.autodiff import vjp_enabled, without_vjp
+from graphkern.context import current_recorder
 from graphkern.kernels.ops.projections import projections_fit
 from graphkern.kernels.ops.rope import int_offset_array
 from graphkern.models.segments import Segments, decoding, segments_apply
@@ -448,24 +449,29 @@ class KernelResidualBlock(KernelLayer):
         position = attention.position(x, cache) if decodes else None
         if position is not None:  # decoding: the two segments, compiled unless a trace records them
             alone, segments = residual is _ALONE, self.segments()
-            compiled = segments.usable and segments_apply(x)
+            compiled = segments.usable and current_recorder() is None
             args = (x, None if alone else residual, *position)
             entered = segments("enter", *args) if compiled else None
             x, queries, keys, values = entered if entered is not None else self.enter(*args)
             attended = attention.attend(queries, keys, values, mask, cache)
             left = segments("leave", x, attended, alone) if compiled and segments.usable else None
             return left if left is not None else self.leave(x, attended, alone)
-        if residual is _ALONE:
-            r = self.self_attn(self.input_layernorm(x), mask, cache)
-            h, normed = self.post_attention_layernorm(x, r)
-            return h + self[self._gk_ffn](normed)
+        alone = residual is _ALONE
+        x, normed = self._input_norm(x, None if alone else residual)
+        return self._after_attention(x, self.self_attn(normed, mask, cache), alone)
+
+    def _input_norm(self, x: mx.array, residual: mx.array | None) -> tuple[mx.array, mx.array]:
+        """``(x + residual, norm(x + residual))``, or ``(x, norm(x))`` without a residual."""
         if residual is None:
-            normed = self.input_layernorm(x)
-        else:
-            x, normed = self.input_layernorm(x, residual)
-        r = self.self_attn(normed, mask, cache)
+            return x, self.input_layernorm(x)
+        return self.input_layernorm(x, residual)  # type: ignore[no-any-return]
+
+    def _after_attention(self, x: mx.array, r: mx.array, alone: bool) -> Any:
+        """The residual add fused into the second norm, the feed-forward, and the block's last add
+        when called ``alone`` (else left to the next norm)."""
         h, normed = self.post_attention_layernorm(x, r)
-        return h, self[self._gk_ffn](normed)
+        out = self[self._gk_ffn](normed)
+        return h + out if alone else (h, out)
 
     def enter(self, x: mx.array, residual: mx.array | None, offset: mx.array,
               rotary: Rotary) -> tuple[mx.array, mx.array, mx.array, mx.array]:
@@ -483,10 +489,7 @@ class KernelResidualBlock(KernelLayer):
                 x = outputs[0]
             queries, keys, values = outputs[-3:]
             return (x, *attention.rotate(queries, keys, values, offset, rotary))
-        if residual is None:
-            normed = norm(x)
-        else:
-            x, normed = norm(x, residual)
+        x, normed = self._input_norm(x, residual)
         return (x, *attention.project(normed, offset, rotary))
 
     def leave(self, x: mx.array, attended: mx.array, alone: bool) -> Any:
@@ -499,12 +502,10 @@ class KernelResidualBlock(KernelLayer):
         weights = None
         if isinstance(ffn, KernelSwiGLUMLP) and "norm_swiglu" in self._gk_decoding:
             weights = _plain_weights(ffn, ("gate_proj", "up_proj"), x)
-        if weights is not None and _fuses(norm, r, x):
-            h, gated = gkk.norm_swiglu(x, norm.scale(), weights[0], weights[1], norm.eps, residual=r)
-            out = ffn.down_proj(gated)
-        else:
-            h, normed = norm(x, r)
-            out = ffn(normed)
+        if weights is None or not _fuses(norm, r, x):
+            return self._after_attention(x, r, alone)
+        h, gated = gkk.norm_swiglu(x, norm.scale(), weights[0], weights[1], norm.eps, residual=r)
+        out = ffn.down_proj(gated)
         return h + out if alone else (h, out)
 
     def failed_output(self, x: mx.array, mask: Any = None, cache: Any = None, residual: Any = _ALONE) -> Any:
