@@ -352,7 +352,7 @@ def norm_projections_reference(x: mx.array, residual: mx.array, w: mx.array, w0:
     h, normed = _normed(x, residual, w, EPS, RESID, HAS_W)
     absent = mx.zeros((1,), x.dtype)
     outputs = [_product(normed, weight) if i < NW else absent for i, weight in enumerate((w0, w1, w2))]
-    return [h if RESID else mx.zeros((1,), x.dtype), *outputs]
+    return [h if RESID else absent, *outputs]
 
 
 def norm_swiglu_reference(x: mx.array, residual: mx.array, w: mx.array, gate: mx.array, up: mx.array, *,
@@ -385,13 +385,16 @@ NORM_SWIGLU = Kernel(
 )
 
 
+def _shared_bytes() -> int:
+    return SHARED_BYTES["cuda" if runs_on_cuda() else "metal"]
+
+
 def projections_fit(x: mx.array) -> bool:
     """Whether rows like ``x``'s (``(..., K)``) fit one launch: ``M = x.size / K`` rows, at most
     ``MAX_ROWS``, of at most ``SHARED_BYTES`` together on the active backend."""
     k = x.shape[-1]
     rows = x.size // k if k else 0
-    limit = SHARED_BYTES["cuda" if runs_on_cuda() else "metal"]
-    return 0 < rows <= MAX_ROWS and rows * k * x.dtype.size <= limit
+    return 0 < rows <= MAX_ROWS and rows * k * x.dtype.size <= _shared_bytes()
 
 
 def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weight: mx.array | None,
@@ -401,14 +404,13 @@ def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weigh
     k = x.shape[-1]
     if not projections_fit(x):
         raise KernelError(op, f"x has {x.size // max(k, 1)} rows of {k} {dtype_name(x.dtype)}; one launch "
-                          f"takes 1 to {MAX_ROWS} rows of at most {SHARED_BYTES['cuda'] // 1024} KB together",
+                          f"takes 1 to {MAX_ROWS} rows of at most {_shared_bytes() // 1024} KB together",
                           Status.INVALID_LAUNCH)
     if residual is not None:
         check_dtype(op, residual, "residual")
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise KernelError(op, f"residual is {tuple(residual.shape)} {dtype_name(residual.dtype)} but "
-                              f"x is "
-                              f"{tuple(x.shape)} {dtype_name(x.dtype)}", Status.INVALID_INPUT)
+                              f"x is {tuple(x.shape)} {dtype_name(x.dtype)}", Status.INVALID_INPUT)
     if weight is not None:
         check_vector(op, weight, x, "weight")
     for name, matrix in zip(names, matrices):
