@@ -2,8 +2,12 @@
 layout attention takes, each head RMS-normalized (optionally) and rotated.
 
 ``q`` is ``(B, L, heads * D)`` and ``k`` ``(B, L, kv_heads * D)``, as ``q_proj`` and ``k_proj`` give
-them; the outputs are ``(B, heads, L, D)`` and ``(B, kv_heads, L, D)``, contiguous, what
-``scaled_dot_product_attention`` and mlx-lm's KV caches take. Per head, what the stock layer does
+them; the outputs are ``(B, heads, L, D)`` and ``(B, kv_heads, L, D)``, what
+``scaled_dot_product_attention`` and mlx-lm's KV caches take. Keys are written contiguous, in the
+cache's order. Queries are written in the projections' ``(B, L, heads, D)`` order and returned as
+its transposed view, the layout MLX's RoPE gives a transposed input: MLX's CUDA attention lays its
+output out as its queries, so the heads go back side by side before ``o_proj`` without a copy
+(contiguous queries cost a long prefill one copy a layer). Per head, what the stock layer does
 with ``reshape``, ``mx.fast.rms_norm`` (Qwen 3's ``q_norm``/``k_norm``), ``transpose`` and the RoPE
 (``mx.fast.rope``, with YaRN's or LongRoPE's input scale), with the same rounding: the normalized
 value rounded to the dtype, times the weight, rounded; the rotation in float32, rounded once. One
@@ -139,7 +143,9 @@ _CUDA_BODY = r"""
   const int off = SHAPED_OFFSET ? offset_shape[1] - (1 << 30) : offset[PER_BATCH ? b : 0];
   const float pos = __int_as_float(SCALE) * static_cast<float>(l + off);
   const long long src = (bl * H + head) * D;
-  const long long dst = ((static_cast<long long>(b) * H + head) * L + l) * D;
+  // queries keep the projections' (B, L, H, D) order (returned as a transposed view); keys are
+  // written in (B, H, L, D) order, the KV cache's
+  const long long dst = is_q ? src : ((static_cast<long long>(b) * H + head) * L + l) * D;
   gk::rope_qk_row<T, D, HALF, TRADITIONAL, FREQS, NORM, IN_SCALE>(
       (is_q ? q : k) + src, (is_q ? q_out : k_out) + dst, is_q ? q_weight : k_weight, freqs, pos,
       __int_as_float(LOG2_BASE), __int_as_float(EPS), threadIdx.x & 31);
@@ -200,7 +206,8 @@ _METAL_BODY = r"""
   const int head = is_q ? h : h - HQ;
   const float pos = as_type<float>(SCALE) * float(l + offset[PER_BATCH ? b : 0]);
   const size_t src = (bl * size_t(H) + size_t(head)) * size_t(D);
-  const size_t dst = ((size_t(b) * size_t(H) + size_t(head)) * size_t(L) + size_t(l)) * size_t(D);
+  const size_t dst = is_q ? src : ((size_t(b) * size_t(H) + size_t(head)) * size_t(L) + size_t(l)) *
+                                      size_t(D);
   if (is_q) {
     gk::rope_qk_row<T, D, HALF, TRADITIONAL, FREQS, NORM, IN_SCALE>(
         q + src, q_out + dst, q_weight, freqs, pos, as_type<float>(LOG2_BASE), as_type<float>(EPS),
@@ -228,7 +235,7 @@ def rope_qk_reference(q: mx.array, k: mx.array, offset: mx.array, freqs: mx.arra
             heads.transpose(0, 2, 1, 3), offset, freqs, half=HALF, traditional=TRADITIONAL, use_freqs=FREQS,
             base=float_from_bits(BASE), scale=float_from_bits(SCALE), input_scale=float_from_bits(IN_SCALE),
             per_batch=PER_BATCH, shaped_offset=SHAPED_OFFSET))
-    return outputs
+    return [outputs[0].transpose(0, 2, 1, 3), outputs[1]]  # queries in (B, L, H, D) order
 
 
 ROPE_QK = Kernel(
@@ -304,7 +311,7 @@ def plan_rope_qk(q: mx.array, k: mx.array, heads: int, kv_heads: int, dims: int,
     template = (template_arg("T", q.dtype), template_arg("D", d), *rotary, template_arg("NORM", norm),
                 eps_template(eps, op), template_arg("PER_BATCH", per_batch),
                 template_arg("SHAPED_OFFSET", shaped))
-    specs = (output_spec((b, heads, length, d), q.dtype), output_spec((b, kv_heads, length, d), q.dtype))
+    specs = (output_spec((b, length, heads, d), q.dtype), output_spec((b, kv_heads, length, d), q.dtype))
     return Plan(ROPE_QK, (q, k, off, table, qw, kw), specs, (threads, 1, 1), (BLOCK, 1, 1), template)
 
 
@@ -340,11 +347,11 @@ def rope_qk(q: mx.array, k: mx.array, heads: int, kv_heads: int, dims: int, *, t
                None if k_weight is None else (k_weight.shape, k_weight.dtype))
     except (AttributeError, TypeError):  # not arrays and numbers: the plan says what is wrong
         q_out, k_out = run(plan())
-        return q_out, k_out
+        return q_out.transpose(0, 2, 1, 3), k_out
     if q_weight is not None and k_weight is not None:
         arrays = (*arrays, q_weight, k_weight)
     q_out, k_out = _LAUNCHES(key, (q, k, *arrays), plan)
-    return q_out, k_out
+    return q_out.transpose(0, 2, 1, 3), k_out
 
 
 _LAUNCHES = LayerLaunches()
