@@ -7,6 +7,11 @@ must equal the serial run's. Every result (output values, graphs, statuses) must
 serial run's, the module hooks (which patch classes, reference-counted) must all be gone
 afterwards, and the garbage collector must be left as it was.
 
+Free-running threads rarely meet inside a compiled graph's steady call, so the per-thread call
+state (``_CallState``) is also checked on a forced schedule: two threads are held inside MLX's
+traces of their steady calls until each has written its state, then let read it back one after
+the other; a control run with one state object for both shows that schedule mixes their results.
+
 MLX 0.32 evaluates an array only on the thread whose stream built it ("There is no Stream(cpu, 0)
 in current thread"), so inputs and weights are evaluated before they are handed to the threads.
 """
@@ -15,15 +20,19 @@ from __future__ import annotations
 
 import gc
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_map
 
 import graphkern as gk
+import graphkern.kernels as gkk
 from graphkern import backends, mlx_kernels
+from graphkern.compiled import _CallState, _PassThrough
 from graphkern.trace import _ModuleHooks
 
 THREADS = 8
@@ -261,8 +270,6 @@ def test_one_compiled_graph_called_from_eight_threads_from_its_steady_path() -> 
     """Several threads call one compiled graph while it is on the steady path (one signature,
     backend left to graphkern): every result matches the eager function, nothing raises, and a
     second signature from the threads is served the long way, correctly."""
-    import graphkern.kernels as gkk
-
     def fn(x: mx.array, w: mx.array) -> mx.array:
         return gkk.swiglu(gkk.rms_norm(x, w), mx.tanh(x))
 
@@ -305,3 +312,113 @@ def test_one_compiled_graph_called_from_eight_threads_from_its_steady_path() -> 
     assert all(len(r) == 200 and all(r) for r in results)
     assert cf(x, y).tolist() == expected and cf(x2, y2).tolist() == expected2
     assert len(list(cf.traces())) == 2  # one graphkern trace per signature, whatever the threads
+
+
+def norm_and_rows(x: mx.array, w: mx.array) -> Any:
+    """A function whose output structure follows the input's rank, as MLX functions with Python
+    control flow on shapes do: one array, a pair, or a dict."""
+    y = gkk.rms_norm(x, w)
+    if x.ndim == 1:
+        return y
+    if x.ndim == 2:
+        return y, y.sum(axis=-1)
+    return {"y": y, "rows": y.sum(axis=-1), "total": y.sum()}
+
+
+def steady_race_setup() -> tuple[gk.CompiledGraph, dict[str, tuple[mx.array, mx.array]], dict[str, Any]]:
+    """A compiled ``norm_and_rows`` on its steady path (primed with a 1-D input on this thread),
+    each thread's arguments (a new signature each, with another output structure), and the
+    eager results they must get."""
+    w = mx.linspace(0.5, 1.5, N)
+    x0 = mx.arange(N, dtype=mx.float32) / 7
+    calls = {"first": (mx.arange(2 * N, dtype=mx.float32).reshape(2, N) / 5 - 1, w),
+             "second": (mx.arange(6 * N, dtype=mx.float32).reshape(3, 2, N) / 11 + 0.5, w)}
+    mx.eval(w, x0, calls)
+    cf = gk.compile(norm_and_rows)
+    primed = cf(x0, w)  # the long way: traced, compiled, run; the next call may be a steady one
+    assert primed.tolist() == norm_and_rows(x0, w).tolist()
+    assert cf._steady is not None
+    expected = {name: tree_map(lambda a: a.tolist(), norm_and_rows(*args)) for name, args in calls.items()}
+    return cf, calls, expected
+
+
+def race_two_steady_calls(cf: gk.CompiledGraph, calls: dict[str, tuple[mx.array, mx.array]],
+                          monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], list[str]]:
+    """Threads ``first`` and ``second`` call ``cf`` from its steady path at once, each with its
+    own ``calls`` arguments, on a forced schedule: each call makes MLX trace (a signature new to
+    ``cf``, on a thread new to MLX's per-thread compile cache), which runs ``_run_unseen``; both
+    threads finish it (each has written what its trace left: ``_Unseen.TRACED``) before either
+    reads it back; then ``first`` reads it, resets it and finishes its whole call before
+    ``second`` reads it. One call state shared by the threads would hand ``second`` the state
+    ``first`` reset. Returns each thread's result (arrays as lists, or the exception raised)
+    and whatever kept the schedule from happening."""
+    traced = threading.Barrier(2, timeout=60)
+    first_done = threading.Event()
+    broken: list[str] = []
+    run_unseen = cf._run_unseen
+
+    def run_unseen_then_wait(arrays: tuple[mx.array, ...]) -> list[mx.array]:
+        outputs = run_unseen(arrays)
+        # still inside MLX's trace, where nothing may raise: a broken schedule is recorded
+        name = threading.current_thread().name
+        try:
+            traced.wait()
+        except threading.BrokenBarrierError:
+            broken.append(f"{name}: the other thread never reached MLX's trace of its steady call")
+        if name == "second" and not first_done.wait(60):
+            broken.append("second: the first thread's call never returned")
+        return outputs
+
+    outcomes: dict[str, Any] = {}
+
+    def target(name: str) -> None:
+        try:
+            outcomes[name] = tree_map(lambda a: a.tolist(), cf(*calls[name]))
+        except Exception as exc:  # compared by the test
+            outcomes[name] = exc
+        finally:
+            if name == "first":
+                first_done.set()
+
+    threads = [threading.Thread(target=target, args=(name,), name=name) for name in calls]
+    with monkeypatch.context() as patch:
+        patch.setattr(cf, "_run_unseen", run_unseen_then_wait)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    return outcomes, broken
+
+
+def test_two_threads_inside_the_steady_path_at_once_keep_their_own_call_state(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads are held inside their steady calls at the point where one would read what
+    the other's MLX trace left (``_CallState.unseen``): each still gets its own signature's
+    result, in its own output structure, and the compiled graph serves all three signatures
+    correctly afterwards."""
+    cf, calls, expected = steady_race_setup()
+    outcomes, broken = race_two_steady_calls(cf, calls, monkeypatch)
+    assert not broken, broken
+    assert outcomes == expected
+    assert isinstance(outcomes["first"], tuple) and isinstance(outcomes["second"], dict)
+    for name, args in calls.items():
+        assert tree_map(lambda a: a.tolist(), cf(*args)) == expected[name]
+    assert len(list(cf.traces())) == 3  # one graphkern trace per signature
+
+
+def test_the_steady_path_race_mixes_results_when_threads_share_one_call_state(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The schedule above does reach the point it is meant to: with one call state object for
+    both threads instead of ``_CallState``'s per-thread one, ``second`` finds the state
+    ``first`` reset, takes its trace's arrays for a steady call's outputs and rebuilds them in
+    the primed signature's structure: its own ``y``, bare, instead of its dict."""
+    cf, calls, expected = steady_race_setup()
+    # _CallState's fields with their defaults, on one object every thread sees
+    fields = {k: v for k, v in vars(_CallState).items() if not k.startswith("_")}
+    monkeypatch.setattr(cf, "_call_state", types.SimpleNamespace(**fields, recorder=_PassThrough()))
+    outcomes, broken = race_two_steady_calls(cf, calls, monkeypatch)
+    assert not broken, broken
+    assert outcomes["first"] == expected["first"]
+    assert outcomes["second"] != expected["second"]
+    assert outcomes["second"] == expected["second"]["y"]

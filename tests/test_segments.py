@@ -87,30 +87,63 @@ def test_training_traces_and_long_calls_run_layer_by_layer() -> None:
     with gk.without_vjp():
         assert segments_apply(x)
     assert not segments_apply(mx.zeros((1, segments_module.MAX_SEGMENT_TOKENS + 1, 8)))
+    # a trace of a decoding call records the segments' kernels, run eagerly: what decoding runs
     graph = gk.trace(lambda t: patched(t), mx.array([[1]]))
     kernels = {graph.node(n)["kernel"] for n in graph.kernels()}
-    assert {"gk_rope_qk", "gk_add_rms_norm", "gk_swiglu"} <= kernels
+    assert {"gk_norm_projections", "gk_rope_qk", "gk_norm_swiglu", "gk_add_rms_norm"} == kernels
     assert _forms(patched) == 0
+    patched.train()  # training: layer by layer
+    graph = gk.trace(lambda t: patched(t), mx.array([[1]]))
+    layer_by_layer = {"gk_rms_norm", "gk_rope_qk", "gk_add_rms_norm", "gk_swiglu"}
+    assert {graph.node(n)["kernel"] for n in graph.kernels()} == layer_by_layer
 
 
-def test_each_thread_has_its_own_forms() -> None:
+@pytest.mark.parametrize("round_", range(3))
+def test_threads_decoding_one_model_at_once_each_trace_their_own_forms(round_: int) -> None:
     stock, patched = _pair("qwen3")
     expected = _decode(stock, 3)
     results: dict[int, list[mx.array]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
 
     def worker(i: int) -> None:
-        results[i] = _decode(patched, 3)
-        mx.eval(results[i])
+        try:
+            start.wait()  # all four trace their first segments at once
+            results[i] = _decode(patched, 3)
+            mx.eval(results[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert not errors, errors
     for got in results.values():
         for ours, theirs in zip(got, expected):
             assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5).item()
-    assert _forms(patched) == 2 * 2 * len(patched.model.layers)
+    assert _forms(patched) == 4 * 2 * len(patched.model.layers)
+
+
+def test_a_trace_leaves_the_layer_itself_untouched() -> None:
+    seen: list[bool] = []
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = mx.ones((4,))
+            self.inner = nn.Linear(4, 4)
+
+        def scaled(self, x: Any) -> Any:
+            seen.append(layer.weight is weight and layer.inner.weight is inner)  # the live layer
+            return self.inner(x * self.weight)
+
+    layer = Scaled()
+    weight, inner = layer.weight, layer.inner.weight
+    segments = Segments(layer)
+    out = segments("scaled", mx.ones((2, 4)))
+    assert seen == [True] and mx.allclose(out, layer.scaled(mx.ones((2, 4)))).item()
 
 
 def test_a_dropped_model_is_freed_with_its_forms() -> None:
@@ -210,3 +243,29 @@ def test_a_quantized_model_decodes_through_segments_with_its_own_products(
     for ours, theirs in zip(_decode(patched, 3), _decode(stock, 3)):
         assert mx.allclose(ours, theirs, atol=1e-4, rtol=1e-4).item()
     assert patched.model.layers[0].segments().traced() == ["enter", "leave"]
+
+
+def test_a_nan_from_a_decoding_kernel_is_found_by_inspect_and_check_finite(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphkern.kernels as gkk
+
+    real = gkk.norm_swiglu
+    broken = gk.Kernel("nan_swiglu", ["x"], ["out"], reference=lambda x: [mx.sqrt(-1.0 - mx.abs(x))])
+
+    def planted(x: Any, weight: Any, gate: Any, up: Any, eps: float = 1e-5, residual: Any = None) -> Any:
+        h, out = real(x, weight, gate, up, eps, residual=residual)
+        if gate is patched.model.layers[1].mlp.gate_proj.weight:  # layer 1 only
+            out = gk.launch(broken, [out], [gk.OutputSpec(out.shape, out.dtype)], grid=(out.size, 1, 1),
+                            threadgroup=(32, 1, 1))[0]
+        return h, out
+
+    _, patched = _pair("llama")
+    monkeypatch.setattr(gkk, "norm_swiglu", planted)
+    token = mx.array([[5]])
+    graph = gk.inspect(patched, token)
+    [failure] = graph.failures()
+    assert graph.node(failure.node)["kernel"] == "nan_swiglu"
+    assert graph.node(failure.node)["scope"].startswith("model.layers.1")
+    with pytest.raises(gk.GraphError) as raised:
+        gk.wrap(patched, check_finite=True)(token)
+    assert raised.value.node == failure.node

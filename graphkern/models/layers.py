@@ -27,7 +27,7 @@ from graphkern import kernels as gkk
 from graphkern.autodiff import vjp_enabled, without_vjp
 from graphkern.kernels.ops.projections import projections_fit
 from graphkern.kernels.ops.rope import int_offset_array
-from graphkern.models.segments import Segments, segments_apply
+from graphkern.models.segments import Segments, decoding, segments_apply
 
 __all__ = [
     "KernelAddRMSNorm",
@@ -444,15 +444,17 @@ class KernelResidualBlock(KernelLayer):
 
     def forward(self, x: mx.array, mask: Any = None, cache: Any = None, residual: Any = _ALONE) -> Any:
         attention = self.self_attn
-        if isinstance(attention, KernelAttention) and segments_apply(x):
-            position = attention.position(x, cache)
-            segments = self.segments()
-            if position is not None and segments.usable:
-                entered = segments("enter", x, None if residual is _ALONE else residual, *position)
-                if entered is not None:
-                    x, queries, keys, values = entered
-                    attended = attention.attend(queries, keys, values, mask, cache)
-                    return segments("leave", x, attended, residual is _ALONE)
+        decodes = isinstance(attention, KernelAttention) and decoding(x)
+        position = attention.position(x, cache) if decodes else None
+        if position is not None:  # decoding: the two segments, compiled unless a trace records them
+            alone, segments = residual is _ALONE, self.segments()
+            compiled = segments.usable and segments_apply(x)
+            args = (x, None if alone else residual, *position)
+            entered = segments("enter", *args) if compiled else None
+            x, queries, keys, values = entered if entered is not None else self.enter(*args)
+            attended = attention.attend(queries, keys, values, mask, cache)
+            left = segments("leave", x, attended, alone) if compiled and segments.usable else None
+            return left if left is not None else self.leave(x, attended, alone)
         if residual is _ALONE:
             r = self.self_attn(self.input_layernorm(x), mask, cache)
             h, normed = self.post_attention_layernorm(x, r)

@@ -14,8 +14,8 @@ The layer's arrays are the first argument of each compiled call, so replacing a 
 thread has its own compiled forms (MLX keeps one compile cache a thread), and a layer holds its
 forms while they hold only a weak reference back, so dropping a model frees its weights.
 
-A segment's trace swaps the tracers into the layer for its duration, as ``mx.compile(inputs=...)``
-does: a layer must not be called from another thread while it traces its first call of a shape.
+A segment traces on a copy of the layer's module tree holding the tracers, never on the layer
+itself, so other threads calling the layer meanwhile see its own arrays.
 
 >>> import mlx.nn as nn
 >>> class Twice(nn.Module):
@@ -35,6 +35,7 @@ does: a layer must not be called from another thread while it traces its first c
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable
 from threading import get_ident
@@ -45,7 +46,7 @@ import mlx.core as mx
 from graphkern.autodiff import vjp_enabled
 from graphkern.context import state
 
-__all__ = ["MAX_SEGMENT_TOKENS", "Segments", "segments_apply"]
+__all__ = ["MAX_SEGMENT_TOKENS", "Segments", "decoding", "segments_apply"]
 
 #: Calls of at most this many tokens run compiled segments (decoding, speculative verification).
 #: Longer ones (prefill) run layer by layer: each new prompt length would be a new trace.
@@ -54,11 +55,17 @@ MAX_SEGMENT_TOKENS = 16
 _NOT_A_TREE = "[compile] Function arguments must be trees"
 
 
+def decoding(x: mx.array) -> bool:
+    """Whether a layer called with ``x`` (``(B, L, D)``) decodes: no vjp (an evaluating model, or
+    ``gk.without_vjp()``) and at most ``MAX_SEGMENT_TOKENS`` tokens. Such a call runs a block's
+    segments, compiled, or eagerly inside a graphkern trace (which then records what runs)."""
+    return not vjp_enabled() and x.ndim == 3 and x.shape[1] <= MAX_SEGMENT_TOKENS
+
+
 def segments_apply(x: mx.array) -> bool:
-    """Whether a layer called with ``x`` (``(B, L, D)``) runs its compiled segments: no vjp (an
-    evaluating model, or ``gk.without_vjp()``), no graphkern trace recording the launches, and at
-    most ``MAX_SEGMENT_TOKENS`` tokens."""
-    return state.recorder is None and not vjp_enabled() and x.ndim == 3 and x.shape[1] <= MAX_SEGMENT_TOKENS
+    """Whether a layer called with ``x`` runs its compiled segments: it :func:`decodes <decoding>`
+    and no graphkern trace is recording the launches."""
+    return state.recorder is None and decoding(x)
 
 
 class Segments:
@@ -98,23 +105,19 @@ class Segments:
 
 def _traced(layer_ref: weakref.ReferenceType[Any], name: str) -> Callable[..., Any]:
     def traced(tree: dict[str, Any], *args: Any) -> Any:
-        layer = layer_ref()
-        _exchange(layer, tree)
-        try:
-            return getattr(layer, name)(*args)
-        finally:
-            _exchange(layer, tree)
+        return getattr(_holding(layer_ref(), tree), name)(*args)
 
     return traced
 
 
-def _exchange(live: Any, other: Any) -> None:
-    """Swap the arrays of ``live`` (a module tree) with those at the same places in ``other`` (its
-    copy as ``mx.compile`` rebuilt it, of plain dicts and lists); its own inverse. A tuple is
-    swapped whole, being immutable."""
-    items = live.items() if isinstance(live, dict) else enumerate(live)
-    for key, value in list(items):
-        if isinstance(value, (mx.array, tuple)):
-            live[key], other[key] = other[key], value
-        elif isinstance(value, (dict, list)):
-            _exchange(value, other[key])
+def _holding(live: Any, arrays: Any) -> Any:
+    """A copy of ``live`` (a module tree: modules, dicts, lists) with the arrays at the same places
+    in ``arrays`` (its image as ``mx.compile`` rebuilt it, of plain dicts and lists) in place of
+    its own. Modules are copied shallowly (their attributes shared), the containers anew; a tuple
+    is taken whole from ``arrays``, being immutable."""
+    if isinstance(live, list):
+        return [_holding(v, a) if isinstance(v, (dict, list)) else a for v, a in zip(live, arrays)]
+    held = copy.copy(live)  # a module: same class and attributes, its own item dict
+    for key, value in live.items():
+        held[key] = _holding(value, arrays[key]) if isinstance(value, (dict, list)) else arrays[key]
+    return held

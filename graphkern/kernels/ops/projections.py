@@ -518,23 +518,28 @@ _PROJECTIONS = LayerLaunches()
 _SWIGLU = LayerLaunches()
 
 
-def _make_projection_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
-    kx, kr, kw, k0, k1, k2 = mx.random.split(key, 6)
-    k = shape[-1]
+def _rows(shape: Sequence[int], dtype: mx.Dtype,
+          key: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Random rows ``x`` of ``shape``, a residual, a norm weight, and a key for the matrices."""
+    kx, kr, kw, rest = mx.random.split(key, 4)
     x = mx.random.normal(tuple(shape), key=kx).astype(dtype)
     r = mx.random.normal(tuple(shape), key=kr).astype(dtype)
-    w = (1.0 + 0.5 * mx.random.normal((k,), key=kw)).astype(dtype)
+    w = (1.0 + 0.5 * mx.random.normal((shape[-1],), key=kw)).astype(dtype)
+    return x, r, w, rest
+
+
+def _make_projection_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
+    x, r, w, rest = _rows(shape, dtype, key)
+    k = shape[-1]
     mats = [(mx.random.normal((n, k), key=kk) / k**0.5).astype(dtype)
-            for n, kk in ((96, k0), (32, k1), (32, k2))]
+            for n, kk in zip((96, 32, 32), mx.random.split(rest, 3))]
     return Case((x, w, mats), {"eps": 1e-5, "residual": r})
 
 
 def _make_swiglu_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
-    kx, kr, kw, kg, ku = mx.random.split(key, 5)
+    x, r, w, rest = _rows(shape, dtype, key)
     k = shape[-1]
-    x = mx.random.normal(tuple(shape), key=kx).astype(dtype)
-    r = mx.random.normal(tuple(shape), key=kr).astype(dtype)
-    w = (1.0 + 0.5 * mx.random.normal((k,), key=kw)).astype(dtype)
+    kg, ku = mx.random.split(rest)
     gate = (2.0 * mx.random.normal((80, k), key=kg) / k**0.5).astype(dtype)
     up = (mx.random.normal((80, k), key=ku) / k**0.5).astype(dtype)
     return Case((x, w, gate, up), {"eps": 1e-5, "residual": r})
@@ -559,6 +564,9 @@ def _stock_swiglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.a
     return out if residual is None else (h, out)
 
 
+#: check()'s shapes: one row, two tokens of one position, eight rows, one token of 2048 features.
+_DECODING_SHAPES = ((1, 64), (2, 1, 128), (8, 256), (1, 1, 2048))
+
 ENTRY = LibraryEntry(
     name="norm_projections",
     kernel=NORM_PROJECTIONS,
@@ -566,7 +574,7 @@ ENTRY = LibraryEntry(
     plan=plan_norm_projections,
     make_inputs=_make_projection_inputs,
     stock=_stock_projections,
-    shapes=((1, 64), (2, 1, 128), (8, 256), (1, 1, 2048)),
+    shapes=_DECODING_SHAPES,
     description="residual add + RMSNorm + up to 3 projections, for up to 8 rows (decoding)",
 )
 
@@ -577,6 +585,6 @@ ENTRY_SWIGLU = LibraryEntry(
     plan=plan_norm_swiglu,
     make_inputs=_make_swiglu_inputs,
     stock=_stock_swiglu,
-    shapes=((1, 64), (2, 1, 128), (8, 256), (1, 1, 2048)),
+    shapes=_DECODING_SHAPES,
     description="residual add + RMSNorm + SwiGLU gate/up projections, for up to 8 rows (decoding)",
 )
