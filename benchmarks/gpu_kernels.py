@@ -217,7 +217,8 @@ def _prologue_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float, wan
 
         def ours(s: tuple[mx.array, mx.array], kw: dict[str, Any] = kw) -> tuple[mx.array, mx.array]:
             qo, ko = gkk.rope_qk(s[0], s[1], heads, kv_heads, d, **kw)
-            return qo.reshape(s[0].shape), ko.reshape(s[1].shape)  # contiguous: views
+            # queries in the input's order (returned transposed), keys contiguous: views both
+            return qo.transpose(0, 2, 1, 3).reshape(s[0].shape), ko.reshape(s[1].shape)
 
         def stock(s: tuple[mx.array, mx.array], kw: dict[str, Any] = kw) -> tuple[mx.array, mx.array]:
             qo, ko = stock_prologue(s[0], s[1], heads, kv_heads, d, **kw)

@@ -39,6 +39,9 @@ Output = tuple[str, int]  # (node, output index)
 _INNER = (NodeKind.OP.value, NodeKind.KERNEL.value)
 _ROWS = (*_INNER, NodeKind.OUTPUT.value)  # inputs and constants are the same on both sides
 _INPUT = NodeKind.INPUT.value
+#: Ops that only lay their input out anew (no arithmetic): a row of one names the kernel behind it.
+_VIEWS = frozenset({"Reshape", "Transpose", "Flatten", "Unflatten", "ExpandDims", "Squeeze", "Broadcast",
+                    "AsStrided", "Slice"})
 _ERRORS_PER_FLUSH = 256
 
 
@@ -240,6 +243,16 @@ class _Side:
         if data["kind"] in (NodeKind.INPUT.value, NodeKind.OUTPUT.value):
             return str(data["label"])
         return str(data["op"])
+
+    def maker(self, node: str) -> str:
+        """What made ``node``'s values: its own op or kernel, or, for a view (a transpose, a
+        reshape...) of a kernel's output, that kernel, whose values it holds in another layout."""
+        data = self.nodes[node]
+        if data["kind"] == NodeKind.OP.value and data["op"] in _VIEWS:
+            reads = [r for r in self.reads(node) if r is not None]
+            if len(reads) == 1 and self.nodes[reads[0][0]]["kind"] == NodeKind.KERNEL.value:
+                return self.maker(reads[0][0])
+        return self.what(node)
 
     def key(self, node: str) -> tuple[str, str, str]:
         data = self.nodes[node]
@@ -444,6 +457,8 @@ class _Lockstep:
 def _row(side_a: _Side, side_b: _Side, x: Output, y: Output, result: list[float] | str) -> Row:
     (shape, dtype_a), (_, dtype_b) = side_a.outputs[x[0]][x[1]], side_b.outputs[y[0]][y[1]]
     what_a, what_b = side_a.what(x[0]), side_b.what(y[0])
+    if what_a != what_b:  # b replaced a: by a kernel, maybe seen through a view of its output
+        what_b = side_b.maker(y[0])
     op = what_a if what_a == what_b else f"{what_a} -> {what_b}"
     scope = str(side_b.nodes[y[0]]["scope"] or side_a.nodes[x[0]]["scope"])
     if isinstance(result, str):

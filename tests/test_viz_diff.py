@@ -57,13 +57,14 @@ def test_stock_and_patched_llama_pair_each_layer_with_its_kernel() -> None:
     d = diff(stock, patched)
     a, b = stock.nx, patched.nx
     kernels = patched.kernels()
-    # rope_qk takes over ops of two modules (the attention's layout, its RoPE's rotation), so it is
-    # added in the attention rather than paired with one op; its absent frequencies are a constant
+    # rope_qk takes over ops of two modules (the attention's layout, its RoPE's rotation): it stays
+    # in the attention, paired with the reshape of the queries it lays out (its queries come out
+    # transposed, as the stock ones do) or added; its absent frequencies are a constant
     fused = {k for k in kernels if b.nodes[k]["kernel"] == "gk_rope_qk"}
     assert sorted(d.kernels_added) == sorted(kernels) and len(fused) == 4
-    assert {n for n in d.added if b.nodes[n]["kind"] != "constant"} == fused
+    assert {n for n in d.added if b.nodes[n]["kind"] != "constant"} <= fused
     assert all(b.nodes[k]["scope"].endswith(".self_attn") for k in fused)
-    assert {c.after for c in d.replaced} == set(kernels) - fused
+    assert set(kernels) - fused <= {c.after for c in d.replaced} <= set(kernels)
     for c in d.replaced:
         assert a.nodes[c.before]["scope"] == b.nodes[c.after]["scope"] == c.scope
         assert a.nodes[c.before]["kind"] == "op" and b.nodes[c.after]["kind"] == "kernel"

@@ -2,8 +2,12 @@
 layout attention takes, each head RMS-normalized (optionally) and rotated.
 
 ``q`` is ``(B, L, heads * D)`` and ``k`` ``(B, L, kv_heads * D)``, as ``q_proj`` and ``k_proj`` give
-them; the outputs are ``(B, heads, L, D)`` and ``(B, kv_heads, L, D)``, contiguous, what
-``scaled_dot_product_attention`` and mlx-lm's KV caches take. Per head, what the stock layer does
+them; the outputs are ``(B, heads, L, D)`` and ``(B, kv_heads, L, D)``, what
+``scaled_dot_product_attention`` and mlx-lm's KV caches take. Keys are written contiguous, in the
+cache's order. Queries are written in the projections' ``(B, L, heads, D)`` order and returned as
+its transposed view, the layout MLX's RoPE gives a transposed input: MLX's CUDA attention lays its
+output out as its queries, so the heads go back side by side before ``o_proj`` without a copy
+(contiguous queries cost a long prefill one copy a layer). Per head, what the stock layer does
 with ``reshape``, ``mx.fast.rms_norm`` (Qwen 3's ``q_norm``/``k_norm``), ``transpose`` and the RoPE
 (``mx.fast.rope``, with YaRN's or LongRoPE's input scale), with the same rounding: the normalized
 value rounded to the dtype, times the weight, rounded; the rotation in float32, rounded once. One
@@ -16,6 +20,7 @@ CUDA: one warp per ``(b, l, head)`` row (query heads first, then key heads); lan
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,36 +57,71 @@ __all__ = ["MAX_HEAD_DIM", "ROPE_QK", "plan_rope_qk", "rope_qk", "rope_qk_refere
 
 #: Widest head the kernel takes: a lane keeps D / 32 features in registers.
 MAX_HEAD_DIM = 1024
-#: Threads a block: four rows.
+#: Threads a block: four warps.
 BLOCK = 128
+#: Positions (batch entries x tokens) from which a warp takes several heads of one position.
+GROUPED_POSITIONS = 64
+
+
+def heads_a_warp(positions: int, heads: int, kv_heads: int) -> int:
+    """Heads one warp rotates (``G``): with many positions (prefill), 4 or 2 of one position
+    where they divide both head counts, so the lane's angles are computed once for them and
+    their rows are loaded together; with few (decoding), 1, so every head has a warp of its own.
+
+    >>> heads_a_warp(2047, 16, 8), heads_a_warp(2047, 12, 2), heads_a_warp(1, 16, 8), heads_a_warp(2047, 5, 1)
+    (4, 2, 1, 1)
+    """
+    if positions < GROUPED_POSITIONS:
+        return 1
+    common = math.gcd(heads, kv_heads)
+    return next(g for g in (4, 2, 1) if common % g == 0)
 
 _CUDA = r"""
 namespace gk {
 
-template <typename T, int D, int HALF, bool TRADITIONAL, bool FREQS, bool NORM, int IN_SCALE>
-__device__ __forceinline__ void rope_qk_row(const T* x, T* out, const T* w, const float* freqs, float pos,
-                                            float log2_base, float eps, int lane) {
-  constexpr int P = (HALF + 31) / 32;
-  constexpr int R = (D - 2 * HALF + 31) / 32;
+// One head row as a lane holds it: pairs j, j + 32, ... (a, b: the two features of each) and the
+// features past dims (r), as floats.
+template <int P, int R>
+struct QkRow {
   float a[P];
   float b[P];
   float r[R > 0 ? R : 1];
-  float ss = 0.0f;
+};
+
+template <typename T, int D, int HALF, bool TRADITIONAL, int P = (HALF + 31) / 32,
+          int R = (D - 2 * HALF + 31) / 32>
+__device__ __forceinline__ void load_qk_row(const T* x, QkRow<P, R>& row, int lane) {
 #pragma unroll
   for (int c = 0; c < P; ++c) {
     const int i = lane + 32 * c;
-    a[c] = i < HALF ? static_cast<float>(x[TRADITIONAL ? 2 * i : i]) : 0.0f;
-    b[c] = i < HALF ? static_cast<float>(x[TRADITIONAL ? 2 * i + 1 : i + HALF]) : 0.0f;
-    ss += a[c] * a[c] + b[c] * b[c];
+    row.a[c] = i < HALF ? static_cast<float>(x[TRADITIONAL ? 2 * i : i]) : 0.0f;
+    row.b[c] = i < HALF ? static_cast<float>(x[TRADITIONAL ? 2 * i + 1 : i + HALF]) : 0.0f;
   }
 #pragma unroll
   for (int c = 0; c < R; ++c) {
     const int e = 2 * HALF + lane + 32 * c;
-    r[c] = e < D ? static_cast<float>(x[e]) : 0.0f;
-    ss += r[c] * r[c];
+    row.r[c] = e < D ? static_cast<float>(x[e]) : 0.0f;
   }
+}
+
+// Normalize (NORM), scale the input (IN_SCALE) and rotate one loaded row by the lane's angles.
+template <typename T, int D, int HALF, bool TRADITIONAL, bool NORM, int IN_SCALE>
+__device__ __forceinline__ void rotate_qk_row(const QkRow<(HALF + 31) / 32, (D - 2 * HALF + 31) / 32>& row,
+                                              T* out, const T* w, const float (&cs)[(HALF + 31) / 32],
+                                              const float (&sn)[(HALF + 31) / 32], float eps, int lane) {
+  constexpr int P = (HALF + 31) / 32;
+  constexpr int R = (D - 2 * HALF + 31) / 32;
   float inv = 1.0f;
   if constexpr (NORM) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int c = 0; c < P; ++c) {
+      ss += row.a[c] * row.a[c] + row.b[c] * row.b[c];
+    }
+#pragma unroll
+    for (int c = 0; c < R; ++c) {
+      ss += row.r[c] * row.r[c];
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -94,26 +134,23 @@ __device__ __forceinline__ void rope_qk_row(const T* x, T* out, const T* w, cons
     if (i < HALF) {
       const int i1 = TRADITIONAL ? 2 * i : i;
       const int i2 = TRADITIONAL ? 2 * i + 1 : i + HALF;
-      float x1 = a[c];
-      float x2 = b[c];
+      float x1 = row.a[c];
+      float x2 = row.b[c];
       if constexpr (NORM) {
         x1 = round_to<T>(round_to<T>(x1 * inv) * static_cast<float>(w[i1]));
         x2 = round_to<T>(round_to<T>(x2 * inv) * static_cast<float>(w[i2]));
       }
       x1 = in_scaled<T, IN_SCALE>(x1);
       x2 = in_scaled<T, IN_SCALE>(x2);
-      const float theta = pos * rope_inv_freq<FREQS>(freqs, i, HALF, log2_base);
-      const float cs = cosf(theta);
-      const float sn = sinf(theta);
-      out[i1] = static_cast<T>(x1 * cs - x2 * sn);
-      out[i2] = static_cast<T>(x1 * sn + x2 * cs);
+      out[i1] = static_cast<T>(x1 * cs[c] - x2 * sn[c]);
+      out[i2] = static_cast<T>(x1 * sn[c] + x2 * cs[c]);
     }
   }
 #pragma unroll
   for (int c = 0; c < R; ++c) {
     const int e = 2 * HALF + lane + 32 * c;
     if (e < D) {
-      out[e] = static_cast<T>(NORM ? round_to<T>(r[c] * inv) * static_cast<float>(w[e]) : r[c]);
+      out[e] = static_cast<T>(NORM ? round_to<T>(row.r[c] * inv) * static_cast<float>(w[e]) : row.r[c]);
     }
   }
 }
@@ -121,28 +158,57 @@ __device__ __forceinline__ void rope_qk_row(const T* x, T* out, const T* w, cons
 }  // namespace gk
 """
 
+# One warp per G heads of one (b, l) position, all queries or all keys (G divides both head
+# counts): the lane's angles are computed once for the G heads, and the G rows are all loaded
+# before any is rotated and stored.
 _CUDA_BODY = r"""
+  constexpr int P = (HALF + 31) / 32;
+  constexpr int R = (D - 2 * HALF + 31) / 32;
   const int L = q_shape[1];
   const int HQ = q_shape[2] / D;
   const int HK = k_shape[2] / D;
-  const long long row = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  if (row >= static_cast<long long>(q_shape[0]) * L * (HQ + HK)) {
+  const int groups = (HQ + HK) / G;
+  const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  if (warp >= static_cast<long long>(q_shape[0]) * L * groups) {
     return;
   }
-  const int h = static_cast<int>(row % (HQ + HK));
-  const long long bl = row / (HQ + HK);
+  const int lane = threadIdx.x & 31;
+  const int first = static_cast<int>(warp % groups) * G;
+  const long long bl = warp / groups;
   const int l = static_cast<int>(bl % L);
   const int b = static_cast<int>(bl / L);
-  const bool is_q = h < HQ;
+  const bool is_q = first < HQ;
   const int H = is_q ? HQ : HK;
-  const int head = is_q ? h : h - HQ;
+  const int head0 = is_q ? first : first - HQ;
   const int off = SHAPED_OFFSET ? offset_shape[1] - (1 << 30) : offset[PER_BATCH ? b : 0];
   const float pos = __int_as_float(SCALE) * static_cast<float>(l + off);
-  const long long src = (bl * H + head) * D;
-  const long long dst = ((static_cast<long long>(b) * H + head) * L + l) * D;
-  gk::rope_qk_row<T, D, HALF, TRADITIONAL, FREQS, NORM, IN_SCALE>(
-      (is_q ? q : k) + src, (is_q ? q_out : k_out) + dst, is_q ? q_weight : k_weight, freqs, pos,
-      __int_as_float(LOG2_BASE), __int_as_float(EPS), threadIdx.x & 31);
+  float cs[P];
+  float sn[P];
+#pragma unroll
+  for (int c = 0; c < P; ++c) {
+    const int i = lane + 32 * c;
+    const float inv_freq =
+        i < HALF ? gk::rope_inv_freq<FREQS>(freqs, i, HALF, __int_as_float(LOG2_BASE)) : 0.0f;
+    const float theta = pos * inv_freq;
+    cs[c] = cosf(theta);
+    sn[c] = sinf(theta);
+  }
+  const T* x = is_q ? q : k;
+  T* out = is_q ? q_out : k_out;
+  gk::QkRow<P, R> rows[G];
+#pragma unroll
+  for (int j = 0; j < G; ++j) {
+    gk::load_qk_row<T, D, HALF, TRADITIONAL>(x + (bl * H + head0 + j) * D, rows[j], lane);
+  }
+#pragma unroll
+  for (int j = 0; j < G; ++j) {
+    const long long src = (bl * H + head0 + j) * D;
+    // queries keep the projections' (B, L, H, D) order (returned as a transposed view); keys are
+    // written in (B, H, L, D) order, the KV cache's
+    const long long dst = is_q ? src : ((static_cast<long long>(b) * H + head0 + j) * L + l) * D;
+    gk::rotate_qk_row<T, D, HALF, TRADITIONAL, NORM, IN_SCALE>(rows[j], out + dst, is_q ? q_weight : k_weight,
+                                                               cs, sn, __int_as_float(EPS), lane);
+  }
 """
 
 _METAL = r"""
@@ -187,30 +253,35 @@ _METAL_BODY = r"""
   const int L = q_shape[1];
   const int HQ = q_shape[2] / D;
   const int HK = k_shape[2] / D;
-  const size_t row = thread_position_in_grid.x / 32;
-  if (row >= size_t(q_shape[0]) * size_t(L) * size_t(HQ + HK)) {
+  const int groups = (HQ + HK) / G;
+  const size_t warp = thread_position_in_grid.x / 32;
+  if (warp >= size_t(q_shape[0]) * size_t(L) * size_t(groups)) {
     return;
   }
-  const int h = int(row % size_t(HQ + HK));
-  const size_t bl = row / size_t(HQ + HK);
+  const int first = int(warp % size_t(groups)) * G;
+  const size_t bl = warp / size_t(groups);
   const int l = int(bl % size_t(L));
   const int b = int(bl / size_t(L));
-  const bool is_q = h < HQ;
+  const bool is_q = first < HQ;
   const int H = is_q ? HQ : HK;
-  const int head = is_q ? h : h - HQ;
+  const int head0 = is_q ? first : first - HQ;
   const float pos = as_type<float>(SCALE) * float(l + offset[PER_BATCH ? b : 0]);
-  const size_t src = (bl * size_t(H) + size_t(head)) * size_t(D);
-  const size_t dst = ((size_t(b) * size_t(H) + size_t(head)) * size_t(L) + size_t(l)) * size_t(D);
-  if (is_q) {
-    gk::rope_qk_row<T, D, HALF, TRADITIONAL, FREQS, NORM, IN_SCALE>(
-        q + src, q_out + dst, q_weight, freqs, pos, as_type<float>(LOG2_BASE), as_type<float>(EPS),
-        int(thread_index_in_simdgroup));
-  } else {
-    gk::rope_qk_row<T, D, HALF, TRADITIONAL, FREQS, NORM, IN_SCALE>(
-        k + src, k_out + dst, k_weight, freqs, pos, as_type<float>(LOG2_BASE), as_type<float>(EPS),
-        int(thread_index_in_simdgroup));
+  for (int j = 0; j < G; ++j) {
+    const size_t src = (bl * size_t(H) + size_t(head0 + j)) * size_t(D);
+    const size_t dst = is_q ? src : ((size_t(b) * size_t(H) + size_t(head0 + j)) * size_t(L) + size_t(l)) *
+                                        size_t(D);
+    if (is_q) {
+      gk::rope_qk_row<T, D, HALF, TRADITIONAL, FREQS, NORM, IN_SCALE>(
+          q + src, q_out + dst, q_weight, freqs, pos, as_type<float>(LOG2_BASE), as_type<float>(EPS),
+          int(thread_index_in_simdgroup));
+    } else {
+      gk::rope_qk_row<T, D, HALF, TRADITIONAL, FREQS, NORM, IN_SCALE>(
+          k + src, k_out + dst, k_weight, freqs, pos, as_type<float>(LOG2_BASE), as_type<float>(EPS),
+          int(thread_index_in_simdgroup));
+    }
   }
 """
+
 
 def rope_qk_reference(q: mx.array, k: mx.array, offset: mx.array, freqs: mx.array, q_weight: mx.array,
                       k_weight: mx.array, *, D: int, NORM: bool, EPS: int, SCALE: int, TRADITIONAL: bool,
@@ -228,7 +299,7 @@ def rope_qk_reference(q: mx.array, k: mx.array, offset: mx.array, freqs: mx.arra
             heads.transpose(0, 2, 1, 3), offset, freqs, half=HALF, traditional=TRADITIONAL, use_freqs=FREQS,
             base=float_from_bits(BASE), scale=float_from_bits(SCALE), input_scale=float_from_bits(IN_SCALE),
             per_batch=PER_BATCH, shaped_offset=SHAPED_OFFSET))
-    return outputs
+    return [outputs[0].transpose(0, 2, 1, 3), outputs[1]]  # queries in (B, L, H, D) order
 
 
 ROPE_QK = Kernel(
@@ -297,14 +368,15 @@ def plan_rope_qk(q: mx.array, k: mx.array, heads: int, kv_heads: int, dims: int,
                                     input_scale=input_scale)
     off, per_batch, shaped = offset_input(op, offset, q.shape[0], q.size)
     b, length = q.shape[:2]
-    threads = b * length * (heads + kv_heads) * 32
+    group = heads_a_warp(b * length, heads, kv_heads)
+    threads = b * length * ((heads + kv_heads) // group) * 32
     if threads > MAX_GRID:
         raise KernelError(op, f"input too large: {threads} threads exceed MLX's int32 grid",
                           Status.INVALID_LAUNCH)
     template = (template_arg("T", q.dtype), template_arg("D", d), *rotary, template_arg("NORM", norm),
                 eps_template(eps, op), template_arg("PER_BATCH", per_batch),
-                template_arg("SHAPED_OFFSET", shaped))
-    specs = (output_spec((b, heads, length, d), q.dtype), output_spec((b, kv_heads, length, d), q.dtype))
+                template_arg("SHAPED_OFFSET", shaped), template_arg("G", group))
+    specs = (output_spec((b, length, heads, d), q.dtype), output_spec((b, kv_heads, length, d), q.dtype))
     return Plan(ROPE_QK, (q, k, off, table, qw, kw), specs, (threads, 1, 1), (BLOCK, 1, 1), template)
 
 
@@ -340,11 +412,11 @@ def rope_qk(q: mx.array, k: mx.array, heads: int, kv_heads: int, dims: int, *, t
                None if k_weight is None else (k_weight.shape, k_weight.dtype))
     except (AttributeError, TypeError):  # not arrays and numbers: the plan says what is wrong
         q_out, k_out = run(plan())
-        return q_out, k_out
+        return q_out.transpose(0, 2, 1, 3), k_out
     if q_weight is not None and k_weight is not None:
         arrays = (*arrays, q_weight, k_weight)
     q_out, k_out = _LAUNCHES(key, (q, k, *arrays), plan)
-    return q_out, k_out
+    return q_out.transpose(0, 2, 1, 3), k_out
 
 
 _LAUNCHES = LayerLaunches()
