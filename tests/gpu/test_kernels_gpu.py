@@ -168,18 +168,21 @@ PROLOGUES: list[dict[str, object]] = [
 ]
 
 
-@pytest.mark.parametrize("length", [1, 33])
+# (tokens, KV heads): one warp a head when decoding; in longer calls a warp takes 2 or 4 heads
+@pytest.mark.parametrize(("length", "kv_heads"), [(1, 2), (33, 2), (33, 4)])
 @pytest.mark.parametrize("options", PROLOGUES, ids=lambda o: ",".join(o))
-def test_rope_qk_equals_the_stock_prologue_on_device(options: dict[str, object], length: int) -> None:
+def test_rope_qk_equals_the_stock_prologue_on_device(options: dict[str, object], length: int,
+                                                     kv_heads: int) -> None:
     options = dict(options)
     dims = options.pop("dims", 128)
     kq, kk, kw = mx.random.split(mx.random.key(length), 3)
-    q, k = mx.random.normal((2, length, 8 * 128), key=kq), mx.random.normal((2, length, 2 * 128), key=kk)
+    q = mx.random.normal((2, length, 8 * 128), key=kq)
+    k = mx.random.normal((2, length, kv_heads * 128), key=kk)
     if options.pop("norm", False):
         weights = 1.0 + 0.5 * mx.random.normal((2, 128), key=kw)
         options.update(q_weight=weights[0], k_weight=weights[1], eps=1e-6)
-    ours = gkk.rope_qk(q, k, 8, 2, dims, **options)  # type: ignore[arg-type]
-    stock = stock_prologue(q, k, 8, 2, dims, **options)  # type: ignore[arg-type]
+    ours = gkk.rope_qk(q, k, 8, kv_heads, dims, **options)  # type: ignore[arg-type]
+    stock = stock_prologue(q, k, 8, kv_heads, dims, **options)  # type: ignore[arg-type]
     worst = max(_max_diff(a, b) for a, b in zip(ours, stock))
-    print(f"rope_qk {options} L={length}: max |fused - stock| = {worst:.3g}")
+    print(f"rope_qk {options} L={length} kv_heads={kv_heads}: max |fused - stock| = {worst:.3g}")
     assert worst <= 1e-5
