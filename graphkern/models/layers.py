@@ -28,6 +28,7 @@ from graphkern.autodiff import vjp_enabled, without_vjp
 from graphkern.context import current_recorder
 from graphkern.kernels.ops.projections import projections_fit
 from graphkern.kernels.ops.rope import int_offset_array
+from graphkern.models.prefill import pipelines, start_on_device
 from graphkern.models.segments import Segments, decoding, segments_apply
 
 __all__ = [
@@ -535,13 +536,17 @@ class KernelDecoderStack(KernelLayer):
 
     def _blocks(self, h: mx.array, cache: Any, mask_of: Callable[[nn.Module], Any]) -> mx.array:
         pending = None
-        for layer, c in zip(self.layers, cache):
+        pipelined = pipelines(h)  # a long call: each block starts on the device once built
+        last = len(self.layers) - 1
+        for index, (layer, c) in enumerate(zip(self.layers, cache)):
             if isinstance(layer, KernelResidualBlock) and layer.chains:
                 h, pending = layer(h, mask_of(layer), c, residual=pending)
             else:
                 if pending is not None:
                     h, pending = h + pending, None
                 h = layer(h, mask_of(layer), c)
+            if pipelined and index < last:  # not the last: a prefill that keeps only the cache skips it
+                pipelined = start_on_device(h, pending)
         return self.norm(h) if pending is None else self.norm(h, pending)[1]  # type: ignore[no-any-return]
 
     def forward(self, inputs: mx.array, cache: Any = None,

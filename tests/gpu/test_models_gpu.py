@@ -169,3 +169,32 @@ def test_evaluating_models_decode_through_fused_segments_on_device(arch: str) ->
         expected, got = stock(token, cache=cs), patched(token, cache=cp)
     assert patched.model.layers[0].segments().traced() == ["enter", "leave"]
     assert _generate(patched) == _generate(stock)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral"])
+def test_a_long_prefill_runs_block_by_block_on_device_as_stock_does(arch: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt of at least PIPELINE_TOKENS starts each patched block on the device as it is built
+    (graphkern.models.prefill): the logits, and the next step's through the cache, against stock."""
+    from graphkern.models import layers
+    from graphkern.models.prefill import PIPELINE_TOKENS, start_on_device
+
+    starts: list[bool] = []
+    def counted(*arrays: mx.array) -> bool:
+        starts.append(start_on_device(*arrays))
+        return starts[-1]
+
+    monkeypatch.setattr(layers, "start_on_device", counted)
+    stock, patched = tiny_model(arch), tiny_model(arch)
+    patch(patched)
+    stock.eval()
+    patched.eval()
+    prompt = mx.random.randint(0, 64, (1, PIPELINE_TOKENS + 9), key=mx.random.key(3))
+    cs, cp = make_prompt_cache(stock), make_prompt_cache(patched)
+    expected, got = stock(prompt, cache=cs), patched(prompt, cache=cp)
+    assert starts == [True] * (len(patched.model.layers) - 1)
+    atol, rtol = MODEL_TOLERANCES[mx.float32]
+    assert mx.allclose(got, expected, atol=atol, rtol=rtol).item(), mx.abs(got - expected).max().item()
+    token = mx.argmax(expected[:, -1:], axis=-1)
+    expected, got = stock(token, cache=cs), patched(token, cache=cp)
+    assert mx.allclose(got, expected, atol=atol, rtol=rtol).item(), mx.abs(got - expected).max().item()

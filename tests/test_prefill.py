@@ -1,0 +1,81 @@
+"""Pipelined prefill (graphkern.models.prefill): an evaluating patched decoder stack starts each
+block on the device as it is built in a long call. The logits must not change; it must stay out
+of short calls, training, graphkern traces, and step aside inside mx.compile."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+pytest.importorskip("mlx_lm")
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+import graphkern as gk  # noqa: E402
+from graphkern.models import MODEL_TOLERANCES  # noqa: E402
+from graphkern.models import layers as layers_module  # noqa: E402
+from graphkern.models.prefill import PIPELINE_TOKENS, start_on_device  # noqa: E402
+from graphkern.models.tiny import tiny_model  # noqa: E402
+
+LONG = mx.random.randint(0, 64, (1, PIPELINE_TOKENS + 9), key=mx.random.key(3))
+#: float32 logits agree to rounding on the CPU; a GPU's matrix products (TF32 on CUDA) round more
+ATOL, RTOL = (1e-5, 1e-5) if mx.default_device() == mx.cpu else MODEL_TOLERANCES[mx.float32]
+
+
+def _pair(arch: str = "llama") -> tuple[nn.Module, nn.Module]:
+    stock, patched = tiny_model(arch), tiny_model(arch)
+    gk.patch(patched)
+    stock.eval()
+    patched.eval()
+    return stock, patched
+
+
+@pytest.fixture
+def starts(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """What each block's start on the device returned, in order."""
+    seen: list[bool] = []
+
+    def counted(*arrays: Any) -> bool:
+        seen.append(start_on_device(*arrays))
+        return seen[-1]
+
+    monkeypatch.setattr(layers_module, "start_on_device", counted)
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral"])
+def test_a_long_call_starts_every_block_but_the_last_and_gives_stock_logits(arch: str,
+                                                                            starts: list[bool]) -> None:
+    stock, patched = _pair(arch)
+    cache, stock_cache = make_prompt_cache(patched), make_prompt_cache(stock)
+    ours, theirs = patched(LONG, cache=cache), stock(LONG, cache=stock_cache)
+    assert starts == [True] * (len(patched.model.layers) - 1)
+    assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+    token = mx.argmax(theirs[:, -1:], axis=-1)  # the caches hold the same keys and values
+    ours, theirs = patched(token, cache=cache), stock(token, cache=stock_cache)
+    assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+
+
+def test_short_calls_training_and_traces_build_lazily(starts: list[bool]) -> None:
+    _, patched = _pair()
+    mx.eval(patched(LONG[:, :PIPELINE_TOKENS - 1]))
+    patched.train()
+    loss_and_grad = nn.value_and_grad(patched, lambda m, x: m(x).astype(mx.float32).mean())
+    loss, grads = loss_and_grad(patched, LONG)
+    mx.eval(loss, grads)
+    patched.eval()
+    graph = gk.trace(patched, LONG)
+    assert graph.kernels()  # the trace recorded the kernels, lazily
+    assert starts == []
+
+
+def test_inside_mx_compile_the_first_refusal_lets_the_forward_go_on_lazily(starts: list[bool]) -> None:
+    stock, patched = _pair()
+    compiled = mx.compile(lambda x: patched(x))
+    first = compiled(LONG)
+    assert starts == [False]  # refused once, then no more tries in that trace
+    assert mx.allclose(first, stock(LONG), atol=ATOL, rtol=RTOL).item()
+    assert mx.array_equal(compiled(LONG), first).item()  # the replay runs no Python
+    assert starts == [False]
