@@ -6,7 +6,8 @@ Each model is run stock and patched (``gk.patch`` on a second model object shari
 both eagerly (how mlx-lm generates) and through ``gk.wrap``, taking turns within each round:
 
   decode b1 / b8   tokens per second after the first token (batch 8 counts all 8 sequences)
-  ttft P           time to the first token of a P-token prompt (prefill), milliseconds
+  ttft P           time to the first token of a P-token prompt (prefill), milliseconds: the
+                   median of TTFT_REPEATS calls a round
 
 ``--breakdown`` adds, per decoded token at batch 1, GPU kernel launches (all of them, and
 graphkern's), GPU busy time against wall time, and wall time per launch: CUPTI's kernel records
@@ -120,6 +121,11 @@ def generate_batch(model: Any, prompt: mx.array, tokens: int, batch: int) -> tup
 
 # ----------------------------------------------------------------------------- the grid
 
+#: A time to first token is one prefill (milliseconds) and varies with the host from call to
+#: call; each round takes the median of this many.
+TTFT_REPEATS = 5
+
+
 
 def measure(arch: str, size: str, dtype_name: str, args: argparse.Namespace) -> dict[str, Any]:
     dtype = DTYPES[dtype_name]
@@ -140,7 +146,8 @@ def measure(arch: str, size: str, dtype_name: str, args: argparse.Namespace) -> 
             tasks[f"decode b{batch}"] = (
                 lambda m, b=batch: b / generate_batch(m, short, args.tokens, b)[1])
     for length, prompt in prompts.items():
-        tasks[f"ttft {length}"] = lambda m, p=prompt: 1e3 * generate_b1(m, p, 2)[0]
+        tasks[f"ttft {length}"] = lambda m, p=prompt: 1e3 * statistics.median(
+            generate_b1(m, p, 2)[0] for _ in range(TTFT_REPEATS))
     samples: dict[tuple[str, str], list[float]] = {}
     errors: dict[tuple[str, str], str] = {}
     for round_index in range(args.rounds + 1):  # round 0 warms up: kernels compile, traces run
