@@ -520,7 +520,8 @@ class KernelDecoderStack(KernelLayer):
     final norm: every add runs inside an ``add_rms_norm`` kernel, none on its own. ``norm`` is the
     final norm as a :class:`KernelAddRMSNorm`; ``create_mask`` the model file's
     ``create_attention_mask``. A layer that is not a chaining :class:`KernelResidualBlock` is called
-    as in the stock loop, after the pending add.
+    as in the stock loop, after the pending add. In a long evaluating call each block but the last
+    starts on the device as soon as it is built (``graphkern.models.prefill``).
     """
 
     kernel = "add_rms_norm"
