@@ -6,12 +6,17 @@ Each is run eagerly and inside ``mx.compile``:
 
   mx.fast.rms_norm         the stock op
   raw cuda_kernel          an ``mx.fast.cuda_kernel`` copy, called directly (CUDA only)
+  raw, rms_norm's source   MLX's kernel object built from ``gkk.rms_norm``'s own source and header,
+                           called directly with the library's launch (CUDA only): what MLX itself
+                           costs for that kernel, since it formats and hashes the whole source at
+                           every launch
   gkk.rms_norm             the library's layer function (in ``gk.without_vjp()`` as an evaluating
                            patched model calls it; plain, differentiable, as a training one does)
   segment of 8             eight ``gkk.rms_norm`` calls in one ``mx.compile``d function, the way a
                            decoding patched block replays them (see graphkern.models.segments)
 
-Ratios are taken round by round against the raw kernel where there is one, else ``mx.fast``.
+Ratios are taken round by round against the raw copy where there is one, else ``mx.fast``; the
+``gkk`` rows also against the raw kernel of the same source (last column).
 Run: python benchmarks/launch_cost.py [--rounds 15]
 """
 
@@ -53,6 +58,28 @@ def without_vjp(fn: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
+SAME_SOURCE = "raw, rms_norm's source"
+
+
+def same_source_step(x: mx.array, w: mx.array) -> Callable[[mx.array], mx.array]:
+    """One launch of ``gkk.rms_norm``'s kernel on ``x``-shaped input through MLX's kernel object
+    alone: the library's plan (grid, template), none of its call path."""
+    from graphkern.kernels.ops.rms_norm import plan_rms_norm
+    from graphkern.mlx_kernels import build_mlx_kernel
+
+    plan = plan_rms_norm(x, w, 1e-5)
+    kernel = build_mlx_kernel("cuda", plan.kernel)
+    template = [t.as_mlx() for t in plan.template]
+    shapes, dtypes = [s.shape for s in plan.output_specs], [s.dtype for s in plan.output_specs]
+    rest = list(plan.inputs[1:])
+
+    def step(a: mx.array) -> mx.array:
+        return kernel(inputs=[a, *rest], output_shapes=shapes, output_dtypes=dtypes, grid=plan.grid,
+                      threadgroup=plan.threadgroup, template=template)[0]  # type: ignore[no-any-return]
+
+    return step
+
+
 def variants(x: mx.array, w: mx.array) -> dict[str, Callable[[], None]]:
     """Every chain to time, by name."""
     steps: dict[str, Callable[[mx.array], mx.array]] = {
@@ -63,6 +90,7 @@ def variants(x: mx.array, w: mx.array) -> dict[str, Callable[[], None]]:
         steps["raw cuda_kernel"] = lambda a: raw(
             inputs=[a], output_shapes=[a.shape], output_dtypes=[a.dtype], grid=(a.size, 1, 1),
             threadgroup=(256, 1, 1))[0]
+        steps[SAME_SOURCE] = same_source_step(x, w)
     steps["gkk.rms_norm"] = lambda a: gkk.rms_norm(a, w, 1e-5)
     found: dict[str, Callable[[], None]] = {}
     for name, step in steps.items():
@@ -99,13 +127,18 @@ def main() -> None:
     print(header("host time per launch, a chain of 64 on (128, 1024) float32"))
     print(f"# rounds {args.rounds}; us a launch (median, min-max); ratio and difference against the "
           "baseline of the same mode, round by round")
-    print(f"{'launch':42s}{'us':>8s}{'min':>8s}{'max':>8s}{'vs baseline':>13s}{'+us':>8s}")
+    print(f"{'launch':42s}{'us':>8s}{'min':>8s}{'max':>8s}{'vs baseline':>13s}{'+us':>8s}"
+          f"{'+us over same source':>22s}")
     for name, st in stats.items():
         mode = "compiled" if ("compiled" in name or "segment" in name) else "eager"
         base = next(b for b in (f"raw cuda_kernel {mode}", f"mx.fast.rms_norm {mode}") if b in per_launch)
         ratio = paired_ratio(per_launch, name, base)
         extra = st["median"] - stats[base]["median"]
-        print(f"{name:42s}{st['median']:8.2f}{st['min']:8.2f}{st['max']:8.2f}{ratio:12.2f}x{extra:+8.2f}")
+        same = f"{SAME_SOURCE} {mode}"
+        over_same = (f"{st['median'] - stats[same]['median']:+22.2f}"
+                     if name.startswith("gkk") and same in stats else "")
+        print(f"{name:42s}{st['median']:8.2f}{st['min']:8.2f}{st['max']:8.2f}{ratio:12.2f}x{extra:+8.2f}"
+              f"{over_same}")
 
 
 if __name__ == "__main__":
