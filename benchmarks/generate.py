@@ -11,7 +11,9 @@ both eagerly (how mlx-lm generates) and through ``gk.wrap``, taking turns within
 
 ``--breakdown`` adds, per decoded token at batch 1, GPU kernel launches (all of them, and
 graphkern's), GPU busy time against wall time, and wall time per launch: CUPTI's kernel records
-through ``torch.profiler``, as ``gpu_kernels.py`` reads them.
+through ``torch.profiler``, as ``gpu_kernels.py`` reads them; and, for the longest prompt, the time
+to the first token taken apart (building the prefill's graph, evaluating it, mlx-lm's
+``mx.clear_cache()``, the first step) with the prefill's peak memory.
 
     python benchmarks/generate.py                                   # the default grid
     python benchmarks/generate.py --models llama --sizes large --dtypes bfloat16 --breakdown
@@ -180,8 +182,11 @@ def measure(arch: str, size: str, dtype_name: str, args: argparse.Namespace) -> 
             rows.append(row)
     result = {"arch": arch, "size": size, "dtype": dtype_name, "rows": rows}
     if args.breakdown:
-        result["breakdown"] = {name: breakdown(model, short, args.tokens)
-                               for name, model in (("stock", stock), ("patched", patched))}
+        twins = (("stock", stock), ("patched", patched))
+        result["breakdown"] = {name: breakdown(model, short, args.tokens) for name, model in twins}
+        longest = max(args.prefill)
+        result["prefill_breakdown"] = {f"{name}, {longest} tokens": prefill_breakdown(model, prompts[longest])
+                                       for name, model in twins}
     return result
 
 
@@ -226,6 +231,35 @@ def breakdown(model: Any, prompt: mx.array, tokens: int) -> dict[str, float]:
             "wall_us": 1e6 * wall / count, "wall_us_per_launch": 1e6 * wall / count / launches}
 
 
+def prefill_breakdown(model: Any, prompt: mx.array, repeats: int = 5) -> dict[str, float]:
+    """``generate_step``'s way to the first token of ``prompt`` (one prefill chunk: up to 2049
+    tokens) taken apart, medians of ``repeats`` calls: building the prefill's graph, evaluating the
+    KV cache, ``mx.clear_cache()`` (which mlx-lm calls after each chunk, so the next prompt allocates
+    afresh), the first step (ms); and the prefill's peak memory, weights included (MB)."""
+    from mlx_lm.generate import generation_stream
+
+    rows = []
+    for _ in range(repeats + 1):  # the first call warms up
+        cache = _cache_for(model)
+        with mx.stream(generation_stream):
+            mx.reset_peak_memory()
+            start = time.perf_counter()
+            model(prompt[:-1][None], cache=cache)
+            built = time.perf_counter()
+            mx.eval([c.state for c in cache])
+            evaluated = time.perf_counter()
+            peak = mx.get_peak_memory() / 2**20
+            mx.clear_cache()
+            cleared = time.perf_counter()
+            mx.eval(mx.argmax(model(prompt[-1:][None], cache=cache)[:, -1, :], axis=-1))
+            stepped = time.perf_counter()
+        rows.append((built - start, evaluated - built, cleared - evaluated, stepped - cleared,
+                     stepped - start, peak))
+    names = ("build_ms", "evaluate_ms", "clear_cache_ms", "first_step_ms", "total_ms", "peak_mb")
+    medians = [statistics.median(column) for column in zip(*rows[1:])]
+    return {name: value * (1e3 if name.endswith("_ms") else 1) for name, value in zip(names, medians)}
+
+
 # ----------------------------------------------------------------------------- output
 
 
@@ -245,6 +279,9 @@ def format_result(result: dict[str, Any]) -> str:
         lines += [f"|  | error | {e} | | |" for e in row["errors"]]
     for name, b in result.get("breakdown", {}).items():
         lines.append(f"- per decoded token, {name}: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in b.items()))
+    for name, b in result.get("prefill_breakdown", {}).items():
+        lines.append(f"- to the first token, {name}: " + ", ".join(
             f"{k} {v:.2f}" for k, v in b.items()))
     return "\n".join(lines)
 
