@@ -11,7 +11,9 @@ Each is run eagerly and inside ``mx.compile``:
                            costs for that kernel, since it formats and hashes the whole source at
                            every launch
   gkk.rms_norm             the library's layer function (in ``gk.without_vjp()`` as an evaluating
-                           patched model calls it; plain, differentiable, as a training one does)
+                           patched model calls it; plain, differentiable, as a training one does;
+                           "direct": calling MLX's kernel object instead of replaying the launch's
+                           compiled form, the eager path's alternative)
   segment of 8             eight ``gkk.rms_norm`` calls in one ``mx.compile``d function, the way a
                            decoding patched block replays them (see graphkern.models.segments)
 
@@ -34,6 +36,7 @@ from _timing import header, interleaved_samples, paired_ratio, summary  # noqa: 
 
 import graphkern as gk  # noqa: E402
 import graphkern.kernels as gkk  # noqa: E402
+from graphkern import launch_paths  # noqa: E402
 
 CHAIN = 64
 _COPY = "auto i = blockIdx.x * blockDim.x + threadIdx.x; if (i < x_shape[0] * x_shape[1]) out[i] = x[i];"
@@ -54,6 +57,21 @@ def without_vjp(fn: Callable[[], None]) -> Callable[[], None]:
     def run() -> None:
         with gk.without_vjp():
             fn()
+
+    return run
+
+
+def not_replayed(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` with eager launches calling MLX's kernel object each time instead of replaying the
+    launch's ``mx.compile``d form (``graphkern.launch_paths.replayed``): which of the two costs the
+    host less."""
+    def run() -> None:
+        replayed = launch_paths.replayed
+        launch_paths.replayed = lambda launch: None  # type: ignore[assignment]
+        try:
+            fn()
+        finally:
+            launch_paths.replayed = replayed
 
     return run
 
@@ -97,6 +115,7 @@ def variants(x: mx.array, w: mx.array) -> dict[str, Callable[[], None]]:
         eager, compiled = chain(step, x), chain(mx.compile(step), x)
         if name == "gkk.rms_norm":
             found[f"{name} eager, evaluating"] = without_vjp(eager)
+            found[f"{name} eager, evaluating, direct"] = not_replayed(without_vjp(eager))
             found[f"{name} compiled, evaluating"] = without_vjp(compiled)
             found[f"{name} eager, differentiable"] = eager
         else:
