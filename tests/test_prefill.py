@@ -4,6 +4,7 @@ of short calls, training, graphkern traces, and step aside inside mx.compile."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -79,3 +80,22 @@ def test_inside_mx_compile_the_first_refusal_lets_the_forward_go_on_lazily(start
     assert mx.allclose(first, stock(LONG), atol=ATOL, rtol=RTOL).item()
     assert mx.array_equal(compiled(LONG), first).item()  # the replay runs no Python
     assert starts == [False]
+
+
+Threads = Callable[[Callable[[], Any]], tuple[list[Any], list[Any]]]
+
+
+def test_two_threads_prefilling_one_model_get_the_same_logits(two_live_threads: Threads,
+                                                              starts: list[bool]) -> None:
+    _, patched = _pair()
+    alone = patched(LONG, cache=make_prompt_cache(patched))
+    mx.eval(alone)
+
+    def prefill() -> mx.array:
+        logits = patched(LONG, cache=make_prompt_cache(patched))
+        mx.eval(logits)  # in this thread: MLX's streams belong to the thread that made them
+        return logits
+
+    results, _ = two_live_threads(prefill)
+    assert all(mx.array_equal(r, alone).item() for r in results)
+    assert starts == [True] * (3 * (len(patched.model.layers) - 1))
