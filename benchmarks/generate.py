@@ -177,8 +177,9 @@ def measure(arch: str, size: str, dtype_name: str, args: argparse.Namespace) -> 
                               if k in errors]}
             if s and p:  # per round, so drift between rounds cancels
                 pairs = [b / a for a, b in zip(s, p)]
-                row["speedup"] = statistics.median(
-                    pairs if task.startswith("decode") else [1 / r for r in pairs])
+                ratios = pairs if task.startswith("decode") else [1 / r for r in pairs]
+                row["speedup"] = statistics.median(ratios)
+                row["speedup_range"] = [min(ratios), max(ratios)]
             rows.append(row)
     result = {"arch": arch, "size": size, "dtype": dtype_name, "rows": rows}
     if args.breakdown:
@@ -271,12 +272,14 @@ def _cell(value: float | None, task: str) -> str:
 
 def format_result(result: dict[str, Any]) -> str:
     lines = [f"\n## {result['arch']} {result['size']} {result['dtype']}",
-             "| task | mode | stock | patched | patched speed / stock |", "|---|---|---:|---:|---:|"]
+             "| task | mode | stock | patched | patched speed / stock | rounds' range |",
+             "|---|---|---:|---:|---:|---:|"]
     for row in result["rows"]:
         speed = f"{row['speedup']:.3f}x" if "speedup" in row else "-"
+        spread = "{:.3f}-{:.3f}x".format(*row["speedup_range"]) if "speedup_range" in row else "-"
         lines.append(f"| {row['task']} | {row['mode']} | {_cell(row['stock'], row['task'])} | "
-                     f"{_cell(row['patched'], row['task'])} | {speed} |")
-        lines += [f"|  | error | {e} | | |" for e in row["errors"]]
+                     f"{_cell(row['patched'], row['task'])} | {speed} | {spread} |")
+        lines += [f"|  | error | {e} | | | |" for e in row["errors"]]
     for name, b in result.get("breakdown", {}).items():
         lines.append(f"- per decoded token, {name}: " + ", ".join(
             f"{k} {v:.2f}" for k, v in b.items()))
@@ -304,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     args.prefill = [int(p) for p in args.prefill.split(",")]
     print(header("mlx-lm generation: stock vs patched onto graphkern kernels"), flush=True)
     print(f"# rounds {args.rounds}, {args.tokens} tokens a decode run; speed ratio = patched "
-          "tokens/s over stock (decode) or stock time over patched (ttft), median over rounds")
+          "tokens/s over stock (decode) or stock time over patched (ttft), median over rounds, "
+          "and the lowest and highest round")
     results = []
     for arch in args.models.split(","):
         for size in args.sizes.split(","):
