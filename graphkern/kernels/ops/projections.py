@@ -547,11 +547,17 @@ def _make_swiglu_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) ->
     return Case((x, w, gate, up), {"eps": 1e-5, "residual": r})
 
 
+def _stock_normed(x: mx.array, weight: mx.array | None, eps: float,
+                  residual: mx.array | None) -> tuple[mx.array, mx.array]:
+    """Stock MLX's ``(h, rms_norm(h))`` with ``h = x (+ residual)``: what both kernels start from."""
+    h = x if residual is None else x + residual
+    return h, mx.fast.rms_norm(h, weight, eps)
+
+
 def _stock_projections(x: mx.array, weight: mx.array | None, projections: Sequence[mx.array],
                        eps: float = 1e-5,
                        residual: mx.array | None = None) -> tuple[mx.array, ...]:
-    h = x if residual is None else x + residual
-    normed = mx.fast.rms_norm(h, weight, eps)
+    h, normed = _stock_normed(x, weight, eps, residual)
     outputs = tuple(normed @ w.T for w in projections)
     return outputs if residual is None else (h, *outputs)
 
@@ -560,8 +566,7 @@ def _stock_swiglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.a
                   residual: mx.array | None = None) -> mx.array | tuple[mx.array, mx.array]:
     import mlx.nn as nn
 
-    h = x if residual is None else x + residual
-    normed = mx.fast.rms_norm(h, weight, eps)
+    h, normed = _stock_normed(x, weight, eps, residual)
     out = nn.silu(normed @ gate.T) * (normed @ up.T)
     return out if residual is None else (h, out)
 
