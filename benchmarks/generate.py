@@ -128,7 +128,6 @@ def generate_batch(model: Any, prompt: mx.array, tokens: int, batch: int) -> tup
 TTFT_REPEATS = 5
 
 
-
 def measure(arch: str, size: str, dtype_name: str, args: argparse.Namespace) -> dict[str, Any]:
     dtype = DTYPES[dtype_name]
     stock, patched = twin_models(arch, size, dtype)
@@ -232,7 +231,7 @@ def breakdown(model: Any, prompt: mx.array, tokens: int) -> dict[str, float]:
             "wall_us": 1e6 * wall / count, "wall_us_per_launch": 1e6 * wall / count / launches}
 
 
-def prefill_breakdown(model: Any, prompt: mx.array, repeats: int = 5) -> dict[str, float]:
+def prefill_breakdown(model: Any, prompt: mx.array, repeats: int = TTFT_REPEATS) -> dict[str, float]:
     """``generate_step``'s way to the first token of ``prompt`` (one prefill chunk: up to 2049
     tokens) taken apart, medians of ``repeats`` calls: building the prefill's graph, evaluating the
     KV cache, ``mx.clear_cache()`` (which mlx-lm calls after each chunk, so the next prompt allocates

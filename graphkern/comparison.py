@@ -31,7 +31,15 @@ from .graph import Graph
 from .nodes import NodeKind
 from .state import Flat
 from .trace import Traceable
-from .values import GraphRun, _progress_bar, difference, finish_values, run_order, trace_for_values
+from .values import (
+    _SAME_VALUES,
+    GraphRun,
+    _progress_bar,
+    difference,
+    finish_values,
+    run_order,
+    trace_for_values,
+)
 
 __all__ = ["Comparison", "KernelCheck", "Row", "compare", "match_outputs"]
 
@@ -39,9 +47,8 @@ Output = tuple[str, int]  # (node, output index)
 _INNER = (NodeKind.OP.value, NodeKind.KERNEL.value)
 _ROWS = (*_INNER, NodeKind.OUTPUT.value)  # inputs and constants are the same on both sides
 _INPUT = NodeKind.INPUT.value
-#: Ops that only lay their input out anew (no arithmetic): a row of one names the kernel behind it.
-_VIEWS = frozenset({"Reshape", "Transpose", "Flatten", "Unflatten", "ExpandDims", "Squeeze", "Broadcast",
-                    "AsStrided", "Slice"})
+#: Ops that only lay out (some of) their input's values anew: a row of one names the kernel behind it.
+_VIEWS = _SAME_VALUES | {"AsStrided", "Slice"}
 _ERRORS_PER_FLUSH = 256
 
 
