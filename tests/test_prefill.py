@@ -1,6 +1,7 @@
-"""Pipelined prefill (graphkern.models.prefill): an evaluating patched decoder stack starts each
-block on the device as it is built in a long call. The logits must not change; it must stay out
-of short calls, training, graphkern traces, and step aside inside mx.compile."""
+"""How an evaluating patched decoder stack runs a prompt (graphkern.models.prefill): a long one
+block by block, each started on the device as it is built; a short one on the stock layers, on
+the backends that ask for it. The logits must not change; neither may reach training, graphkern
+traces or decoding, and pipelining steps aside inside mx.compile."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ pytest.importorskip("mlx_lm")
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 import graphkern as gk  # noqa: E402
-from graphkern.models import MODEL_TOLERANCES  # noqa: E402
+from graphkern.backends import active_backend  # noqa: E402
+from graphkern.kernels._base import LayerLaunches  # noqa: E402
+from graphkern.models import MODEL_TOLERANCES, prefill  # noqa: E402
 from graphkern.models import layers as layers_module  # noqa: E402
-from graphkern.models.prefill import PIPELINE_TOKENS, start_on_device  # noqa: E402
+from graphkern.models.prefill import PIPELINE_TOKENS, SPARSE_PIPELINE_TOKENS, start_on_device  # noqa: E402
 from graphkern.models.tiny import tiny_model  # noqa: E402
 
 LONG = mx.random.randint(0, 64, (1, PIPELINE_TOKENS + 9), key=mx.random.key(3))
@@ -99,3 +102,64 @@ def test_two_threads_prefilling_one_model_get_the_same_logits(two_live_threads: 
     results, _ = two_live_threads(prefill)
     assert all(mx.array_equal(r, alone).item() for r in results)
     assert starts == [True] * (3 * (len(patched.model.layers) - 1))
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A count of library layer launches, and prompts on the stock layers on this machine's backend
+    as they are on CUDA."""
+    count = [0]
+    launch = LayerLaunches.__call__
+
+    def counted(self: LayerLaunches, *args: Any) -> Any:
+        count[0] += 1
+        return launch(self, *args)
+
+    monkeypatch.setattr(LayerLaunches, "__call__", counted)
+    monkeypatch.setattr(prefill, "STOCK_PROMPT_BACKENDS", frozenset({active_backend()}))
+    return count
+
+
+SHORT = LONG[:, :100]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral"])
+def test_a_short_prompt_runs_the_stock_layers_and_decoding_the_kernels(arch: str, launches: list[int],
+                                                                       starts: list[bool]) -> None:
+    stock, patched = _pair(arch)
+    cache, stock_cache = make_prompt_cache(patched), make_prompt_cache(stock)
+    ours, theirs = patched(SHORT, cache=cache), stock(SHORT, cache=stock_cache)
+    assert launches == [0] and starts == []
+    assert mx.array_equal(ours, theirs).item()  # the stock forward itself, on the shared weights
+    assert all(mx.array_equal(a, b).item()
+               for c, d in zip(cache, stock_cache) for a, b in zip(c.state, d.state))
+    token = mx.argmax(theirs[:, -1:], axis=-1)
+    ours, theirs = patched(token, cache=cache), stock(token, cache=stock_cache)
+    assert launches[0] > 0  # one token: the kernels
+    assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+
+
+def test_short_prompts_run_the_kernels_when_traced_trained_or_asked(launches: list[int]) -> None:
+    stock, patched = _pair()
+    graph = gk.trace(patched, SHORT)
+    assert graph.kernels() and launches[0] > 0  # a trace shows what the kernels do
+    launches[0] = 0
+    with prefill.kernels_only():
+        ours = patched(SHORT)
+    assert launches[0] > 0 and mx.allclose(ours, stock(SHORT), atol=ATOL, rtol=RTOL).item()
+    launches[0] = 0
+    patched.train()
+    mx.eval(nn.value_and_grad(patched, lambda m, x: m(x).astype(mx.float32).mean())(patched, SHORT))
+    assert launches[0] > 0
+
+
+def test_a_stack_of_experts_pipelines_from_fewer_tokens(launches: list[int], starts: list[bool]) -> None:
+    prompt = LONG[:, :SPARSE_PIPELINE_TOKENS]
+    _, dense = _pair("llama")
+    stock, sparse = _pair("mixtral")
+    assert sparse.model.sparse and not dense.model.sparse
+    mx.eval(dense(prompt))
+    assert starts == [] and launches == [0]  # a dense stack gives this prompt to the stock layers
+    ours = sparse(prompt)
+    assert starts == [True] * (len(sparse.model.layers) - 1) and launches[0] > 0
+    assert mx.allclose(ours, stock(prompt), atol=ATOL, rtol=RTOL).item()

@@ -28,7 +28,7 @@ from graphkern.autodiff import vjp_enabled, without_vjp
 from graphkern.context import current_recorder
 from graphkern.kernels.ops.projections import projections_fit
 from graphkern.kernels.ops.rope import int_offset_array
-from graphkern.models.prefill import pipelines, start_on_device
+from graphkern.models.prefill import prompt_mode, start_on_device, stock_layers, stock_layers_run
 from graphkern.models.segments import Segments, decoding, segments_apply
 
 __all__ = [
@@ -102,7 +102,10 @@ class KernelLayer(nn.Module):
         """The layer's ``forward``. In evaluation mode (``model.eval()``, as ``mlx_lm.load`` leaves
         a model) its launches carry no custom vjp, as inside ``gk.without_vjp()``: an evaluating
         model is not differentiated, and the wrapper costs every launch host time. In training
-        mode (``model.train()``) they are differentiable."""
+        mode (``model.train()``) they are differentiable. Inside a forward that runs the stock
+        layers (a short prompt: ``graphkern.models.prefill``) it is the layer it replaced."""
+        if stock_layers_run():
+            return self.original(*args, **kwargs)
         if self._training or not vjp_enabled():  # a layer inside an evaluating one: already plain
             return self.forward(*args, **kwargs)
         with without_vjp():
@@ -520,8 +523,9 @@ class KernelDecoderStack(KernelLayer):
     final norm: every add runs inside an ``add_rms_norm`` kernel, none on its own. ``norm`` is the
     final norm as a :class:`KernelAddRMSNorm`; ``create_mask`` the model file's
     ``create_attention_mask``. A layer that is not a chaining :class:`KernelResidualBlock` is called
-    as in the stock loop, after the pending add. In a long evaluating call each block but the last
-    starts on the device as soon as it is built (``graphkern.models.prefill``).
+    as in the stock loop, after the pending add. An evaluating call on a short prompt runs the stock
+    layers; on a long one each block but the last starts on the device as soon as it is built
+    (``graphkern.models.prefill``).
     """
 
     kernel = "add_rms_norm"
@@ -535,9 +539,21 @@ class KernelDecoderStack(KernelLayer):
         h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
         return h, cache if cache is not None else [None] * len(self.layers)
 
-    def _blocks(self, h: mx.array, cache: Any, mask_of: Callable[[nn.Module], Any]) -> mx.array:
+    @property
+    def sparse(self) -> bool:
+        """Whether a block of this stack has a mixture of experts (mlx-lm's switch layers)."""
+        found: bool | None = self.__dict__.get("_gk_sparse")
+        if found is None:
+            found = any(type(m).__module__.endswith(".switch_layers")
+                        for layer in self.layers for _, m in layer.named_modules())
+            object.__setattr__(self, "_gk_sparse", found)
+        return found
+
+    def _blocks(self, h: mx.array, cache: Any, mask_of: Callable[[nn.Module], Any],
+                pipelined: bool) -> mx.array:
+        """The blocks, each residual add left to the next norm; ``pipelined``: each block but
+        the last starts on the device as soon as it is built."""
         pending = None
-        pipelined = pipelines(h)  # a long call: each block starts on the device once built
         last = len(self.layers) - 1
         for index, (layer, c) in enumerate(zip(self.layers, cache)):
             if isinstance(layer, KernelResidualBlock) and layer.chains:
@@ -552,20 +568,26 @@ class KernelDecoderStack(KernelLayer):
 
     def forward(self, inputs: mx.array, cache: Any = None,
                  input_embeddings: mx.array | None = None) -> mx.array:
+        mode = prompt_mode(inputs if input_embeddings is None else input_embeddings, self.sparse)
+        if mode == "stock":  # every patched layer in the stock forward runs the layer it replaced
+            with stock_layers():
+                return self.original(inputs, cache, input_embeddings)  # type: ignore[no-any-return]
         h, cache = self._embed(inputs, cache, input_embeddings)
+        return self._blocks(h, cache, self._masks(h, cache), mode == "pipelined")
+
+    def _masks(self, h: mx.array, cache: Any) -> Callable[[nn.Module], Any]:
+        """Each block's attention mask, by block."""
         mask = self._gk_create_mask(h, cache[0])
-        return self._blocks(h, cache, lambda layer: mask)
+        return lambda layer: mask
 
 
 class KernelSlidingDecoderStack(KernelDecoderStack):
     """mlx-lm's ``LlamaModel``: a :class:`KernelDecoderStack` whose blocks take a full-attention or a
     sliding-window mask (``use_sliding``), as the stock loop gives them."""
 
-    def forward(self, inputs: mx.array, cache: Any = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        h, cache = self._embed(inputs, cache, input_embeddings)
+    def _masks(self, h: mx.array, cache: Any) -> Callable[[nn.Module], Any]:
         fa_mask = self._gk_create_mask(h, cache[self.fa_idx])
         swa_mask = None
         if self.swa_idx is not None:
             swa_mask = self._gk_create_mask(h, cache[self.swa_idx], window_size=self.sliding_window)
-        return self._blocks(h, cache, lambda layer: swa_mask if layer.use_sliding else fa_mask)
+        return lambda layer: swa_mask if layer.use_sliding else fa_mask

@@ -1,45 +1,118 @@
-"""Long calls (prefill): each block's work starts on the device while the next block is built.
+"""How an evaluating patched decoder stack runs a prompt: on its kernels, on the stock layers, or
+block by block.
 
-MLX builds a whole forward lazily and only then runs it, so the device waits for the host to
-build every layer and to encode the first of its command graphs, and then the host waits for the
-device. In an evaluating model, a patched decoder stack hands each block's outputs to
-``mx.async_eval`` as soon as the block is built: the device runs block ``i`` while the host builds
-block ``i + 1``. The values are the same; only when the work starts changes. It also keeps fewer of
-the forward's buffers alive at once, since each block's command graphs end sooner.
+MLX builds a whole forward lazily and only then runs it. On CUDA a prompt of a few hundred tokens
+is bound by the host: building the graph and encoding MLX's command graphs takes longer than the
+device's work. There the library kernels cost more than the stock ops they replace: each output
+is a fresh allocation (MLX's stock ops write into an input they consume, a custom kernel cannot),
+and allocations after ``mx.clear_cache()`` (which mlx-lm calls after every prompt) go to the
+driver. So a short prompt runs the stock layers, which share the patched layers' weights.
 
-It applies to calls of at least :data:`PIPELINE_TOKENS` tokens, without vjp (an evaluating model or
-``gk.without_vjp()``), outside graphkern traces. Inside a graph transformation (``mx.compile``,
-``mx.vmap``, ``mx.export_function``) ``mx.async_eval`` refuses, and the forward goes on lazily.
+A long prompt is bound by the device, and the kernels' lower device time counts. There each
+block's outputs go to ``mx.async_eval`` as soon as the block is built: the device runs block
+``i`` while the host builds block ``i + 1``, instead of waiting for the whole forward. The values
+are the same; only when the work starts changes. Blocks with a mixture of experts do enough
+device work to gain from this at fewer tokens.
+
+All of this applies to evaluating calls only (no vjp: an evaluating model, or
+``gk.without_vjp()``) outside graphkern traces, which always record the kernels. Decoding calls
+(up to ``MAX_SEGMENT_TOKENS`` tokens) run the kernels' compiled segments. Inside a graph
+transformation (``mx.compile``, ``mx.vmap``, an export) ``mx.async_eval`` refuses, and the forward
+goes on lazily. ``kernels_only()`` makes every call run the kernels (``check_model`` does).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Literal
+
 import mlx.core as mx
 
 from graphkern.autodiff import vjp_enabled
+from graphkern.backends import active_backend
 from graphkern.context import state
+from graphkern.models.segments import MAX_SEGMENT_TOKENS
 
-__all__ = ["PIPELINE_TOKENS", "pipelines", "start_on_device"]
+__all__ = ["PIPELINE_TOKENS", "SPARSE_PIPELINE_TOKENS", "STOCK_PROMPT_BACKENDS", "kernels_only",
+           "prompt_mode", "start_on_device", "stock_layers", "stock_layers_run"]
 
-#: Calls of at least this many tokens start each block on the device as soon as it is built. On
-#: an H200 it made 2048-token prompts of 16-layer models faster, but 256-token ones of the dense
-#: models slower (a block's device work is then too short to pay for a command graph of its own).
+#: Prompts of at least this many tokens (batch times length) start each block on the device as
+#: soon as it is built. On an H200 it made 2048-token prompts of 16-layer models faster, while
+#: 256-token ones of the dense models were slower (a block's device work is then too short to
+#: pay for a command graph of its own).
 PIPELINE_TOKENS = 512
+#: The same for a stack with mixture-of-experts blocks: at 256 tokens a block's device work
+#: already outlasts the host's building of the next.
+SPARSE_PIPELINE_TOKENS = 256
+#: Backends where shorter prompts (past decoding's ``MAX_SEGMENT_TOKENS``) run the stock layers:
+#: on CUDA the stock forward of a 256-token prompt reached the first token sooner.
+STOCK_PROMPT_BACKENDS = frozenset({"cuda"})
+
+PromptMode = Literal["kernels", "stock", "pipelined"]
 
 
-def pipelines(x: mx.array) -> bool:
-    """Whether a decoder stack called on hidden states ``x`` (``(B, L, D)``) starts each block on
-    the device as it is built: at least :data:`PIPELINE_TOKENS` tokens, no vjp, no graphkern trace.
+class _Prompt(threading.local):
+    stock = False  # the stock layers run this forward (KernelLayer.__call__ reads it)
+    kernels_only = False
+
+
+_prompt = _Prompt()
+
+
+def prompt_mode(tokens: mx.array, sparse: bool = False) -> PromptMode:
+    """How an evaluating decoder stack (``sparse``: with mixture-of-experts blocks) runs a call on
+    ``tokens`` (``(B, L)`` token ids or ``(B, L, D)`` embeddings): on the kernels, on the stock
+    layers, or on the kernels with each block started on the device as soon as it is built.
 
     >>> from graphkern import without_vjp
     >>> with without_vjp():  # as an evaluating patched model runs its layers
-    ...     pipelines(mx.zeros((1, 2048, 8))), pipelines(mx.zeros((1, 256, 8)))
-    (True, False)
-    >>> pipelines(mx.zeros((1, 2048, 8)))  # a differentiable call
-    False
+    ...     prompt_mode(mx.zeros((1, 2048), mx.int32)), prompt_mode(mx.zeros((1, 1), mx.int32))
+    ('pipelined', 'kernels')
+    >>> prompt_mode(mx.zeros((1, 2048), mx.int32))  # a differentiable call
+    'kernels'
     """
-    return (state.recorder is None and not vjp_enabled() and x.ndim == 3
-            and x.shape[1] >= PIPELINE_TOKENS)
+    if state.recorder is not None or vjp_enabled() or tokens.ndim < 2:
+        return "kernels"
+    length = tokens.shape[1]
+    if tokens.shape[0] * length >= (SPARSE_PIPELINE_TOKENS if sparse else PIPELINE_TOKENS):
+        return "pipelined"
+    if (length > MAX_SEGMENT_TOKENS and not _prompt.kernels_only
+            and active_backend() in STOCK_PROMPT_BACKENDS):
+        return "stock"
+    return "kernels"
+
+
+def stock_layers_run() -> bool:
+    """Whether this thread is inside a forward that runs the stock layers (:func:`stock_layers`)."""
+    return _prompt.stock
+
+
+@contextlib.contextmanager
+def stock_layers() -> Iterator[None]:
+    """Every patched layer called on this thread runs the layer it replaced, for the duration."""
+    previous, _prompt.stock = _prompt.stock, True
+    try:
+        yield
+    finally:
+        _prompt.stock = previous
+
+
+@contextlib.contextmanager
+def kernels_only() -> Iterator[None]:
+    """Patched decoder stacks on this thread run their kernels at every prompt length.
+
+    >>> from graphkern import without_vjp
+    >>> with without_vjp(), kernels_only():
+    ...     prompt_mode(mx.zeros((1, 100), mx.int32))
+    'kernels'
+    """
+    previous, _prompt.kernels_only = _prompt.kernels_only, True
+    try:
+        yield
+    finally:
+        _prompt.kernels_only = previous
 
 
 def start_on_device(*arrays: mx.array | None) -> bool:

@@ -40,3 +40,13 @@ def cuda_only() -> None:
     """Skip a test whose subject only exists on MLX's CUDA backend (NVRTC logs, PTX)."""
     if not CUDA:
         pytest.skip("needs MLX's CUDA backend")
+
+
+@pytest.fixture(autouse=True)
+def prompts_on_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite checks the kernels: patched stacks run them at every prompt length, where an
+    evaluating model on CUDA would give prompts shorter than PIPELINE_TOKENS to the stock layers
+    (graphkern.models.prefill). A test of that routing sets the backends back itself."""
+    from graphkern.models import prefill
+
+    monkeypatch.setattr(prefill, "STOCK_PROMPT_BACKENDS", frozenset())
