@@ -14,18 +14,17 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from tolerances import ATOL, RTOL  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 from graphkern.backends import active_backend  # noqa: E402
 from graphkern.kernels._base import LayerLaunches  # noqa: E402
-from graphkern.models import MODEL_TOLERANCES, prefill  # noqa: E402
 from graphkern.models import layers as layers_module  # noqa: E402
+from graphkern.models import prefill  # noqa: E402
 from graphkern.models.prefill import PIPELINE_TOKENS, SPARSE_PIPELINE_TOKENS, start_on_device  # noqa: E402
 from graphkern.models.tiny import tiny_model  # noqa: E402
 
 LONG = mx.random.randint(0, 64, (1, PIPELINE_TOKENS + 9), key=mx.random.key(3))
-#: float32 logits agree to rounding on the CPU; a GPU's matrix products (TF32 on CUDA) round more
-ATOL, RTOL = (1e-5, 1e-5) if mx.default_device() == mx.cpu else MODEL_TOLERANCES[mx.float32]
 
 
 def _pair(arch: str = "llama") -> tuple[nn.Module, nn.Module]:

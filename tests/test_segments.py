@@ -17,6 +17,7 @@ from mlx.utils import tree_map
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from tolerances import ATOL, RTOL  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 from graphkern.models import segments as segments_module  # noqa: E402
@@ -54,7 +55,7 @@ def _decode(model: nn.Module, steps: int = 6) -> list[mx.array]:
 def test_an_evaluating_patched_model_decodes_through_segments_as_stock_does(arch: str) -> None:
     stock, patched = _pair(arch)
     for ours, theirs in zip(_decode(patched), _decode(stock)):
-        assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5).item()
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
     blocks = len(patched.model.layers)
     assert _forms(patched) == 2 * blocks  # enter and leave, this thread
     generated = [t for t, _ in generate_step(PROMPT[0], patched, max_tokens=8)]
@@ -69,7 +70,7 @@ def test_segments_read_the_weights_of_each_call() -> None:
     stock.model.layers[0].mlp.update(new)
     patched.model.layers[0].mlp.update(new)
     for ours, theirs in zip(_decode(patched, 3), _decode(stock, 3)):
-        assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5).item()
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
     assert _forms(patched) == traced  # same shapes: nothing traced again
 
 
@@ -122,7 +123,7 @@ def test_threads_decoding_one_model_at_once_each_trace_their_own_forms(round_: i
     assert not errors, errors
     for got in results.values():
         for ours, theirs in zip(got, expected):
-            assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5).item()
+            assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
     assert _forms(patched) == 4 * 2 * len(patched.model.layers)
 
 
@@ -164,7 +165,7 @@ def test_a_standalone_attention_runs_project_and_output_segments() -> None:
     for _ in range(3):
         ours = attention(x, None, cp[0])
         theirs = stock.model.layers[0].self_attn(x, None, cs[0])
-        assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5).item()
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
     assert attention.segments().traced() == ["output", "project"]
 
 
@@ -205,7 +206,7 @@ def test_patch_selects_the_decoding_kernels(monkeypatch: pytest.MonkeyPatch) -> 
         gk.patch(patched, kernels=kernels)
         patched.eval()
         for ours, theirs in zip(_decode(patched, 2), _decode(stock, 2)):
-            assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5).item()
+            assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
         assert set(calls) == expected, kernels
 
 
