@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from tolerances import ATOL, RTOL  # noqa: E402
+from model_comparisons import ATOL, RTOL  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 from graphkern.backends import active_backend  # noqa: E402

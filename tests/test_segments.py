@@ -17,7 +17,7 @@ from mlx.utils import tree_map
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from tolerances import ATOL, RTOL  # noqa: E402
+from model_comparisons import ATOL, RTOL  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 from graphkern.models import segments as segments_module  # noqa: E402

@@ -10,11 +10,11 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from model_comparisons import assert_same_gradients  # noqa: E402
 
 from graphkern.models import MODEL_TOLERANCES, check_model, patch, unpatch, wrap  # noqa: E402
 from graphkern.models.launch_count import decode_launches  # noqa: E402
@@ -84,15 +84,11 @@ def test_value_and_grad_through_cuda_kernels_matches_the_stock_model() -> None:
         return nn.losses.cross_entropy(model(TOKENS[:, :-1]), TOKENS[:, 1:], reduction="mean")
 
     model = tiny_model("llama")
-    loss_stock, grads_stock = nn.value_and_grad(model, loss)(model)
+    stock = nn.value_and_grad(model, loss)(model)
     patch(model)
-    loss_patched, grads_patched = nn.value_and_grad(model, loss)(model)
+    patched = nn.value_and_grad(model, loss)(model)
     unpatch(model)
-    assert abs(loss_stock.item() - loss_patched.item()) < 1e-4
-    stock, patched = dict(tree_flatten(grads_stock)), dict(tree_flatten(grads_patched))
-    assert stock.keys() == patched.keys()
-    for key in stock:
-        assert mx.allclose(stock[key], patched[key], atol=1e-4, rtol=1e-3).item(), key
+    assert_same_gradients(stock, patched, loss_atol=1e-4, atol=1e-4, rtol=1e-3)
 
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 1.0,
@@ -127,7 +123,7 @@ def test_fused_models_equal_stock_on_device(arch: str) -> None:
     mlx-lm's own generation, training gradients and launches per decoded token against stock."""
     model = tiny_model(arch)
     stock_logits, stock_tokens = model(TOKENS), _generate(model)
-    stock_loss, stock_grads = nn.value_and_grad(model, _loss)(model)
+    stock_gradients = nn.value_and_grad(model, _loss)(model)
     stock_launches = decode_launches(model)
     patch(model)
     diff = mx.abs(model(TOKENS) - stock_logits).max().item()
@@ -143,12 +139,8 @@ def test_fused_models_equal_stock_on_device(arch: str) -> None:
     # gradients fails in cuGraphAddKernelNode with "invalid argument"), so there is nothing to hold
     # the patched one to there; tests/test_fusions.py compares its gradients on the CPU.
     if not (arch == "mixtral" and CUDA):
-        loss, grads = nn.value_and_grad(model, _loss)(model)
-        assert abs(loss.item() - stock_loss.item()) < 1e-4
-        stock, fused = dict(tree_flatten(stock_grads)), dict(tree_flatten(grads))
-        assert stock.keys() == fused.keys()
-        for key in stock:
-            assert mx.allclose(stock[key], fused[key], atol=1e-4, rtol=1e-3).item(), key
+        assert_same_gradients(stock_gradients, nn.value_and_grad(model, _loss)(model),
+                              loss_atol=1e-4, atol=1e-4, rtol=1e-3)
     unpatch(model)
 
 

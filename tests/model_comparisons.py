@@ -1,0 +1,28 @@
+"""What tests comparing a patched model with the stock one share (the CPU tests and tests/gpu).
+
+``ATOL, RTOL``: the float32 logits tolerance of the CPU tests: rounding alone on the CPU; off it,
+a GPU's float32 matrix products (TF32 on CUDA) round more, so the model tolerance applies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from graphkern.models import MODEL_TOLERANCES
+
+ATOL, RTOL = (1e-5, 1e-5) if mx.default_device() == mx.cpu else MODEL_TOLERANCES[mx.float32]
+
+
+def assert_same_gradients(expected: tuple[mx.array, Any], got: tuple[mx.array, Any], *,
+                          loss_atol: float, atol: float, rtol: float) -> None:
+    """``(loss, gradients)`` of ``nn.value_and_grad`` against the stock model's: the loss within
+    ``loss_atol``, the same parameter names, each gradient within ``atol``/``rtol``."""
+    (stock_loss, stock_grads), (loss, grads) = expected, got
+    assert abs(loss.item() - stock_loss.item()) < loss_atol
+    stock, ours = dict(tree_flatten(stock_grads)), dict(tree_flatten(grads))
+    assert ours.keys() == stock.keys()
+    for key in stock:
+        assert mx.allclose(ours[key], stock[key], atol=atol, rtol=rtol).item(), key
