@@ -99,9 +99,15 @@ class Browser:
         self.browser.close()
         self._p.stop()
 
-    def runs(self, page_path: Path, repeat: int, after: dict[str, str]) -> dict[str, list[float]]:
-        """First render (and its parts) of each of ``repeat`` fresh page loads, then each of
-        ``after``'s expressions, timed in the page (milliseconds)."""
+    def runs(self, html: str, repeat: int, after: dict[str, str]) -> dict[str, list[float]]:
+        """First render (and its parts) of each of ``repeat`` fresh loads of the page ``html``,
+        then each of ``after``'s expressions, timed in the page (milliseconds)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            page_path = Path(tmp) / "page.html"
+            page_path.write_text(html)
+            return self._runs(page_path, repeat, after)
+
+    def _runs(self, page_path: Path, repeat: int, after: dict[str, str]) -> dict[str, list[float]]:
         out: dict[str, list[float]] = {"first": [], "wall": [], "layout": [], "script": []}
         out.update({k: [] for k in after})
         for _ in range(repeat):
@@ -147,21 +153,18 @@ def synthetic(args: argparse.Namespace, results: list[dict[str, Any]], browser: 
     results.append(row("HTML page generation (Python)", times, None, f"{len(page) / 1e6:.1f} MB"))
     if browser is None:
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        for label, html in (("one box per layer", page),
-                            ("every module open", to_html(graph, collapse_depth=-1))):
-            path = Path(tmp) / "big.html"
-            path.write_text(html)
-            runs = browser.runs(path, args.repeat, {
-                "redraw": "gk.fitAll()",
-                "relayout": "gk.collapseToDepth(-1); gk.collapseToDepth('auto')",
-            })
-            results.append(row(f"Chromium first render, {n} nodes, {label}", runs["first"], 3000))
-            results.append(row("  of which the viewer script (parse+layout+draw)", runs["script"], None))
-            results.append(row("  of which the layout", runs["layout"], None))
-            results.append(row("  playwright wall time goto -> ready", runs["wall"], None))
-            results.append(row("  fit all and redraw", runs["redraw"], None))
-            results.append(row("  open every module, then one box per layer", runs["relayout"], None))
+    for label, html in (("one box per layer", page),
+                        ("every module open", to_html(graph, collapse_depth=-1))):
+        runs = browser.runs(html, args.repeat, {
+            "redraw": "gk.fitAll()",
+            "relayout": "gk.collapseToDepth(-1); gk.collapseToDepth('auto')",
+        })
+        results.append(row(f"Chromium first render, {n} nodes, {label}", runs["first"], 3000))
+        results.append(row("  of which the viewer script (parse+layout+draw)", runs["script"], None))
+        results.append(row("  of which the layout", runs["layout"], None))
+        results.append(row("  playwright wall time goto -> ready", runs["wall"], None))
+        results.append(row("  fit all and redraw", runs["redraw"], None))
+        results.append(row("  open every module, then one box per layer", runs["relayout"], None))
 
 
 def llamas(args: argparse.Namespace, results: list[dict[str, Any]], browser: Browser | None) -> None:
@@ -173,26 +176,20 @@ def llamas(args: argparse.Namespace, results: list[dict[str, Any]], browser: Bro
         print(f"\nllama, {layers} layers, patched: {n} nodes, {m} edges, {len(graph.kernels())} kernels "
               f"(built and traced in {traced:.0f} ms)")
         if browser is not None:
-            with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / "llama.html"
-                path.write_text(to_html(graph))
-                runs = browser.runs(path, args.repeat, {
-                    "open": "gk.expand('model.layers.1')",
-                    "all": "gk.collapseToDepth(-1)",
-                })
+            runs = browser.runs(to_html(graph), args.repeat, {
+                "open": "gk.expand('model.layers.1')",
+                "all": "gk.collapseToDepth(-1)",
+            })
             results.append(row(f"Chromium first render, llama {layers} layers", runs["first"],
                                1000 if layers >= 32 else None))
             results.append(row("  of which the layout", runs["layout"], None))
             results.append(row("  open one layer in place (relayout + draw)", runs["open"], None))
             results.append(row("  open every module (relayout + draw)", runs["all"], None))
             values = gk.inspect(viz_graphs.llama_model(layers), TOKENS)
-            with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / "values.html"
-                path.write_text(to_html(values))
-                runs = browser.runs(path, args.repeat, {
-                    "nan": "gk.colourBy('nonfinite')",
-                    "all": "gk.collapseToDepth(-1)",
-                })
+            runs = browser.runs(to_html(values), args.repeat, {
+                "nan": "gk.colourBy('nonfinite')",
+                "all": "gk.collapseToDepth(-1)",
+            })
             results.append(row(f"Chromium first render, llama {layers} layers, inspected (abs-max)",
                                runs["first"], 1000 if layers >= 32 else None))
             results.append(row("  colour by NaN/Inf instead (scale, legend + draw)", runs["nan"], None))
