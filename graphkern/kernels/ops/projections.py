@@ -33,7 +33,7 @@ from graphkern.kernels._base import (
     vector_width,
 )
 from graphkern.kernels._headers import dual_header
-from graphkern.kernels.ops.rms_norm import rms_norm_reference
+from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA, rms_norm_reference
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
 __all__ = ["NORM_PROJECTIONS", "NORM_SWIGLU", "MAX_ROWS", "norm_projections", "norm_swiglu",
@@ -110,18 +110,8 @@ __device__ __forceinline__ void norm_rows(const T* x, const T* r, const T* w, T*
     const float inv = rsqrtf(total / K + eps);
     for (int i = threadIdx.x * V; i < K; i += NT * V) {  // each thread rereads only what it wrote
       float v[V];
-      float wv[V];
       load<T, V>(xs + m * K, i, v);
-      if constexpr (HAS_W) {
-        load<T, V>(w, i, wv);
-      }
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        v[j] = round_to<T>(v[j] * inv);
-        if constexpr (HAS_W) {
-          v[j] *= wv[j];
-        }
-      }
+      rms_scale<T, V, HAS_W>(v, w, i, inv);
       store<T, V>(xs + m * K, i, v);
     }
   }
@@ -370,7 +360,7 @@ NORM_PROJECTIONS = Kernel(
     output_names=["h", "y0", "y1", "y2"],
     metal=_METAL_PROJECTIONS,
     cuda=_CUDA_PROJECTIONS,
-    header=dual_header(_CUDA, _METAL, body=_CUDA_PROJECTIONS),
+    header=dual_header(RMS_SCALE_CUDA + _CUDA, _METAL, body=_CUDA_PROJECTIONS),
     reference=norm_projections_reference,
 )
 
@@ -380,7 +370,7 @@ NORM_SWIGLU = Kernel(
     output_names=["h", "out"],
     metal=_METAL_SWIGLU,
     cuda=_CUDA_SWIGLU,
-    header=dual_header(_CUDA, _METAL, body=_CUDA_SWIGLU),
+    header=dual_header(RMS_SCALE_CUDA + _CUDA, _METAL, body=_CUDA_SWIGLU),
     reference=norm_swiglu_reference,
 )
 

@@ -30,10 +30,34 @@ from graphkern.kernels._base import (
 from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.nodes import Kernel, TemplateArg
 
-__all__ = ["RMS_CUDA", "RMS_NORM", "plan_rms_norm", "rms_launch", "rms_norm", "rms_norm_reference"]
+__all__ = ["RMS_CUDA", "RMS_NORM", "RMS_SCALE_CUDA", "plan_rms_norm", "rms_launch", "rms_norm",
+           "rms_norm_reference"]
+
+#: RMSNorm's output rounding, shared with every kernel that normalizes rows: ``v * inv`` rounds to
+#: the dtype, then the weight multiplies it (as ``mx.fast.rms_norm`` does).
+RMS_SCALE_CUDA = r"""
+namespace gk {
+
+template <typename T, int V, bool HAS_W>
+__device__ __forceinline__ void rms_scale(float (&v)[V], const T* w, long long i, float inv) {
+  float wv[V];
+  if constexpr (HAS_W) {
+    load<T, V>(w, i, wv);
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    v[j] = round_to<T>(v[j] * inv);
+    if constexpr (HAS_W) {
+      v[j] *= wv[j];
+    }
+  }
+}
+
+}  // namespace gk
+"""
 
 #: The second half of an RMSNorm row, shared with the fused residual-add kernel.
-RMS_CUDA = r"""
+RMS_CUDA = RMS_SCALE_CUDA + r"""
 namespace gk {
 
 // Given this thread's row (filled by produce) and its partial sum of squares, write the output.
@@ -43,17 +67,11 @@ __device__ __forceinline__ void rms_finish(Row<T, NT, V, CH>& row, float ss, con
   const float inv = rsqrtf(block_sum<NT>(ss, smem) / n + eps);
   row.visit([&](float (&v)[V], long long i) {
     float o[V];
-    float wv[V];
-    if constexpr (HAS_W) {
-      load<T, V>(w, i, wv);
-    }
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      o[j] = round_to<T>(v[j] * inv);
-      if constexpr (HAS_W) {
-        o[j] *= wv[j];
-      }
+      o[j] = v[j];
     }
+    rms_scale<T, V, HAS_W>(o, w, i, inv);
     store<T, V>(out, i, o);
   });
 }
