@@ -149,10 +149,18 @@ def differentiable(forward: Forward, inputs: Sequence[Any], *, reference: Forwar
         else:
             assert reference is not None
 
-            def through_reference(*primal_arrays: mx.array) -> list[mx.array]:
-                return reference(_merge(template, positions, primal_arrays))
+            # only floating outputs carry cotangents: given one for an integer output (indices),
+            # mx.vjp returns zeros for every input
+            carried = [i for i, c in enumerate(cots) if mx.issubdtype(c.dtype, mx.inexact)]
 
-            _, grads = mx.vjp(through_reference, arrays, cots)
+            def through_reference(*primal_arrays: mx.array) -> list[mx.array]:
+                outputs = reference(_merge(template, positions, primal_arrays))
+                return outputs if len(carried) == len(cots) else [outputs[i] for i in carried]
+
+            if carried:
+                _, grads = mx.vjp(through_reference, arrays, [cots[i] for i in carried])
+            else:
+                grads = [None] * len(arrays)
         conformed = _conform(grads, arrays, name)
         return conformed[0] if single else tuple(conformed)
 

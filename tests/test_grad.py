@@ -167,6 +167,23 @@ def test_with_vjp_uses_the_reference_for_an_opaque_forward():
     assert mx.grad(lambda x: loss(opaque([x, y])))(x).abs().max().item() == 0.0
 
 
+def test_with_vjp_differentiates_the_floating_outputs_beside_integer_ones():
+    """A kernel that returns indices beside values (moe_route): the indices take no cotangent."""
+    def reference(xs):
+        top = mx.stop_gradient(mx.argsort(-xs[0], axis=-1)[..., :2]).astype(mx.uint32)
+        return [top, mx.take_along_axis(xs[0], top, axis=-1) * 3.0]
+
+    def opaque(xs):
+        return [mx.stop_gradient(o) for o in reference(xs)]
+
+    x = mx.array([[0.5, 2.0, -1.0, 1.0]])
+    expected = mx.grad(lambda x: reference([x])[1].sum())(x)
+    got = mx.grad(lambda x: with_vjp(opaque, [x], reference=reference)[1].sum())(x)
+    assert expected.tolist() == got.tolist() == [[0.0, 3.0, 0.0, 3.0]]
+    indices_only = mx.grad(lambda x: with_vjp(opaque, [x], reference=reference)[0].astype(mx.float32).sum())
+    assert indices_only(x).tolist() == [[0.0] * 4]
+
+
 def test_with_vjp_scalars_get_no_cotangent_and_bad_backwards_are_reported():
     scaled = lambda xs: [xs[0] * xs[1]]  # noqa: E731
     grad = mx.grad(lambda x: with_vjp(scaled, [x, 4.0], reference=scaled)[0].sum())
