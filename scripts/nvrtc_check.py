@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from graphkern.backends import mlx_kernel_name  # noqa: E402
 from graphkern.kernels._base import Plan  # noqa: E402
 from graphkern.kernels.registry import LIBRARY  # noqa: E402
-from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name  # noqa: E402
+from graphkern.nodes import Kernel, KernelError, OutputSpec, TemplateArg, dtype_name  # noqa: E402
 from graphkern.source_text import for_backend  # noqa: E402
 
 DEFAULT_MLX_SRC = "/work/.mirror/ml-explore+mlx/repo"
@@ -455,8 +455,8 @@ def variants(entries: Sequence[str], dtypes: Sequence[mx.Dtype],
                 case = entry.make_inputs(shape, dtype, key)
                 try:
                     plan = entry.plan(*case.args, **case.kwargs)
-                except KernelError as exc:  # a big shape past what the kernel takes (a few rows)
-                    if shapes or exc.status is not Status.INVALID_LAUNCH or tuple(shape) in entry.shapes:
+                except KernelError:  # a big shape past what the kernel takes (a few rows, 1024 experts)
+                    if shapes or tuple(shape) in entry.shapes:
                         raise
                     continue
                 out.append(Variant(name, dtype, shape, plan, generate_plan(plan)))

@@ -15,7 +15,7 @@ pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import rope_utils  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from model_comparisons import assert_same_gradients  # noqa: E402
+from model_comparisons import ATOL, RTOL, assert_same_gradients  # noqa: E402
 from rope_layers import OFFSETS, ROPES  # noqa: E402
 
 import graphkern as gk  # noqa: E402
@@ -196,11 +196,11 @@ def test_rope_and_rope_qk_launches_are_reused_across_decode_offsets(opaque_gpu: 
     x = mx.random.normal((1, 4, 1, 64), key=mx.random.key(0))
     q, k = _projections(1, 1, 4, 2, 64)
     for offset in range(20, 26):
-        assert mx.allclose(gkk.rope(x, 64, offset=offset),
-                           mx.fast.rope(x, 64, traditional=False, base=1e4, scale=1.0, offset=offset)).item()
+        assert mx.allclose(gkk.rope(x, 64, offset=offset), mx.fast.rope(x, 64, traditional=False, base=1e4,
+                           scale=1.0, offset=offset), atol=ATOL, rtol=RTOL).item()
         ours = gkk.rope_qk(q, k, 4, 2, 64, offset=offset)
         stock = stock_prologue(q, k, 4, 2, 64, offset=offset)
-        assert all(mx.allclose(a, b).item() for a, b in zip(ours, stock))
+        assert all(mx.allclose(a, b, atol=ATOL, rtol=RTOL).item() for a, b in zip(ours, stock))
     assert len(rope_module._LAUNCHES.entries) == len(rope_qk_module._LAUNCHES.entries) == 1
     assert opaque_gpu.count("gk_rope") == opaque_gpu.count("gk_rope_qk") == 1  # traced once, replayed
 
@@ -248,9 +248,9 @@ def test_kv_cache_decode_equals_stock(arch: str) -> None:
     cache = make_prompt_cache(model)
     fused = [model(TOKENS, cache=cache)] + [model(TOKENS[:, i:i + 1], cache=cache) for i in range(4)]
     for a, b in zip(fused, stock):
-        assert mx.allclose(a, b, atol=1e-5, rtol=1e-5).item()
-    for a, b in zip(cache, stock_cache):
-        assert a.offset == b.offset and mx.array_equal(a.keys, b.keys).item()
+        assert mx.allclose(a, b, atol=ATOL, rtol=RTOL).item()
+    for a, b in zip(cache, stock_cache):  # equal on the CPU; on CUDA Mixtral's router weights round apart
+        assert a.offset == b.offset and mx.allclose(a.keys, b.keys, atol=ATOL, rtol=RTOL).item()
 
 
 @pytest.mark.parametrize("arch", MODELS)
@@ -259,7 +259,10 @@ def test_the_trace_shows_the_fused_kernels_in_their_layers(arch: str) -> None:
     patch(model)
     graph = gk.trace(model, TOKENS)
     scopes = sorted((graph.node(k)["scope"], graph.node(k)["kernel"]) for k in graph.kernels()
-                    if graph.node(k)["kernel"] != "gk_swiglu")
+                    if graph.node(k)["kernel"] not in ("gk_swiglu", "gk_moe_route"))
+    routers = sorted(graph.node(k)["scope"] for k in graph.kernels()
+                     if graph.node(k)["kernel"] == "gk_moe_route")
+    assert routers == ([f"model.layers.{i}.block_sparse_moe" for i in range(2)] if arch == "mixtral" else [])
     assert scopes == [
         ("model.layers.0.input_layernorm", "gk_rms_norm"),
         ("model.layers.0.post_attention_layernorm", "gk_add_rms_norm"),
@@ -274,9 +277,10 @@ def test_the_trace_shows_the_fused_kernels_in_their_layers(arch: str) -> None:
 
 
 def test_launches_per_decoded_token_stock_against_fused() -> None:
-    """Per layer: Llama and Mixtral save 3 launches (two RoPEs -> one; two adds and two norms -> two
-    add_rms_norm), Qwen 3 saves 5 (its q_norm and k_norm too)."""
-    saved_per_layer = {"llama": 3, "qwen3": 5, "mixtral": 3}
+    """Per layer: Llama saves 3 launches (two RoPEs -> one; two adds and two norms -> two
+    add_rms_norm), Qwen 3 saves 5 (its q_norm and k_norm too), Mixtral 9 (its router's negation,
+    argpartition, gather and softmax -> one moe_route; the experts' three row aranges)."""
+    saved_per_layer = {"llama": 3, "qwen3": 5, "mixtral": 9}
     for arch, saved in saved_per_layer.items():
         model = tiny_model(arch)
         stock = decode_launches(model)
@@ -287,6 +291,9 @@ def test_launches_per_decoded_token_stock_against_fused() -> None:
         assert fused.kinds["gk_rope_qk"] == layers and fused.kinds["gk_add_rms_norm"] == 2 * layers
         assert fused.kinds["gk_rms_norm"] == 1 and "Add" not in fused.kinds
         assert stock.kinds["mx_fast_rope"] == 2 * layers and stock.kinds["Add"] == 2 * layers
+        if arch == "mixtral":
+            assert fused.kinds["gk_moe_route"] == layers and stock.kinds["ArgPartition"] == layers
+            assert not set(fused.kinds) & {"ArgPartition", "Arange", "Softmax", "Negative"}
 
 
 def test_unpatch_restores_every_module_and_selection_picks_the_fusions() -> None:

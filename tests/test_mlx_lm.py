@@ -27,7 +27,7 @@ EXPECTED_PER_LAYER = {
     "gemma2": {"input_layernorm": RMS, "post_attention_layernorm": RMS, "pre_feedforward_layernorm": RMS,
                "post_feedforward_layernorm": RMS, "self_attn.rope": ROPE, "mlp": GELU},
     "mixtral": {"input_layernorm": RMS, "post_attention_layernorm": ADD_RMS, "self_attn": ROPE_QK,
-                "block_sparse_moe.switch_mlp.activation": SWIGLU},
+                "block_sparse_moe": "gk_moe_route", "block_sparse_moe.switch_mlp.activation": SWIGLU},
 }
 #: Architectures whose decoder loop is fused: each residual add into the next RMSNorm.
 STACKS = {"llama", "mistral", "qwen3", "mixtral"}

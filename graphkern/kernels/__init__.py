@@ -1,5 +1,5 @@
 """graphkern's kernel library: fused normalization, RoPE, attention prologue,
-norm-fed projections, activation and softmax kernels.
+norm-fed projections, activation, softmax and mixture-of-experts routing kernels.
 
 Each kernel is a :class:`graphkern.Kernel` with a Metal body, a CUDA body and a pure-MLX reference,
 for float32, float16 and bfloat16 (float32 arithmetic inside), and a layer function that picks the
@@ -21,6 +21,7 @@ from graphkern.kernels._base import Case, LibraryEntry, Plan, apply_plan
 from graphkern.kernels.ops.add_rms_norm import ADD_RMS_NORM, add_rms_norm
 from graphkern.kernels.ops.gelu import GELU, gelu
 from graphkern.kernels.ops.layer_norm import LAYER_NORM, layer_norm
+from graphkern.kernels.ops.moe_route import MOE_ROUTE, moe_route
 from graphkern.kernels.ops.projections import NORM_PROJECTIONS, NORM_SWIGLU, norm_projections, norm_swiglu
 from graphkern.kernels.ops.rms_norm import RMS_NORM, rms_norm
 from graphkern.kernels.ops.rope import ROPE, rope
@@ -34,6 +35,7 @@ __all__ = [
     "GELU",
     "LAYER_NORM",
     "LIBRARY",
+    "MOE_ROUTE",
     "NORM_PROJECTIONS",
     "NORM_SWIGLU",
     "RMS_NORM",
@@ -49,6 +51,7 @@ __all__ = [
     "entries_for",
     "gelu",
     "layer_norm",
+    "moe_route",
     "norm_projections",
     "norm_swiglu",
     "rms_norm",

@@ -7,6 +7,7 @@ from graphkern.kernels.ops import (
     add_rms_norm,
     gelu,
     layer_norm,
+    moe_route,
     projections,
     rms_norm,
     rope,
@@ -35,6 +36,7 @@ LIBRARY: dict[str, LibraryEntry] = {
         gelu.ENTRY_APPROX,
         projections.ENTRY,
         projections.ENTRY_SWIGLU,
+        moe_route.ENTRY,
     )
 }
 

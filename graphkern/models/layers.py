@@ -17,17 +17,21 @@ True
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from graphkern import kernels as gkk
 from graphkern.autodiff import vjp_enabled, without_vjp
 from graphkern.context import current_recorder
 from graphkern.kernels.ops.projections import projections_fit
 from graphkern.kernels.ops.rope import int_offset_array
+from graphkern.models.patterns import is_class
 from graphkern.models.prefill import prompt_mode, start_on_device, stock_layers, stock_layers_run
 from graphkern.models.segments import Segments, decoding, segments_apply
 
@@ -47,6 +51,7 @@ __all__ = [
     "KernelRoPE",
     "KernelSlidingDecoderStack",
     "KernelSoftmax",
+    "KernelSparseMoE",
     "KernelSuScaledRoPE",
     "KernelSwiGLU",
     "KernelSwiGLUMLP",
@@ -390,6 +395,65 @@ class KernelAttention(KernelLayer):
                 queries, keys, values = projected
                 return segments("output", self.attend(queries, keys, values, mask, cache))  # type: ignore[no-any-return]
         return self.output(self.attend(*self.project(x, *position), mask, cache))
+
+
+_SWITCH = "mlx_lm.models.switch_layers"
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_rows(shape: tuple[int, ...]) -> mx.array:
+    """``arange`` over a ``gather_mm`` operand's batch of ``shape``, what it makes for its
+    ``lhs_indices`` when given none: made once per shape instead of one launch per product."""
+    # from numpy, so the array holds its values already: a constant even when first made while
+    # mx.compile traces a segment
+    return mx.array(np.arange(math.prod(shape), dtype=np.uint32).reshape(shape))
+
+
+def _expert_outputs(mlp: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    """``mlp(x, inds)``: each token through its chosen experts, ``(..., k, hidden)``. For mlx-lm's
+    ``SwitchGLU`` on plain expert weights and a few tokens (its unsorted path) the products take
+    their row indices from :func:`_batch_rows`; otherwise it is the stock call."""
+    if (inds.size >= 64 or not is_class(type(mlp), f"{_SWITCH}:SwitchGLU")
+            or any(not is_class(type(mlp[name]), f"{_SWITCH}:SwitchLinear") or "bias" in mlp[name]
+                   for name in ("up_proj", "gate_proj", "down_proj"))):
+        return mlp(x, inds)  # type: ignore[no-any-return]
+    tokens = _batch_rows((*inds.shape[:-1], 1))  # each token's row, for all k of its experts
+    x = mx.expand_dims(x, (-2, -3))
+    up = mx.gather_mm(x, mlp.up_proj.weight.swapaxes(-1, -2), tokens, inds)
+    gate = mx.gather_mm(x, mlp.gate_proj.weight.swapaxes(-1, -2), tokens, inds)
+    out = mx.gather_mm(mlp.activation(up, gate), mlp.down_proj.weight.swapaxes(-1, -2),
+                       _batch_rows(tuple(inds.shape)), inds)  # one row per token and expert
+    return out.squeeze(-2)
+
+
+class KernelSparseMoE(KernelLayer):
+    """mlx-lm's sparse mixture-of-experts block with its router's choice on one ``moe_route``
+    launch: ``y = sum_j scores_j * expert_{inds_j}(x)``, where ``(inds, scores)`` are the top
+    ``k`` of ``gate(x)`` and their softmax (Mixtral), or the top ``k`` of ``softmax(gate(x))``,
+    divided by their sum when ``norm_topk_prob`` (Qwen 3 MoE). The experts are the stock
+    ``switch_mlp``.
+
+    Args:
+        original: the block (its ``gate`` and ``switch_mlp`` are shared).
+        top_k: the name of its ``k`` attribute (``num_experts_per_tok``, ``top_k``).
+        softmax_first: the softmax comes before the choice (Qwen's order).
+        normalize: the name of its attribute saying whether the chosen weights are renormalized.
+    """
+
+    kernel = "moe_route"
+
+    def __init__(self, original: nn.Module, top_k: str, softmax_first: bool = False,
+                 normalize: str | None = None):
+        super().__init__(original)
+        object.__setattr__(self, "_gk_route", (top_k, softmax_first, normalize))
+
+    def forward(self, x: mx.array) -> mx.array:
+        top_k, softmax_first, normalize = self._gk_route
+        inds, scores = gkk.moe_route(self.gate(x), getattr(self, top_k), softmax_first=softmax_first,
+                                     normalize=bool(normalize and getattr(self, normalize)))
+        # the choice carries no gradient (gather_mm has none for its indices), as in mlx-lm's blocks
+        y = _expert_outputs(self.switch_mlp, x, mx.stop_gradient(inds))
+        return (y * scores[..., None]).sum(axis=-2)
 
 
 def _plain_weights(module: nn.Module, names: tuple[str, ...], x: mx.array) -> list[mx.array] | None:

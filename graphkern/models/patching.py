@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from graphkern.kernels._base import FLOAT_DTYPES
+from graphkern.kernels.ops.moe_route import MAX_EXPERTS, MAX_TOP_K
 from graphkern.kernels.ops.rope_qk import MAX_HEAD_DIM
 from graphkern.models.layers import (
     KernelAddRMSNorm,
@@ -44,6 +45,7 @@ from graphkern.models.layers import (
     KernelRoPE,
     KernelSlidingDecoderStack,
     KernelSoftmax,
+    KernelSparseMoE,
     KernelSuScaledRoPE,
     KernelSwiGLU,
     KernelSwiGLUMLP,
@@ -337,6 +339,55 @@ def _stack(kind: type[KernelDecoderStack]) -> Callable[[nn.Module, str], KernelL
     return build
 
 
+def _sparse_moe(top_k: str, softmax_first: bool = False,
+                normalize: str | None = None) -> Callable[[nn.Module, str], KernelLayer]:
+    """A sparse mixture-of-experts block whose router the ``moe_route`` kernel can take."""
+
+    def build(module: nn.Module, path: str) -> KernelLayer:
+        _, experts, dtype = _linear(module, "gate", path)
+        _float_dtype(dtype, "gate's output", path)
+        k = getattr(module, top_k, None)
+        if not 1 <= experts <= MAX_EXPERTS:
+            raise _refuse(path, f"the router has {experts} experts; moe_route takes 1 to {MAX_EXPERTS}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(experts, MAX_TOP_K):
+            raise _refuse(path, f"{top_k} is {k!r}; moe_route takes 1 to {min(experts, MAX_TOP_K)}")
+        return KernelSparseMoE(module, top_k, softmax_first, normalize)
+
+    return build
+
+
+_MX = {"mx": "mlx.core"}
+
+_MIXTRAL_MOE = Forward(
+    "def __call__(self, x: mx.array) -> mx.array:\n"
+    "    gates = self.gate(x)\n"
+    "    k = self.num_experts_per_tok\n"
+    "    inds = mx.stop_gradient(mx.argpartition(-gates, kth=k - 1, axis=-1)[..., :k])\n"
+    "    scores = mx.take_along_axis(gates, inds, axis=-1)\n"
+    "    scores = mx.softmax(scores, axis=-1, precise=True)\n"
+    "    y = self.switch_mlp(x, inds)\n"
+    "    y = (y * scores[..., None]).sum(axis=-2)\n"
+    "    return y\n", _MX)
+
+_QWEN3_MOE = Forward(
+    "def __call__(self, x: mx.array) -> mx.array:\n"
+    "    if self.sharding_group is not None:\n"
+    "        x = sum_gradients(self.sharding_group)(x)\n"
+    "    gates = self.gate(x)\n"
+    "    gates = mx.softmax(gates, axis=-1, precise=True)\n"
+    "    k = self.top_k\n"
+    "    inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]\n"
+    "    inds = mx.stop_gradient(inds)\n"
+    "    scores = mx.take_along_axis(gates, inds, axis=-1)\n"
+    "    if self.norm_topk_prob:\n"
+    "        scores /= mx.sum(scores, axis=-1, keepdims=True)\n"
+    "    y = self.switch_mlp(x, inds)\n"
+    "    y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)\n"
+    "    if self.sharding_group is not None:\n"
+    "        y = mx.distributed.all_sum(y, group=self.sharding_group)\n"
+    "    return y\n", _MX)
+
+
 # ----------------------------------------------------------------------------- rules
 
 
@@ -408,7 +459,6 @@ _SLIDING_STACK = Forward(
     "        h = layer(h, mask, cache=cache)\n"
     "    return self.norm(h)\n", _MASK)
 
-_MX = {"mx": "mlx.core"}
 
 RMS_NORM = Rule("RMSNorm", "rms_norm", _rms_norm(0.0), classes=(nn.RMSNorm,), forwards=(
     Forward("def __call__(self, x):\n    return mx.fast.rms_norm(x, self.weight, self.eps)", _MX),
@@ -467,6 +517,11 @@ RULES: list[Rule] = [
     Rule("SwiGLU MLP with a fused gate_up_proj (Phi-3)", "swiglu", _gate_up, forwards=(Forward(
         "def __call__(self, x):\n    x = self.gate_up_proj(x)\n    gate, x = mx.split(x, 2, axis=-1)\n"
         "    return self.down_proj(swiglu(gate, x))", {**_MX, "swiglu": _SWIGLU}),)),
+    Rule("sparse mixture of experts (Mixtral): the router's top-k and softmax", "moe_route",
+         _sparse_moe("num_experts_per_tok"), forwards=(_MIXTRAL_MOE,)),
+    Rule("sparse mixture of experts (Qwen 3 MoE): the router's softmax and top-k", "moe_route",
+         _sparse_moe("top_k", softmax_first=True, normalize="norm_topk_prob"), forwards=(_QWEN3_MOE,),
+         when=lambda m: getattr(m, "sharding_group", None) is None),
     Rule("SwiGLU activation (mlx-lm switch layers)", "swiglu", lambda m, p: KernelSwiGLU(m), forwards=(
         Forward("def __call__(self, x, gate):\n    return swiglu(gate, x)", {"swiglu": _SWIGLU}),)),
     Rule("GeGLU MLP (Gemma)", "gelu", _gated(KernelGeGLUMLP), forwards=(
@@ -540,6 +595,9 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> list[Patche
             if rule is not None:
                 child = rule.build(child, child_path)
                 child.select(selected)
+                # the mode of the model around it: a module can be shared between models (mlx-lm's
+                # SwitchGLU takes one default SwiGLU instance), and another model's eval() set its own
+                child._training = module._training
                 installs.append((container, key, child))
                 report.append(Patched(child_path, rule.kernel, rule.name,
                                       type(child.original).__qualname__))

@@ -133,7 +133,7 @@ def test_fused_models_equal_stock_on_device(arch: str) -> None:
     atol, rtol = MODEL_TOLERANCES[mx.float32]
     assert mx.allclose(model(TOKENS), stock_logits, atol=atol, rtol=rtol).item()
     assert _generate(model) == stock_tokens
-    saved = {"llama": 3, "qwen3": 5, "mixtral": 3}[arch] * len(model.layers)
+    saved = {"llama": 3, "qwen3": 5, "mixtral": 9}[arch] * len(model.layers)
     assert stock_launches.total - fused_launches.total == saved
     # mlx 0.32.4's CUDA backend cannot differentiate the stock Mixtral itself (evaluating its
     # gradients fails in cuGraphAddKernelNode with "invalid argument"), so there is nothing to hold

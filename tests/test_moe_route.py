@@ -1,0 +1,164 @@
+"""The mixture-of-experts router kernel, ``moe_route``, and the sparse blocks patched onto it
+(Mixtral's and Qwen 3 MoE's): the choice and weights by hand, its errors, and patched models
+against stock in prompts, decoding and training."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+pytest.importorskip("mlx_lm")
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from model_comparisons import ATOL, RTOL, assert_same_gradients  # noqa: E402
+
+import graphkern.kernels as gkk  # noqa: E402
+from graphkern.models import patch, unpatch  # noqa: E402
+from graphkern.models.layers import KernelSparseMoE  # noqa: E402
+from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
+from graphkern.nodes import KernelError  # noqa: E402
+
+QWEN3_MOE: dict[str, Any] = {
+    "model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+    "num_experts_per_tok": 3, "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "rms_norm_eps": 1e-5, "vocab_size": 128, "rope_theta": 1e6, "tie_word_embeddings": False,
+    "max_position_embeddings": 512, "norm_topk_prob": True,
+}
+CONFIGS = {
+    "mixtral": TINY_CONFIGS["mixtral"],
+    "qwen3_moe": QWEN3_MOE,
+    "qwen3_moe_unnormalized": {**QWEN3_MOE, "norm_topk_prob": False},
+}
+SHORT = mx.array([[3, 17, 42, 5, 99, 1, 7, 64], [8, 8, 120, 33, 2, 0, 71, 9]])
+# 2 x 40 tokens choose 160 or more experts: mlx-lm's experts sort them (its other path)
+LONG = mx.random.randint(0, 128, (2, 40), key=mx.random.key(5))
+
+
+def test_mixtral_order_top_k_then_softmax_by_hand() -> None:
+    gates = mx.array([[0.0, 2.0, 1.0, 2.0], [-1.0, 5.0, 5.0 + math.log(3.0), 0.0]])
+    inds, scores = gkk.moe_route(gates, 2)
+    assert inds.dtype == mx.uint32 and scores.dtype == mx.float32
+    assert inds.tolist() == [[1, 3], [2, 1]]  # highest first; a tie goes to the lower index
+    assert mx.allclose(scores, mx.array([[0.5, 0.5], [0.75, 0.25]])).item()
+
+
+def test_qwen_order_softmax_then_top_k_and_normalized_by_hand() -> None:
+    gates = mx.log(mx.array([[0.1, 0.4, 0.2, 0.3]]))
+    inds, scores = gkk.moe_route(gates, 2, softmax_first=True)
+    assert inds.tolist() == [[1, 3]] and mx.allclose(scores, mx.array([[0.4, 0.3]])).item()
+    inds, scores = gkk.moe_route(gates, 2, softmax_first=True, normalize=True)
+    assert inds.tolist() == [[1, 3]] and mx.allclose(scores, mx.array([[4 / 7, 3 / 7]])).item()
+
+
+def test_equal_infinite_and_nan_logits_choose_deterministically() -> None:
+    inds, scores = gkk.moe_route(mx.zeros((3, 8)), 3)
+    assert inds.tolist() == [[0, 1, 2]] * 3 and mx.allclose(scores, mx.full((3, 3), 1 / 3)).item()
+    inds, scores = gkk.moe_route(mx.array([[-math.inf, -math.inf, 0.0, -math.inf]]), 2)
+    assert inds.tolist() == [[2, 0]] and scores.tolist() == [[1.0, 0.0]]
+    inds, scores = gkk.moe_route(mx.array([[0.0, math.nan, 3.0, 1.0]]), 2)
+    assert inds.tolist() == [[1, 2]] and mx.isnan(scores).all().item()  # a broken router shows
+
+
+@pytest.mark.parametrize(("call", "needle"), [
+    (lambda: gkk.moe_route(mx.zeros((2, 8)), 9), "k must be an int from 1 to 8"),
+    (lambda: gkk.moe_route(mx.zeros((2, 8)), 0), "got 0"),
+    (lambda: gkk.moe_route(mx.zeros((2, 8)), True), "got True"),
+    (lambda: gkk.moe_route(mx.zeros((2, 64)), 33), "at most 32"),
+    (lambda: gkk.moe_route(mx.zeros((2, 2048)), 2), "2048 experts"),
+    (lambda: gkk.moe_route(mx.zeros((2, 8)), 2, normalize=True), "needs softmax_first=True"),
+    (lambda: gkk.moe_route(mx.zeros((2, 8), dtype=mx.int32), 2), "int32"),
+    (lambda: gkk.moe_route([[1.0, 2.0]], 1), "must be an mx.array"),
+])
+def test_bad_arguments_raise_naming_moe_route(call: Callable[[], Any], needle: str) -> None:
+    with pytest.raises(KernelError, match=needle) as info:
+        call()
+    assert info.value.operation == "moe_route"
+
+
+def _decode(model: nn.Module) -> list[mx.array]:
+    cache = make_prompt_cache(model)
+    return [model(SHORT, cache=cache)] + [model(SHORT[:, i:i + 1], cache=cache) for i in range(3)]
+
+
+def _loss(model: nn.Module) -> mx.array:
+    return nn.losses.cross_entropy(model(SHORT[:, :-1]), SHORT[:, 1:], reduction="mean")
+
+
+def _sparse_blocks(model: nn.Module) -> list[nn.Module]:
+    return [getattr(layer, "block_sparse_moe", None) or layer.mlp for layer in model.layers]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_patched_sparse_blocks_equal_stock_in_prompts_and_decoding(name: str) -> None:
+    model = random_model(CONFIGS[name])
+    model.eval()
+    stock = [model(SHORT), model(LONG), *_decode(model)]
+    report = patch(model)
+    assert sum(p.kernel == "moe_route" for p in report) == 2
+    assert all(isinstance(block, KernelSparseMoE) for block in _sparse_blocks(model))
+    for ours, theirs in zip([model(SHORT), model(LONG), *_decode(model)], stock):
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+    unpatch(model)
+    assert not any(isinstance(block, KernelSparseMoE) for block in _sparse_blocks(model))
+
+
+@pytest.mark.skipif(mx.cuda.is_available(), reason="mlx 0.32.4's CUDA backend cannot differentiate the "
+                    "stock SwitchGLU experts (cuGraphAddKernelNode: invalid argument), so there is no "
+                    "stock gradient to compare with")
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_patched_sparse_blocks_train_as_stock(name: str) -> None:
+    model = random_model(CONFIGS[name])
+    stock_gradients = nn.value_and_grad(model, _loss)(model)
+    patch(model)
+    assert_same_gradients(stock_gradients, nn.value_and_grad(model, _loss)(model),
+                          loss_atol=1e-6, atol=ATOL, rtol=RTOL)
+
+
+def test_quantized_experts_keep_the_stock_expert_products() -> None:
+    model = random_model(TINY_CONFIGS["mixtral"])
+    nn.quantize(model, group_size=32, bits=8)
+    model.eval()
+    stock = _decode(model)
+    patch(model)
+    assert all(isinstance(block, KernelSparseMoE) for block in _sparse_blocks(model))
+    for ours, theirs in zip(_decode(model), stock):
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+
+
+def test_a_sharded_qwen_block_and_too_many_chosen_experts_are_not_patched() -> None:
+    model = random_model(QWEN3_MOE)
+    model.layers[0].mlp.sharding_group = object()  # its forward sums across devices: left stock
+    patch(model)
+    assert [isinstance(block, KernelSparseMoE) for block in _sparse_blocks(model)] == [False, True]
+    model = random_model({**QWEN3_MOE, "num_experts": 64, "num_experts_per_tok": 40})
+    with pytest.raises(KernelError, match="top_k is 40; moe_route takes 1 to 32"):
+        patch(model)
+
+
+def test_training_through_the_gpu_launch_path_equals_stock(opaque_gpu: list[str]) -> None:
+    """On a GPU the router is a kernel inside ``mx.custom_function``: its expert indices must not
+    carry a gradient into ``gather_mm`` (which has none for indices)."""
+    model = random_model(TINY_CONFIGS["mixtral"])
+    stock_gradients = nn.value_and_grad(model, _loss)(model)
+    patch(model)
+    assert_same_gradients(stock_gradients, nn.value_and_grad(model, _loss)(model),
+                          loss_atol=1e-6, atol=ATOL, rtol=RTOL)
+    assert opaque_gpu.count("gk_moe_route") == 2
+
+
+def test_a_layer_shared_with_an_evaluating_model_trains_in_a_training_one(opaque_gpu: list[str]) -> None:
+    """mlx-lm's SwitchGLU modules share one default SwiGLU, so another model's ``eval()`` sets it to
+    evaluation: patched into a training model, its kernel must still launch with gradients."""
+    random_model(TINY_CONFIGS["mixtral"]).eval()
+    model = random_model(TINY_CONFIGS["mixtral"])
+    assert model.training and not model.layers[0].block_sparse_moe.switch_mlp.activation.training
+    stock_gradients = nn.value_and_grad(model, _loss)(model)
+    patch(model)
+    assert all(block.switch_mlp.activation.training for block in _sparse_blocks(model))
+    assert_same_gradients(stock_gradients, nn.value_and_grad(model, _loss)(model),
+                          loss_atol=1e-6, atol=ATOL, rtol=RTOL)
