@@ -119,6 +119,29 @@ def test_patched_sparse_blocks_train_as_stock(name: str) -> None:
                           loss_atol=1e-6, atol=ATOL, rtol=RTOL)
 
 
+class _HalfExperts(nn.Module):
+    """Experts whose outputs are bfloat16 under a float32 router (any module taking ``(x, inds)``)."""
+
+    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        return (x[..., None, :] * (inds[..., None] + 1).astype(x.dtype)).astype(mx.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_bfloat16_experts_under_a_float32_router_give_the_stock_dtype(name: str) -> None:
+    """Qwen's forward casts the weighted sum to the experts' dtype; Mixtral's keeps the promoted one."""
+    model = random_model(CONFIGS[name])
+    for block in _sparse_blocks(model):
+        block.switch_mlp = _HalfExperts()
+    model.eval()
+    x = mx.random.normal((1, 3, 64), key=mx.random.key(2))
+    stock = [block(x) for block in _sparse_blocks(model)]
+    patch(model)
+    for block, theirs in zip(_sparse_blocks(model), stock):
+        ours = block(x)
+        assert ours.dtype == theirs.dtype == (mx.bfloat16 if name == "qwen3_moe" else mx.float32)
+        assert mx.array_equal(ours, theirs).item()
+
+
 def test_quantized_experts_keep_the_stock_expert_products() -> None:
     model = random_model(TINY_CONFIGS["mixtral"])
     nn.quantize(model, group_size=32, bits=8)
@@ -130,11 +153,21 @@ def test_quantized_experts_keep_the_stock_expert_products() -> None:
         assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
 
 
-def test_a_sharded_qwen_block_and_too_many_chosen_experts_are_not_patched() -> None:
+def test_sharded_qwen_blocks_run_stock_and_too_many_chosen_experts_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     model = random_model(QWEN3_MOE)
     model.layers[0].mlp.sharding_group = object()  # its forward sums across devices: left stock
     patch(model)
     assert [isinstance(block, KernelSparseMoE) for block in _sparse_blocks(model)] == [False, True]
+    model = random_model(QWEN3_MOE)  # sharded after patching: the stock forward, summing across ranks
+    model.eval()
+    stock = model(SHORT)
+    patch(model)
+    for block in _sparse_blocks(model):
+        block.sharding_group = mx.distributed.init()  # one process: all_sum is the identity
+    with monkeypatch.context() as m:
+        m.setattr(gkk, "moe_route", None)  # the stock forward runs: no router kernel is called
+        assert mx.array_equal(model(SHORT), stock).item()
     model = random_model({**QWEN3_MOE, "num_experts": 64, "num_experts_per_tok": 40})
     with pytest.raises(KernelError, match="top_k is 40; moe_route takes 1 to 32"):
         patch(model)

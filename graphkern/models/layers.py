@@ -431,29 +431,34 @@ class KernelSparseMoE(KernelLayer):
     launch: ``y = sum_j scores_j * expert_{inds_j}(x)``, where ``(inds, scores)`` are the top
     ``k`` of ``gate(x)`` and their softmax (Mixtral), or the top ``k`` of ``softmax(gate(x))``,
     divided by their sum when ``norm_topk_prob`` (Qwen 3 MoE). The experts are the stock
-    ``switch_mlp``.
+    ``switch_mlp``. A block given a ``sharding_group`` after patching (mlx-lm's ``shard``) runs its
+    stock forward, which sums across the group's ranks.
 
     Args:
         original: the block (its ``gate`` and ``switch_mlp`` are shared).
         top_k: the name of its ``k`` attribute (``num_experts_per_tok``, ``top_k``).
         softmax_first: the softmax comes before the choice (Qwen's order).
         normalize: the name of its attribute saying whether the chosen weights are renormalized.
+        cast: the weighted sum is cast to the experts' dtype (Qwen's forward casts it).
     """
 
     kernel = "moe_route"
 
     def __init__(self, original: nn.Module, top_k: str, softmax_first: bool = False,
-                 normalize: str | None = None):
+                 normalize: str | None = None, cast: bool = False):
         super().__init__(original)
-        object.__setattr__(self, "_gk_route", (top_k, softmax_first, normalize))
+        object.__setattr__(self, "_gk_route", (top_k, softmax_first, normalize, cast))
 
     def forward(self, x: mx.array) -> mx.array:
-        top_k, softmax_first, normalize = self._gk_route
+        if getattr(self, "sharding_group", None) is not None:  # sharded since patched (Qwen's shard())
+            return type(self.original).__call__(self, x)  # type: ignore[no-any-return]  # sums across ranks
+        top_k, softmax_first, normalize, cast = self._gk_route
         inds, scores = gkk.moe_route(self.gate(x), getattr(self, top_k), softmax_first=softmax_first,
                                      normalize=bool(normalize and getattr(self, normalize)))
         # the choice carries no gradient (gather_mm has none for its indices), as in mlx-lm's blocks
         y = _expert_outputs(self.switch_mlp, x, mx.stop_gradient(inds))
-        return (y * scores[..., None]).sum(axis=-2)
+        out = (y * scores[..., None]).sum(axis=-2)
+        return out.astype(y.dtype) if cast else out
 
 
 def _plain_weights(module: nn.Module, names: tuple[str, ...], x: mx.array) -> list[mx.array] | None:

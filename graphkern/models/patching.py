@@ -339,8 +339,8 @@ def _stack(kind: type[KernelDecoderStack]) -> Callable[[nn.Module, str], KernelL
     return build
 
 
-def _sparse_moe(top_k: str, softmax_first: bool = False,
-                normalize: str | None = None) -> Callable[[nn.Module, str], KernelLayer]:
+def _sparse_moe(top_k: str, softmax_first: bool = False, normalize: str | None = None,
+                cast: bool = False) -> Callable[[nn.Module, str], KernelLayer]:
     """A sparse mixture-of-experts block whose router the ``moe_route`` kernel can take."""
 
     def build(module: nn.Module, path: str) -> KernelLayer:
@@ -351,7 +351,7 @@ def _sparse_moe(top_k: str, softmax_first: bool = False,
             raise _refuse(path, f"the router has {experts} experts; moe_route takes 1 to {MAX_EXPERTS}")
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(experts, MAX_TOP_K):
             raise _refuse(path, f"{top_k} is {k!r}; moe_route takes 1 to {min(experts, MAX_TOP_K)}")
-        return KernelSparseMoE(module, top_k, softmax_first, normalize)
+        return KernelSparseMoE(module, top_k, softmax_first, normalize, cast)
 
     return build
 
@@ -520,8 +520,8 @@ RULES: list[Rule] = [
     Rule("sparse mixture of experts (Mixtral): the router's top-k and softmax", "moe_route",
          _sparse_moe("num_experts_per_tok"), forwards=(_MIXTRAL_MOE,)),
     Rule("sparse mixture of experts (Qwen 3 MoE): the router's softmax and top-k", "moe_route",
-         _sparse_moe("top_k", softmax_first=True, normalize="norm_topk_prob"), forwards=(_QWEN3_MOE,),
-         when=lambda m: getattr(m, "sharding_group", None) is None),
+         _sparse_moe("top_k", softmax_first=True, normalize="norm_topk_prob", cast=True),
+         forwards=(_QWEN3_MOE,), when=lambda m: getattr(m, "sharding_group", None) is None),
     Rule("SwiGLU activation (mlx-lm switch layers)", "swiglu", lambda m, p: KernelSwiGLU(m), forwards=(
         Forward("def __call__(self, x, gate):\n    return swiglu(gate, x)", {"swiglu": _SWIGLU}),)),
     Rule("GeGLU MLP (Gemma)", "gelu", _gated(KernelGeGLUMLP), forwards=(
