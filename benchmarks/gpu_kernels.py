@@ -13,7 +13,7 @@ For each kernel at large sizes, the library kernel and its mx.fast / stock MLX e
 Ratios are stock / ours (> 1: the library kernel is faster); GB/s counts the bytes each kernel must
 read and write once. Medians over repeats after warm-up.
 
-    python benchmarks/gpu_kernels.py [--json out.json] [--quick] [--kernels swiglu,gelu]
+    python benchmarks/gpu_kernels.py [--json out.json] [--quick] [--kernels swiglu,moe_route]
                                      [--dtypes float32]
 """
 
@@ -281,10 +281,41 @@ def _projection_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float, w
     return rows
 
 
+def _router_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float, wanted: Wanted) -> list[Row]:
+    """moe_route against mlx-lm's routing ops, compiled: Mixtral's (top 2 of 8 logits, then their
+    softmax) for 8 experts, Qwen 3 MoE's (softmax, top 8, divided by their sum) for more. ``shape``
+    is (tokens, experts)."""
+    if not wanted("moe_route"):
+        return []
+    rows, experts = shape
+    qwen = experts > 8
+    k = 8 if qwen else 2
+    gates = mx.random.normal(shape, key=mx.random.key(0)).astype(dt)
+    mx.eval(gates)
+
+    def ours(s: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
+        return (s[0], *gkk.moe_route(s[0], k, softmax_first=qwen, normalize=qwen))
+
+    def stock(s: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
+        g = s[0]
+        if qwen:
+            p = mx.softmax(g, axis=-1, precise=True)
+            inds = mx.argpartition(p, kth=-k, axis=-1)[..., -k:]
+            scores = mx.take_along_axis(p, inds, axis=-1)
+            return g, inds, scores / mx.sum(scores, axis=-1, keepdims=True)
+        inds = mx.argpartition(-g, kth=k - 1, axis=-1)[..., :k]
+        return g, inds, mx.softmax(mx.take_along_axis(g, inds, axis=-1), axis=-1, precise=True)
+
+    moved = gates.size * dt.size + rows * k * (4 + dt.size)
+    label = "softmax, argpartition, take, sum, divide" if qwen else "negate, argpartition, take, softmax"
+    return [_bench("moe_route", shape, dt, moved, ours, stock, (gates,), label, copy_bps)]
+
+
 ROW_KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "softmax", "swiglu", "gelu", "gelu_approx")
 ROPE_KERNELS = ("rope", "rope_traditional")
 PROLOGUE_KERNELS = ("rope_qk", "rope_qk_norm")
 PROJECTION_KERNELS = ("norm_projections", "norm_swiglu")
+ROUTER_KERNELS = ("moe_route",)
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -306,7 +337,7 @@ def selection(kernels: Sequence[str] | None, dtypes: Sequence[str] | None) -> tu
     >>> selection(["swiglu"], ["float32"])
     ({'swiglu'}, [mlx.core.float32])
     """
-    known_kernels = ROW_KERNELS + ROPE_KERNELS + PROLOGUE_KERNELS + PROJECTION_KERNELS
+    known_kernels = ROW_KERNELS + ROPE_KERNELS + PROLOGUE_KERNELS + PROJECTION_KERNELS + ROUTER_KERNELS
     names = set(known_kernels if kernels is None else kernels)
     for given, known, what in ((names, known_kernels, "kernels"),
                                (set(dtypes or ()), tuple(DTYPES), "dtypes")):
@@ -341,6 +372,9 @@ def run(quick: bool = False, progress: bool = False, kernels: Sequence[str] | No
     if names & set(PROJECTION_KERNELS):  # decoding: one token of a 2048 or 4096 model; 8 of 2048
         groups += [(_projection_kernels, shape) for shape in ([(1, 2048), (8, 2048)] if quick else
                                                               [(1, 2048), (8, 2048), (1, 4096)])]
+    if names & set(ROUTER_KERNELS):  # Mixtral decoding at batch 1 and 8, its 2048-token prompt; Qwen 3 MoE's
+        groups += [(_router_kernels, shape) for shape in ([(1, 8), (2048, 128)] if quick else
+                                                          [(1, 8), (8, 8), (2048, 8), (1, 128), (2048, 128)])]
     for bench, shape in groups:
         for dt in chosen:
             new = bench(shape, dt, copy_bps, wanted)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that proves the GPU half, in parts that each fit one 10-minute device call:
-#   bash scripts/gpu_check.sh kernels  # library kernels: gpu tests, then benchmarks/gpu_kernels.py --quick
+#   bash scripts/gpu_check.sh kernels  # library kernels but RoPE's: gpu tests, then gpu_kernels.py --quick
+#   bash scripts/gpu_check.sh rope     # the RoPE kernels' gpu tests (every mlx-lm RoPE layer), values
 #   bash scripts/gpu_check.sh core     # conformance, NVRTC failures, precompiled kernels; gpu_core.py
 #   bash scripts/gpu_check.sh models   # patched mlx-lm models: gpu tests, then benchmarks/models.py
 #   bash scripts/gpu_check.sh generate # mlx-lm generation, stock against patched (the large models, both
@@ -11,7 +12,7 @@
 #                                      # arguments after it go to the sweep: tune --kernels softmax --dtypes float32
 # Logs and results go to the folder $OUT names, else ./gpu-results.
 set -uo pipefail
-part=${1:?usage: gpu_check.sh kernels|core|models|generate|bench|tune [benchmark arguments]}
+part=${1:?usage: gpu_check.sh kernels|rope|core|models|generate|bench|tune [benchmark arguments]}
 shift
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -20,8 +21,11 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, 'cuda', mx.cuda.
 gpu_tests() { python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short "$@" 2>&1; }
 case "$part" in
   kernels)
-    gpu_tests tests/gpu/test_kernels_gpu.py | tee "$out/pytest_kernels.txt" | tail -15
+    gpu_tests tests/gpu/test_kernels_gpu.py -k "not rope" | tee "$out/pytest_kernels.txt" | tail -15
     python3 benchmarks/gpu_kernels.py --quick --json "$out/gpu_kernels.json" 2>&1 | tee "$out/gpu_kernels.txt" ;;
+  rope)
+    gpu_tests tests/gpu/test_kernels_gpu.py -k rope tests/gpu/test_values_gpu.py \
+      | tee "$out/pytest_rope_values.txt" | tail -15 ;;
   core)
     gpu_tests tests/gpu/test_conformance_gpu.py tests/gpu/test_failures_gpu.py \
       tests/gpu/test_precompiled_gpu.py | tee "$out/pytest_core.txt" | tail -15
@@ -38,5 +42,5 @@ case "$part" in
     python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels_full.json" "$@" 2>&1 | tee "$out/gpu_kernels_full.txt" ;;
   tune)
     python3 benchmarks/gpu_row_configs.py --dtypes bfloat16,float32 "$@" 2>&1 | tee "$out/row_configs.txt" ;;
-  *) echo "unknown part '$part': use kernels, core, models, generate, bench or tune" >&2; exit 2 ;;
+  *) echo "unknown part '$part': use kernels, rope, core, models, generate, bench or tune" >&2; exit 2 ;;
 esac
