@@ -2,6 +2,10 @@
 
 ``ATOL, RTOL``: the float32 logits tolerance of the CPU tests: rounding alone on the CPU; off it,
 a GPU's float32 matrix products (TF32 on CUDA) round more, so the model tolerance applies.
+
+``STOCK_EXPERTS_DIFFERENTIATE``: whether the stock mixture-of-experts models can be differentiated
+here, to hold a patched one's gradients to: mlx 0.32.4's CUDA backend fails evaluating the
+gradients of mlx-lm's ``SwitchGLU`` experts (cuGraphAddKernelNode: invalid argument).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from mlx.utils import tree_flatten
 from graphkern.models import MODEL_TOLERANCES
 
 ATOL, RTOL = (1e-5, 1e-5) if mx.default_device() == mx.cpu else MODEL_TOLERANCES[mx.float32]
+STOCK_EXPERTS_DIFFERENTIATE = not mx.cuda.is_available()
 
 
 def assert_same_gradients(expected: tuple[mx.array, Any], got: tuple[mx.array, Any], *,

@@ -15,7 +15,7 @@ pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import rope_utils  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from model_comparisons import ATOL, RTOL, assert_same_gradients  # noqa: E402
+from model_comparisons import ATOL, RTOL, STOCK_EXPERTS_DIFFERENTIATE, assert_same_gradients  # noqa: E402
 from rope_layers import OFFSETS, ROPES  # noqa: E402
 
 import graphkern as gk  # noqa: E402
@@ -230,8 +230,9 @@ def test_fused_model_equals_stock_logits_generation_and_gradients(arch: str) -> 
     assert all(isinstance(layer.self_attn, KernelAttention) for layer in model.layers)
     assert mx.allclose(model(TOKENS), stock_logits, atol=1e-5, rtol=1e-5).item()
     assert _generate(model) == stock_tokens
-    assert_same_gradients(stock_gradients, nn.value_and_grad(model, _loss)(model),
-                          loss_atol=1e-6, atol=1e-5, rtol=1e-5)
+    if arch != "mixtral" or STOCK_EXPERTS_DIFFERENTIATE:
+        assert_same_gradients(stock_gradients, nn.value_and_grad(model, _loss)(model),
+                              loss_atol=1e-6, atol=ATOL, rtol=RTOL)
     unpatch(model)
     report = check_model(model, TOKENS, dtypes=[mx.float32])  # eager and compiled (gk.wrap)
     assert report.ok, str(report)

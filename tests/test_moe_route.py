@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from model_comparisons import ATOL, RTOL, assert_same_gradients  # noqa: E402
+from model_comparisons import ATOL, RTOL, STOCK_EXPERTS_DIFFERENTIATE, assert_same_gradients  # noqa: E402
 
 import graphkern.kernels as gkk  # noqa: E402
 from graphkern.models import patch, unpatch  # noqa: E402
@@ -34,6 +34,11 @@ CONFIGS = {
     "qwen3_moe": QWEN3_MOE,
     "qwen3_moe_unnormalized": {**QWEN3_MOE, "norm_topk_prob": False},
 }
+#: Tests holding gradients to the stock model's, which must be differentiable on this device.
+NEEDS_STOCK_GRADIENTS = pytest.mark.skipif(
+    not STOCK_EXPERTS_DIFFERENTIATE,
+    reason="mlx 0.32.4's CUDA backend cannot differentiate the stock SwitchGLU experts, so there is no "
+    "stock gradient to compare with")
 SHORT = mx.array([[3, 17, 42, 5, 99, 1, 7, 64], [8, 8, 120, 33, 2, 0, 71, 9]])
 # 2 x 40 tokens choose 160 or more experts: mlx-lm's experts sort them (its other path)
 LONG = mx.random.randint(0, 128, (2, 40), key=mx.random.key(5))
@@ -107,9 +112,7 @@ def test_patched_sparse_blocks_equal_stock_in_prompts_and_decoding(name: str) ->
     assert not any(isinstance(block, KernelSparseMoE) for block in _sparse_blocks(model))
 
 
-@pytest.mark.skipif(mx.cuda.is_available(), reason="mlx 0.32.4's CUDA backend cannot differentiate the "
-                    "stock SwitchGLU experts (cuGraphAddKernelNode: invalid argument), so there is no "
-                    "stock gradient to compare with")
+@NEEDS_STOCK_GRADIENTS
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_patched_sparse_blocks_train_as_stock(name: str) -> None:
     model = random_model(CONFIGS[name])
@@ -173,6 +176,7 @@ def test_sharded_qwen_blocks_run_stock_and_too_many_chosen_experts_are_refused(
         patch(model)
 
 
+@NEEDS_STOCK_GRADIENTS
 def test_training_through_the_gpu_launch_path_equals_stock(opaque_gpu: list[str]) -> None:
     """On a GPU the router is a kernel inside ``mx.custom_function``: its expert indices must not
     carry a gradient into ``gather_mm`` (which has none for indices)."""
@@ -184,6 +188,7 @@ def test_training_through_the_gpu_launch_path_equals_stock(opaque_gpu: list[str]
     assert opaque_gpu.count("gk_moe_route") == 2
 
 
+@NEEDS_STOCK_GRADIENTS
 def test_a_layer_shared_with_an_evaluating_model_trains_in_a_training_one(opaque_gpu: list[str]) -> None:
     """mlx-lm's SwitchGLU modules share one default SwiGLU, so another model's ``eval()`` sets it to
     evaluation: patched into a training model, its kernel must still launch with gradients."""
