@@ -13,8 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import pytest
 from mlx.utils import tree_flatten
 
+from graphkern.kernels._base import LayerLaunches
 from graphkern.models import MODEL_TOLERANCES
 
 ATOL, RTOL = (1e-5, 1e-5) if mx.default_device() == mx.cpu else MODEL_TOLERANCES[mx.float32]
@@ -31,3 +33,17 @@ def assert_same_gradients(expected: tuple[mx.array, Any], got: tuple[mx.array, A
     assert ours.keys() == stock.keys()
     for key in stock:
         assert mx.allclose(ours[key], stock[key], atol=atol, rtol=rtol).item(), key
+
+
+def count_layer_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A one-item list counting the library layer launches made from now on (until ``monkeypatch``
+    undoes it): the count of a forward that should, or should not, run the kernels."""
+    count = [0]
+    launch = LayerLaunches.__call__
+
+    def counted(self: LayerLaunches, *args: Any) -> Any:
+        count[0] += 1
+        return launch(self, *args)
+
+    monkeypatch.setattr(LayerLaunches, "__call__", counted)
+    return count

@@ -14,11 +14,10 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from model_comparisons import ATOL, RTOL  # noqa: E402
+from model_comparisons import ATOL, RTOL, count_layer_launches  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 from graphkern.backends import active_backend  # noqa: E402
-from graphkern.kernels._base import LayerLaunches  # noqa: E402
 from graphkern.models import layers as layers_module  # noqa: E402
 from graphkern.models import prefill  # noqa: E402
 from graphkern.models.prefill import PIPELINE_TOKENS, SPARSE_PIPELINE_TOKENS, start_on_device  # noqa: E402
@@ -107,14 +106,7 @@ def test_two_threads_prefilling_one_model_get_the_same_logits(two_live_threads: 
 def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A count of library layer launches, and prompts on the stock layers on this machine's backend
     as they are on CUDA."""
-    count = [0]
-    launch = LayerLaunches.__call__
-
-    def counted(self: LayerLaunches, *args: Any) -> Any:
-        count[0] += 1
-        return launch(self, *args)
-
-    monkeypatch.setattr(LayerLaunches, "__call__", counted)
+    count = count_layer_launches(monkeypatch)
     monkeypatch.setattr(prefill, "STOCK_PROMPT_BACKENDS", frozenset({active_backend()}))
     return count
 

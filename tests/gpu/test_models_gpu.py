@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from model_comparisons import assert_same_gradients  # noqa: E402
+from model_comparisons import assert_same_gradients, count_layer_launches  # noqa: E402
 
 from graphkern.models import MODEL_TOLERANCES, check_model, patch, unpatch, wrap  # noqa: E402
 from graphkern.models.launch_count import decode_launches  # noqa: E402
@@ -205,18 +205,10 @@ def test_on_cuda_a_short_prompt_runs_the_stock_layers_and_a_long_one_the_kernels
         arch: str, cuda_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """An evaluating patched stack on CUDA gives a prompt shorter than PIPELINE_TOKENS (past
     decoding's lengths) to the stock layers: stock's logits exactly, no library launch."""
-    from graphkern.kernels._base import LayerLaunches
     from graphkern.models import prefill
 
     monkeypatch.setattr(prefill, "STOCK_PROMPT_BACKENDS", frozenset({"cuda"}))
-    count = [0]
-    launch = LayerLaunches.__call__
-
-    def counted(self: LayerLaunches, *args: object) -> object:
-        count[0] += 1
-        return launch(self, *args)
-
-    monkeypatch.setattr(LayerLaunches, "__call__", counted)
+    count = count_layer_launches(monkeypatch)
     stock, patched = tiny_model(arch), tiny_model(arch)
     patch(patched)
     stock.eval()
