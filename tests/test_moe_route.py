@@ -14,10 +14,11 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from model_comparisons import ATOL, RTOL, STOCK_EXPERTS_DIFFERENTIATE, assert_same_gradients  # noqa: E402
+from model_comparisons import ATOL, NEEDS_STOCK_GRADIENTS, RTOL, assert_same_gradients, same_values  # noqa: E402
 
 import graphkern.kernels as gkk  # noqa: E402
-from graphkern.models import patch, unpatch  # noqa: E402
+from graphkern.backends import active_backend  # noqa: E402
+from graphkern.models import layers, patch, unpatch  # noqa: E402
 from graphkern.models.layers import KernelSparseMoE  # noqa: E402
 from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
 from graphkern.nodes import KernelError  # noqa: E402
@@ -34,11 +35,6 @@ CONFIGS = {
     "qwen3_moe": QWEN3_MOE,
     "qwen3_moe_unnormalized": {**QWEN3_MOE, "norm_topk_prob": False},
 }
-#: Tests holding gradients to the stock model's, which must be differentiable on this device.
-NEEDS_STOCK_GRADIENTS = pytest.mark.skipif(
-    not STOCK_EXPERTS_DIFFERENTIATE,
-    reason="mlx 0.32.4's CUDA backend cannot differentiate the stock SwitchGLU experts, so there is no "
-    "stock gradient to compare with")
 SHORT = mx.array([[3, 17, 42, 5, 99, 1, 7, 64], [8, 8, 120, 33, 2, 0, 71, 9]])
 # 2 x 40 tokens choose 160 or more experts: mlx-lm's experts sort them (its other path)
 LONG = mx.random.randint(0, 128, (2, 40), key=mx.random.key(5))
@@ -98,8 +94,17 @@ def _sparse_blocks(model: nn.Module) -> list[nn.Module]:
     return [getattr(layer, "block_sparse_moe", None) or layer.mlp for layer in model.layers]
 
 
+@pytest.mark.parametrize("sort", [False, True], ids=["unsorted", "sorted"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_patched_sparse_blocks_equal_stock_in_prompts_and_decoding(name: str) -> None:
+def test_patched_sparse_blocks_equal_stock_in_prompts_and_decoding(
+        name: str, sort: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both routes of a few tokens' expert products: pairs in token order, and sorted by expert
+    (the CUDA route) and put back."""
+    monkeypatch.setattr(layers, "SORTED_EXPERTS_BACKENDS", frozenset({active_backend()} if sort else ()))
+    routes: list[bool] = []
+    products = layers._switch_glu
+    monkeypatch.setattr(layers, "_switch_glu", lambda *a, **kw: routes.append(kw.get("sorted_indices", False))
+                        or products(*a, **kw))
     model = random_model(CONFIGS[name])
     model.eval()
     stock = [model(SHORT), model(LONG), *_decode(model)]
@@ -108,6 +113,7 @@ def test_patched_sparse_blocks_equal_stock_in_prompts_and_decoding(name: str) ->
     assert all(isinstance(block, KernelSparseMoE) for block in _sparse_blocks(model))
     for ours, theirs in zip([model(SHORT), model(LONG), *_decode(model)], stock):
         assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+    assert set(routes) == {sort}  # SHORT and each decoding step: 2 tokens or more, under 64 pairs
     unpatch(model)
     assert not any(isinstance(block, KernelSparseMoE) for block in _sparse_blocks(model))
 
@@ -170,7 +176,7 @@ def test_sharded_qwen_blocks_run_stock_and_too_many_chosen_experts_are_refused(
         block.sharding_group = mx.distributed.init()  # one process: all_sum is the identity
     with monkeypatch.context() as m:
         m.setattr(gkk, "moe_route", None)  # the stock forward runs: no router kernel is called
-        assert mx.array_equal(model(SHORT), stock).item()
+        assert same_values(model(SHORT), stock)
     model = random_model({**QWEN3_MOE, "num_experts": 64, "num_experts_per_tok": 40})
     with pytest.raises(KernelError, match="top_k is 40; moe_route takes 1 to 32"):
         patch(model)

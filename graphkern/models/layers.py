@@ -28,6 +28,7 @@ import numpy as np
 
 from graphkern import kernels as gkk
 from graphkern.autodiff import vjp_enabled, without_vjp
+from graphkern.backends import active_backend
 from graphkern.context import current_recorder
 from graphkern.kernels.ops.projections import projections_fit
 from graphkern.kernels.ops.rope import int_offset_array
@@ -409,21 +410,45 @@ def _batch_rows(shape: tuple[int, ...]) -> mx.array:
     return mx.array(np.arange(math.prod(shape), dtype=np.uint32).reshape(shape))
 
 
+#: Backends where an evaluating call sorts a few tokens' (token, expert) pairs by expert before
+#: the experts' products, as mlx-lm does from 64 pairs on: CUDA's ``gather_mm`` on rows sorted by
+#: expert is a grouped GEMM that reads each chosen expert's weights once, where unsorted rows read
+#: them once per pair (at 8 tokens and 2 of 8 experts, 16 reads of about 7 experts).
+SORTED_EXPERTS_BACKENDS = frozenset({"cuda"})
+
+
 def _expert_outputs(mlp: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     """``mlp(x, inds)``: each token through its chosen experts, ``(..., k, hidden)``. For mlx-lm's
-    ``SwitchGLU`` on plain expert weights and a few tokens (its unsorted path) the products take
-    their row indices from :func:`_batch_rows`; otherwise it is the stock call."""
+    ``SwitchGLU`` on plain expert weights and fewer than 64 pairs (its unsorted path) the products
+    take their row indices from :func:`_batch_rows`, and on :data:`SORTED_EXPERTS_BACKENDS` the
+    pairs of several tokens go sorted by expert; otherwise it is the stock call."""
     if (inds.size >= 64 or not is_class(type(mlp), f"{_SWITCH}:SwitchGLU")
             or any(not is_class(type(mlp[name]), f"{_SWITCH}:SwitchLinear") or "bias" in mlp[name]
                    for name in ("up_proj", "gate_proj", "down_proj"))):
         return mlp(x, inds)  # type: ignore[no-any-return]
-    tokens = _batch_rows((*inds.shape[:-1], 1))  # each token's row, for all k of its experts
+    k = inds.shape[-1]
+    if inds.size > k and not vjp_enabled() and active_backend() in SORTED_EXPERTS_BACKENDS:
+        flat = inds.flatten()
+        order = mx.argsort(flat)
+        pairs = x.reshape(-1, 1, x.shape[-1])[order // k]  # each pair's token row, in expert order
+        rows = _batch_rows((flat.size,))
+        out = _switch_glu(mlp, pairs, rows, rows, flat[order], sorted_indices=True)
+        return out[mx.argsort(order)].reshape(*inds.shape, x.shape[-1])
     x = mx.expand_dims(x, (-2, -3))
-    up = mx.gather_mm(x, mlp.up_proj.weight.swapaxes(-1, -2), tokens, inds)
-    gate = mx.gather_mm(x, mlp.gate_proj.weight.swapaxes(-1, -2), tokens, inds)
-    out = mx.gather_mm(mlp.activation(up, gate), mlp.down_proj.weight.swapaxes(-1, -2),
-                       _batch_rows(tuple(inds.shape)), inds)  # one row per token and expert
-    return out.squeeze(-2)
+    tokens = _batch_rows((*inds.shape[:-1], 1))  # each token's row, for all k of its experts
+    return _switch_glu(mlp, x, tokens, _batch_rows(tuple(inds.shape)), inds).squeeze(-2)
+
+
+def _switch_glu(mlp: nn.Module, x: mx.array, x_rows: mx.array, hidden_rows: mx.array,
+                inds: mx.array, sorted_indices: bool = False) -> mx.array:
+    """``SwitchGLU``'s three expert products: ``down(act(up(x), gate(x)))`` with ``x``'s rows
+    ``x_rows`` and the hidden rows ``hidden_rows`` taken by the experts ``inds``."""
+    def product(a: mx.array, linear: nn.Module, rows: mx.array) -> mx.array:
+        return mx.gather_mm(a, linear.weight.swapaxes(-1, -2), rows, inds, sorted_indices=sorted_indices)
+
+    up = product(x, mlp.up_proj, x_rows)
+    gate = product(x, mlp.gate_proj, x_rows)
+    return product(mlp.activation(up, gate), mlp.down_proj, hidden_rows)
 
 
 class KernelSparseMoE(KernelLayer):
