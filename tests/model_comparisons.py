@@ -21,6 +21,19 @@ from graphkern.models import MODEL_TOLERANCES
 
 ATOL, RTOL = (1e-5, 1e-5) if mx.default_device() == mx.cpu else MODEL_TOLERANCES[mx.float32]
 STOCK_EXPERTS_DIFFERENTIATE = not mx.cuda.is_available()
+#: Tests holding gradients to the stock model's, which must be differentiable on this device.
+NEEDS_STOCK_GRADIENTS = pytest.mark.skipif(
+    not STOCK_EXPERTS_DIFFERENTIATE,
+    reason="mlx 0.32.4's CUDA backend cannot differentiate the stock SwitchGLU experts, so there is no "
+    "stock gradient to compare with")
+
+
+def same_values(ours: mx.array, theirs: mx.array) -> bool:
+    """Equal on the CPU, where both sides run the same float32 ops; within ``ATOL``/``RTOL`` on a
+    GPU, where a library kernel and the stock op it replaces reduce in different orders."""
+    if mx.default_device() == mx.cpu:
+        return bool(mx.array_equal(ours, theirs).item())
+    return bool(mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item())
 
 
 def assert_same_gradients(expected: tuple[mx.array, Any], got: tuple[mx.array, Any], *,
