@@ -413,7 +413,7 @@ def _batch_rows(shape: tuple[int, ...]) -> mx.array:
 #: Backends where an evaluating call sorts a few tokens' (token, expert) pairs by expert before
 #: the experts' products, as mlx-lm does from 64 pairs on: CUDA's ``gather_mm`` on rows sorted by
 #: expert is a grouped GEMM that reads each chosen expert's weights once, where unsorted rows read
-#: them once per pair (at 8 tokens and 2 of 8 experts, 16 reads of about 7 experts).
+#: them once per pair.
 SORTED_EXPERTS_BACKENDS = frozenset({"cuda"})
 
 
