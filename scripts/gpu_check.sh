@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh rope     # the RoPE kernels' gpu tests (every mlx-lm RoPE layer), values
 #   bash scripts/gpu_check.sh core     # conformance, NVRTC failures, precompiled kernels; gpu_core.py
 #   bash scripts/gpu_check.sh models   # patched mlx-lm models: gpu tests, then benchmarks/models.py
+#   bash scripts/gpu_check.sh model-comparisons  # the CPU suite's patched-vs-stock model tests, run on the GPU
 #   bash scripts/gpu_check.sh generate # mlx-lm generation, stock against patched (the large models, both
 #                                      # 16-bit dtypes, eager), then the host time a launch costs
 #   bash scripts/gpu_check.sh bench    # the full kernel benchmark (all sizes); arguments after it go
@@ -12,7 +13,7 @@
 #                                      # arguments after it go to the sweep: tune --kernels softmax --dtypes float32
 # Logs and results go to the folder $OUT names, else ./gpu-results.
 set -uo pipefail
-part=${1:?usage: gpu_check.sh kernels|rope|core|models|generate|bench|tune [benchmark arguments]}
+part=${1:?usage: gpu_check.sh kernels|rope|core|models|model-comparisons|generate|bench|tune [benchmark arguments]}
 shift
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -34,6 +35,9 @@ case "$part" in
   models)
     gpu_tests tests/gpu/test_models_gpu.py | tee "$out/pytest_models.txt" | tail -15
     python3 benchmarks/models.py --sizes tiny,medium --length 128 --rounds 9 2>&1 | tee "$out/models.txt" ;;
+  model-comparisons)  # written for the CPU; on a GPU they hold to the model tolerances (tests/model_comparisons.py)
+    python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_moe_route.py tests/test_grad.py \
+      tests/test_fusions.py 2>&1 | tee "$out/pytest_model_comparisons.txt" | tail -15 ;;
   generate)
     python3 benchmarks/generate.py --sizes large --dtypes bfloat16,float16 --modes eager --rounds 3 \
       --tokens 48 --prefill 256,2048 --breakdown --json "$out/generate.json" 2>&1 | tee "$out/generate.txt"
@@ -42,5 +46,5 @@ case "$part" in
     python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels_full.json" "$@" 2>&1 | tee "$out/gpu_kernels_full.txt" ;;
   tune)
     python3 benchmarks/gpu_row_configs.py --dtypes bfloat16,float32 "$@" 2>&1 | tee "$out/row_configs.txt" ;;
-  *) echo "unknown part '$part': use kernels, rope, core, models, generate, bench or tune" >&2; exit 2 ;;
+  *) echo "unknown part '$part': use kernels, rope, core, models, model-comparisons, generate, bench or tune" >&2; exit 2 ;;
 esac
