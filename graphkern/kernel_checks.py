@@ -15,7 +15,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from tabulate import tabulate
@@ -25,7 +25,11 @@ from graphkern.kernels import LIBRARY, entries_for
 from graphkern.kernels._base import FLOAT_DTYPES, Case, LibraryEntry, apply_plan
 from graphkern.nodes import Kernel, KernelError, dtype_name
 
-__all__ = ["TOLERANCES", "CheckCase", "CheckReport", "check", "check_kernel", "compare", "strided"]
+if TYPE_CHECKING:
+    from graphkern.metal_check import MetalReport
+
+__all__ = ["TOLERANCES", "CheckCase", "CheckReport", "check", "check_kernel", "check_metal_source", "compare",
+           "strided"]
 
 #: (atol, rtol) per dtype: a case passes when ``|out - ref| <= atol + rtol * |ref|`` everywhere.
 #: Kernel and reference both compute in float32 and round once, so they differ by at most an ulp
@@ -204,9 +208,28 @@ def check_kernel(kernel_or_name: Kernel | str | LibraryEntry | None = None,
     return report
 
 
+def check_metal_source(target: Kernel | str | LibraryEntry | None = None,
+                       dtypes: Sequence[mx.Dtype] | None = None, **launch: Any) -> MetalReport:
+    """``check(target, backend="metal")`` on a machine without Metal: the front-end check of the
+    Metal source MLX would compile (:mod:`graphkern.metal_check`). A library kernel (or None, the
+    whole library) is checked at every launch the library plans; a kernel of your own at the launch
+    given as ``inputs=``, ``output_specs=`` and ``template=``."""
+    from graphkern.metal_check import check_library_metal, check_metal
+
+    if isinstance(target, Kernel) and not any(e.kernel is target for e in LIBRARY.values()):
+        if "inputs" not in launch or "output_specs" not in launch:
+            raise KernelError("check a Metal kernel", f"kernel {target.name!r} is not a library kernel: give "
+                              "the launch to check as inputs=[...] and output_specs=[...] (and "
+                              "template=[...])")
+        return check_metal(target, launch["inputs"], launch["output_specs"], launch.get("template", ()))
+    names = None if target is None else [e.name for e in entries_for(target)]
+    return check_library_metal(names, dtypes)
+
+
 def check(target: Kernel | str | LibraryEntry | None = None,
           shapes: Sequence[Sequence[int]] | None = None,
-          dtypes: Sequence[mx.Dtype] | None = None, seed: int = 0, **options: Any) -> CheckReport:
+          dtypes: Sequence[mx.Dtype] | None = None, seed: int = 0,
+          **options: Any) -> CheckReport | MetalReport:
     """Run kernels on the active backend and their references on random inputs; report worst errors.
 
     ``target``: a library kernel (``gk.kernels.RMS_NORM``), its name (``"rms_norm"``, ``"gk_gelu"``),
@@ -214,10 +237,16 @@ def check(target: Kernel | str | LibraryEntry | None = None,
     ``dtypes`` default to float32, float16 and bfloat16; each shape also runs with strided
     (non-contiguous) inputs unless ``strided_inputs=False``. Per-dtype tolerances: ``TOLERANCES``.
 
+    ``backend="metal"`` on a machine without Metal checks the Metal sources instead: each is
+    generated as MLX would and parsed by clang's front end (:func:`check_metal_source`), and a
+    :class:`~graphkern.metal_check.MetalReport` comes back.
+
     >>> report = check("rms_norm", shapes=[(4, 64)], dtypes=[mx.float32])
     >>> report.ok, len(report.cases), report.cases[0].backend in ("reference", "cuda", "metal")
     (True, 2, True)
     """
+    if options.get("backend") == "metal" and not mx.metal.is_available():
+        return check_metal_source(target, dtypes, **{k: v for k, v in options.items() if k != "backend"})
     if target is None or isinstance(target, (Kernel, str, LibraryEntry)):
         return check_kernel(target, shapes, dtypes, seed, **options)
     raise TypeError(f"check() takes a library kernel or its name, got {type(target).__name__}")

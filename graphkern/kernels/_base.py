@@ -26,6 +26,9 @@ from graphkern.validation import Launch, validated_launch
 
 __all__ = [
     "FLOAT_DTYPES",
+    "THREADGROUP_MEMORY",
+    "check_threadgroup_memory",
+    "threadgroup_backend",
     "LayerLaunches",
     "signature_constant",
     "MAX_GRID",
@@ -211,6 +214,35 @@ def runs_on_cuda() -> bool:
     out for CUDA alone ask this (RoPE's int offset in a shape, softmax's rows in shared memory);
     the references read either layout."""
     return active_backend() == "cuda"
+
+
+#: Threadgroup (shared) memory one kernel may declare: Apple GPUs' 32 KiB (Metal refuses a pipeline
+#: past it), and the 48 KiB of static shared memory a CUDA block may have (NVRTC refuses more).
+THREADGROUP_MEMORY = {"metal": 32 * 1024, "cuda": 48 * 1024}
+
+
+def threadgroup_backend() -> str:
+    """The backend whose threadgroup limit a plan obeys: CUDA's on CUDA, else Metal's (the
+    reference backend plans as a Mac would, so a plan checked on a CPU holds there)."""
+    return "cuda" if runs_on_cuda() else "metal"
+
+
+def check_threadgroup_memory(op: str, parts: dict[str, int]) -> None:
+    """Raise INVALID_LAUNCH when ``parts`` (threadgroup array -> bytes) exceed the active backend's
+    limit, before MLX sees the launch.
+
+    >>> try:
+    ...     check_threadgroup_memory("demo", {"rows": 32768, "reduction": 128})
+    ... except KernelError as err:
+    ...     print(err.status.name, str(err).split("; ")[1])
+    INVALID_LAUNCH metal allows 32768 B
+    """
+    backend = threadgroup_backend()
+    total = sum(parts.values())
+    if total > THREADGROUP_MEMORY[backend]:
+        detail = ", ".join(f"{name} {size} B" for name, size in parts.items())
+        raise KernelError(op, f"the launch needs {total} B of threadgroup memory ({detail}); {backend} "
+                          f"allows {THREADGROUP_MEMORY[backend]} B", Status.INVALID_LAUNCH)
 
 
 # ----------------------------------------------------------------------------- plan parts

@@ -7,7 +7,7 @@ launch costs the host more than the GPU spends on it. Stock MLX makes an add, a 
 matrix-vector products (or two and the gating) as separate launches; here each thread block
 normalizes the rows into shared memory (block 0 also writes the sum ``h``) and its warps each
 reduce one weight row against them: one launch, the weights read once, for ``M <= MAX_ROWS`` rows
-of at most ``SHARED_BYTES`` together. The products round to the dtype as MLX's do before the
+within the backend's threadgroup memory. The products round to the dtype as MLX's do before the
 gating, which is :func:`~graphkern.kernels.swiglu`'s.
 """
 
@@ -18,17 +18,19 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 
 from graphkern.kernels._base import (
+    THREADGROUP_MEMORY,
     Case,
     LayerLaunches,
     LibraryEntry,
     Plan,
     check_dtype,
+    check_threadgroup_memory,
     check_vector,
     eps_template,
     output_spec,
     run,
-    runs_on_cuda,
     template_arg,
+    threadgroup_backend,
     unused_input,
     vector_width,
 )
@@ -41,9 +43,6 @@ __all__ = ["NORM_PROJECTIONS", "NORM_SWIGLU", "MAX_ROWS", "norm_projections", "n
 
 #: Most token rows a launch takes (each warp keeps one float sum per row in registers).
 MAX_ROWS = 8
-#: Bytes of normalized rows a block keeps in shared memory, at most (CUDA's static limit; Metal's
-#: threadgroup memory is 32 KB).
-SHARED_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024}
 #: Threads a block, one weight row a warp: 8 warps, or 16 for more than 2 rows, where normalizing
 #: the rows (which each block does) costs more and fewer blocks do it.
 BLOCK = 256
@@ -217,8 +216,11 @@ _CUDA_SWIGLU = _cuda_body(
 _METAL = r"""
 namespace gk {
 
-template <typename T, int M, int K, int NT, bool RESID, bool HAS_W, typename PX, typename PW, typename PH>
-inline void norm_rows(PX x, PX r, PW w, PH h, threadgroup T* xs, float eps, uint tid, uint lane, uint simd,
+// Each pointer has its own type: MLX passes an input of fewer than 8 elements (a tiny row, the
+// one-element stand-in of an absent residual or weight) in constant memory, others in device memory.
+template <typename T, int M, int K, int NT, bool RESID, bool HAS_W, typename PX, typename PR, typename PW,
+          typename PH>
+inline void norm_rows(PX x, PR r, PW w, PH h, threadgroup T* xs, float eps, uint tid, uint lane, uint simd,
                       uint block, threadgroup float* red) {
   for (int m = 0; m < M; ++m) {
     float ss = 0.0f;
@@ -375,16 +377,21 @@ NORM_SWIGLU = Kernel(
 )
 
 
-def _shared_bytes() -> int:
-    return SHARED_BYTES["cuda" if runs_on_cuda() else "metal"]
+def _threadgroup_parts(rows: int, k: int, dtype: mx.Dtype) -> dict[str, int]:
+    """The threadgroup arrays of a launch for ``rows`` rows of ``k``: the normalized rows, and the
+    reduction scratch (CUDA: a float per row and warp; Metal: 32 floats)."""
+    block = BLOCK if rows <= 2 else WIDE_BLOCK
+    reduction = rows * (block // 32) * 4 if threadgroup_backend() == "cuda" else 32 * 4
+    return {"normalized rows": rows * k * dtype.size, "reduction": reduction}
 
 
 def projections_fit(x: mx.array) -> bool:
     """Whether rows like ``x``'s (``(..., K)``) fit one launch: ``M = x.size / K`` rows, at most
-    ``MAX_ROWS``, of at most ``SHARED_BYTES`` together on the active backend."""
+    ``MAX_ROWS``, within the active backend's threadgroup memory (``THREADGROUP_MEMORY``)."""
     k = x.shape[-1]
     rows = x.size // k if k else 0
-    return 0 < rows <= MAX_ROWS and rows * k * x.dtype.size <= _shared_bytes()
+    limit = THREADGROUP_MEMORY[threadgroup_backend()]
+    return 0 < rows <= MAX_ROWS and sum(_threadgroup_parts(rows, k, x.dtype).values()) <= limit
 
 
 def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weight: mx.array | None,
@@ -392,10 +399,11 @@ def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weigh
     """A launch of ``kernel``: one output per matrix (``gated``: one output, gate and up together)."""
     check_dtype(op, x)
     k = x.shape[-1]
-    if not projections_fit(x):
-        raise KernelError(op, f"x has {x.size // max(k, 1)} rows of {k} {dtype_name(x.dtype)}; one launch "
-                          f"takes 1 to {MAX_ROWS} rows of at most {_shared_bytes() // 1024} KB together",
-                          Status.INVALID_LAUNCH)
+    rows = x.size // max(k, 1)
+    if not 0 < rows <= MAX_ROWS:
+        raise KernelError(op, f"x has {rows} rows of {k} {dtype_name(x.dtype)}; one launch takes 1 to "
+                          f"{MAX_ROWS} rows", Status.INVALID_LAUNCH)
+    check_threadgroup_memory(op, _threadgroup_parts(rows, k, x.dtype))
     if residual is not None:
         check_dtype(op, residual, "residual")
         if residual.shape != x.shape or residual.dtype != x.dtype:

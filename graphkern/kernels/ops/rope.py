@@ -203,12 +203,14 @@ _CUDA_BODY = r"""
 ROPE_METAL = r"""
 namespace gk {
 
-template <bool FREQS>
-inline float rope_inv_freq(const device float* freqs, int i, int half, float log2_base) {
+// P: MLX passes freqs as `const device float*`, or as `const constant float*` when it has fewer than
+// 8 elements (a short table, or the one-element stand-in when FREQS is false)
+template <bool FREQS, typename P>
+inline float rope_inv_freq(P freqs, int i, int half_dims, float log2_base) {
   if (FREQS) {
     return 1.0f / freqs[i];
   }
-  const float d = static_cast<float>(i) / static_cast<float>(half);
+  const float d = static_cast<float>(i) / static_cast<float>(half_dims);
   return metal::exp2(-d * log2_base);
 }
 
@@ -382,6 +384,9 @@ def offset_input(op: str, offset: int | mx.array, batch: int, size: int) -> tupl
         if offset.ndim > 1 or offset.size not in (1, batch) or offset.dtype not in _INT_DTYPES:
             raise KernelError(op, f"offset must be an int or an integer array of 1 or {batch} elements, "
                               f"got shape {tuple(offset.shape)} {offset.dtype}", Status.INVALID_INPUT)
+        # a 0-d array would reach Metal as a reference (`const constant int&`), which the kernel
+        # cannot index: every offset travels as a 1-d array
+        offset = offset.reshape(-1)
         return (offset if offset.dtype == mx.int32 else offset.astype(mx.int32)), offset.size > 1, False
     if isinstance(offset, int) and not isinstance(offset, bool):
         if not -OFFSET_BIAS <= offset < 2**31 - OFFSET_BIAS:

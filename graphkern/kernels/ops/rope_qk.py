@@ -214,9 +214,12 @@ _CUDA_BODY = r"""
 _METAL = r"""
 namespace gk {
 
-template <typename T, int D, int HALF, bool TRADITIONAL, bool FREQS, bool NORM, int IN_SCALE>
-inline void rope_qk_row(const device T* x, device T* out, const device T* w, const device float* freqs,
-                        float pos, float log2_base, float eps, int lane) {
+// PX, PW, PF: device or constant pointers, as MLX passes each input (constant below 8 elements:
+// a tiny q or k, the one-element stand-in of an absent norm weight, a short frequency table)
+template <typename T, int D, int HALF, bool TRADITIONAL, bool FREQS, bool NORM, int IN_SCALE, typename PX,
+          typename PW, typename PF>
+inline void rope_qk_row(PX x, device T* out, PW w, PF freqs, float pos, float log2_base, float eps,
+                        int lane) {
   float ss = 0.0f;
   for (int e = lane; e < D; e += 32) {
     const float v = static_cast<float>(x[e]);
