@@ -217,7 +217,8 @@ def runs_on_cuda() -> bool:
 
 
 #: Threadgroup (shared) memory one kernel may declare: Apple GPUs' 32 KiB (Metal refuses a pipeline
-#: past it), and the 48 KiB of static shared memory a CUDA block may have (NVRTC refuses more).
+#: past it), and CUDA's 48 KiB of static shared memory a block (the CUDA programming guide's limit
+#: for static allocations; more needs an opt-in that MLX's launches do not make).
 THREADGROUP_MEMORY = {"metal": 32 * 1024, "cuda": 48 * 1024}
 
 
