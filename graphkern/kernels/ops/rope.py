@@ -386,7 +386,8 @@ def offset_input(op: str, offset: int | mx.array, batch: int, size: int) -> tupl
                               f"got shape {tuple(offset.shape)} {offset.dtype}", Status.INVALID_INPUT)
         # a 0-d array would reach Metal as a reference (`const constant int&`), which the kernel
         # cannot index: every offset travels as a 1-d array
-        offset = offset.reshape(-1)
+        if offset.ndim == 0:
+            offset = offset.reshape(1)
         return (offset if offset.dtype == mx.int32 else offset.astype(mx.int32)), offset.size > 1, False
     if isinstance(offset, int) and not isinstance(offset, bool):
         if not -OFFSET_BIAS <= offset < 2**31 - OFFSET_BIAS:
