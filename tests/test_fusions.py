@@ -414,3 +414,20 @@ def test_a_fused_norm_that_fails_in_a_trace_is_the_failed_node() -> None:
     assert failure.scope == "model.layers.1.post_attention_layernorm"
     assert failure.status == gk.Status.MODULE_ERROR
     assert "dtype mismatch" in failure.message and graph.affected_outputs() == ["output_0"]
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_unpatch_after_quantizing_keeps_the_quantized_layers(arch: str) -> None:
+    """nn.quantize on a patched model puts QuantizedLinear layers inside the kernel layers; unpatch
+    carries them back into the stock layers, so the model stays the quantized one."""
+    model = tiny_model(arch)
+    patch(model)
+    nn.quantize(model, group_size=64, bits=4)
+    quantized = model(TOKENS)
+    patched_paths = {p for p, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    unpatch(model)
+    assert not patched_layers(model)
+    after = {p for p, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    assert after == patched_paths and len(after) > 7  # every projection, not only lm_head
+    assert not any(type(m) is nn.Linear for _, m in model.named_modules())
+    assert mx.allclose(model(TOKENS), quantized, atol=ATOL, rtol=RTOL).item()  # float32

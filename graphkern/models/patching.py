@@ -610,13 +610,16 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> list[Patche
 
 
 def _sync(layer: KernelLayer) -> None:
-    """Carry parameters replaced while patched (training, ``update``) back to the originals. Only
+    """Carry parameters replaced while patched (training, ``update``) back to the originals, and
+    child modules replaced while patched (``nn.quantize``'s quantized projections, adapters). Only
     the ones replaced: a layer left out of the model by a later patch (the input norm a fused block
     took over) holds arrays older than its original's."""
     original = layer.original
     for key, value in layer.replaced_arrays().items():
         if key in original:
             original[key] = value
+    for key, value in layer.replaced_children().items():
+        original[key] = value  # its own kernel layers are put back when unpatch walks into it
     for _, _, child, _ in _children(layer, ""):
         if isinstance(child, KernelLayer):
             _sync(child)
@@ -625,7 +628,9 @@ def _sync(layer: KernelLayer) -> None:
 def unpatch(model: nn.Module) -> list[str]:
     """Put back every layer ``patch`` replaced (the very same module objects); returns their paths.
 
-    Parameters updated while patched are carried over to the originals.
+    What was done to the model while patched is carried over to the originals: updated parameters,
+    and child modules put in place of stock ones (``nn.quantize(model)`` after ``patch`` leaves the
+    stock layers with the quantized projections).
     """
     restored: list[str] = []
 
