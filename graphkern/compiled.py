@@ -527,6 +527,21 @@ class CompiledGraph:
     def traces(self) -> Iterator[Graph]:
         return (g for g, _ in self._graphs.values())
 
+    def trace_count(self) -> int:
+        """How many traces (one graph per signature) this function keeps."""
+        return len(self._graphs)
+
+    def forget_oldest_trace(self) -> None:
+        """Drop the trace kept longest, and the ``mx.compile``'d functions (MLX keeps a trace per
+        signature inside each: they go with it, and the traces kept are compiled again when next
+        called)."""
+        if not self._graphs:
+            return
+        key = next(iter(self._graphs))
+        del self._graphs[key]
+        self._slots.pop(key, None)
+        self._forget_compiled()
+
 
 class FiniteCheckedGraph(CompiledGraph):
     """A compiled graph that checks every call's outputs for NaN and Inf (one reduction, and a
