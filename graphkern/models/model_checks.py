@@ -16,12 +16,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from graphkern.backends import active_backend
+from graphkern.errors import ModelError
 from graphkern.kernel_checks import CheckCase, CheckReport, compare
 from graphkern.kernels._base import FLOAT_DTYPES
 from graphkern.models.patching import patch, patched_layers, unpatch
 from graphkern.models.prefill import kernels_only
 from graphkern.models.wrapping import wrap
-from graphkern.nodes import KernelError, Status, dtype_name
+from graphkern.nodes import Status, dtype_name
 
 __all__ = ["MODEL_TOLERANCES", "check_model"]
 
@@ -51,7 +52,7 @@ def _vocab_size(model: nn.Module) -> int | None:
 def _default_inputs(model: nn.Module, seed: int) -> mx.array:
     vocab = _vocab_size(model)
     if vocab is None:
-        raise KernelError(_CHECK, f"{type(model).__name__} has no token embedding to draw random "
+        raise ModelError(_CHECK, f"{type(model).__name__} has no token embedding to draw random "
                           "inputs for; pass inputs=", Status.INVALID_INPUT)
     return mx.random.randint(0, vocab, (2, 16), key=mx.random.key(seed))
 
@@ -89,7 +90,7 @@ def check_model(model: nn.Module, inputs: Any = None, *, kernels: str | Sequence
     dtypes = list(dtypes) if dtypes is not None else list(FLOAT_DTYPES)
     unknown = [dtype_name(d) for d in dtypes if d not in tolerances]
     if unknown:
-        raise KernelError(_CHECK, f"no tolerance for {unknown}; pass tolerances=", Status.INVALID_INPUT)
+        raise ModelError(_CHECK, f"no tolerance for {unknown}; pass tolerances=", Status.INVALID_INPUT)
     inputs = _default_inputs(model, seed) if inputs is None else inputs
     shape = tuple(inputs.shape) if isinstance(inputs, mx.array) else tuple(inputs[0].shape)
     name = f"{type(model).__module__.rsplit('.', 1)[-1]}.{type(model).__name__}"
@@ -107,7 +108,7 @@ def check_model(model: nn.Module, inputs: Any = None, *, kernels: str | Sequence
             try:
                 stock = _call(model, x)
                 if not patch(model, kernels):
-                    raise KernelError(_CHECK, f"no layer of {name} matches the kernels {kernels!r}",
+                    raise ModelError(_CHECK, f"no layer of {name} matches the kernels {kernels!r}",
                                       Status.INVALID_INPUT)
                 for mode in modes:
                     with kernels_only():  # the kernels at every length, where a model may run stock layers

@@ -30,6 +30,7 @@ from graphkern import backends
 from graphkern.compiled import CompiledGraph, all_finite, non_finite_error
 from graphkern.compiled import compile as compile_graph
 from graphkern.distributed.sync import rank_sync
+from graphkern.errors import ModelError
 from graphkern.graph import Graph
 from graphkern.models.cache import cache_states, snapshot, stand_ins, states_of, write_back
 from graphkern.models.structure import StructureWatch
@@ -74,7 +75,7 @@ class WrappedModel:
                  trace_each_offset: bool = False, check_finite: bool = False,
                  group: Any = None, timeout: float | None = None):
         if not isinstance(model, nn.Module):
-            raise KernelError(WRAP_OPERATION, f"wrap expects an mlx.nn.Module, got {type(model).__name__}",
+            raise ModelError(WRAP_OPERATION, f"wrap expects an mlx.nn.Module, got {type(model).__name__}",
                               Status.INVALID_INPUT)
         self.model = model
         self.backend = backend
@@ -83,7 +84,7 @@ class WrappedModel:
         self._group = self._sync.group if self._sync is not None else None
         self.timeout = timeout
         if isinstance(max_traces, bool) or not isinstance(max_traces, int) or max_traces < 1:
-            raise KernelError(WRAP_OPERATION, f"max_traces must be a positive int, got {max_traces!r}",
+            raise ModelError(WRAP_OPERATION, f"max_traces must be a positive int, got {max_traces!r}",
                               Status.INVALID_INPUT)
         self.max_traces = max_traces
         self._graphs: OrderedDict[Any, CompiledGraph] = OrderedDict()
