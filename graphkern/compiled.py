@@ -390,7 +390,7 @@ class CompiledGraph:
                     # still raises in this call, while the GPU runs during what follows; a
                     # watchdog (timeout=) must see the collectives finish
                     if self._watched:
-                        self._sync.evaluate(outputs, steady.graph)  # type: ignore[union-attr]
+                        self._sync.evaluate(outputs, steady.graph, inputs=list(args))  # type: ignore[union-attr]
                     else:
                         mx.async_eval(outputs)
                 except GraphError:  # the ranks aborted the job (graphkern.distributed)
@@ -478,7 +478,7 @@ class CompiledGraph:
         if failed is not None:  # a launch failed while MLX traced
             raise failed[1]
         if self._watched:
-            self._sync.evaluate(outputs, graph)  # type: ignore[union-attr]
+            self._sync.evaluate(outputs, graph, inputs=arrays)  # type: ignore[union-attr]
         else:
             mx.eval(outputs)
         return outputs  # type: ignore[no-any-return]
