@@ -17,28 +17,17 @@ import mlx.nn as nn
 
 from graphkern.backends import active_backend
 from graphkern.errors import ModelError
-from graphkern.kernel_checks import CheckCase, CheckReport, compare
+from graphkern.kernel_checks import CheckCase, CheckReport
 from graphkern.kernels._base import FLOAT_DTYPES
 from graphkern.models.patching import patch, patched_layers, unpatch
 from graphkern.models.prefill import kernels_only
 from graphkern.models.wrapping import wrap
 from graphkern.nodes import Status, dtype_name
+from graphkern.tolerance import MODEL_TOLERANCES, worst_errors
 
 __all__ = ["MODEL_TOLERANCES", "check_model"]
 
 _CHECK = "check a patched model against the stock model"
-
-#: (atol, rtol) on logits per dtype: a case passes when ``|patched - stock| <= atol + rtol * |stock|``.
-#: Looser than the kernel tolerances: rounding differences of each layer (the kernels round once,
-#: in float32; stock MLX rounds between ops in the dtype) compound through the network. float32
-#: allows 1e-3: MLX's CUDA backend runs float32 matmuls in TF32 (10-bit mantissa), so a 1e-7
-#: difference in a norm's output can flip a rounding and reach ~4e-4 in the logits.
-MODEL_TOLERANCES: dict[mx.Dtype, tuple[float, float]] = {
-    mx.float32: (1e-3, 1e-3),
-    mx.float16: (3e-2, 1e-2),
-    mx.bfloat16: (2e-1, 5e-2),
-}
-
 
 def _vocab_size(model: nn.Module) -> int | None:
     args = getattr(model, "args", None)
@@ -113,7 +102,7 @@ def check_model(model: nn.Module, inputs: Any = None, *, kernels: str | Sequence
                 for mode in modes:
                     with kernels_only():  # the kernels at every length, where a model may run stock layers
                         out = _call(model if mode == "eager" else wrap(model), x)
-                    max_abs, max_rel, passed = compare(out, stock, atol, rtol)
+                    max_abs, max_rel, passed = worst_errors(out, stock, rtol=rtol, atol=atol)
                     report.cases.append(CheckCase(name, shape, dtype_name(dtype), mode, active_backend(),
                                                   max_abs, max_rel, atol, rtol, passed))
             except Exception as exc:  # a failing run is a failed case, reported with its reason
