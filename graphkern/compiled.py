@@ -22,8 +22,6 @@ import numpy as np
 from . import backends, mlx_kernels
 from .autodiff import without_vjp
 from .context import recording
-from .distributed.collectives import standing_in
-from .distributed.sync import describe_call, rank_sync
 from .graph import Failure, Graph, GraphError
 from .nodes import Kernel, KernelError, Status
 from .state import Flat, flatten_outputs, unflatten_outputs
@@ -280,6 +278,8 @@ class CompiledGraph:
         self._traceable = Traceable(fn, state)
         self._state = self._traceable.state
         # several ranks: agreement before a new signature runs, and the watchdog (timeout=)
+        from .distributed.sync import rank_sync  # loaded on the first compile, not with graphkern
+
         self._sync = rank_sync([m for _, m in self._state.modules.values()], group, timeout)
         self._watched = self._sync is not None and self._sync.job is not None
         self._graphs: dict[Any, tuple[Graph, Any]] = {}
@@ -454,6 +454,8 @@ class CompiledGraph:
         """Trace (if new) and compile (if new) for this call's signature."""
         key = flat.key()
         sync = self._sync
+        if sync is not None:
+            from .distributed.sync import describe_call
         try:
             graph, spec = self._entry(flat, key)
         except KernelError as exc:
@@ -491,6 +493,8 @@ class CompiledGraph:
         culprit = next((n for n in kernels if graph.node(n).get("generated_name")
                         and graph.node(n)["generated_name"] in message), None)
         if culprit is None and recorder.failed is None:
+            from .distributed.collectives import standing_in
+
             recorder = _PassThrough(probe=True)
             modules = [m for _, m in self._state.modules.values()]
             try:

@@ -39,7 +39,6 @@ from . import replay
 from ._fastpaths import adjacency
 from .autodiff import without_vjp
 from .capture import Wiring
-from .distributed.collectives import run_again
 from .graph import Graph
 from .launch_paths import run_launch, run_reference
 from .nodes import Kernel, NodeKind, Status
@@ -319,6 +318,8 @@ class GraphRun:
         if kind == _KERNEL:
             return self._kernel(node, inputs)
         if kind == _COLLECTIVE:  # for real: every rank runs its graph at once, as the model
+            from .distributed.collectives import run_again
+
             return run_again(data, inputs)
         event = self.wiring.primitives.get(node)
         if event is None:
