@@ -542,9 +542,11 @@ class CompiledGraph:
         if not self._graphs:
             return
         key = next(iter(self._graphs))
-        del self._graphs[key]
+        graph, _ = self._graphs.pop(key)
         self._slots.pop(key, None)
         self._forget_compiled()
+        if self._sync is not None:
+            self._sync.forget(graph)
 
 
 class FiniteCheckedGraph(CompiledGraph):

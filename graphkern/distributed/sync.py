@@ -136,6 +136,14 @@ class RankSync:
         if self.job is not None:
             self.job.fail(error)
 
+    def forget(self, graph: Graph) -> None:
+        """Drop what is kept for ``graph`` (its trace was dropped). The signature's agreement is
+        kept: tracing it again gives the same graph, and the other ranks do not agree again."""
+        for table in (self._described, self._steps):
+            known = table.get(id(graph))
+            if known is not None and known[0] is graph:
+                del table[id(graph)]
+
     def clear(self) -> None:
         self._agreed = None
         self._outcomes.clear()
