@@ -22,7 +22,7 @@ their own classes: ``except gk.KernelError`` keeps catching what it caught.
 ...     gk.Graph.from_json("{")
 ... except gk.GraphFormatError as exc:
 ...     print(exc.operation, isinstance(exc, gk.KernelError))
-load a graphkern graph True
+load a graphkern graph from JSON True
 """
 
 from __future__ import annotations

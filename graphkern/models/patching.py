@@ -602,6 +602,8 @@ _LOOKS_LIKE = [(re.compile(r"norm", re.I), {"rms_norm", "layer_norm"}),
                (re.compile(r"mlp", re.I), {"swiglu", "gelu"}),
                (re.compile(r"attention|attn", re.I), {"rope_qk"}),
                (re.compile(r"moe", re.I), {"moe_route"})]
+#: Class names of what holds layers (``Qwen3MoeModel``, ``Qwen3MoeDecoderLayer``): never a target.
+_CONTAINER = re.compile(r"(Model|DecoderLayer|TransformerBlock|ForCausalLM)$")
 
 
 def _unmatched(module: nn.Module, path: str, selected: frozenset[str]) -> Unmatched | None:
@@ -609,7 +611,8 @@ def _unmatched(module: nn.Module, path: str, selected: frozenset[str]) -> Unmatc
     looks like a target of the selected kernels and no rule at all matches it (one of kernels not
     selected is the caller's choice), else None."""
     name = type(module).__name__
-    if not any(pattern.search(name) and kernels & selected for pattern, kernels in _LOOKS_LIKE):
+    if _CONTAINER.search(name) or not any(pattern.search(name) and kernels & selected
+                                          for pattern, kernels in _LOOKS_LIKE):
         return None
     if any(rule.matches(module) for rule in RULES):
         return None
