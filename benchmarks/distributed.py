@@ -7,15 +7,19 @@ It launches itself on two local ranks over 127.0.0.1 (``graphkern.distributed.la
 
 1. a steady call of the sharded model (evaluated): hand-written ``mx.compile`` of the sharded model,
    ``gk.compile``, ``gk.wrap``, and ``gk.wrap(timeout=60)`` (the watchdog: a watched call waits for
-   its outputs and enters the flight record), timed in alternation, with each one's median ratio to
-   ``mx.compile`` over the rounds (target for the steady call: <= 1.02), in wall time and in the
-   calling thread's CPU time (what graphkern adds runs there; on a busy machine the wall time of a
-   ring collective varies by milliseconds), and the bytes each call receives over the ring (the
-   same for every side: graphkern adds no collective);
+   its outputs, enters the flight record and first checks that every rank runs the same
+   collectives), timed in alternation, with each one's median ratio to ``mx.compile`` over the
+   rounds (target for the steady call: <= 1.02), in wall time and in the calling thread's CPU
+   time (what graphkern adds runs there; on a busy machine the wall time of a ring collective
+   varies by milliseconds), and the bytes each call receives over the ring (the same for the
+   unwatched sides: graphkern adds no collective; the watched side adds its check's);
 2. what agreeing on a new signature costs: one agreement (every rank's status and collective
    fingerprint in one ``all_gather``) next to a bare ``all_sum`` of one float, and the first call of
    a new signature through ``gk.wrap`` (trace, agreement, compile, run) next to a fresh
-   ``mx.compile``'s first call (compile, run).
+   ``mx.compile``'s first call (compile, run);
+3. what a watched call's per-call check costs: one ``check_step`` (every rank's collective
+   fingerprint in one ``all_gather``) next to a bare ``all_sum`` of one float, its bytes, and its
+   share of the watched steady call.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _timing import forward_arguments, header, interleaved_samples, paired_ratio, summary  # noqa: E402
 
 import graphkern as gk  # noqa: E402
-from graphkern.distributed.agreement import agree, gather_bytes  # noqa: E402
+from graphkern.distributed.agreement import StepCheck, agree, check_step, gather_bytes  # noqa: E402
 from graphkern.distributed.launcher import run_ranks  # noqa: E402
 from graphkern.distributed.sync import describe_call  # noqa: E402
 from graphkern.distributed.watchdog import ring_connections  # noqa: E402
@@ -133,6 +137,13 @@ def rank_main(args: Any) -> None:
     }, rounds=args.rounds, number=args.agreements)
     costs = {name: statistics.median(v) for name, v in agreement.items()}
     costs_bytes = bytes_per_call(lambda: agree(group, graph, None, what), 20, group)
+    step = StepCheck(rank, graph)
+    checks = interleaved_samples({
+        "check_step": lambda: check_step(group, step, what),
+        "all_sum of 1 float": lambda: mx.eval(mx.distributed.all_sum(one, group=group)),
+    }, rounds=args.rounds, number=args.agreements)
+    check = {name: statistics.median(v) for name, v in checks.items()}
+    check_bytes = bytes_per_call(lambda: check_step(group, step, what), 20, group)
     first: dict[str, float] = {}
     sides = [("mx.compile", lambda: mx.compile(model, inputs=model.state)),
              ("gk.wrap", lambda: gk.wrap(model))]
@@ -145,7 +156,8 @@ def rank_main(args: Any) -> None:
             start = time.perf_counter()
             mx.eval(fn(fresh))
             first[name] = first.get(name, 0.0) + (time.perf_counter() - start) / 2
-    mine = {"steady": steady, "agreement": costs, "agreement_bytes": costs_bytes, "first": first}
+    mine = {"steady": steady, "agreement": costs, "agreement_bytes": costs_bytes, "first": first,
+            "check": check, "check_bytes": check_bytes}
     reports = [json.loads(b) for b in gather_bytes(group, json.dumps(mine).encode())]
     if rank == 0:
         report(args, reports)
@@ -172,8 +184,8 @@ def report(args: Any, reports: list[dict[str, Any]]) -> None:
             cells.append(f"rank {r}: {s['cpu'] * 1e6:8.1f} x{s['cpu_ratio']:.3f} "
                          f"{(s['cpu'] - base['cpu']) * 1e6:+7.1f}")
         print(f"{name:>20}  " + "   ".join(cells))
-    print("\nsteady call, bytes received over the ring per call (TCP_INFO): the same for every side "
-          "means graphkern adds no collective")
+    print("\nsteady call, bytes received over the ring per call (TCP_INFO): the same for the unwatched "
+          "sides means graphkern adds no collective; the watched side adds its per-call check")
     for name in reports[0]["steady"]:
         print(f"{name:>20}  " + "   ".join(f"rank {r}: {rep['steady'][name]['bytes']}"
                                          for r, rep in enumerate(reports)))
@@ -189,7 +201,15 @@ def report(args: Any, reports: list[dict[str, Any]]) -> None:
                                          for r, rep in enumerate(reports)))
     share = [rep["agreement"]["agreement"] / rep["first"]["gk.wrap"] for rep in reports]
     print(f"\nthe agreement is {', '.join(f'{s * 100:.2f}%' for s in share)} of gk.wrap's first call "
-          f"(rank 0, rank 1); steady calls exchange nothing")
+          f"(rank 0, rank 1); unwatched steady calls exchange nothing")
+    print("\na watched call's per-call check, median us (one check receives "
+          + ", ".join(f"{rep['check_bytes']} bytes on rank {r}" for r, rep in enumerate(reports)) + ")")
+    for name in reports[0]["check"]:
+        print(f"{name:>20}  " + "   ".join(f"rank {r}: {rep['check'][name] * 1e6:8.1f}"
+                                         for r, rep in enumerate(reports)))
+    share = [rep["check"]["check_step"] / rep["steady"]["gk.wrap(timeout=60)"]["median"] for rep in reports]
+    print(f"the check is {', '.join(f'{s * 100:.2f}%' for s in share)} of a watched steady call "
+          f"(rank 0, rank 1)")
 
 
 if __name__ == "__main__":

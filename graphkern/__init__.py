@@ -11,6 +11,7 @@ from .autodiff import without_vjp
 from .backends import active_backend
 from .bound import BoundLaunch, bind
 from .compiled import CompiledGraph, compile
+from .errors import BackendError, DrawingError, GraphFormatError, GraphkernError, ModelError, PatchWarning
 from .graph import Failure, Graph, GraphError
 from .mlx_kernels import kernel_cache
 from .nodes import Kernel, KernelError, KernelResult, NodeKind, OutputSpec, Status, TemplateArg
@@ -38,20 +39,26 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'graphkern' has no attribute {name!r}")
 
 __all__ = [
+    "BackendError",
     "BoundLaunch",
     "CompiledGraph",
     "Comparison",
+    "DrawingError",
     "Failure",
     "Graph",
     "GraphError",
+    "GraphFormatError",
+    "GraphkernError",
     "Inspector",
     "compile",
     "trace",
     "Kernel",
     "KernelError",
     "KernelResult",
+    "ModelError",
     "NodeKind",
     "OutputSpec",
+    "PatchWarning",
     "ScopeWarning",
     "Status",
     "TemplateArg",

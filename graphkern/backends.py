@@ -17,7 +17,8 @@ import mlx.core as mx
 
 from ._fastpaths import BACKEND_VARIABLE, environ_get
 from .context import state
-from .nodes import Kernel, KernelError, Status
+from .errors import BackendError
+from .nodes import Kernel, Status
 
 __all__ = [
     "BACKENDS",
@@ -71,7 +72,7 @@ def using_backend(backend: str | None) -> Iterator[None]:
     previous = state.backend
     if backend is not None:
         if backend not in BACKENDS:
-            raise KernelError("choose a graphkern backend",
+            raise BackendError("choose a graphkern backend",
                               f"{backend!r} is not one of {list(BACKENDS)}", Status.BACKEND_UNAVAILABLE)
         state.backend = backend
     try:
@@ -90,7 +91,7 @@ def active_backend() -> str:
     if not forced:
         return _detected_backend()
     if forced not in BACKENDS:
-        raise KernelError("choose a graphkern backend",
+        raise BackendError("choose a graphkern backend",
                           f"GRAPHKERN_BACKEND={forced!r} is not one of {list(BACKENDS)}",
                           Status.BACKEND_UNAVAILABLE)
     return forced
@@ -101,13 +102,13 @@ def resolve_backend(kernel: Kernel, backend: str | None = None) -> str:
     else its reference. Raises ``KernelError(BACKEND_UNAVAILABLE)`` when it has neither."""
     wanted = backend or active_backend()
     if wanted not in BACKENDS:
-        raise KernelError(APPLY, f"unknown backend {wanted!r}; use one of {list(BACKENDS)}",
+        raise BackendError(APPLY, f"unknown backend {wanted!r}; use one of {list(BACKENDS)}",
                           Status.BACKEND_UNAVAILABLE)
     if kernel.has_source(wanted):
         return wanted
     if kernel.reference is not None:
         return "reference"
-    raise KernelError(APPLY, f"kernel {kernel.name!r} has no {wanted} source and no reference",
+    raise BackendError(APPLY, f"kernel {kernel.name!r} has no {wanted} source and no reference",
                       Status.BACKEND_UNAVAILABLE)
 
 

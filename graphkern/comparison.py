@@ -30,12 +30,12 @@ from .capture import Wiring
 from .graph import Graph
 from .nodes import NodeKind
 from .state import Flat
+from .tolerance import errors
 from .trace import Traceable
 from .values import (
     _SAME_VALUES,
     GraphRun,
     _progress_bar,
-    difference,
     finish_values,
     run_order,
     trace_for_values,
@@ -401,7 +401,8 @@ class _Lockstep:
                 self.results[out_a] = "not reached on " + ("both sides" if va is None and vb is None
                                                            else "side a" if va is None else "side b")
             else:
-                self.pending.append((out_a, difference(va[out_a[1]], vb[out_b[1]], self.rtol, self.atol)))
+                self.pending.append((out_a, errors(vb[out_b[1]], va[out_a[1]], rtol=self.rtol,
+                                                   atol=self.atol)))
         self.waiting_a[x].discard(y)
         self.waiting_b[y].discard(x)
         if not self.waiting_a[x]:

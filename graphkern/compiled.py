@@ -22,8 +22,6 @@ import numpy as np
 from . import backends, mlx_kernels
 from .autodiff import without_vjp
 from .context import recording
-from .distributed.collectives import standing_in
-from .distributed.sync import describe_call, rank_sync
 from .graph import Failure, Graph, GraphError
 from .nodes import Kernel, KernelError, Status
 from .state import Flat, flatten_outputs, unflatten_outputs
@@ -280,6 +278,8 @@ class CompiledGraph:
         self._traceable = Traceable(fn, state)
         self._state = self._traceable.state
         # several ranks: agreement before a new signature runs, and the watchdog (timeout=)
+        from .distributed.sync import rank_sync  # loaded on the first compile, not with graphkern
+
         self._sync = rank_sync([m for _, m in self._state.modules.values()], group, timeout)
         self._watched = self._sync is not None and self._sync.job is not None
         self._graphs: dict[Any, tuple[Graph, Any]] = {}
@@ -390,7 +390,7 @@ class CompiledGraph:
                     # still raises in this call, while the GPU runs during what follows; a
                     # watchdog (timeout=) must see the collectives finish
                     if self._watched:
-                        self._sync.evaluate(outputs, steady.graph)  # type: ignore[union-attr]
+                        self._sync.evaluate(outputs, steady.graph, inputs=list(args))  # type: ignore[union-attr]
                     else:
                         mx.async_eval(outputs)
                 except GraphError:  # the ranks aborted the job (graphkern.distributed)
@@ -454,6 +454,8 @@ class CompiledGraph:
         """Trace (if new) and compile (if new) for this call's signature."""
         key = flat.key()
         sync = self._sync
+        if sync is not None:
+            from .distributed.sync import describe_call
         try:
             graph, spec = self._entry(flat, key)
         except KernelError as exc:
@@ -478,7 +480,7 @@ class CompiledGraph:
         if failed is not None:  # a launch failed while MLX traced
             raise failed[1]
         if self._watched:
-            self._sync.evaluate(outputs, graph)  # type: ignore[union-attr]
+            self._sync.evaluate(outputs, graph, inputs=arrays)  # type: ignore[union-attr]
         else:
             mx.eval(outputs)
         return outputs  # type: ignore[no-any-return]
@@ -491,6 +493,8 @@ class CompiledGraph:
         culprit = next((n for n in kernels if graph.node(n).get("generated_name")
                         and graph.node(n)["generated_name"] in message), None)
         if culprit is None and recorder.failed is None:
+            from .distributed.collectives import standing_in
+
             recorder = _PassThrough(probe=True)
             modules = [m for _, m in self._state.modules.values()]
             try:
@@ -526,6 +530,23 @@ class CompiledGraph:
 
     def traces(self) -> Iterator[Graph]:
         return (g for g, _ in self._graphs.values())
+
+    def trace_count(self) -> int:
+        """How many traces (one graph per signature) this function keeps."""
+        return len(self._graphs)
+
+    def forget_oldest_trace(self) -> None:
+        """Drop the trace kept longest, and the ``mx.compile``'d functions (MLX keeps a trace per
+        signature inside each: they go with it, and the traces kept are compiled again when next
+        called)."""
+        if not self._graphs:
+            return
+        key = next(iter(self._graphs))
+        graph, _ = self._graphs.pop(key)
+        self._slots.pop(key, None)
+        self._forget_compiled()
+        if self._sync is not None:
+            self._sync.forget(graph)
 
 
 class FiniteCheckedGraph(CompiledGraph):

@@ -14,6 +14,7 @@ from typing import Any
 import networkx as nx
 
 from ._fastpaths import adjacency
+from .errors import GraphFormatError
 from .nodes import KernelError, NodeKind, Status
 from .schema import EDGE_FIELDS, NODE_FIELDS, ROOT_FAILURES, lint
 
@@ -279,7 +280,7 @@ class Graph:
         if problems:
             more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
             shown = "; ".join(problems[:10]) + more
-            raise KernelError("lint a graphkern graph", shown, Status.INVALID_INPUT)
+            raise GraphFormatError("lint a graphkern graph", shown, Status.INVALID_INPUT)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Graph):
@@ -417,8 +418,8 @@ def _worse(a: int, b: int) -> int:
     return max(a, b, key=lambda s: (_SEVERITY.get(s, 2), s))
 
 
-def _load_error(description: str) -> KernelError:
-    return KernelError(_LOAD, description, Status.INVALID_INPUT)
+def _load_error(description: str) -> GraphFormatError:
+    return GraphFormatError(_LOAD, description, Status.INVALID_INPUT)
 
 
 _KINDS = frozenset(k.value for k in NodeKind)

@@ -24,21 +24,12 @@ from graphkern.backends import resolve_backend
 from graphkern.kernels import LIBRARY, entries_for
 from graphkern.kernels._base import FLOAT_DTYPES, Case, LibraryEntry, apply_plan
 from graphkern.nodes import Kernel, KernelError, dtype_name
+from graphkern.tolerance import TOLERANCES, worst_errors
 
 if TYPE_CHECKING:
     from graphkern.metal_check import MetalReport
 
-__all__ = ["TOLERANCES", "CheckCase", "CheckReport", "check", "check_kernel", "check_metal_source", "compare",
-           "strided"]
-
-#: (atol, rtol) per dtype: a case passes when ``|out - ref| <= atol + rtol * |ref|`` everywhere.
-#: Kernel and reference both compute in float32 and round once, so they differ by at most an ulp
-#: of the dtype (float16: 2**-10, bfloat16: 2**-7), plus float32 reassociation in reductions.
-TOLERANCES: dict[mx.Dtype, tuple[float, float]] = {
-    mx.float32: (1e-5, 1e-5),
-    mx.float16: (2e-3, 1e-3),
-    mx.bfloat16: (2e-2, 1e-2),
-}
+__all__ = ["TOLERANCES", "CheckCase", "CheckReport", "check", "check_kernel", "check_metal_source", "strided"]
 
 _NO_GPU_NOTE = ("backend 'reference': no GPU backend is active here, so each kernel ran its pure-MLX "
                 "reference and was compared with itself; this checks launch plans, shapes and dtypes, "
@@ -104,41 +95,6 @@ class CheckReport:
         return self.ok
 
 
-# ----------------------------------------------------------------------------- comparing
-
-
-def compare(out: Sequence[mx.array], ref: Sequence[mx.array], atol: float,
-            rtol: float) -> tuple[float, float, bool]:
-    """(max abs err, max rel err, passed) of outputs against references (NaNs must match).
-
-    The relative error divides by ``max(|ref|, atol)`` so values near zero do not blow it up.
-
-    >>> compare([mx.array([1.0, 2.001])], [mx.array([1.0, 2.0])], 1e-5, 1e-3)
-    (0.0009999275207519531, 0.0004999637603759766, True)
-    """
-    max_abs, max_rel, passed = 0.0, 0.0, len(out) == len(ref)
-    for o, r in zip(out, ref):
-        if o.shape != r.shape:
-            return float("inf"), float("inf"), False
-        of, rf = o.astype(mx.float32), r.astype(mx.float32)
-        nan_o, nan_r = mx.isnan(of), mx.isnan(rf)
-        if mx.any(nan_o != nan_r).item():
-            passed = False
-        both = mx.logical_or(nan_o, nan_r)
-        diff = mx.where(both, 0.0, mx.abs(of - rf))
-        ok = diff <= atol + rtol * mx.abs(mx.where(both, 0.0, rf))
-        passed = passed and bool(mx.all(ok).item())
-        if diff.size:
-            max_abs = max(max_abs, _scalar(diff.max()))
-            max_rel = max(max_rel, _scalar((diff / mx.maximum(mx.abs(rf), atol)).max()))
-    return max_abs, max_rel, passed
-
-
-def _scalar(a: mx.array) -> float:
-    value = a.item()
-    assert isinstance(value, float)
-    return value
-
 
 def strided(a: Any) -> Any:
     """A non-contiguous view of a float array with the same values (last-axis stride 2).
@@ -174,7 +130,7 @@ def _run_case(entry: LibraryEntry, case: Case, backend: str, atol: float,
     except KernelError as exc:
         first_line = (exc.description.splitlines() or [""])[0][:120]
         return float("nan"), float("nan"), False, f"{exc.status.name}: {first_line}"
-    max_abs, max_rel, passed = compare(out, ref, atol, rtol)
+    max_abs, max_rel, passed = worst_errors(out, ref, rtol=rtol, atol=atol)
     return max_abs, max_rel, passed, None
 
 

@@ -16,6 +16,7 @@ from typing import Any, Union
 import mlx.core as mx
 
 __all__ = [
+    "GraphkernError",
     "Kernel",
     "KernelError",
     "KernelResult",
@@ -68,14 +69,14 @@ class Status(enum.IntEnum):
         return self is Status.OK
 
 
-class KernelError(Exception):
-    """A failed kernel operation: ``operation`` says what was attempted, ``description`` what was wrong.
+class GraphkernError(Exception):
+    """Every error graphkern raises: ``operation`` says what was attempted, ``description`` what
+    was wrong, ``status`` is the code the same failure gets on a node (``graphkern.errors`` lists
+    the kinds).
 
-    ``status`` is the code the same failure gets on its node inside a graph.
-
-    >>> err = KernelError("apply a graphkern kernel", "grid must be positive", Status.INVALID_LAUNCH)
-    >>> str(err)
-    'apply a graphkern kernel: grid must be positive'
+    >>> err = GraphkernError("apply a graphkern kernel", "grid must be positive", Status.INVALID_LAUNCH)
+    >>> str(err), err.status.name
+    ('apply a graphkern kernel: grid must be positive', 'INVALID_LAUNCH')
     """
 
     def __init__(self, operation: str, description: str, status: Status = Status.RUNTIME_ERROR):
@@ -85,7 +86,19 @@ class KernelError(Exception):
         self.status = Status(status)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (KernelError, (self.operation, self.description, self.status))
+        return (type(self), (self.operation, self.description, self.status))
+
+
+class KernelError(GraphkernError):
+    """A failed kernel operation (defining, launching, applying a kernel, running a graph).
+
+    ``status`` is the code the same failure gets on its node inside a graph. The kinds of
+    ``graphkern.errors`` are KernelErrors too, as they were before they had their own classes.
+
+    >>> err = KernelError("apply a graphkern kernel", "grid must be positive", Status.INVALID_LAUNCH)
+    >>> str(err)
+    'apply a graphkern kernel: grid must be positive'
+    """
 
 
 class NodeKind(str, enum.Enum):

@@ -28,7 +28,6 @@ from . import backends
 from ._fastpaths import gc_paused
 from .capture import MAGIC, EventLog, Record, Wiring, build_graph
 from .context import current_recorder, recording
-from .distributed.collectives import standing_in
 from .graph import Graph, GraphError
 from .nodes import Kernel, KernelError, Status, dtype_name
 from .state import Flat, State, argument_names, flatten_outputs, unflatten_outputs
@@ -366,6 +365,8 @@ class Traceable:
             with recording(recorder), backends.using_backend(backend), \
                     _watch_modules(unseen, enabled=not self.state.modules):
                 mx.export_function(log, flat_fn, *flat.arrays, *state_arrays)
+
+        from .distributed.collectives import standing_in  # loaded on the first trace, not with graphkern
 
         modules = [m for _, m in self.state.modules.values()]
         owners = _ModuleHooks.install(modules)

@@ -39,15 +39,15 @@ from . import replay
 from ._fastpaths import adjacency
 from .autodiff import without_vjp
 from .capture import Wiring
-from .distributed.collectives import run_again
 from .graph import Graph
 from .launch_paths import run_launch, run_reference
 from .nodes import Kernel, NodeKind, Status
 from .schema import STAT_KEYS
 from .state import Flat
+from .tolerance import errors
 from .trace import Traceable, TraceRecorder
 
-__all__ = ["STAT_KEYS", "GraphRun", "Inspector", "array_stats", "difference", "finish_values", "inspect",
+__all__ = ["STAT_KEYS", "GraphRun", "Inspector", "array_stats", "finish_values", "inspect",
            "is_finite_stats", "root_causes", "run_order", "trace_for_values"]
 
 
@@ -318,6 +318,8 @@ class GraphRun:
         if kind == _KERNEL:
             return self._kernel(node, inputs)
         if kind == _COLLECTIVE:  # for real: every rank runs its graph at once, as the model
+            from .distributed.collectives import run_again
+
             return run_again(data, inputs)
         event = self.wiring.primitives.get(node)
         if event is None:
@@ -359,7 +361,8 @@ class GraphRun:
             except Exception as exc:
                 self.nodes[node]["reference_check"] = {"error": f"{type(exc).__name__}: {exc}"}
             else:
-                self.checks.append((node, _errors(outputs, reference, *self.check_kernels)))
+                rtol, atol = self.check_kernels
+                self.checks.append((node, _errors(outputs, reference, rtol=rtol, atol=atol)))
         return list(outputs)
 
     def _record(self, node: str, index: int, count: int, value: mx.array) -> None:
@@ -514,30 +517,10 @@ def run_order(graph: Graph) -> list[str]:
     return order
 
 
-def difference(x: mx.array, y: mx.array, rtol: float, atol: float) -> mx.array:
-    """``[max abs, max rel, elements beyond tolerance]`` of ``y`` against the reference ``x``,
-    lazily, in float32: beyond when ``|x - y| > atol + rtol * |x|``; the relative error divides
-    by ``max(|x|, atol)``. NaN against NaN and an Inf against the same Inf agree; NaN against a
-    number is beyond.
-
-    >>> difference(mx.array([1.0, 2.0]), mx.array([1.0, 2.1]), 1e-3, 1e-5).tolist()
-    [0.09999990463256836, 0.04999995231628418, 1.0]
-    """
-    if not x.size:
-        return mx.zeros((3,))
-    a, b = x.astype(mx.float32), y.astype(mx.float32)
-    same = mx.logical_or(a == b, mx.logical_and(mx.isnan(a), mx.isnan(b)))
-    diff = mx.where(same, 0.0, mx.abs(a - b))
-    diff = mx.where(mx.isnan(diff), mx.inf, diff)
-    ref = mx.where(mx.isfinite(a), mx.abs(a), 0.0)
-    beyond = mx.sum(diff > atol + rtol * ref).astype(mx.float32)
-    return mx.stack([mx.max(diff), mx.max(diff / mx.maximum(ref, atol)), beyond])
-
-
-def _errors(outputs: Sequence[mx.array], reference: Sequence[mx.array], rtol: float,
+def _errors(outputs: Sequence[mx.array], reference: Sequence[mx.array], *, rtol: float,
             atol: float) -> mx.array:
-    """``difference`` over a kernel's outputs against its reference: the worst of each."""
-    rows = mx.stack([difference(r, o, rtol, atol) for o, r in zip(outputs, reference)])
+    """``tolerance.errors`` over a kernel's outputs against its reference: the worst of each."""
+    rows = mx.stack([errors(o, r, rtol=rtol, atol=atol) for o, r in zip(outputs, reference)])
     return mx.stack([mx.max(rows[:, 0]), mx.max(rows[:, 1]), mx.sum(rows[:, 2])])
 
 

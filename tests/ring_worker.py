@@ -143,8 +143,8 @@ def refusals(group: Any, out: Path) -> dict[str, Any]:
     the group stays usable; then rank 1 stalls and rank 0's watchdog fires."""
     rank, seen = group.rank(), {}
     model = tiny_model("llama")
-    short = mx.array([[3, 1]])
-    ref = model(short)
+    short, one = mx.array([[3, 1]]), mx.array([[3]])
+    ref, ref_one = model(short), model(one)
     model.shard(group)
     if rank == 1:
         layer = model.model.layers[1]
@@ -160,6 +160,9 @@ def refusals(group: Any, out: Path) -> dict[str, Any]:
     seen["mismatch"] = attempt(lambda: wrapped(batch))
     seen["after_mismatch"] = diff(wrapped(short), ref)
     seen["mismatch_again"] = attempt(lambda: wrapped(batch))  # refused again, without exchanging
+    seen["crossed_ok"] = [diff(wrapped(short), ref), diff(wrapped(one), ref_one)]  # both traced both
+    seen["crossed"] = attempt(lambda: wrapped(short if rank == 0 else one))  # then call them crosswise
+    seen["after_crossed"] = diff(wrapped(short), ref)
 
     watched = gk.compile(model, timeout=1.5)
     watched.trace(short)

@@ -7,10 +7,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import graphkern as gk
 from graphkern.backends import active_backend
-from graphkern.kernel_checks import TOLERANCES, CheckReport, check, compare, strided
+from graphkern.kernel_checks import TOLERANCES, CheckReport, check, strided
 from graphkern.kernels import LIBRARY, RMS_NORM, Case
 from graphkern.nodes import KernelError
+from graphkern.tolerance import within, worst_errors
 
 
 def test_check_covers_dtypes_shapes_and_layouts() -> None:
@@ -85,12 +87,26 @@ def test_a_kernel_error_becomes_a_failed_case(monkeypatch: pytest.MonkeyPatch) -
     assert report.cases[0].error is not None and "Failed to compile" in report.cases[0].error
 
 
+def test_one_tolerance_rule_for_check_check_model_compare_and_inspect() -> None:
+    """[1, inf] against itself agrees (it failed the kernel checks' rule and passed inspect's);
+    an Inf against -Inf or a number, and NaN against a number, are beyond; arguments by keyword."""
+    same = mx.array([1.0, float("inf")])
+    assert within(same, same, rtol=0.0, atol=0.0) and worst_errors([same], [same], rtol=0.0, atol=0.0)[2]
+    for other in ([1.0, -float("inf")], [1.0, 3.0], [float("nan"), float("inf")]):
+        assert not within(mx.array(other), same, rtol=1.0, atol=1.0)
+    assert worst_errors([mx.zeros(2)], [mx.zeros(2)], rtol=0.0, atol=0.0) == (0.0, 0.0, True)  # no 0/0
+    with pytest.raises(TypeError):
+        within(same, same, 1e-3, 1e-5)  # type: ignore[misc]
+    scale = mx.array([1.0, float("inf")])
+    assert gk.compare(lambda x: x * scale, lambda x: x * scale, mx.ones(2)).ok  # gk.compare: the same rule
+
+
 def test_compare_uses_allclose_semantics_and_matching_nans() -> None:
     ref = [mx.array([1.0, 100.0, 0.0, float("nan")])]
-    assert compare([mx.array([1.0, 100.05, 5e-6, float("nan")])], ref, 1e-5, 1e-3)[2]
-    assert not compare([mx.array([1.0, 100.2, 0.0, float("nan")])], ref, 1e-5, 1e-3)[2]
-    assert not compare([mx.array([1.0, 100.0, 0.0, 1.0])], ref, 1e-5, 1e-3)[2]  # a lost NaN fails
-    assert not compare([mx.zeros((2,))], [mx.zeros((3,))], 1.0, 1.0)[2]
+    assert worst_errors([mx.array([1.0, 100.05, 5e-6, float("nan")])], ref, rtol=1e-3, atol=1e-5)[2]
+    assert not worst_errors([mx.array([1.0, 100.2, 0.0, float("nan")])], ref, rtol=1e-3, atol=1e-5)[2]
+    assert not worst_errors([mx.array([1.0, 100.0, 0.0, 1.0])], ref, rtol=1e-3, atol=1e-5)[2]  # NaN lost
+    assert not worst_errors([mx.zeros((2,))], [mx.zeros((3,))], rtol=1.0, atol=1.0)[2]
 
 
 @given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), dtype=st.sampled_from(list(TOLERANCES)))

@@ -9,6 +9,8 @@ timeout that kills the ranks' process groups, and several tests read what its ra
 from __future__ import annotations
 
 import json
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,7 +28,8 @@ import graphkern as gk
 from graphkern.cli import main
 from graphkern.distributed import CollectiveTimeout, GroupError, JobAborted, merge
 from graphkern.distributed.collectives import REAL
-from graphkern.distributed.watchdog import Job, _Folder
+from graphkern.distributed.launcher import run_ranks
+from graphkern.distributed.watchdog import Job
 from graphkern.models.tiny import tiny_model
 from graphkern.viz.html import viewer_data
 from graphkern.viz.model_explorer import to_model_explorer
@@ -188,10 +191,11 @@ def test_an_abort_in_the_flight_folder_stops_the_next_watched_call(tmp_path: Pat
     monkeypatch.setenv("GRAPHKERN_FLIGHT_DIR", str(tmp_path))
     monkeypatch.delenv("MLX_HOSTFILE", raising=False)
     job = Job(0, 2)
+    job.join(0x1234)  # the token of the job's first agreement
     with job.watch(30.0, "f(float32[2])", ("all_sum(sum) float32[2] -> float32[2] over 2",)):
         pass
-    folder = _Folder.locate()
-    assert folder is not None and folder.path == str(tmp_path)
+    folder = job.folder
+    assert folder is not None and folder.path == str(tmp_path / "graphkern-flight-0000000000001234")
     now = time.time()
     theirs = {"kind": "timeout", "rank": 1, "seq": 1, "call": "f(float32[2])", "timeout": 1.0, "time": now}
     assert folder.claim(theirs) == theirs
@@ -206,7 +210,49 @@ def test_an_abort_in_the_flight_folder_stops_the_next_watched_call(tmp_path: Pat
     assert info.value.rank == 1 and "rank 1 waited over 1.0 s" in str(info.value)
     assert "rank 0: #0 f(float32[2]) completed" in str(info.value)
     assert "rank 1: #1 f(float32[2]) entered 1.00 s before the abort, never finished" in str(info.value)
-    assert json.loads((tmp_path / "rank0.json").read_text())[0]["state"] == "completed"
+    assert json.loads((Path(folder.path) / "rank0.json").read_text())[0]["state"] == "completed"
+    job.end()
+    assert Path(folder.path, "abort.json").exists()  # an aborted job's folder stays
+
+
+def test_an_earlier_jobs_abort_stops_no_later_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mlx.launch -n 2`` writes the same hostfile every time: an aborted job's record must not
+    stop the next job on the machine, and a job that ends cleanly leaves no folder."""
+    monkeypatch.delenv("GRAPHKERN_FLIGHT_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["127.0.0.1:1"], ["127.0.0.1:2"]]))
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    earlier = Job(0, 2)
+    earlier.join(earlier.proposal)
+    earlier._abort({"kind": "timeout", "rank": 1, "seq": 0, "call": "f(float32[2])", "timeout": 1.0,
+                    "time": time.time()})
+    later = Job(0, 2)
+    later.join(later.proposal)
+    assert earlier.folder is not None and later.folder is not None
+    assert later.folder.path != earlier.folder.path and Path(later.folder.path).parent == tmp_path
+    with later.watch(30.0, "f(float32[2])", ()):
+        time.sleep(0.3)  # the watchdog thread looks at the folder every 0.05 s
+    assert later.reason is None
+    # a record older than the job, even in the job's own folder, is an earlier job's
+    later.folder.claim({**earlier.reason, "time": later.started - 60.0})  # type: ignore[dict-item]
+    with later.watch(30.0, "f(float32[2])", ()):
+        time.sleep(0.3)
+    assert later.reason is None and later.error(None) is None
+    Path(later.folder.abort_path).unlink()
+    later.end()
+    assert not Path(later.folder.path).exists()  # ended cleanly: nothing left behind
+    earlier.end()
+    assert Path(earlier.folder.abort_path).exists()  # aborted: kept for the post-mortem
+
+
+def test_run_ranks_leaves_no_flight_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GRAPHKERN_FLIGHT_DIR", raising=False)
+    code = "import os; print(os.environ['GRAPHKERN_FLIGHT_DIR'])"
+    runs = run_ranks([sys.executable, "-c", code], 2, timeout=60)
+    [folder] = {run.output.strip() for run in runs}
+    assert Path(folder).name == "flight" and Path(folder).parent.name.startswith("graphkern-ranks-")
+    assert not Path(folder).parent.exists()
 
 
 # ----------------------------------------------------------------------------- two processes
@@ -342,6 +388,25 @@ def test_mismatched_collective_sequences_are_refused(refusals_job: Any) -> None:
         assert "rank 1: sum_gradients(sum) float32[3, 2, 64]" in mismatch["message"]
         assert result["after_mismatch"] < ATOL
         assert result["mismatch_again"] == mismatch  # remembered: refused again without a collective
+
+
+def test_watched_calls_crossing_signatures_both_ranks_traced_are_refused(refusals_job: Any) -> None:
+    """Both ranks traced both signatures (so no agreement is due); rank 0 calls one, rank 1 the
+    other: the watched call's check refuses it on both ranks, and the group stays usable."""
+    _, ranks = refusals_job
+    for result in ranks:
+        crossed = result["crossed"]
+        assert crossed["type"] == "GroupError" and crossed["in_step"] is True
+        assert "rank 0 Model(int32[1, 2]), rank 1 Model(int32[1, 1])" in crossed["message"]
+        assert "collective #0: rank 0: sum_gradients(sum) float32[1, 2, 64]" in crossed["message"]
+        assert max(result["crossed_ok"]) < ATOL and result["after_crossed"] < ATOL
+
+
+def test_the_flight_folder_is_the_jobs_own(refusals_job: Any) -> None:
+    folder, _ = refusals_job
+    [job] = list((folder / "flight").iterdir())  # one job, named after its token
+    assert job.name.startswith("graphkern-flight-") and (job / "abort.json").exists()
+    assert json.loads((job / "abort.json").read_text())["kind"] == "timeout"
 
 
 def test_the_watchdog_turns_a_stall_into_an_error_on_every_rank(refusals_job: Any) -> None:

@@ -414,3 +414,72 @@ def test_a_fused_norm_that_fails_in_a_trace_is_the_failed_node() -> None:
     assert failure.scope == "model.layers.1.post_attention_layernorm"
     assert failure.status == gk.Status.MODULE_ERROR
     assert "dtype mismatch" in failure.message and graph.affected_outputs() == ["output_0"]
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_unpatch_after_quantizing_keeps_the_quantized_layers(arch: str) -> None:
+    """nn.quantize on a patched model puts QuantizedLinear layers inside the kernel layers; unpatch
+    carries them back into the stock layers, so the model stays the quantized one."""
+    model = tiny_model(arch)
+    patch(model)
+    nn.quantize(model, group_size=64, bits=4)
+    quantized = model(TOKENS)
+    patched_paths = {p for p, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    unpatch(model)
+    assert not patched_layers(model)
+    after = {p for p, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    assert after == patched_paths and len(after) > 7  # every projection, not only lm_head
+    assert not any(type(m) is nn.Linear for _, m in model.named_modules())
+    assert mx.allclose(model(TOKENS), quantized, atol=ATOL, rtol=RTOL).item()  # float32
+
+
+def test_a_layer_no_rule_matches_any_more_is_named_in_a_warning_and_the_report() -> None:
+    """A forward changed by a new mlx-lm (here one argument more) stops its rule from matching:
+    patch says so, once, naming every such layer, and lists them in the report."""
+    model = tiny_model("llama")
+    stock_attention = type(model.model.layers[0].self_attn)
+
+    class Attention(stock_attention):  # type: ignore[misc, valid-type]
+        def __call__(self, x: mx.array, mask: Any = None, cache: Any = None, position_ids: Any = None) -> Any:
+            return super().__call__(x, mask, cache)
+
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = Attention
+    with pytest.warns(gk.PatchWarning) as caught:
+        report = patch(model)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "Attention at model.layers.0.self_attn, model.layers.1.self_attn" in message
+    reason = "neither its class nor its forward is one a rule knows"
+    assert [(u.path, u.reason) for u in report.unmatched] == [
+        (f"model.layers.{i}.self_attn", reason) for i in (0, 1)]
+    assert report.unmatched[0].original.endswith("Attention")
+    assert "model.layers.0.self_attn" not in patched_layers(model)
+    assert "model.layers.0.self_attn.rope" in patched_layers(model)  # the rest is patched as before
+
+
+@pytest.mark.parametrize("arch", MODELS)
+@pytest.mark.parametrize("quantized", [False, True])
+def test_models_every_rule_knows_patch_without_a_warning(arch: str, quantized: bool) -> None:
+    import warnings
+
+    model = tiny_model(arch)
+    if quantized:
+        nn.quantize(model, group_size=64, bits=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gk.PatchWarning)
+        report = patch(model)
+    assert report and report.unmatched == []
+
+
+def test_a_rule_whose_condition_refuses_a_layer_gives_the_reason() -> None:
+    model = tiny_model("qwen3")
+    for layer in model.model.layers:
+        layer.self_attn.q_norm = nn.RMSNorm(16, eps=1e-6)  # q_norm and k_norm eps differ: no fused prologue
+        layer.self_attn.q_norm.__class__ = type("OffsetNorm", (nn.RMSNorm,), {
+            "__call__": lambda self, x: mx.fast.rms_norm(x, 2.0 + self.weight, self.eps)})
+    with pytest.warns(gk.PatchWarning, match="OffsetNorm"):
+        report = patch(model, kernels=["rope_qk", "rms_norm"])
+    reasons = {u.path: u.reason for u in report.unmatched}
+    assert "neither its class nor its forward" in reasons["model.layers.0.self_attn.q_norm"]
+    assert "whose condition on the layer's settings does not hold" in reasons["model.layers.0.self_attn"]

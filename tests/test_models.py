@@ -214,6 +214,22 @@ def test_many_offsets_keep_a_bounded_number_of_traces():
     assert len(wrapped._graphs) == 2 and caches[0].offset == PROMPT.shape[1] + 3
 
 
+def test_max_traces_bounds_the_traces_kept_over_prompt_lengths():
+    model = tiny_model("llama")
+    wrapped = wrap(model, max_traces=3)
+    for length in range(1, 7):  # six prompt lengths: one static structure, six signatures
+        tokens = mx.arange(length, dtype=mx.int32)[None] % 128
+        assert mx.allclose(wrapped(tokens), model(tokens), atol=1e-5).item()
+        assert sum(len(list(c.traces())) for c in wrapped._graphs.values()) == min(length, 3)
+    tokens = mx.array([[1, 2]])  # dropped long ago: traced again, and still right
+    assert mx.allclose(wrapped(tokens), model(tokens), atol=1e-5).item()
+    assert sum(len(list(c.traces())) for c in wrapped._graphs.values()) == 3
+    assert mx.allclose(wrapped(mx.arange(6)[None]), model(mx.arange(6)[None]), atol=1e-5).item()
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(gk.KernelError, match="max_traces must be a positive int"):
+            wrap(model, max_traces=bad)
+
+
 def test_decode_traces_prefill_and_one_step_then_runs_new_offsets_eagerly():
     model = tiny_model("llama")
     patch(model)

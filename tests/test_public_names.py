@@ -96,3 +96,16 @@ def test_readme_python_blocks_run_in_order_in_one_fresh_process(tmp_path: Path) 
     last = ([line for line in done.stdout.splitlines() if line.startswith("--- block")] or ["none"])[-1]
     assert done.returncode == 0, f"README stopped in {last}:\n{done.stderr[-3000:]}"
     assert f"--- block {len(blocks) - 1}" in done.stdout
+
+
+def test_import_graphkern_loads_only_the_core() -> None:
+    """``import graphkern`` loads no distributed, drawing or model module (nor mlx-lm): the
+    collective stand-ins and the ranks' agreement load on the first trace or compile."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-c", "import graphkern"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    loaded = [line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if "|" in line]
+    assert "graphkern.trace" in loaded and "graphkern.compiled" in loaded
+    heavy = [m for m in loaded if m.startswith(("graphkern.distributed", "graphkern.viz", "graphkern.models",
+                                                "mlx_lm"))]
+    assert heavy == []

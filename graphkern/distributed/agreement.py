@@ -7,6 +7,13 @@ hash of its point-to-point messages). When every rank is OK and the sequences ag
 Otherwise every rank takes a second, equally symmetric exchange of the details and raises the same
 :class:`GroupError`: the first failing rank with its root-cause node and status, or the first
 collective that differs. Both exchanges are entered by every rank, so the group stays usable.
+The header also carries a job token (rank 0's stands): the watchdog names the job's flight folder
+after it.
+
+Ranks that each traced two signatures can still call them crosswise (rank 0 one, rank 1 the
+other), which no agreement sees. Watched calls (``timeout=``) check every call: :func:`check_step`
+exchanges the fingerprint of the graph each rank is about to run (one ``all_gather`` of 44 bytes)
+and refuses the call on every rank when they differ.
 """
 
 from __future__ import annotations
@@ -25,12 +32,13 @@ from ..graph import Failure, Graph, GraphError
 from ..nodes import KernelError, NodeKind, Status
 from .collectives import REAL
 
-__all__ = ["COMMUNICATING", "GROUP_WIDE", "Collective", "GroupError", "agree", "collectives_of",
-           "exchange_bytes", "gather_bytes"]
+__all__ = ["COMMUNICATING", "GROUP_WIDE", "Collective", "GroupError", "StepCheck", "agree", "check_step",
+           "collectives_of", "exchange_bytes", "gather_bytes"]
 
 _AGREE = "run a graphkern compiled graph across ranks"
-_HEADER = struct.Struct("<IiQQQI")  # magic, status, fingerprint, sends, receives, detail bytes
+_HEADER = struct.Struct("<IiQQQIQ")  # magic, status, fingerprint, sends, receives, detail bytes, token
 _MAGIC = 0x67_6B_61_67  # "gkag"
+_STEP_MAGIC = 0x67_6B_73_74  # "gkst": check_step's header, the same size as an agreement's
 _MASK = (1 << 64) - 1
 _P2P = ("send", "recv")
 #: the collectives every rank of the group enters together
@@ -59,6 +67,7 @@ class GroupError(GraphError):
         self.node = node  # type: ignore[assignment]
         self.collective = collective
         self.in_step = in_step
+        self.crossed = False
         self.failure = Failure(node or "<ranks>", self.status, description, ())
         self.affected_outputs = ()
 
@@ -159,16 +168,18 @@ class _Report:
     message: str
     collectives: list[Collective]
 
-    def header(self, detail: bytes) -> bytes:
+    def fingerprints(self) -> tuple[int, int, int]:
+        """The group-wide collectives' fingerprint, and the sums of the sends' and receives' hashes."""
         group = [c.signature for c in self.collectives if c.op not in _P2P]
         sends, receives = _messages(self.rank, self.collectives)
-        return _HEADER.pack(_MAGIC, self.status, _hash("\n".join(group)),
-                            sum(map(_hash, sends)) & _MASK, sum(map(_hash, receives)) & _MASK,
-                            len(detail))
+        return _hash("\n".join(group)), sum(map(_hash, sends)) & _MASK, sum(map(_hash, receives)) & _MASK
 
-    def detail(self) -> bytes:
+    def header(self, detail: bytes, token: int) -> bytes:
+        return _HEADER.pack(_MAGIC, self.status, *self.fingerprints(), len(detail), token)
+
+    def detail(self, call: str = "") -> bytes:
         sends, receives = _messages(self.rank, self.collectives)
-        return json.dumps({"rank": self.rank, "status": self.status, "node": self.node,
+        return json.dumps({"rank": self.rank, "status": self.status, "node": self.node, "call": call,
                            "message": self.message, "sends": sends, "receives": receives,
                            "collectives": [[c.signature, c.describe(), c.node]
                                            for c in self.collectives if c.op not in _P2P]}).encode()
@@ -190,25 +201,75 @@ def gather_bytes(group: Any, data: bytes) -> list[bytes]:
     return [b[:n] for b, n in zip(exchange_bytes(group, data.ljust(max(lengths), b" ")), lengths)]
 
 
-def agree(group: Any, graph: Graph | None, error: KernelError | None, what: str) -> GroupError | None:
+def agree(group: Any, graph: Graph | None, error: KernelError | None, what: str,
+          token: int = 0) -> tuple[GroupError | None, int]:
     """Exchange this rank's status and collective sequence with the others (see the module's text);
-    the error every rank raises, or None when all may run. ``graph`` is this rank's trace, or
-    None with ``error`` when tracing raised. ``what`` names the call in messages."""
+    the error every rank raises (or None when all may run), and rank 0's ``token``. ``graph`` is
+    this rank's trace, or None with ``error`` when tracing raised. ``what`` names the call in
+    messages."""
     rank, size = group.rank(), group.size()
     report = _report(rank, graph, error)
     detail = report.detail()
-    headers = [_HEADER.unpack(h) for h in exchange_bytes(group, report.header(detail))]
+    headers = [_HEADER.unpack(h) for h in exchange_bytes(group, report.header(detail, token))]
+    crossed = _crossed(headers, what)
+    if crossed is not None:
+        return crossed, 0
     if any(h[0] != _MAGIC for h in headers):
         return GroupError(f"the ranks' agreement on {what} read garbage: another rank "
                           f"was inside a different collective (the ranks run different code), so "
-                          f"the group is out of step", Status.RUNTIME_ERROR, in_step=False)
+                          f"the group is out of step", Status.RUNTIME_ERROR, in_step=False), 0
     ok = all(h[1] == 0 for h in headers) and len({h[2] for h in headers}) == 1
     if ok and sum(h[3] for h in headers) & _MASK == sum(h[4] for h in headers) & _MASK:
-        return None
+        return None, headers[0][6]
     longest = max(h[5] for h in headers)
     details = [json.loads(d[:h[5]]) for d, h in
                zip(exchange_bytes(group, detail.ljust(longest, b" ")), headers)]
-    return _verdict(details, rank, size, what)
+    return _verdict(details, rank, size, what), headers[0][6]
+
+
+class StepCheck:
+    """What one rank says about a graph it is about to run, for :func:`check_step`: computed once
+    per graph."""
+
+    def __init__(self, rank: int, graph: Graph) -> None:
+        self.report = _report(rank, graph, None)
+        self.header = _HEADER.pack(_STEP_MAGIC, 0, *self.report.fingerprints(), 0, 0)
+
+
+def check_step(group: Any, step: StepCheck, call: str) -> GroupError | None:
+    """Check that every rank is about to run a graph with the same collectives (one ``all_gather``
+    of 44 bytes); else every rank gets the same ``GroupError`` naming each rank's call (``call``,
+    as ``describe_call`` writes it) and the first collective that differs, and none runs."""
+    headers = [_HEADER.unpack(h) for h in exchange_bytes(group, step.header)]
+    crossed = _crossed(headers, call)
+    if crossed is not None:
+        return crossed
+    if any(h[0] != _STEP_MAGIC for h in headers):
+        return GroupError(f"the ranks' check of {call} read garbage: another rank was inside a "
+                          f"different collective (the ranks run different code, or not every rank "
+                          f"passed timeout=), so the group is out of step", Status.RUNTIME_ERROR,
+                          in_step=False)
+    if len({h[2] for h in headers}) == 1 and sum(h[3] for h in headers) & _MASK == \
+            sum(h[4] for h in headers) & _MASK:
+        return None
+    details = [json.loads(d) for d in gather_bytes(group, step.report.detail(call))]
+    calls = ", ".join(f"rank {d['rank']} {d['call']}" for d in details)
+    return _verdict(details, group.rank(), group.size(), f"this call ({calls})")
+
+
+def _crossed(headers: list[tuple[Any, ...]], what: str) -> GroupError | None:
+    """The error when some ranks agree on a new signature while the others check one they ran
+    before (each took one exchange: the group is in step), else None."""
+    kinds = {h[0] for h in headers}
+    if kinds != {_MAGIC, _STEP_MAGIC}:
+        return None
+    new = [r for r, h in enumerate(headers) if h[0] == _MAGIC]
+    old = [r for r, h in enumerate(headers) if h[0] == _STEP_MAGIC]
+    error = GroupError(f"the ranks called with different signatures at {what}: rank(s) {new} met a "
+                       f"signature they had not run before, rank(s) {old} one they had; no rank ran it",
+                       Status.INVALID_INPUT)
+    error.crossed = True  # says nothing about the signature itself: not to be remembered
+    return error
 
 
 def _report(rank: int, graph: Graph | None, error: KernelError | None) -> _Report:

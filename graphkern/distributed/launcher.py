@@ -3,7 +3,8 @@
 What ``mlx.launch -n N --backend ring`` sets up locally (a hostfile of loopback ports, ``MLX_RANK``
 and ``MLX_HOSTFILE`` per rank), for tests, CI and benchmarks: every rank's exit status and output
 are kept (``mlx.launch`` exits 0 even when ranks fail), a timeout kills every rank's process group
-(the ring has none of its own), and nothing is left in the temporary directory.
+(the ring has none of its own), and nothing is left in the temporary directory (the ranks' flight
+folders go in the job's own folder, unless ``GRAPHKERN_FLIGHT_DIR`` says where).
 """
 
 from __future__ import annotations
@@ -67,10 +68,10 @@ def run_ranks(command: Sequence[str], size: int = 2, *, timeout: float = 600.0,
         hostfile = Path(folder) / "hosts.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(size)]))
         logs = [open(Path(folder) / f"rank{rank}.log", "w+b") for rank in range(size)]  # noqa: SIM115
+        environment = {"GRAPHKERN_FLIGHT_DIR": str(Path(folder) / "flight"), **os.environ, **(env or {}),
+                       "MLX_HOSTFILE": str(hostfile)}
         procs = [subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True,
-                                  env={**os.environ, **(env or {}), "MLX_RANK": str(rank),
-                                       "MLX_HOSTFILE": str(hostfile)})
+                                  start_new_session=True, env={**environment, "MLX_RANK": str(rank)})
                  for rank, log in enumerate(logs)]
         deadline, timed_out = time.monotonic() + timeout, False
         try:

@@ -4,7 +4,9 @@
 a group of more than one rank (``group=``, else a ``mx.distributed.Group`` held by one of its
 modules, as mlx-lm's sharded layers hold theirs). It agrees with the other ranks before a new
 signature runs (``graphkern.distributed.agreement``) and, with ``timeout=``, watches every call
-that may communicate (``graphkern.distributed.watchdog``). Steady calls cost nothing more.
+that may communicate (``graphkern.distributed.watchdog``) and checks, before it runs, that every
+rank is about to run a graph with the same collectives (``check_step``). Without ``timeout=``
+steady calls cost nothing more.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import mlx.core as mx
 
 from ..graph import Graph
 from ..nodes import KernelError, Status, dtype_name
-from .agreement import COMMUNICATING, GroupError, agree, collectives_of
+from .agreement import COMMUNICATING, GroupError, StepCheck, agree, check_step, collectives_of
 from .watchdog import Job
 
 __all__ = ["RankSync", "find_group", "rank_sync"]
@@ -72,24 +74,50 @@ class RankSync:
         self._outcomes: dict[Any, GroupError | None] = {}
         # per graph: the call it traced (for messages) and its collectives, described once
         self._described: dict[int, tuple[Graph, str, tuple[str, ...]]] = {}
+        self._steps: dict[int, tuple[Graph, StepCheck]] = {}  # per graph: what check_step sends
+        self._agreed: Graph | None = None  # the graph agreed on in this call: no check needed
 
     def agree(self, key: Any, graph: Graph | None, error: KernelError | None, what: str) -> None:
         """Agree once per signature ``key``; raises the ``GroupError`` every rank raises.
         ``what`` names the call (``describe_call``)."""
         if key not in self._outcomes:
             with self.watch(graph, f"agreement on {what}", what):
-                self._outcomes[key] = agree(self.group, graph, error, what)
-        outcome = self._outcomes[key]
+                job = self.job
+                outcome, token = agree(self.group, graph, error, what,
+                                       job.proposal if job is not None else 0)
+                if outcome is None or not outcome.crossed:
+                    self._outcomes[key] = outcome
+                if job is not None:
+                    job.join(token)  # the job's flight folder is named after rank 0's token
+            self._agreed = graph if outcome is None else None
+        else:
+            outcome = self._outcomes[key]
         if outcome is not None:
             if not outcome.in_step:
                 self.failed(outcome)  # with a watchdog, the others hear of it before they hang
             raise outcome
 
-    def evaluate(self, outputs: Any, graph: Graph | None = None, call: str | None = None) -> None:
+    def evaluate(self, outputs: Any, graph: Graph | None = None, call: str | None = None,
+                 inputs: list[mx.array] | None = None) -> None:
         """Evaluate ``outputs`` as one watched call (``graph`` the trace they come from, ``call``
-        its name when there is none); as ``mx.eval`` without a watchdog."""
+        its name when there is none); as ``mx.eval`` without a watchdog. A watched call of a
+        graph first checks that every rank runs the same collectives (``check_step``, unless the
+        ranks agreed on this graph in this very call): else it raises ``GroupError`` on every
+        rank and nothing runs. ``inputs`` (the call's arrays) name the call in that error."""
+        agreed, self._agreed = self._agreed, None
         with self.watch(graph, call):
+            if graph is not None and self.job is not None and graph is not agreed:
+                self._check(graph, inputs or [])
             mx.eval(outputs)
+
+    def _check(self, graph: Graph, inputs: list[mx.array]) -> None:
+        known = self._steps.get(id(graph))
+        if known is None or known[0] is not graph:
+            known = self._steps[id(graph)] = (graph, StepCheck(self.group.rank(), graph))
+        name = str(graph.nx.graph.get("name", "graph"))
+        error = check_step(self.group, known[1], describe_call(name, inputs))
+        if error is not None:
+            raise error
 
     @contextmanager
     def watch(self, graph: Graph | None, call: str | None = None, what: str | None = None) -> Iterator[None]:
@@ -104,12 +132,23 @@ class RankSync:
 
     def failed(self, error: Exception) -> None:
         """This rank failed while running: abort the job (with a watchdog) so no rank waits."""
+        self._agreed = None  # the call agreed on never ran: the next one is checked
         if self.job is not None:
             self.job.fail(error)
 
+    def forget(self, graph: Graph) -> None:
+        """Drop what is kept for ``graph`` (its trace was dropped). The signature's agreement is
+        kept: tracing it again gives the same graph, and the other ranks do not agree again."""
+        for table in (self._described, self._steps):
+            known = table.get(id(graph))
+            if known is not None and known[0] is graph:
+                del table[id(graph)]
+
     def clear(self) -> None:
+        self._agreed = None
         self._outcomes.clear()
         self._described.clear()
+        self._steps.clear()
 
     def _describe(self, graph: Graph | None, what: str | None) -> tuple[str, tuple[str, ...]]:
         if graph is None:

@@ -7,8 +7,12 @@ NCCL flight recorder: sequence number, the call, its collectives, entered / comp
 and a watchdog thread checks its deadline. When a call overruns, the watchdog aborts the job:
 
 1. it writes the reason (``abort.json``, the first rank to write it wins) and this rank's flight
-   record into the job's flight folder (``GRAPHKERN_FLIGHT_DIR``, else a folder in the temporary
-   directory named after ``MLX_HOSTFILE``'s content, which every rank of one launch shares);
+   record into the job's flight folder, ``graphkern-flight-<token>`` in ``GRAPHKERN_FLIGHT_DIR``
+   (else the temporary directory), where ``<token>`` is a random number rank 0 drew and sent
+   with the job's first agreement: every rank of the job shares it and no other job does (a
+   stale abort of an earlier job on the same hostfile is never read), and an abort record older
+   than this process's job is ignored all the same. A job that ends without an abort removes its
+   folder; an aborted job's stays for the post-mortem;
 2. it shuts down this process's ring sockets (those on the hostfile's ports), as NCCL's
    ``ncclCommAbort`` does: the stuck evaluation raises, and so do the peers' collectives;
 3. every rank's watchdog sees the reason within a poll, writes its own record and aborts too; a
@@ -25,10 +29,11 @@ as PyTorch's NCCL watchdog does by default.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
-import hashlib
 import json
 import os
+import shutil
 import socket
 import stat
 import sys
@@ -137,15 +142,13 @@ class _Folder:
         self.abort_path = os.path.join(path, "abort.json")
 
     @classmethod
-    def locate(cls) -> _Folder | None:
-        base = os.environ.get("GRAPHKERN_FLIGHT_DIR")
-        text = _hostfile_text()
-        tag = hashlib.sha256(text.encode()).hexdigest()[:16] if text is not None else None
-        if base:
-            return cls(os.path.join(base, f"job-{tag}") if tag else base)
-        if tag:
-            return cls(os.path.join(tempfile.gettempdir(), f"graphkern-flight-{tag}"))
-        return None
+    def of_job(cls, token: int) -> _Folder:
+        """The folder of the job whose ranks agreed on ``token``, made if new."""
+        base = os.environ.get("GRAPHKERN_FLIGHT_DIR") or tempfile.gettempdir()
+        folder = cls(os.path.join(base, f"graphkern-flight-{token:016x}"))
+        with contextlib.suppress(OSError):
+            os.makedirs(folder.path, exist_ok=True)
+        return folder
 
     def _write(self, name: str, doc: Any) -> str:
         os.makedirs(self.path, exist_ok=True)
@@ -302,13 +305,33 @@ class Job:
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
         self.flight = FlightRecorder()
-        self.folder = _Folder.locate()
+        self.started = time.time()  # an abort record written before this is an earlier job's
+        #: this rank's proposal for the job's token (rank 0's is the one every rank joins)
+        self.proposal = int.from_bytes(os.urandom(8), "little") or 1
+        self.token: int | None = None
+        self.folder: _Folder | None = None  # known once the ranks agreed on the token (join)
         self.ports = _ring_ports()
         self.reason: dict[str, Any] | None = None
         self._inflight: dict[int, tuple[float, float, dict[str, Any]]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stuck_after = 0.0  # when a call still inside MLX after an abort ends the process
+
+    def join(self, token: int) -> None:
+        """Take ``token`` (rank 0's proposal, from the job's first agreement) as the job's: its
+        flight folder is named after it. Later tokens are ignored, so is 0 (no token)."""
+        if self.token is not None or not token:
+            return
+        self.token = token
+        self.folder = _Folder.of_job(token)
+        atexit.register(self.end)
+
+    def end(self) -> None:
+        """The job ends here: remove its flight folder unless it was aborted (then the folder keeps
+        the reason and the ranks' records)."""
+        folder = self.folder
+        if folder is not None and self.reason is None and not os.path.exists(folder.abort_path):
+            shutil.rmtree(folder.path, ignore_errors=True)
 
     @classmethod
     def of(cls, group: Any) -> Job:
@@ -413,7 +436,8 @@ class Job:
         if self.reason is not None or self.folder is None:
             return self.reason
         reason = self.folder.reason()
-        if reason is not None:
+        written = reason.get("time") if reason is not None else None
+        if reason is not None and isinstance(written, (int, float)) and written >= self.started:
             self._abort(reason)
         return self.reason
 

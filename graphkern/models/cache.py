@@ -19,7 +19,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from graphkern.nodes import KernelError, Status
+from graphkern.errors import ModelError
+from graphkern.nodes import Status
 
 __all__ = ["CACHE_OPERATION", "cache_states", "snapshot", "stand_ins", "states_of", "write_back"]
 
@@ -42,21 +43,21 @@ def _plain(value: Any) -> str | None:
 def cache_states(caches: Sequence[Any]) -> list[dict[str, Any]]:
     """Each cache's attributes as a tree (plus its class under ``"__class__"``); refuses others."""
     if not isinstance(caches, (list, tuple)):
-        raise KernelError(CACHE_OPERATION, f"cache must be a list of mlx-lm cache objects (one per "
+        raise ModelError(CACHE_OPERATION, f"cache must be a list of mlx-lm cache objects (one per "
                           f"layer), got {type(caches).__name__}", Status.INVALID_INPUT)
     states = []
     for index, cache in enumerate(caches):
         if cache is None:
-            raise KernelError(CACHE_OPERATION, f"cache[{index}] is None; pass a cache for every layer "
+            raise ModelError(CACHE_OPERATION, f"cache[{index}] is None; pass a cache for every layer "
                               "(mlx_lm.models.cache.make_prompt_cache) or none at all", Status.INVALID_INPUT)
         attributes = getattr(cache, "__dict__", None)
         if attributes is None or not hasattr(cache, "update_and_fetch") and not hasattr(cache, "state"):
-            raise KernelError(CACHE_OPERATION, f"cache[{index}] ({type(cache).__name__}) is not an mlx-lm "
+            raise ModelError(CACHE_OPERATION, f"cache[{index}] ({type(cache).__name__}) is not an mlx-lm "
                               "cache object", Status.INVALID_INPUT)
         for name, value in attributes.items():
             bad = _plain(value)
             if bad is not None:
-                raise KernelError(
+                raise ModelError(
                     CACHE_OPERATION,
                     f"cache[{index}] ({type(cache).__name__}) holds {name!r} as a {bad}; graphkern passes "
                     "cache state through a compiled graph only as arrays and Python scalars. Call the "

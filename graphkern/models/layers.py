@@ -91,7 +91,7 @@ class KernelLayer(nn.Module):
         self._no_grad = set(original._no_grad)  # frozen parameters stay frozen
         self._training = original._training
         self._gk_original = _Held(original)
-        self._gk_shared = _Held({k: v for k, v in original.items() if isinstance(v, mx.array)})
+        self._gk_shared = _Held(dict(original.items()))  # what it shares, as built
 
     @property
     def original(self) -> nn.Module:
@@ -103,6 +103,20 @@ class KernelLayer(nn.Module):
         (replaced by training or ``update`` while patched), by name."""
         shared = self._gk_shared.module
         return {k: v for k, v in self.items() if isinstance(v, mx.array) and v is not shared.get(k, v)}
+
+    def replaced_children(self) -> dict[str, Any]:
+        """This layer's child modules (and lists or dicts of them) put in while patched in place of
+        the ones it shared with the original (``nn.quantize``'s ``QuantizedLinear``, a LoRA
+        adapter), by name; a kernel layer ``patch`` built from the shared child is not one."""
+        shared = self._gk_shared.module
+        replaced = {}
+        for key, value in self.items():
+            if isinstance(value, mx.array) or value is shared.get(key):
+                continue
+            if isinstance(value, KernelLayer) and value.original is shared.get(key):
+                continue  # patched in place of the shared child: unpatch restores that child
+            replaced[key] = value
+        return replaced
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The layer's ``forward``. In evaluation mode (``model.eval()``, as ``mlx_lm.load`` leaves

@@ -16,28 +16,18 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from graphkern.backends import active_backend
-from graphkern.kernel_checks import CheckCase, CheckReport, compare
+from graphkern.errors import ModelError
+from graphkern.kernel_checks import CheckCase, CheckReport
 from graphkern.kernels._base import FLOAT_DTYPES
 from graphkern.models.patching import patch, patched_layers, unpatch
 from graphkern.models.prefill import kernels_only
 from graphkern.models.wrapping import wrap
-from graphkern.nodes import KernelError, Status, dtype_name
+from graphkern.nodes import Status, dtype_name
+from graphkern.tolerance import MODEL_TOLERANCES, worst_errors
 
 __all__ = ["MODEL_TOLERANCES", "check_model"]
 
 _CHECK = "check a patched model against the stock model"
-
-#: (atol, rtol) on logits per dtype: a case passes when ``|patched - stock| <= atol + rtol * |stock|``.
-#: Looser than the kernel tolerances: rounding differences of each layer (the kernels round once,
-#: in float32; stock MLX rounds between ops in the dtype) compound through the network. float32
-#: allows 1e-3: MLX's CUDA backend runs float32 matmuls in TF32 (10-bit mantissa), so a 1e-7
-#: difference in a norm's output can flip a rounding and reach ~4e-4 in the logits.
-MODEL_TOLERANCES: dict[mx.Dtype, tuple[float, float]] = {
-    mx.float32: (1e-3, 1e-3),
-    mx.float16: (3e-2, 1e-2),
-    mx.bfloat16: (2e-1, 5e-2),
-}
-
 
 def _vocab_size(model: nn.Module) -> int | None:
     args = getattr(model, "args", None)
@@ -51,7 +41,7 @@ def _vocab_size(model: nn.Module) -> int | None:
 def _default_inputs(model: nn.Module, seed: int) -> mx.array:
     vocab = _vocab_size(model)
     if vocab is None:
-        raise KernelError(_CHECK, f"{type(model).__name__} has no token embedding to draw random "
+        raise ModelError(_CHECK, f"{type(model).__name__} has no token embedding to draw random "
                           "inputs for; pass inputs=", Status.INVALID_INPUT)
     return mx.random.randint(0, vocab, (2, 16), key=mx.random.key(seed))
 
@@ -89,7 +79,7 @@ def check_model(model: nn.Module, inputs: Any = None, *, kernels: str | Sequence
     dtypes = list(dtypes) if dtypes is not None else list(FLOAT_DTYPES)
     unknown = [dtype_name(d) for d in dtypes if d not in tolerances]
     if unknown:
-        raise KernelError(_CHECK, f"no tolerance for {unknown}; pass tolerances=", Status.INVALID_INPUT)
+        raise ModelError(_CHECK, f"no tolerance for {unknown}; pass tolerances=", Status.INVALID_INPUT)
     inputs = _default_inputs(model, seed) if inputs is None else inputs
     shape = tuple(inputs.shape) if isinstance(inputs, mx.array) else tuple(inputs[0].shape)
     name = f"{type(model).__module__.rsplit('.', 1)[-1]}.{type(model).__name__}"
@@ -107,12 +97,12 @@ def check_model(model: nn.Module, inputs: Any = None, *, kernels: str | Sequence
             try:
                 stock = _call(model, x)
                 if not patch(model, kernels):
-                    raise KernelError(_CHECK, f"no layer of {name} matches the kernels {kernels!r}",
+                    raise ModelError(_CHECK, f"no layer of {name} matches the kernels {kernels!r}",
                                       Status.INVALID_INPUT)
                 for mode in modes:
                     with kernels_only():  # the kernels at every length, where a model may run stock layers
                         out = _call(model if mode == "eager" else wrap(model), x)
-                    max_abs, max_rel, passed = compare(out, stock, atol, rtol)
+                    max_abs, max_rel, passed = worst_errors(out, stock, rtol=rtol, atol=atol)
                     report.cases.append(CheckCase(name, shape, dtype_name(dtype), mode, active_backend(),
                                                   max_abs, max_rel, atol, rtol, passed))
             except Exception as exc:  # a failing run is a failed case, reported with its reason

@@ -19,6 +19,8 @@ model is left as it was.
 from __future__ import annotations
 
 import math
+import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +28,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from graphkern.errors import ModelError, PatchWarning
 from graphkern.kernels._base import FLOAT_DTYPES
 from graphkern.kernels.ops.moe_route import MAX_EXPERTS, MAX_TOP_K
 from graphkern.kernels.ops.rope_qk import MAX_HEAD_DIM
@@ -54,7 +57,8 @@ from graphkern.models.layers import (
 from graphkern.models.patterns import Forward, is_class, module_global
 from graphkern.nodes import KernelError, Status, dtype_name
 
-__all__ = ["ROPE_RULES", "RULES", "Patched", "Rule", "kernel_names", "patch", "patched_layers", "unpatch"]
+__all__ = ["ROPE_RULES", "RULES", "PatchReport", "Patched", "Rule", "Unmatched", "kernel_names", "patch",
+           "patched_layers", "unpatch"]
 
 PATCH = "patch a model with graphkern kernels"
 _SWIGLU = "mlx_lm.models.activations:swiglu"
@@ -80,11 +84,13 @@ class Rule:
     when: Callable[[nn.Module], bool] | None = None
 
     def matches(self, module: nn.Module) -> bool:
+        return self.recognises(module) and (self.when is None or self.when(module))
+
+    def recognises(self, module: nn.Module) -> bool:
+        """Whether ``module``'s class or forward is this rule's (``when`` aside)."""
         cls = type(module)
-        if not any(cls is c if isinstance(c, type) else is_class(cls, c) for c in self.classes) and not any(
-                f.matches(cls) for f in self.forwards):
-            return False
-        return self.when is None or self.when(module)
+        return any(cls is c if isinstance(c, type) else is_class(cls, c) for c in self.classes) or any(
+            f.matches(cls) for f in self.forwards)
 
 
 @dataclass(frozen=True)
@@ -97,11 +103,30 @@ class Patched:
     original: str
 
 
+@dataclass(frozen=True)
+class Unmatched:
+    """A layer that looks like one a kernel replaces (a norm, RoPE, MLP, attention or MoE block, by
+    its class name) but that no selected rule matched: where, its class and why."""
+
+    path: str
+    original: str
+    reason: str
+
+
+class PatchReport(list[Patched]):
+    """What ``patch`` did: the replaced layers (a list of :class:`Patched`) and, as ``unmatched``,
+    the layers that look like targets but that no rule matched (:class:`Unmatched`)."""
+
+    def __init__(self, patched: list[Patched], unmatched: list[Unmatched]) -> None:
+        super().__init__(patched)
+        self.unmatched = unmatched
+
+
 # ----------------------------------------------------------------------------- parameter checks
 
 
 def _refuse(path: str, description: str) -> KernelError:
-    return KernelError(PATCH, f"{path or '<model>'}: {description}", Status.INVALID_INPUT)
+    return ModelError(PATCH, f"{path or '<model>'}: {description}", Status.INVALID_INPUT)
 
 
 def _float_dtype(dtype: mx.Dtype, what: str, path: str) -> None:
@@ -562,21 +587,61 @@ def _select(kernels: str | Sequence[str]) -> set[str]:
     if kernels == "all":
         return set(known)
     if isinstance(kernels, str) or not isinstance(kernels, Sequence):
-        raise KernelError(PATCH, f'kernels must be "all" or a list of names from {known}, got {kernels!r}',
+        raise ModelError(PATCH, f'kernels must be "all" or a list of names from {known}, got {kernels!r}',
                           Status.INVALID_INPUT)
     unknown = sorted(set(kernels) - set(known))
     if unknown:
-        raise KernelError(PATCH, f"no patch rule uses {unknown}; known kernels: {known}",
+        raise ModelError(PATCH, f"no patch rule uses {unknown}; known kernels: {known}",
                           Status.INVALID_INPUT)
     return set(kernels)
 
 
-def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> list[Patched]:
+#: Class names that look like a layer some kernel replaces, and the kernels that would.
+_LOOKS_LIKE = [(re.compile(r"norm", re.I), {"rms_norm", "layer_norm"}),
+               (re.compile(r"rope|rotary", re.I), {"rope", "rope_qk"}),
+               (re.compile(r"mlp", re.I), {"swiglu", "gelu"}),
+               (re.compile(r"attention|attn", re.I), {"rope_qk"}),
+               (re.compile(r"moe", re.I), {"moe_route"})]
+#: Class names of what holds layers (``Qwen3MoeModel``, ``Qwen3MoeDecoderLayer``): never a target.
+_CONTAINER = re.compile(r"(Model|DecoderLayer|TransformerBlock|ForCausalLM)$")
+
+
+def _unmatched(module: nn.Module, path: str, selected: frozenset[str]) -> Unmatched | None:
+    """``module`` (which no selected rule matched) as an :class:`Unmatched` when its class name
+    looks like a target of the selected kernels and no rule at all matches it (one of kernels not
+    selected is the caller's choice), else None."""
+    name = type(module).__name__
+    if _CONTAINER.search(name) or not any(pattern.search(name) and kernels & selected
+                                          for pattern, kernels in _LOOKS_LIKE):
+        return None
+    if any(rule.matches(module) for rule in RULES):
+        return None
+    refused = [rule.name for rule in RULES if rule.recognises(module)]
+    reason = (f"recognised by the rule {refused[0]!r}, whose condition on the layer's settings does "
+              f"not hold" if refused else "neither its class nor its forward is one a rule knows")
+    return Unmatched(path, f"{type(module).__module__}.{type(module).__qualname__}", reason)
+
+
+def _warn_unmatched(unmatched: list[Unmatched]) -> None:
+    by_kind: dict[tuple[str, str], list[str]] = {}
+    for u in unmatched:
+        by_kind.setdefault((u.original, u.reason), []).append(u.path)
+    lines = [f"{cls} at {', '.join(paths[:3])}{f' and {len(paths) - 3} more' if len(paths) > 3 else ''}"
+             f" ({reason})" for (cls, reason), paths in by_kind.items()]
+    warnings.warn(PatchWarning(
+        f"patch left {len(unmatched)} layer(s) that look like kernel targets running stock: "
+        + "; ".join(lines) + ". No rule matched them: a layer graphkern has no kernel for, or a "
+        "forward a newer mlx-lm changed; the report's .unmatched lists them"), stacklevel=3)
+
+
+def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> PatchReport:
     """Replace every layer of ``model`` that a rule of the selected ``kernels`` matches.
 
     The replacements share the originals' parameters (same arrays, same names). Nothing changes
     unless every match passes its checks: otherwise ``KernelError`` names the layer and the problem.
-    Layers already patched stay as they are; patching twice is harmless.
+    Layers already patched stay as they are; patching twice is harmless. A layer whose class looks
+    like a target of the selected kernels (a norm, RoPE, MLP, attention or MoE block) but that no
+    rule matched is listed in the report's ``unmatched``, and one ``gk.PatchWarning`` names them all.
 
     >>> import mlx.nn as nn
     >>> model = nn.Sequential(nn.LayerNorm(4), nn.RMSNorm(4))
@@ -587,11 +652,16 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> list[Patche
     rules = [rule for rule in RULES if rule.kernel in selected]
     installs: list[tuple[Any, Any, KernelLayer]] = []
     report: list[Patched] = []
+    unmatched: list[Unmatched] = []
 
     def visit(module: nn.Module, path: str) -> None:
         for container, key, child, child_path in _children(module, path):
             rule = None if isinstance(child, KernelLayer) else next(
                 (r for r in rules if r.matches(child)), None)
+            if rule is None and not isinstance(child, KernelLayer):
+                missed = _unmatched(child, child_path, selected)
+                if missed is not None:
+                    unmatched.append(missed)
             if rule is not None:
                 child = rule.build(child, child_path)
                 child.select(selected)
@@ -606,17 +676,22 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> list[Patche
     visit(model, "")
     for container, key, replacement in installs:
         container[key] = replacement
-    return report
+    if unmatched:
+        _warn_unmatched(unmatched)
+    return PatchReport(report, unmatched)
 
 
 def _sync(layer: KernelLayer) -> None:
-    """Carry parameters replaced while patched (training, ``update``) back to the originals. Only
+    """Carry parameters replaced while patched (training, ``update``) back to the originals, and
+    child modules replaced while patched (``nn.quantize``'s quantized projections, adapters). Only
     the ones replaced: a layer left out of the model by a later patch (the input norm a fused block
     took over) holds arrays older than its original's."""
     original = layer.original
     for key, value in layer.replaced_arrays().items():
         if key in original:
             original[key] = value
+    for key, value in layer.replaced_children().items():
+        original[key] = value  # its own kernel layers are put back when unpatch walks into it
     for _, _, child, _ in _children(layer, ""):
         if isinstance(child, KernelLayer):
             _sync(child)
@@ -625,7 +700,9 @@ def _sync(layer: KernelLayer) -> None:
 def unpatch(model: nn.Module) -> list[str]:
     """Put back every layer ``patch`` replaced (the very same module objects); returns their paths.
 
-    Parameters updated while patched are carried over to the originals.
+    What was done to the model while patched is carried over to the originals: updated parameters,
+    and child modules put in place of stock ones (``nn.quantize(model)`` after ``patch`` leaves the
+    stock layers with the quantized projections).
     """
     restored: list[str] = []
 

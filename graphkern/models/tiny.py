@@ -16,7 +16,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern.nodes import KernelError, Status
+from graphkern.errors import ModelError
+from graphkern.nodes import Status
 
 __all__ = ["DEEPSEEK_V3_CONFIG", "TINY_CONFIGS", "random_model", "tiny_model"]
 
@@ -55,7 +56,7 @@ def tiny_model(arch: str, dtype: mx.Dtype = mx.float32, seed: int = 0) -> nn.Mod
     Needs mlx-lm (``pip install graphkern[models]``).
     """
     if arch not in TINY_CONFIGS:
-        raise KernelError("build a tiny mlx-lm model", f"unknown architecture {arch!r}; "
+        raise ModelError("build a tiny mlx-lm model", f"unknown architecture {arch!r}; "
                           f"known: {sorted(TINY_CONFIGS)}", Status.INVALID_INPUT)
     return random_model(TINY_CONFIGS[arch], dtype, seed)
 
@@ -71,7 +72,7 @@ def random_model(config: dict[str, Any], dtype: mx.Dtype = mx.float32, seed: int
     try:
         from mlx_lm.utils import _get_classes
     except ImportError as exc:
-        raise KernelError("build an mlx-lm model", "mlx-lm is not installed "
+        raise ModelError("build an mlx-lm model", "mlx-lm is not installed "
                           "(pip install 'graphkern[models]')", Status.BACKEND_UNAVAILABLE) from exc
     model_class, args_class = _get_classes(dict(config))
     importlib.import_module(model_class.__module__)

@@ -30,6 +30,7 @@ from graphkern import backends
 from graphkern.compiled import CompiledGraph, all_finite, non_finite_error
 from graphkern.compiled import compile as compile_graph
 from graphkern.distributed.sync import rank_sync
+from graphkern.errors import ModelError
 from graphkern.graph import Graph
 from graphkern.models.cache import cache_states, snapshot, stand_ins, states_of, write_back
 from graphkern.models.structure import StructureWatch
@@ -74,7 +75,7 @@ class WrappedModel:
                  trace_each_offset: bool = False, check_finite: bool = False,
                  group: Any = None, timeout: float | None = None):
         if not isinstance(model, nn.Module):
-            raise KernelError(WRAP_OPERATION, f"wrap expects an mlx.nn.Module, got {type(model).__name__}",
+            raise ModelError(WRAP_OPERATION, f"wrap expects an mlx.nn.Module, got {type(model).__name__}",
                               Status.INVALID_INPUT)
         self.model = model
         self.backend = backend
@@ -82,6 +83,9 @@ class WrappedModel:
         self._sync = rank_sync([m for _, m in model.named_modules()], group, timeout)
         self._group = self._sync.group if self._sync is not None else None
         self.timeout = timeout
+        if isinstance(max_traces, bool) or not isinstance(max_traces, int) or max_traces < 1:
+            raise ModelError(WRAP_OPERATION, f"max_traces must be a positive int, got {max_traces!r}",
+                              Status.INVALID_INPUT)
         self.max_traces = max_traces
         self._graphs: OrderedDict[Any, CompiledGraph] = OrderedDict()
         self.trace_each_offset = trace_each_offset
@@ -118,12 +122,28 @@ class WrappedModel:
                 self._cache_calls_traced.add(family)
             compiled = self._new_compiled()
             self._graphs[static] = compiled
-            while len(self._graphs) > self.max_traces:
-                self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(static)
         self._last = compiled
         return compiled
+
+    def _bound_traces(self) -> None:
+        """Keep at most ``max_traces`` traces in all: the oldest trace of the compiled graph used
+        longest ago goes first (that graph too once it keeps none); the current call's newest
+        trace stays."""
+        total = sum(c.trace_count() for c in self._graphs.values())
+        while total > self.max_traces:
+            static, victim = next(((k, c) for k, c in self._graphs.items() if c is not self._last),
+                                  (None, self._last))
+            if victim is None:
+                return
+            if victim.trace_count() == 0:  # a graph whose only call failed before it traced
+                del self._graphs[static]
+                continue
+            victim.forget_oldest_trace()
+            total -= 1
+            if victim.trace_count() == 0 and static is not None:
+                del self._graphs[static]
 
     def _structure_changed(self) -> bool:
         """Whether modules were swapped (patch, unpatch) or parameters reshaped since the last
@@ -190,7 +210,12 @@ class WrappedModel:
             return self._eager(args, cache, kwargs)
         self._eager_cache = None
         self.calls["compiled"] += 1
-        out = compiled(*args, **kwargs)
+        traces = compiled.trace_count()
+        try:
+            out = compiled(*args, **kwargs)
+        finally:
+            if compiled.trace_count() != traces:
+                self._bound_traces()
         if cache is None:
             return out
         logits, states = out
@@ -207,7 +232,10 @@ class WrappedModel:
             except KernelError as exc:  # a launch refused before anything ran
                 return None, exc.status
         self.calls["compiled"] += 1
+        traces = compiled.trace_count()
         out, status = compiled.call_with_status(*args, **kwargs)
+        if compiled.trace_count() != traces:
+            self._bound_traces()
         if out is None or cache is None:
             return out, status
         write_back(cache, out[1])
@@ -218,8 +246,10 @@ class WrappedModel:
         args, kwargs, _ = self._prepare(args, cache, kwargs)
         compiled = self._compiled(args, kwargs)
         if compiled is None:  # a call that runs eagerly is still traced when asked for
-            compiled = self._new_compiled()
-        return compiled.trace(*args, **kwargs)
+            return self._new_compiled().trace(*args, **kwargs)
+        graph = compiled.trace(*args, **kwargs)
+        self._bound_traces()
+        return graph
 
     def _new_compiled(self) -> CompiledGraph:
         return compile_graph(_forward(self.model), backend=self.backend, check_finite=self.check_finite,
@@ -258,7 +288,8 @@ def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
     is traced and compiled, and the same call at a new offset runs the model eagerly on the caller's
     cache (``.calls`` counts both), as torch.compile falls back to eager past its recompile limit:
     tracing every token would cost more than running it. ``trace_each_offset=True`` traces and
-    compiles every offset instead; ``max_traces`` bounds how many traces are kept. An eager call that
+    compiles every offset instead. ``max_traces`` bounds the traces kept in all (one per input
+    signature: each prompt length is one), the oldest dropped first. An eager call that
     fails raises what failed (a kernel's ``KernelError``, MLX's error) and leaves the cache as it was.
     ``check_finite=True`` checks each call's logits for NaN/Inf and raises ``GraphError`` naming the
     node where they started (see ``gk.compile``); the cache is then left as it was.

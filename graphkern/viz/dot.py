@@ -26,7 +26,8 @@ from typing import Any
 
 import networkx as nx
 
-from graphkern.nodes import KernelError, Status
+from graphkern.errors import DrawingError
+from graphkern.nodes import Status
 from graphkern.viz._common import (
     UPSTREAM_FAILED,
     all_in_edges,
@@ -553,7 +554,7 @@ def to_svg(graph: Any, **kw: Any) -> str:
 
 def format_for(path: str | os.PathLike[str], format: str | None = None) -> str:
     """The format ``render`` writes ``path`` in: its suffix, which must be one of ``FORMATS``
-    (and agree with ``format`` when both are given); raises ``KernelError`` otherwise.
+    (and agree with ``format`` when both are given); raises ``DrawingError`` otherwise.
 
     >>> format_for("graph.PNG"), format_for("graph", "pdf")
     ('png', 'pdf')
@@ -562,17 +563,17 @@ def format_for(path: str | os.PathLike[str], format: str | None = None) -> str:
     suffix = os.path.splitext(name)[1].lstrip(".").lower()
     wanted = format.lower().lstrip(".") if format else None
     if wanted is not None and wanted not in FORMATS:
-        raise KernelError(_RENDER, f"format must be one of {', '.join(FORMATS)}, got {format!r}",
+        raise DrawingError(_RENDER, f"format must be one of {', '.join(FORMATS)}, got {format!r}",
                           Status.INVALID_INPUT)
     if suffix and suffix not in FORMATS:
-        raise KernelError(_RENDER, f"cannot write {name!r}: the suffix .{suffix} is not one of "
+        raise DrawingError(_RENDER, f"cannot write {name!r}: the suffix .{suffix} is not one of "
                           f"{', '.join('.' + f for f in FORMATS)}", Status.INVALID_INPUT)
     if suffix and wanted and suffix != wanted:
-        raise KernelError(_RENDER, f"cannot write {name!r} as {wanted}: its suffix says {suffix}",
+        raise DrawingError(_RENDER, f"cannot write {name!r} as {wanted}: its suffix says {suffix}",
                           Status.INVALID_INPUT)
     fmt = suffix or wanted
     if fmt is None:
-        raise KernelError(_RENDER, f"cannot tell the format of {name!r}: end it in "
+        raise DrawingError(_RENDER, f"cannot tell the format of {name!r}: end it in "
                           f"{', '.join('.' + f for f in FORMATS)} or pass format=",
                           Status.INVALID_INPUT)
     return fmt
@@ -582,7 +583,7 @@ def render(graph: Any, path: str | os.PathLike[str], format: str | None = None, 
            progress: Progress | bool | None = None, timeout: float | None = None,
            **kw: Any) -> str:
     """Draw the graph with Graphviz into ``path`` as SVG, PNG or PDF, as its suffix says (an
-    unknown suffix raises ``KernelError``). The file appears whole or not at all. A layout that
+    unknown suffix raises ``DrawingError``). The file appears whole or not at all. A layout that
     runs past two seconds reports its progress on stderr (``progress=False`` silences it, or
     pass a callable taking a line of text); ``timeout`` stops it after that many seconds.
     ``**kw`` go to ``to_dot``. Returns the path.

@@ -16,7 +16,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from graphkern.nodes import KernelError, Status
+from graphkern.errors import DrawingError
+from graphkern.nodes import Status
 from graphkern.schema import STAT_KEYS
 
 __all__ = ["COLOURINGS", "colouring_for", "json_number", "node_values", "values_doc"]
@@ -94,11 +95,11 @@ def values_doc(g: Any, order: Sequence[Any], comparison: Mapping[str, Any] | Non
     has = {"stats": has_stats, "compare": compare is not None}
     if colour_by is not None:
         if colour_by not in COLOURINGS:
-            raise KernelError(_TO_HTML, f"colour_by must be one of {', '.join(map(repr, COLOURINGS))}, "
+            raise DrawingError(_TO_HTML, f"colour_by must be one of {', '.join(map(repr, COLOURINGS))}, "
                               f"got {colour_by!r}", Status.INVALID_INPUT)
         need = _NEEDS.get(colour_by)
         if need is not None and not has[need]:
-            raise KernelError(_TO_HTML, f"cannot colour by {colour_by!r}: no node carries "
+            raise DrawingError(_TO_HTML, f"cannot colour by {colour_by!r}: no node carries "
                               + ("statistics (gk.inspect records them)" if need == "stats"
                                  else "a comparison (gk.compare records it)"), Status.INVALID_INPUT)
     if not has_stats and compare is None and colour_by in (None, "kind"):

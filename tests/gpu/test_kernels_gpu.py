@@ -13,10 +13,11 @@ import mlx.nn as nn
 import pytest
 
 import graphkern.kernels as gkk
-from graphkern.kernel_checks import TOLERANCES, check_kernel, compare
+from graphkern.kernel_checks import TOLERANCES, check_kernel
 from graphkern.kernels import LIBRARY, Case, LibraryEntry, apply_plan
 from graphkern.kernels.ops.rope_qk import _stock as stock_prologue
 from graphkern.models import patch
+from graphkern.tolerance import worst_errors
 
 pytestmark = pytest.mark.gpu
 
@@ -83,7 +84,7 @@ def test_misaligned_pointers_take_the_scalar_path(name: str, dtype: mx.Dtype) ->
     plan = entry.plan(*case.args, **case.kwargs)
     out, ref = apply_plan(plan), apply_plan(plan, "reference")
     atol, rtol = TOLERANCES[dtype]
-    assert compare(out, ref, atol, rtol)[2]
+    assert worst_errors(out, ref, rtol=rtol, atol=atol)[2]
 
 
 # The stock MLX op on the same device: the library must agree with what it replaces.
@@ -94,7 +95,7 @@ def _stock_agree(entry: LibraryEntry, shape: tuple[int, ...], dtype: mx.Dtype) -
     case = entry.make_inputs(shape, dtype, mx.random.key(7))
     ours, stock = entry(case), entry.stock_outputs(case)
     atol, rtol = STOCK_TOL[dtype]
-    max_abs, _, ok = compare(ours, stock, atol, rtol)
+    max_abs, _, ok = worst_errors(ours, stock, rtol=rtol, atol=atol)
     assert ok, f"{entry.name} {shape} {dtype}: max abs err vs stock {max_abs}"
 
 

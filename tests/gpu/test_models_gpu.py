@@ -7,6 +7,8 @@ mlx-lm (``pip install 'graphkern[models]'``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -220,3 +222,16 @@ def test_on_cuda_a_short_prompt_runs_the_stock_layers_and_a_long_one_the_kernels
     assert count[0] > 0
     atol, rtol = MODEL_TOLERANCES[mx.float16]  # float32 products in TF32 over 512 positions
     assert mx.allclose(got, expected, atol=atol, rtol=rtol).item(), mx.abs(got - expected).max().item()
+
+
+def test_value_and_grad_through_a_wrapped_stock_model_on_device() -> None:
+    """``gk.wrap`` of a model without kernels differentiates as the model does (float32,
+    loss 1e-4, gradients 1e-4 + 1e-3 relative: TF32 matmuls on CUDA)."""
+    def loss(model: nn.Module, fn: Any) -> mx.array:
+        return nn.losses.cross_entropy(fn(TOKENS[:, :-1]), TOKENS[:, 1:], reduction="mean")
+
+    model = tiny_model("llama")
+    stock = nn.value_and_grad(model, lambda m: loss(m, m))(model)
+    wrapped = wrap(model)
+    through_wrap = nn.value_and_grad(model, lambda m: loss(m, wrapped))(model)
+    assert_same_gradients(stock, through_wrap, loss_atol=1e-4, atol=1e-4, rtol=1e-3)
