@@ -22,18 +22,8 @@ from typing import Any
 
 import click
 
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-
-
-class BadInput(click.ClickException):
-    """A clear message and exit status 2."""
-
-    exit_code = EXIT_BAD_INPUT
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"error: {self.format_message()}", err=True)
-
+from graphkern.cli_errors import EXIT_FAILED, BadInput
+from graphkern.cli_model import check_model_options, model_and_tokens, model_options
 
 # ----------------------------------------------------------------------------- input specs
 
@@ -144,6 +134,36 @@ def resolve_target(target: str) -> tuple[Callable[..., Any], str]:
     if not callable(obj):
         raise BadInput(f"{module_name}:{attr} is a {type(obj).__name__}, not a callable")
     return obj, attr
+
+
+def check_arity(fn: Callable[..., Any], target: str, given: int) -> None:
+    """Refuse, saying what to fix, a callable whose required positional arguments do not match
+    the ``-i`` options given (a missing ``-i``, or a factory function named instead of the model
+    it builds)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call say
+        return
+    positional = [p for p in signature.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p.name for p in positional if p.default is p.empty]
+    varargs = any(p.kind == p.VAR_POSITIONAL for p in signature.parameters.values())
+    if given < len(required):
+        names, example = ", ".join(required), " ".join(["-i 1,16:int32"] * len(required))
+        raise BadInput(f"{target} takes {len(required)} argument{'s' if len(required) != 1 else ''} "
+                       f"({names}) and {given} -i/--input {'was' if given == 1 else 'were'} given: "
+                       f"give one -i SHAPE:DTYPE for each, e.g. {example} "
+                       "(or use --model PATH for an mlx-lm checkpoint)")
+    if given > len(positional) and not varargs:
+        if not positional:
+            raise BadInput(f"{target} takes no arguments but {given} -i/--input "
+                           f"{'was' if given == 1 else 'were'} given. If it builds and returns the "
+                           "model, name the model instead: a module-level instance (file.py:model) "
+                           "or its class (file.py:MyModel, instantiated with no arguments)")
+        raise BadInput(f"{target} takes at most {len(positional)} positional argument"
+                       f"{'s' if len(positional) != 1 else ''} and {given} -i/--input were given")
 
 
 # ----------------------------------------------------------------------------- graphs and files
@@ -342,7 +362,8 @@ def _finish(graph: Any, files: dict[str, bytes], quiet: bool) -> None:
 
 
 @click.command("trace")
-@click.argument("target", metavar="MODULE:CALLABLE")
+@click.argument("target", metavar="[MODULE:CALLABLE]", required=False)
+@model_options
 @click.option("--input", "-i", "inputs", multiple=True, metavar="SHAPE:DTYPE",
               help="One positional argument, e.g. 4,8:float32 (repeat for each argument; "
                    "integers are drawn from [0, 16), floats from a normal distribution).")
@@ -353,57 +374,92 @@ def _finish(graph: Any, files: dict[str, bytes], quiet: bool) -> None:
               help="Trace for this backend (default: the active one; sets GRAPHKERN_BACKEND).")
 @click.option("--table", is_flag=True, help="Print the per-node table, not just the summary.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
-def trace_cmd(target: str, inputs: tuple[str, ...], json_path: str | None, html: str | None,
+def trace_cmd(target: str | None, model_path: str | None, prompt: str | None, patch_model: bool,
+              inputs: tuple[str, ...], json_path: str | None, html: str | None,
               dot: str | None, svg: str | None, png: str | None, pdf: str | None, me: str | None,
               depth: int | None, weights: bool, all_blocks: bool, seed: int,
               backend: str | None, table: bool, quiet: bool) -> None:
-    """Trace MODULE:CALLABLE on random inputs and write its graph.
+    """Trace a model checkpoint on a prompt (--model), or MODULE:CALLABLE on random inputs, and
+    write its graph.
 
     \b
     Examples:
+      graphkern trace --model mlx-community/Llama-3.2-1B-Instruct-4bit --prompt hi --html graph.html
+      graphkern trace --model ./my-checkpoint --patch --svg patched.svg --json patched.json
       graphkern trace mymodel.py:forward -i 1,16:int32 --html graph.html --json graph.json
       graphkern trace mypkg.layers:RMSNorm -i 4,64:float16 --svg norm.svg
 
     Exit status: 0 OK, 1 a node failed (or the function raised), 2 bad input.
     """
+    check_model_options(target, model_path, prompt, patch_model, inputs)
     specs = [parse_input_spec(s) for s in inputs]
     outputs = {"--json": json_path, "--html": html, "--dot": dot, "--svg": svg, "--png": png,
                "--pdf": pdf, "--model-explorer": me}
     _check_outputs(outputs)
     if backend:
         os.environ["GRAPHKERN_BACKEND"] = backend
-    fn, name = resolve_target(target)
     with _progress(not quiet) as step:
-        step(f"building {len(specs)} input{'s' if len(specs) != 1 else ''}")
-        import mlx.core as mx
-
+        call = traced_call(target, model_path, prompt, patch_model, specs, seed, step, quiet)
         import graphkern as gk
 
-        keys = mx.random.split(mx.random.key(seed), max(2, len(specs)))
-        args = [make_input(shape, dtype, keys[i]) for i, (shape, dtype) in enumerate(specs)]
-        step(f"tracing {name}")
+        step(f"tracing {call.name}")
         t0 = time.perf_counter()
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", gk.ScopeWarning)
-                graph = gk.trace(fn, *args)
+                graph = gk.trace(call.fn, *call.args)
             for w in caught:  # a plain line, not Python's file:line form
                 if issubclass(w.category, gk.ScopeWarning):
                     click.echo(f"warning: {w.message}", err=True)
                 else:
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         except gk.KernelError as e:
-            click.echo(f"error: tracing {target} failed: {e}", err=True)
+            click.echo(f"error: tracing {call.label} failed: {e}", err=True)
             raise SystemExit(EXIT_FAILED) from None
         except Exception as e:
-            click.echo(f"error: tracing {target} raised {type(e).__name__}: {e}", err=True)
+            click.echo(f"error: tracing {call.label} raised {type(e).__name__}: {e}", err=True)
             raise SystemExit(EXIT_FAILED) from None
         elapsed = time.perf_counter() - t0
+        if model_path:
+            graph.nx.graph["name"] = call.name  # the checkpoint's folder, not its class
         files = render_outputs(graph, outputs, step, _drawing(depth, weights, all_blocks))
     if not quiet:
         click.echo(graph.summary() if table else brief_summary(graph))
         click.echo(f"traced in {elapsed:.2f} s", err=True)
     _finish(graph, files, quiet)
+
+
+@dataclass
+class Call:
+    """What a command runs: ``fn(*args)``; ``label`` names it in messages, ``name`` in the graph;
+    ``run`` is the loaded checkpoint with ``--model``."""
+
+    label: str
+    fn: Callable[..., Any]
+    name: str
+    args: list[Any]
+    run: Any = None
+
+
+def traced_call(target: str | None, model_path: str | None, prompt: str | None, patch_model: bool,
+                specs: list[tuple[tuple[int, ...], str]], seed: int, step: Callable[[str], None],
+                quiet: bool = False, stock_twin: bool = False) -> Call:
+    """The call of ``--model`` (the loaded checkpoint on the prompt's tokens) or of
+    MODULE:CALLABLE (on random inputs from ``specs``)."""
+    if model_path:
+        run = model_and_tokens(model_path, prompt, patch_model, step, stock_twin)
+        if not quiet:
+            click.echo(run.describe(), err=True)
+        return Call(model_path, run.checkpoint.model, run.checkpoint.name, [run.tokens], run)
+    assert target is not None  # check_model_options
+    fn, name = resolve_target(target)
+    check_arity(fn, target, len(specs))
+    step(f"building {len(specs)} input{'s' if len(specs) != 1 else ''}")
+    import mlx.core as mx
+
+    keys = mx.random.split(mx.random.key(seed), max(2, len(specs)))
+    args = [make_input(shape, dtype, keys[i]) for i, (shape, dtype) in enumerate(specs)]
+    return Call(target, fn, name, args)
 
 
 @click.command("show")
