@@ -1,7 +1,7 @@
 """The ``graphkern`` command line (click). ``graphkern demo`` is the main job.
 
-Other commands (trace, show, diff, view) are registered from ``graphkern.cli_commands``, and
-``debug`` from ``graphkern.cli_debug``.
+Other commands (trace, show, diff, view) are registered from ``graphkern.cli_commands``,
+``debug`` from ``graphkern.cli_debug`` and ``bench`` from ``graphkern.cli_bench``.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ def _register_optional_commands() -> None:
     """Add the commands of ``graphkern.cli_commands`` (``register(main)``) when that module exists."""
     if importlib.util.find_spec("graphkern.cli_commands") is None:
         return
-    from . import cli_commands, cli_debug
+    from . import cli_bench, cli_commands, cli_debug
 
     cli_commands.register(main)
     cli_debug.register(main)
+    cli_bench.register(main)
 
 
 _register_optional_commands()

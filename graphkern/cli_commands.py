@@ -539,21 +539,26 @@ def diff_cmd(before: str, after: str, html: str | None, json_path: str | None,
 
 
 @click.command("view")
-@click.argument("file", metavar="FILE.json", type=click.Path(dir_okay=False))
+@click.argument("file", metavar="[FILE.json]", type=click.Path(dir_okay=False), required=False)
+@model_options
 @click.option("--model-explorer", "model_explorer", is_flag=True,
               help="Open in Google's Model Explorer (pip install 'graphkern[model-explorer]').")
 @click.option("--out", type=click.Path(dir_okay=False),
               help="Where to write the HTML page (default: a temporary file).")
 @click.option("--no-browser", is_flag=True, help="Write the page (or start the server) but open no browser.")
 @click.option("--port", default=8080, show_default=True, help="Model Explorer's port.")
-def view_cmd(file: str, model_explorer: bool, out: str | None, no_browser: bool, port: int) -> None:
-    """Open a saved graph in the browser (the HTML viewer, or Model Explorer).
+def view_cmd(file: str | None, model_path: str | None, prompt: str | None, patch_model: bool,
+             model_explorer: bool, out: str | None, no_browser: bool, port: int) -> None:
+    """Open a saved graph, or a model checkpoint traced on a prompt (--model), in the browser (the
+    HTML viewer, or Model Explorer).
 
     \b
     Examples:
+      graphkern view --model mlx-community/Llama-3.2-1B-Instruct-4bit --patch
       graphkern view graph.json
       graphkern view graph.json --model-explorer
     """
+    check_model_options(file, model_path, prompt, patch_model, what="FILE.json")
     if model_explorer:
         import importlib.util
 
@@ -561,7 +566,7 @@ def view_cmd(file: str, model_explorer: bool, out: str | None, no_browser: bool,
 
         if importlib.util.find_spec("model_explorer") is None:
             raise BadInput(INSTALL_HINT)
-        graph = load_graph(file)
+        graph = _viewed_graph(file, model_path, prompt, patch_model)
         from graphkern.viz.model_explorer import view
 
         view(graph, port=port, open_browser=not no_browser)
@@ -573,7 +578,7 @@ def view_cmd(file: str, model_explorer: bool, out: str | None, no_browser: bool,
     from graphkern.viz.html import to_html
 
     _check_outputs({"--out": out})
-    graph = load_graph(file)
+    graph = _viewed_graph(file, model_path, prompt, patch_model)
     if out is None:
         fd, out = tempfile.mkstemp(prefix="graphkern-", suffix=".html")
         os.close(fd)
@@ -581,6 +586,23 @@ def view_cmd(file: str, model_explorer: bool, out: str | None, no_browser: bool,
     click.echo(f"wrote {out}")
     if not no_browser:
         webbrowser.open("file://" + os.path.abspath(out))
+
+
+def _viewed_graph(file: str | None, model_path: str | None, prompt: str | None, patch_model: bool) -> Any:
+    """The saved graph in ``file``, or the trace of ``--model`` on its prompt."""
+    if file:
+        return load_graph(file)
+    assert model_path is not None  # check_model_options
+    import graphkern as gk
+
+    call = traced_call(None, model_path, prompt, patch_model, [], 0, lambda text: None)
+    try:
+        graph = gk.trace(call.fn, *call.args)
+    except gk.KernelError as e:
+        click.echo(f"error: tracing {call.label} failed: {e}", err=True)
+        raise SystemExit(EXIT_FAILED) from None
+    graph.nx.graph["name"] = call.name
+    return graph
 
 
 COMMANDS = [trace_cmd, show_cmd, diff_cmd, view_cmd]
