@@ -144,16 +144,20 @@ def prompt_tokens(tokenizer: Any, prompt: str | None) -> Any:
     return mx.array([ids], dtype=mx.int32)
 
 
+_WHAT = {"MODULE:CALLABLE": "a .py file or module and a callable in it, with -i SHAPE:DTYPE for each "
+                            "argument",
+         "FILE.json": "a graph written by --json"}
+
+
 def check_model_options(target: str | None, model_path: str | None, prompt: str | None,
                         patch_model: bool, inputs: tuple[str, ...] = (),
                         what: str = "MODULE:CALLABLE") -> None:
-    """Exactly one of ``target`` and ``--model``; ``--prompt``/``--patch`` only with ``--model``;
-    ``-i`` only with a target."""
+    """Exactly one of ``target`` (a ``what``) and ``--model``; ``--prompt``/``--patch`` only with
+    ``--model``; ``-i`` only with a target."""
     if target and model_path:
         raise BadInput(f"give either {what} or --model PATH, not both")
     if not target and not model_path:
-        raise BadInput(f"give {what} (a .py file or module and a callable in it, with -i SHAPE:DTYPE "
-                       "for each argument) or --model PATH (an mlx-lm checkpoint folder)")
+        raise BadInput(f"give {what} ({_WHAT[what]}) or --model PATH (an mlx-lm checkpoint folder)")
     if not model_path and (prompt is not None or patch_model):
         raise BadInput(f"{'--prompt' if prompt is not None else '--patch'} goes with --model PATH")
     if model_path and inputs:

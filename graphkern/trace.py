@@ -117,9 +117,22 @@ class TraceRecorder:
 
     def module_call(self, path: str, module: nn.Module, inputs: list[mx.array],
                     outputs: list[mx.array], error: KernelError | None) -> list[mx.array]:
-        record = Record(len(self.records), "module", type(module).__name__, path, len(outputs),
+        record = Record(len(self.records), "module", module_class_name(module), path, len(outputs),
                         error=error)
         return self._tagged(record, inputs, outputs)
+
+
+def module_class_name(module: Any) -> str:
+    """The class a module shows in graphs and messages: a layer ``gk.patch`` put on a kernel shows
+    the class it replaced (the kernel is a detail of the user's module, not a new identity).
+
+    >>> import mlx.nn as nn, graphkern as gk
+    >>> model = nn.Sequential(nn.RMSNorm(4)); _ = gk.patch(model)
+    >>> type(model.layers[0]).__name__, module_class_name(model.layers[0])
+    ('KernelRMSNorm', 'RMSNorm')
+    """
+    shown = getattr(module, "shown_class_name", None)
+    return shown() if callable(shown) else type(module).__name__
 
 
 def _kernel_attrs(launch: Launch | None, kernel: Any,
@@ -278,7 +291,7 @@ def _hooked(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             out = original(self, *args, **kwargs)
         except Exception as exc:  # a failing module becomes a failed node, the trace goes on
-            error = KernelError(f"call module {path!r} ({type(self).__name__})",
+            error = KernelError(f"call module {path!r} ({module_class_name(self)})",
                                 f"{type(exc).__name__}: {exc}", Status.MODULE_ERROR)
             out = _stand_in(self, inputs, args, kwargs)
         finally:
@@ -407,7 +420,7 @@ class Traceable:
         inputs = [data for _, data in g.nodes(data=True) if data["kind"] == "input"]
         for data in inputs[n_args:]:  # MLX lists the arguments first, then the state
             data["state"] = True
-        g.graph["modules"] = {path: type(module).__name__
+        g.graph["modules"] = {path: module_class_name(module)
                               for path, module in self.state.modules.values() if path}
         kernels = {k.source_hash: k for k in recorder.kernels.values()}
         g.graph["kernel_sources"] = kernel_sources(list(kernels.values()))
