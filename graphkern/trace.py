@@ -317,6 +317,24 @@ def _stand_in(module: nn.Module, inputs: list[mx.array], args: Any, kwargs: Any)
 # ----------------------------------------------------------------------------- tracing
 
 
+def _refuse_compiled(fn: Any) -> None:
+    """A ``gk.wrap``ped model or ``gk.compile``d function runs a compiled graph, which evaluates
+    inside MLX's capture ("Attempting to eval an array during function transformations"): say
+    what to trace instead."""
+    wrapping = sys.modules.get("graphkern.models.wrapping")
+    if wrapping is not None and isinstance(fn, wrapping.WrappedModel):
+        raise KernelError(_TRACE, "this is a gk.wrap()ped model, which runs a compiled graph that "
+                          "cannot be traced again: trace the model itself (gk.trace(wrapped.model, "
+                          "...)), or read the graph the wrapper traced: wrapped.graph",
+                          Status.INVALID_INPUT)
+    from graphkern.compiled import CompiledGraph
+
+    if isinstance(fn, CompiledGraph):
+        raise KernelError(_TRACE, "this is a gk.compile()d function, which runs a compiled graph "
+                          "that cannot be traced again: trace the function you compiled, or read "
+                          "the graph it traced: compiled.graph", Status.INVALID_INPUT)
+
+
 class Traceable:
     """``fn`` with its arguments and state flattened to arrays, ready for MLX's transforms."""
 
@@ -324,6 +342,7 @@ class Traceable:
         if not callable(fn):
             raise KernelError(_TRACE, f"expected a function or nn.Module, got {type(fn).__name__}",
                               Status.INVALID_INPUT)
+        _refuse_compiled(fn)
         self.fn = fn
         self.state = State.of(fn, state)
         self.arg_names = argument_names(fn)
