@@ -11,13 +11,14 @@ import contextlib
 import contextvars
 import inspect
 import os
+import queue
 import random
 import re
 import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import mlx.core as mx
@@ -364,9 +365,19 @@ class Traceable:
             raise KernelError(_TRACE, f"{self.name} returned no arrays", Status.INVALID_INPUT)
         return outputs
 
+    def refuse_foreign_arrays(self, flat: Flat) -> None:
+        """A numpy array (or another library's) among the arguments is refused before tracing:
+        inside the trace it would fail on some op far from the argument that caused it."""
+        found = flat.foreign_arrays(self.arg_names)
+        if found:
+            path, kind = found[0]
+            raise KernelError(_TRACE, f"argument {path!r} of {self.name} is a {kind}, not an MLX "
+                              f"array: pass mx.array({path}) instead", Status.INVALID_INPUT)
+
     def call_recorded(self, flat: Flat, recorder: TraceRecorder, backend: str | None = None) -> Any:
         """Call ``fn`` eagerly on ``flat``'s arrays with ``recorder`` seeing its kernel and module
         calls (as a trace would, in the same order), on this thread."""
+        self.refuse_foreign_arrays(flat)
         owners = _ModuleHooks.install([m for _, m in self.state.modules.values()])
         try:
             with recording(recorder), backends.using_backend(backend):
@@ -379,6 +390,7 @@ class Traceable:
         """Capture one call as a ``Graph``; returns it with the output tree spec. ``used``, if
         given, receives the kernel objects the call launched; ``wiring`` how to run the graph
         node by node (see ``capture.Wiring``)."""
+        self.refuse_foreign_arrays(flat)
         n_args = len(flat.arrays)
         state_arrays = self.state.arrays()
         recorder = self.recorder()
@@ -480,16 +492,59 @@ def _watch_modules(seen: list[str], enabled: bool) -> Iterator[None]:
 _STACK_BYTES = 1 << 30
 _MAX_TRACE_THREADS = 8
 _stack_lock = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
 _worker = threading.local()
 
 
-def _trace_threads() -> ThreadPoolExecutor:
+class _DaemonPool:
+    """Up to ``size`` daemon threads taking work from one queue, each made when no thread is idle.
+
+    Daemon threads, unlike ``ThreadPoolExecutor``'s, which are joined at exit: a joined thread
+    frees its MLX state (its compile cache, which holds Python objects once a model's
+    ``mx.compile``d function ran on it, as after a failed trace) while the interpreter finalizes,
+    and taking the GIL there aborts the process ("terminate called without an active
+    exception"). A daemon thread waiting on the queue is simply gone at exit.
+    """
+
+    def __init__(self, size: int, name: str):
+        self.size, self.name = size, name
+        self.jobs: queue.SimpleQueue[tuple[Future[None], Callable[[], None]]] = queue.SimpleQueue()
+        self.idle = threading.Semaphore(0)
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    def submit(self, work: Callable[[], None]) -> Future[None]:
+        future: Future[None] = Future()
+        self.jobs.put((future, work))
+        with self.lock:
+            if not self.idle.acquire(blocking=False) and len(self.threads) < self.size:
+                thread = threading.Thread(target=self._serve, name=f"{self.name}_{len(self.threads)}",
+                                          daemon=True)
+                thread.start()
+                self.threads.append(thread)
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            future, work = self.jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    work()
+                    future.set_result(None)
+                except BaseException as exc:  # the caller re-raises it
+                    future.set_exception(exc)
+            del future, work  # nothing of the finished call stays alive while waiting
+            self.idle.release()
+
+
+_pool: tuple[int, _DaemonPool] | None = None  # (pid that made it, pool)
+
+
+def _trace_threads() -> _DaemonPool:
     """The long-lived deep-stack threads traces run on (made again in a forked child, which
     inherits the pool but not its threads)."""
     global _pool
     if _pool is None or _pool[0] != os.getpid():
-        _pool = (os.getpid(), ThreadPoolExecutor(_MAX_TRACE_THREADS, thread_name_prefix="graphkern-trace"))
+        _pool = (os.getpid(), _DaemonPool(_MAX_TRACE_THREADS, "graphkern-trace"))
     return _pool[1]
 
 
@@ -523,7 +578,16 @@ def _on_deep_stack(work: Callable[[], None]) -> None:
             future = _trace_threads().submit(run)
         finally:
             threading.stack_size(previous)
-    future.result()
+    error = future.exception()
+    del future
+    if error is not None:
+        # no reference cycle (this frame -> error -> traceback -> this frame) keeps the failed
+        # call's frames and MLX arrays alive until interpreter exit, where freeing them aborted
+        # the process ("terminate called without an active exception")
+        try:
+            raise error
+        finally:
+            del error
 
 
 def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
