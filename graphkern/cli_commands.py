@@ -25,6 +25,9 @@ import click
 from graphkern.cli_errors import EXIT_FAILED, BadInput
 from graphkern.cli_model import check_model_options, model_and_tokens, model_options
 
+#: Past this many lines (diff) or nodes (show), print a summary; ``--full`` prints everything.
+SUMMARY_LINES = 60
+
 # ----------------------------------------------------------------------------- input specs
 
 _DIM_SPLIT = re.compile(r"[,x×\s]+")
@@ -467,10 +470,12 @@ def traced_call(target: str | None, model_path: str | None, prompt: str | None, 
                 type=click.Path(dir_okay=False))
 @_with_outputs
 @click.option("--brief", is_flag=True, help="Print the summary lines only, not the per-node table.")
+@click.option("--full", is_flag=True,
+              help=f"Print the per-node table whatever its size (by default up to {SUMMARY_LINES} nodes).")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 def show_cmd(files: tuple[str, ...], html: str | None, dot: str | None, svg: str | None,
              png: str | None, pdf: str | None, me: str | None, depth: int | None, weights: bool,
-             all_blocks: bool, brief: bool, quiet: bool) -> None:
+             all_blocks: bool, brief: bool, full: bool, quiet: bool) -> None:
     """Print a saved graph (from --json or Graph.to_json) and convert it to other formats.
 
     Several files are the graphs of a distributed job's ranks, one each: they are merged into one
@@ -492,8 +497,11 @@ def show_cmd(files: tuple[str, ...], html: str | None, dot: str | None, svg: str
         written = render_outputs(graph, outputs, step, _drawing(depth, weights, all_blocks))
     if not quiet:
         click.echo(brief_summary(graph))
-        if not brief:
+        nodes = graph.nx.number_of_nodes()
+        if full or (not brief and nodes <= SUMMARY_LINES):
             click.echo(graph.summary())
+        elif not brief:
+            click.echo(f"({nodes} nodes: --full prints the per-node table)")
     _finish(graph, written, quiet)
 
 
@@ -507,9 +515,12 @@ def show_cmd(files: tuple[str, ...], html: str | None, dot: str | None, svg: str
 @click.option("--depth", type=click.IntRange(min=-1), default=None,
               help="Open modules to this depth in the HTML page (-1: all).")
 @click.option("--weights", is_flag=True, help="Draw weights and constants as nodes in the HTML page.")
+@click.option("--full", is_flag=True,
+              help=f"Print every node that differs (by default, past {SUMMARY_LINES} lines, the "
+                   "counts by module).")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing; use the exit status.")
 def diff_cmd(before: str, after: str, html: str | None, json_path: str | None,
-             depth: int | None, weights: bool, quiet: bool) -> None:
+             depth: int | None, weights: bool, full: bool, quiet: bool) -> None:
     """Compare two saved graphs: nodes and kernels added, removed or changed.
 
     \b
@@ -532,7 +543,7 @@ def diff_cmd(before: str, after: str, html: str | None, json_path: str | None,
         files[json_path] = json.dumps(d.to_dict(), indent=1).encode()
     write_files(files)
     if not quiet:
-        click.echo(str(d))
+        click.echo(str(d) if full else d.summary(SUMMARY_LINES))
         for path in files:
             click.echo(f"wrote {path}", err=True)
     raise SystemExit(EXIT_FAILED if d else 0)
