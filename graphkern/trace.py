@@ -361,6 +361,11 @@ class Traceable:
         args, kwargs = flat.rebuild(arrays)
         result = self.fn(*args, **kwargs)
         outputs, out["spec"] = flatten_outputs(result)
+        if not outputs and isinstance(result, nn.Module):  # a factory named instead of its model
+            raise KernelError(_TRACE, f"{self.name} returned a {type(result).__name__} (an nn.Module) "
+                              f"and no arrays: it builds a model; trace the model it returns instead "
+                              f"(gk.trace({self.name}(...), x); on the command line, name a module-level "
+                              "instance or the model's class)", Status.INVALID_INPUT)
         if not outputs:
             raise KernelError(_TRACE, f"{self.name} returned no arrays", Status.INVALID_INPUT)
         return outputs
