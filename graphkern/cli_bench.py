@@ -36,8 +36,9 @@ def bench_cmd(model_path: str, prompt: str | None, max_tokens: int, rounds: int,
     """
     import mlx.core as mx
 
-    import graphkern as gk
+    from graphkern.models import patch
     from graphkern.models.generation_bench import measure_generation
+    from graphkern.nodes import KernelError
 
     with _progress(not quiet) as step:
         step(f"loading {model_path}")
@@ -45,8 +46,8 @@ def bench_cmd(model_path: str, prompt: str | None, max_tokens: int, rounds: int,
         tokens = prompt_tokens(ckpt.tokenizer, prompt)[0].tolist()
         patched = ckpt.twin()
         try:
-            records = gk.patch(patched)
-        except gk.KernelError as exc:
+            records = patch(patched)
+        except KernelError as exc:
             raise BadInput(f"cannot patch {model_path}: {exc}") from None
         if not records:
             raise BadInput(f"no layer of {model_path} matches a patch rule: nothing to compare")

@@ -67,8 +67,8 @@ class Checkpoint:
 
         from graphkern.nodes import dtype_name
 
-        for _, value in tree_flatten(self.model.parameters()):
-            if mx.issubdtype(value.dtype, mx.floating):
+        for _, value in tree_flatten(self.model.parameters()):  # type: ignore[str-unpack]
+            if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
                 return dtype_name(value.dtype)
         return "?"
 
@@ -118,7 +118,7 @@ def load_checkpoint(path: str) -> Checkpoint:
         raise BadInput(f"--model {path}: no config.json in the folder; is it an mlx-lm checkpoint "
                        "(config.json, *.safetensors, tokenizer files)?")
     try:
-        model, tokenizer, config = mlx_lm.load(expanded, return_config=True)
+        model, tokenizer, config = mlx_lm.load(expanded, return_config=True)  # type: ignore[misc]
     except Exception as exc:
         if not os.path.exists(expanded):
             raise BadInput(f"--model {path}: no such folder, and it could not be downloaded from "
@@ -190,12 +190,13 @@ def model_and_tokens(model_path: str, prompt: str | None, patch_model: bool,
     if stock_twin:
         run.stock = ckpt.twin()
     if patch_model:
-        import graphkern as gk
+        from graphkern.models import patch
+        from graphkern.nodes import KernelError
 
         step("patching")
         try:
-            run.patched = gk.patch(ckpt.model)
-        except gk.KernelError as exc:
+            run.patched = patch(ckpt.model)
+        except KernelError as exc:
             raise BadInput(f"--patch: {exc}") from None
     return run
 

@@ -195,7 +195,8 @@ def test_an_unreachable_hub_id_says_so() -> None:
     (["trace", "x.py:f", "--model", "m"], "give either MODULE:CALLABLE or --model PATH, not both"),
     (["trace", "--prompt", "hi", "x.py:f"], "--prompt goes with --model PATH"),
     (["debug", "--patch", "x.py:f"], "--patch goes with --model PATH"),
-    (["trace", "--model", "m", "-i", "1,4:int32"], "-i/--input is for MODULE:CALLABLE; with --model the input"),
+    (["trace", "--model", "m", "-i", "1,4:int32"],
+     "-i/--input is for MODULE:CALLABLE; with --model the input"),
     (["debug", "--model", "m", "--compare-stock"], "--compare-stock compares a patched checkpoint"),
 ])
 def test_options_that_do_not_go_together(args: list[str], message: str) -> None:

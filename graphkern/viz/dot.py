@@ -327,7 +327,7 @@ def to_dot(graph: Any, *, clusters: bool = True, edge_labels: bool = True, rankd
     for child in children[""]:
         emit_cluster(child, "  ")
 
-    seen: set[tuple[str, str, str]] = set()
+    seen: set[tuple[str, str, str, str]] = set()
     for u, v, key, data in _drawn_edges(g, order):
         a, b = plan.draw.get(u), plan.draw.get(v)
         if a is None or b is None or a == b:
