@@ -77,6 +77,23 @@ def test_the_prompt_goes_through_the_chat_template(folders: dict[str, str]) -> N
     assert load_checkpoint(folders["4bit"]).describe() == "tiny-llama-4bit (llama, 2 layers, 4-bit)"
 
 
+def test_without_a_chat_template_the_prompt_is_encoded_with_special_tokens(folders: dict[str, str],
+                                                                           tmp_path: Path) -> None:
+    import shutil
+
+    plain = tmp_path / "plain"
+    shutil.copytree(folders["float"], plain)
+    (plain / "chat_template.jinja").unlink()
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    ckpt = load_checkpoint(str(plain))
+    assert not ckpt.tokenizer.has_chat_template
+    tokens = prompt_tokens(ckpt.tokenizer, "hi there")[0].tolist()
+    assert tokens == ckpt.tokenizer.encode("hi there", add_special_tokens=True)
+    assert ckpt.tokenizer.convert_ids_to_tokens(tokens)[-2:] == ["hi", "there"]
+
+
 # ----------------------------------------------------------------------------- trace, debug, view
 
 
