@@ -285,6 +285,24 @@ def _param_scope(label: str) -> str:
     return label.rsplit(".", 1)[0] if "." in label and not label.startswith("args") else ""
 
 
+def _named_inputs(g: nx.MultiDiGraph, depends: str, inputs: list[str],
+                  names: list[str]) -> list[tuple[Any, str, dict[str, Any]]]:
+    """A record's input edges in argument order, one per array: ``index`` its first position, and
+    for a kernel ``inputs`` the input names it is passed as (two names when one array is passed
+    twice, as ``rope_qk``'s ``q_weight`` and ``k_weight`` can be), so a picture labels it by name."""
+    found = {k: (u, d) for u, _, k, d in g.in_edges(depends, keys=True, data=True) if k in inputs}
+    edges: list[tuple[Any, str, dict[str, Any]]] = []
+    for position, array in enumerate(inputs):
+        if array not in found or any(key == array for _, key, _ in edges):
+            continue
+        src, data = found[array]
+        data = {**data, "index": position}
+        if names:
+            data["inputs"] = [names[i] for i, a in enumerate(inputs) if a == array and i < len(names)]
+        edges.append((src, array, data))
+    return edges
+
+
 class _Folder:
     """Folds tagged records into the graph built from MLX's events."""
 
@@ -364,14 +382,14 @@ class _Folder:
             attrs["generated_name"] = generated[0]
         g.add_node(node, **attrs)
         # inputs: the record's own, in order, then whatever else the body reads (shared nodes)
-        in_edges = [(u, k, d) for u, _, k, d in g.in_edges(depends, keys=True, data=True)
-                    if k in inputs]
-        in_edges.sort(key=lambda e: inputs.index(e[1]))
-        in_edges += [(u, k, d) for member in body for u, _, k, d in
-                     g.in_edges(member, keys=True, data=True) if u not in body and k not in inputs]
-        for index, (src, key, data) in enumerate(in_edges):
+        in_edges = _named_inputs(g, depends, inputs, list(attrs.get("input_names") or ()))
+        shared = list({(u, k): (u, k, d) for member in body
+                       for u, _, k, d in g.in_edges(member, keys=True, data=True)
+                       if u not in body and k not in inputs}.values())
+        in_edges += [(u, k, {**d, "index": len(inputs) + i}) for i, (u, k, d) in enumerate(shared)]
+        for src, key, data in in_edges:
             if not g.has_edge(src, node, key=key):
-                g.add_edge(src, node, key=key, **{**data, "index": index})
+                g.add_edge(src, node, key=key, **data)
         self.node_args[node] = [key for _, key, _ in in_edges]
         for _, dst, key, data in list(g.out_edges(depends, keys=True, data=True)):
             g.add_edge(node, dst, key=key, **data)

@@ -1,7 +1,8 @@
 """The ``graphkern`` command line (click). ``graphkern demo`` is the main job.
 
-Other commands (trace, show, diff, view) are registered from ``graphkern.cli_commands``, and
-``debug`` from ``graphkern.cli_debug``, ``metal-check`` from ``graphkern.cli_metal``.
+Other commands (trace, show, diff, view) are registered from ``graphkern.cli_commands``,
+``debug`` from ``graphkern.cli_debug``, ``bench`` from ``graphkern.cli_bench`` and ``metal-check``
+from ``graphkern.cli_metal``.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ def _register_optional_commands() -> None:
     """Add the commands of ``graphkern.cli_commands`` (``register(main)``) when that module exists."""
     if importlib.util.find_spec("graphkern.cli_commands") is None:
         return
-    from . import cli_commands, cli_debug, cli_metal
+    from . import cli_bench, cli_commands, cli_debug, cli_metal
 
     cli_commands.register(main)
     cli_debug.register(main)
+    cli_bench.register(main)
     cli_metal.register(main)
 
 

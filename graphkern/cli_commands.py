@@ -22,18 +22,11 @@ from typing import Any
 
 import click
 
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
+from graphkern.cli_errors import EXIT_FAILED, BadInput
+from graphkern.cli_model import check_model_options, model_and_tokens, model_options
 
-
-class BadInput(click.ClickException):
-    """A clear message and exit status 2."""
-
-    exit_code = EXIT_BAD_INPUT
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"error: {self.format_message()}", err=True)
-
+#: Past this many lines (diff) or nodes (show), print a summary; ``--full`` prints everything.
+SUMMARY_LINES = 60
 
 # ----------------------------------------------------------------------------- input specs
 
@@ -144,6 +137,36 @@ def resolve_target(target: str) -> tuple[Callable[..., Any], str]:
     if not callable(obj):
         raise BadInput(f"{module_name}:{attr} is a {type(obj).__name__}, not a callable")
     return obj, attr
+
+
+def check_arity(fn: Callable[..., Any], target: str, given: int) -> None:
+    """Refuse, saying what to fix, a callable whose required positional arguments do not match
+    the ``-i`` options given (a missing ``-i``, or a factory function named instead of the model
+    it builds)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call say
+        return
+    positional = [p for p in signature.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p.name for p in positional if p.default is p.empty]
+    varargs = any(p.kind == p.VAR_POSITIONAL for p in signature.parameters.values())
+    if given < len(required):
+        names, example = ", ".join(required), " ".join(["-i 1,16:int32"] * len(required))
+        raise BadInput(f"{target} takes {len(required)} argument{'s' if len(required) != 1 else ''} "
+                       f"({names}) and {given} -i/--input {'was' if given == 1 else 'were'} given: "
+                       f"give one -i SHAPE:DTYPE for each, e.g. {example} "
+                       "(or use --model PATH for an mlx-lm checkpoint)")
+    if given > len(positional) and not varargs:
+        if not positional:
+            raise BadInput(f"{target} takes no arguments but {given} -i/--input "
+                           f"{'was' if given == 1 else 'were'} given. If it builds and returns the "
+                           "model, name the model instead: a module-level instance (file.py:model) "
+                           "or its class (file.py:MyModel, instantiated with no arguments)")
+        raise BadInput(f"{target} takes at most {len(positional)} positional argument"
+                       f"{'s' if len(positional) != 1 else ''} and {given} -i/--input were given")
 
 
 # ----------------------------------------------------------------------------- graphs and files
@@ -342,7 +365,8 @@ def _finish(graph: Any, files: dict[str, bytes], quiet: bool) -> None:
 
 
 @click.command("trace")
-@click.argument("target", metavar="MODULE:CALLABLE")
+@click.argument("target", metavar="[MODULE:CALLABLE]", required=False)
+@model_options
 @click.option("--input", "-i", "inputs", multiple=True, metavar="SHAPE:DTYPE",
               help="One positional argument, e.g. 4,8:float32 (repeat for each argument; "
                    "integers are drawn from [0, 16), floats from a normal distribution).")
@@ -353,52 +377,54 @@ def _finish(graph: Any, files: dict[str, bytes], quiet: bool) -> None:
               help="Trace for this backend (default: the active one; sets GRAPHKERN_BACKEND).")
 @click.option("--table", is_flag=True, help="Print the per-node table, not just the summary.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
-def trace_cmd(target: str, inputs: tuple[str, ...], json_path: str | None, html: str | None,
+def trace_cmd(target: str | None, model_path: str | None, prompt: str | None, patch_model: bool,
+              inputs: tuple[str, ...], json_path: str | None, html: str | None,
               dot: str | None, svg: str | None, png: str | None, pdf: str | None, me: str | None,
               depth: int | None, weights: bool, all_blocks: bool, seed: int,
               backend: str | None, table: bool, quiet: bool) -> None:
-    """Trace MODULE:CALLABLE on random inputs and write its graph.
+    """Trace a model checkpoint on a prompt (--model), or MODULE:CALLABLE on random inputs, and
+    write its graph.
 
     \b
     Examples:
+      graphkern trace --model mlx-community/Llama-3.2-1B-Instruct-4bit --prompt hi --html graph.html
+      graphkern trace --model ./my-checkpoint --patch --svg patched.svg --json patched.json
       graphkern trace mymodel.py:forward -i 1,16:int32 --html graph.html --json graph.json
       graphkern trace mypkg.layers:RMSNorm -i 4,64:float16 --svg norm.svg
 
     Exit status: 0 OK, 1 a node failed (or the function raised), 2 bad input.
     """
+    check_model_options(target, model_path, prompt, patch_model, inputs)
     specs = [parse_input_spec(s) for s in inputs]
     outputs = {"--json": json_path, "--html": html, "--dot": dot, "--svg": svg, "--png": png,
                "--pdf": pdf, "--model-explorer": me}
     _check_outputs(outputs)
     if backend:
         os.environ["GRAPHKERN_BACKEND"] = backend
-    fn, name = resolve_target(target)
     with _progress(not quiet) as step:
-        step(f"building {len(specs)} input{'s' if len(specs) != 1 else ''}")
-        import mlx.core as mx
-
+        call = traced_call(target, model_path, prompt, patch_model, specs, seed, step, quiet)
         import graphkern as gk
 
-        keys = mx.random.split(mx.random.key(seed), max(2, len(specs)))
-        args = [make_input(shape, dtype, keys[i]) for i, (shape, dtype) in enumerate(specs)]
-        step(f"tracing {name}")
+        step(f"tracing {call.name}")
         t0 = time.perf_counter()
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", gk.ScopeWarning)
-                graph = gk.trace(fn, *args)
+                graph = gk.trace(call.fn, *call.args)
             for w in caught:  # a plain line, not Python's file:line form
                 if issubclass(w.category, gk.ScopeWarning):
                     click.echo(f"warning: {w.message}", err=True)
                 else:
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         except gk.KernelError as e:
-            click.echo(f"error: tracing {target} failed: {e}", err=True)
+            click.echo(f"error: tracing {call.label} failed: {e}", err=True)
             raise SystemExit(EXIT_FAILED) from None
         except Exception as e:
-            click.echo(f"error: tracing {target} raised {type(e).__name__}: {e}", err=True)
+            click.echo(f"error: tracing {call.label} raised {type(e).__name__}: {e}", err=True)
             raise SystemExit(EXIT_FAILED) from None
         elapsed = time.perf_counter() - t0
+        if model_path:
+            graph.nx.graph["name"] = call.name  # the checkpoint's folder, not its class
         files = render_outputs(graph, outputs, step, _drawing(depth, weights, all_blocks))
     if not quiet:
         click.echo(graph.summary() if table else brief_summary(graph))
@@ -406,15 +432,50 @@ def trace_cmd(target: str, inputs: tuple[str, ...], json_path: str | None, html:
     _finish(graph, files, quiet)
 
 
+@dataclass
+class Call:
+    """What a command runs: ``fn(*args)``; ``label`` names it in messages, ``name`` in the graph;
+    ``run`` is the loaded checkpoint with ``--model``."""
+
+    label: str
+    fn: Callable[..., Any]
+    name: str
+    args: list[Any]
+    run: Any = None
+
+
+def traced_call(target: str | None, model_path: str | None, prompt: str | None, patch_model: bool,
+                specs: list[tuple[tuple[int, ...], str]], seed: int, step: Callable[[str], None],
+                quiet: bool = False, stock_twin: bool = False) -> Call:
+    """The call of ``--model`` (the loaded checkpoint on the prompt's tokens) or of
+    MODULE:CALLABLE (on random inputs from ``specs``)."""
+    if model_path:
+        run = model_and_tokens(model_path, prompt, patch_model, step, stock_twin)
+        if not quiet:
+            click.echo(run.describe(), err=True)
+        return Call(model_path, run.checkpoint.model, run.checkpoint.name, [run.tokens], run)
+    assert target is not None  # check_model_options
+    fn, name = resolve_target(target)
+    check_arity(fn, target, len(specs))
+    step(f"building {len(specs)} input{'s' if len(specs) != 1 else ''}")
+    import mlx.core as mx
+
+    keys = mx.random.split(mx.random.key(seed), max(2, len(specs)))
+    args = [make_input(shape, dtype, keys[i]) for i, (shape, dtype) in enumerate(specs)]
+    return Call(target, fn, name, args)
+
+
 @click.command("show")
 @click.argument("files", metavar="FILE.json...", nargs=-1, required=True,
                 type=click.Path(dir_okay=False))
 @_with_outputs
 @click.option("--brief", is_flag=True, help="Print the summary lines only, not the per-node table.")
+@click.option("--full", is_flag=True,
+              help=f"Print the per-node table whatever its size (by default up to {SUMMARY_LINES} nodes).")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 def show_cmd(files: tuple[str, ...], html: str | None, dot: str | None, svg: str | None,
              png: str | None, pdf: str | None, me: str | None, depth: int | None, weights: bool,
-             all_blocks: bool, brief: bool, quiet: bool) -> None:
+             all_blocks: bool, brief: bool, full: bool, quiet: bool) -> None:
     """Print a saved graph (from --json or Graph.to_json) and convert it to other formats.
 
     Several files are the graphs of a distributed job's ranks, one each: they are merged into one
@@ -436,8 +497,11 @@ def show_cmd(files: tuple[str, ...], html: str | None, dot: str | None, svg: str
         written = render_outputs(graph, outputs, step, _drawing(depth, weights, all_blocks))
     if not quiet:
         click.echo(brief_summary(graph))
-        if not brief:
+        nodes = graph.nx.number_of_nodes()
+        if full or (not brief and nodes <= SUMMARY_LINES):
             click.echo(graph.summary())
+        elif not brief:
+            click.echo(f"({nodes} nodes: --full prints the per-node table)")
     _finish(graph, written, quiet)
 
 
@@ -451,9 +515,12 @@ def show_cmd(files: tuple[str, ...], html: str | None, dot: str | None, svg: str
 @click.option("--depth", type=click.IntRange(min=-1), default=None,
               help="Open modules to this depth in the HTML page (-1: all).")
 @click.option("--weights", is_flag=True, help="Draw weights and constants as nodes in the HTML page.")
+@click.option("--full", is_flag=True,
+              help=f"Print every node that differs (by default, past {SUMMARY_LINES} lines, the "
+                   "counts by module).")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing; use the exit status.")
 def diff_cmd(before: str, after: str, html: str | None, json_path: str | None,
-             depth: int | None, weights: bool, quiet: bool) -> None:
+             depth: int | None, weights: bool, full: bool, quiet: bool) -> None:
     """Compare two saved graphs: nodes and kernels added, removed or changed.
 
     \b
@@ -476,28 +543,33 @@ def diff_cmd(before: str, after: str, html: str | None, json_path: str | None,
         files[json_path] = json.dumps(d.to_dict(), indent=1).encode()
     write_files(files)
     if not quiet:
-        click.echo(str(d))
+        click.echo(str(d) if full else d.summary(SUMMARY_LINES))
         for path in files:
             click.echo(f"wrote {path}", err=True)
     raise SystemExit(EXIT_FAILED if d else 0)
 
 
 @click.command("view")
-@click.argument("file", metavar="FILE.json", type=click.Path(dir_okay=False))
+@click.argument("file", metavar="[FILE.json]", type=click.Path(dir_okay=False), required=False)
+@model_options
 @click.option("--model-explorer", "model_explorer", is_flag=True,
               help="Open in Google's Model Explorer (pip install 'graphkern[model-explorer]').")
 @click.option("--out", type=click.Path(dir_okay=False),
               help="Where to write the HTML page (default: a temporary file).")
 @click.option("--no-browser", is_flag=True, help="Write the page (or start the server) but open no browser.")
 @click.option("--port", default=8080, show_default=True, help="Model Explorer's port.")
-def view_cmd(file: str, model_explorer: bool, out: str | None, no_browser: bool, port: int) -> None:
-    """Open a saved graph in the browser (the HTML viewer, or Model Explorer).
+def view_cmd(file: str | None, model_path: str | None, prompt: str | None, patch_model: bool,
+             model_explorer: bool, out: str | None, no_browser: bool, port: int) -> None:
+    """Open a saved graph, or a model checkpoint traced on a prompt (--model), in the browser (the
+    HTML viewer, or Model Explorer).
 
     \b
     Examples:
+      graphkern view --model mlx-community/Llama-3.2-1B-Instruct-4bit --patch
       graphkern view graph.json
       graphkern view graph.json --model-explorer
     """
+    check_model_options(file, model_path, prompt, patch_model, what="FILE.json")
     if model_explorer:
         import importlib.util
 
@@ -505,7 +577,7 @@ def view_cmd(file: str, model_explorer: bool, out: str | None, no_browser: bool,
 
         if importlib.util.find_spec("model_explorer") is None:
             raise BadInput(INSTALL_HINT)
-        graph = load_graph(file)
+        graph = _viewed_graph(file, model_path, prompt, patch_model)
         from graphkern.viz.model_explorer import view
 
         view(graph, port=port, open_browser=not no_browser)
@@ -517,7 +589,7 @@ def view_cmd(file: str, model_explorer: bool, out: str | None, no_browser: bool,
     from graphkern.viz.html import to_html
 
     _check_outputs({"--out": out})
-    graph = load_graph(file)
+    graph = _viewed_graph(file, model_path, prompt, patch_model)
     if out is None:
         fd, out = tempfile.mkstemp(prefix="graphkern-", suffix=".html")
         os.close(fd)
@@ -525,6 +597,23 @@ def view_cmd(file: str, model_explorer: bool, out: str | None, no_browser: bool,
     click.echo(f"wrote {out}")
     if not no_browser:
         webbrowser.open("file://" + os.path.abspath(out))
+
+
+def _viewed_graph(file: str | None, model_path: str | None, prompt: str | None, patch_model: bool) -> Any:
+    """The saved graph in ``file``, or the trace of ``--model`` on its prompt."""
+    if file:
+        return load_graph(file)
+    assert model_path is not None  # check_model_options
+    import graphkern as gk
+
+    call = traced_call(None, model_path, prompt, patch_model, [], 0, lambda text: None)
+    try:
+        graph = gk.trace(call.fn, *call.args)
+    except gk.KernelError as e:
+        click.echo(f"error: tracing {call.label} failed: {e}", err=True)
+        raise SystemExit(EXIT_FAILED) from None
+    graph.nx.graph["name"] = call.name
+    return graph
 
 
 COMMANDS = [trace_cmd, show_cmd, diff_cmd, view_cmd]

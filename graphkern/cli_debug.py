@@ -18,11 +18,12 @@ from graphkern.cli_commands import (
     BadInput,
     _check_outputs,
     _progress,
-    make_input,
     parse_input_spec,
     resolve_target,
+    traced_call,
     write_files,
 )
+from graphkern.cli_model import check_model_options, model_options
 
 __all__ = ["debug_cmd", "register"]
 
@@ -54,11 +55,15 @@ def _summary(graph: Any) -> str:
 
 
 @click.command("debug")
-@click.argument("target", metavar="MODULE:CALLABLE")
+@click.argument("target", metavar="[MODULE:CALLABLE]", required=False)
+@model_options
 @click.option("--input", "-i", "inputs", multiple=True, metavar="SHAPE:DTYPE",
               help="One positional argument, e.g. 1,16:int32 (repeat for each argument).")
 @click.option("--compare", "other", metavar="MODULE:CALLABLE",
               help="Compare against this function or model, on the same inputs (it is the reference).")
+@click.option("--compare-stock", is_flag=True,
+              help="With --model --patch: compare the patched model against the stock one (the "
+                   "reference, a second model object on the same weights).")
 @click.option("--backend", type=click.Choice(["metal", "cuda", "reference"]),
               help="Kernel backend for MODULE:CALLABLE (default: the active one).")
 @click.option("--compare-backend", type=click.Choice(["metal", "cuda", "reference"]),
@@ -73,14 +78,18 @@ def _summary(graph: Any) -> str:
               help="Write every op and kernel node's full output to a .npz or .safetensors file.")
 @click.option("--seed", default=0, show_default=True, help="Random seed for the inputs.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the verdict.")
-def debug_cmd(target: str, inputs: tuple[str, ...], other: str | None, backend: str | None,
+def debug_cmd(target: str | None, model_path: str | None, prompt: str | None, patch_model: bool,
+              inputs: tuple[str, ...], other: str | None, compare_stock: bool, backend: str | None,
               compare_backend: str | None, rtol: float, atol: float, html: str | None,
               json_path: str | None, save: str | None, seed: int, quiet: bool) -> None:
-    """Run MODULE:CALLABLE node by node on random inputs: name the node where a NaN or Inf
-    started, or, with --compare, the first node where the two differ beyond tolerance.
+    """Run a model checkpoint on a prompt (--model), or MODULE:CALLABLE on random inputs, node by
+    node: name the node where a NaN or Inf started, or, with --compare (--compare-stock), the first
+    node where the two differ beyond tolerance.
 
     \b
     Examples:
+      graphkern debug --model mlx-community/Llama-3.2-1B-Instruct-4bit --prompt hi
+      graphkern debug --model ./my-checkpoint --patch --compare-stock --html compare.html
       graphkern debug mymodel.py:forward -i 1,16:int32 --html values.html
       graphkern debug mymodel.py:patched -i 1,16:int32 --compare mymodel.py:stock
       graphkern debug mymodel.py:model -i 1,16:int32 --compare mymodel.py:model --compare-backend reference
@@ -88,23 +97,30 @@ def debug_cmd(target: str, inputs: tuple[str, ...], other: str | None, backend: 
     Exit status: 0 all finite (and within tolerance), 1 a root cause was found (printed) or the
     function raised, 2 bad input.
     """
+    check_model_options(target, model_path, prompt, patch_model, inputs)
     specs = [parse_input_spec(s) for s in inputs]
     _check_outputs({"--html": html, "--json": json_path, "--save": save})
-    if save and other:
+    if compare_stock and not (model_path and patch_model):
+        raise BadInput("--compare-stock compares a patched checkpoint with its stock model: "
+                       "give --model PATH --patch")
+    if other and model_path:
+        raise BadInput("--compare MODULE:CALLABLE goes with MODULE:CALLABLE; with --model use "
+                       "--patch --compare-stock")
+    if save and (other or compare_stock):
         raise BadInput("--save writes one function's values; leave out --compare")
     if save and os.path.splitext(save)[1].lower() not in (".npz", ".safetensors"):
         raise BadInput(f"--save {save}: the file must end in .npz or .safetensors")
-    fn, name = resolve_target(target)
     reference = resolve_target(other)[0] if other else None
-    import mlx.core as mx
-
     import graphkern as gk
     from graphkern.comparison import compare
     from graphkern.values import Inspector
 
-    keys = mx.random.split(mx.random.key(seed), max(2, len(specs)))
-    args = [make_input(shape, dtype, keys[i]) for i, (shape, dtype) in enumerate(specs)]
     with _progress(not quiet) as step:
+        call = traced_call(target, model_path, prompt, patch_model, specs, seed, step, quiet,
+                           stock_twin=compare_stock)
+        fn, name, args = call.fn, call.name, call.args
+        if compare_stock:
+            reference, other = call.run.stock, "the stock model"
         try:
             if reference is None:
                 step(f"running {name} node by node")
@@ -118,8 +134,13 @@ def debug_cmd(target: str, inputs: tuple[str, ...], other: str | None, backend: 
             click.echo(f"error: {exc}", err=True)
             raise SystemExit(EXIT_FAILED) from None
         except Exception as exc:
-            click.echo(f"error: running {target} raised {type(exc).__name__}: {exc}", err=True)
+            click.echo(f"error: running {call.label} raised {type(exc).__name__}: {exc}", err=True)
             raise SystemExit(EXIT_FAILED) from None
+    if call.run is not None:  # name the graphs after the checkpoint, not its class
+        graphs = [result] if reference is None else [result.a, result.b]
+        sides = [""] if reference is None else [" stock", " patched"]
+        for g, side in zip(graphs, sides):
+            g.nx.graph["name"] = call.name + side
     files: dict[str, bytes] = {}
     if reference is None:
         if html:

@@ -26,11 +26,22 @@ MAX_JSON_BYTES = 512 * 1024 * 1024
 _LOAD = "load a graphkern graph from JSON"
 
 
+#: Failures that depend on the values or shapes a node was given: downstream of another failure
+#: they came from running on its placeholder output (zeros standing in for what the failed node
+#: would have made), so they are ``UPSTREAM_FAILED``, not roots. A bad launch configuration,
+#: kernel definition or source fails whatever its inputs, and stays a root.
+_FOLLOW_ON = frozenset(int(s) for s in (Status.MODULE_ERROR, Status.INVALID_INPUT, Status.REFERENCE_ERROR,
+                                        Status.RUNTIME_ERROR))
+
+
 def propagate_status(g: nx.MultiDiGraph) -> list[str]:
     """Mark every descendant of a failed node ``UPSTREAM_FAILED`` with its root cause.
 
     A node's root cause is the earliest (in topological order) failed root among its ancestors.
-    Also writes each node's ``order``. Returns the failed roots in topological order.
+    A node that failed on what it was given (``MODULE_ERROR``, ``INVALID_INPUT``,
+    ``REFERENCE_ERROR``, ``RUNTIME_ERROR``) downstream of a failed node ran on a placeholder: it is
+    ``UPSTREAM_FAILED`` too, its message kept after a note saying so. Also writes each node's
+    ``order``. Returns the failed roots in topological order.
 
     >>> g = nx.MultiDiGraph()
     >>> g.add_edges_from([("a", "b"), ("b", "c"), ("x", "c")])
@@ -47,6 +58,11 @@ def propagate_status(g: nx.MultiDiGraph) -> list[str]:
         data = node_data[node]
         data["order"] = order
         causes = [earliest[p] for p in pred[node] if p in earliest]
+        if causes and data.get("status", 0) in _FOLLOW_ON:  # it ran on a failed node's placeholder
+            first = min(causes, key=rank.__getitem__)
+            data["message"] = (f"failed after its input came from failed node {first!r} (a "
+                               f"placeholder, not a real value): {data.get('message', '')}")
+            data["status"] = int(Status.UPSTREAM_FAILED)
         if data.get("status", 0) in ROOT_FAILURES:
             data["root_cause"] = node
             rank[node] = len(roots)

@@ -111,6 +111,8 @@ EDGE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
 #: Attributes some edges have.
 OPTIONAL_EDGE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "cross_rank": ((bool,), "an array of one rank read by another rank's collective"),
+    "inputs": ((list,), "into a kernel: the input names the array is passed as (two when one array "
+                        "is passed twice)"),
 }
 ROOT_FAILURES = frozenset(int(s) for s in Status if s not in (Status.OK, Status.UPSTREAM_FAILED))
 _KINDS = frozenset(k.value for k in NodeKind)

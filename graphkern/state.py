@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import numbers
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -129,6 +130,34 @@ class Flat:
     def key(self) -> Any:
         """Structure, static values, shapes and dtypes: what forces a new trace when it changes."""
         return (_spec_key(self.spec), tuple((a.shape, a.dtype) for a in self.arrays))
+
+    def foreign_arrays(self, arg_names: list[str]) -> list[tuple[str, str]]:
+        """``(argument path, type)`` of each array of another library (a numpy array, a torch
+        tensor...) among the arguments: not an MLX array, so it would be baked into a trace as
+        a constant, or fail inside it.
+
+        >>> import numpy as np
+        >>> Flat.of((mx.ones(2), [np.ones(2)]), {}, ["x", "y"]).foreign_arrays(["x", "y"])
+        [('y[0]', 'numpy.ndarray')]
+        """
+        found: list[tuple[str, str]] = []
+
+        def walk(tree: Any, path: str) -> None:
+            if isinstance(tree, (list, tuple)):
+                for i, item in enumerate(tree):
+                    walk(item, f"{path}[{i}]")
+            elif isinstance(tree, dict):
+                for key, item in tree.items():
+                    walk(item, f"{path}.{key}" if path else str(key))
+            elif (not isinstance(tree, (_Leaf, mx.array, numbers.Number))
+                  and (hasattr(tree, "__array__") or hasattr(tree, "__dlpack__"))):
+                found.append((path, f"{type(tree).__module__}.{type(tree).__qualname__}"))
+
+        spec_args, spec_kwargs = self.spec
+        for i, tree in enumerate(spec_args):
+            walk(tree, arg_names[i] if i < len(arg_names) else f"args[{i}]")
+        walk(spec_kwargs, "")
+        return found
 
 
 def flatten_outputs(out: Any) -> tuple[list[mx.array], Any]:

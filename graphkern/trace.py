@@ -11,13 +11,14 @@ import contextlib
 import contextvars
 import inspect
 import os
+import queue
 import random
 import re
 import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import mlx.core as mx
@@ -116,9 +117,22 @@ class TraceRecorder:
 
     def module_call(self, path: str, module: nn.Module, inputs: list[mx.array],
                     outputs: list[mx.array], error: KernelError | None) -> list[mx.array]:
-        record = Record(len(self.records), "module", type(module).__name__, path, len(outputs),
+        record = Record(len(self.records), "module", module_class_name(module), path, len(outputs),
                         error=error)
         return self._tagged(record, inputs, outputs)
+
+
+def module_class_name(module: Any) -> str:
+    """The class a module shows in graphs and messages: a layer ``gk.patch`` put on a kernel shows
+    the class it replaced (the kernel is a detail of the user's module, not a new identity).
+
+    >>> import mlx.nn as nn, graphkern as gk
+    >>> model = nn.Sequential(nn.RMSNorm(4)); _ = gk.patch(model)
+    >>> type(model.layers[0]).__name__, module_class_name(model.layers[0])
+    ('KernelRMSNorm', 'RMSNorm')
+    """
+    shown = getattr(module, "shown_class_name", None)
+    return shown() if callable(shown) else type(module).__name__
 
 
 def _kernel_attrs(launch: Launch | None, kernel: Any,
@@ -277,7 +291,7 @@ def _hooked(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             out = original(self, *args, **kwargs)
         except Exception as exc:  # a failing module becomes a failed node, the trace goes on
-            error = KernelError(f"call module {path!r} ({type(self).__name__})",
+            error = KernelError(f"call module {path!r} ({module_class_name(self)})",
                                 f"{type(exc).__name__}: {exc}", Status.MODULE_ERROR)
             out = _stand_in(self, inputs, args, kwargs)
         finally:
@@ -303,6 +317,24 @@ def _stand_in(module: nn.Module, inputs: list[mx.array], args: Any, kwargs: Any)
 # ----------------------------------------------------------------------------- tracing
 
 
+def _refuse_compiled(fn: Any) -> None:
+    """A ``gk.wrap``ped model or ``gk.compile``d function runs a compiled graph, which evaluates
+    inside MLX's capture ("Attempting to eval an array during function transformations"): say
+    what to trace instead."""
+    wrapping = sys.modules.get("graphkern.models.wrapping")
+    if wrapping is not None and isinstance(fn, wrapping.WrappedModel):
+        raise KernelError(_TRACE, "this is a gk.wrap()ped model, which runs a compiled graph that "
+                          "cannot be traced again: trace the model itself (gk.trace(wrapped.model, "
+                          "...)), or read the graph the wrapper traced: wrapped.graph",
+                          Status.INVALID_INPUT)
+    from graphkern.compiled import CompiledGraph
+
+    if isinstance(fn, CompiledGraph):
+        raise KernelError(_TRACE, "this is a gk.compile()d function, which runs a compiled graph "
+                          "that cannot be traced again: trace the function you compiled, or read "
+                          "the graph it traced: compiled.graph", Status.INVALID_INPUT)
+
+
 class Traceable:
     """``fn`` with its arguments and state flattened to arrays, ready for MLX's transforms."""
 
@@ -310,6 +342,7 @@ class Traceable:
         if not callable(fn):
             raise KernelError(_TRACE, f"expected a function or nn.Module, got {type(fn).__name__}",
                               Status.INVALID_INPUT)
+        _refuse_compiled(fn)
         self.fn = fn
         self.state = State.of(fn, state)
         self.arg_names = argument_names(fn)
@@ -327,13 +360,28 @@ class Traceable:
         args, kwargs = flat.rebuild(arrays)
         result = self.fn(*args, **kwargs)
         outputs, out["spec"] = flatten_outputs(result)
+        if not outputs and isinstance(result, nn.Module):  # a factory named instead of its model
+            raise KernelError(_TRACE, f"{self.name} returned a {type(result).__name__} (an nn.Module) "
+                              f"and no arrays: it builds a model; trace the model it returns instead "
+                              f"(gk.trace({self.name}(...), x); on the command line, name a module-level "
+                              "instance or the model's class)", Status.INVALID_INPUT)
         if not outputs:
             raise KernelError(_TRACE, f"{self.name} returned no arrays", Status.INVALID_INPUT)
         return outputs
 
+    def refuse_foreign_arrays(self, flat: Flat) -> None:
+        """A numpy array (or another library's) among the arguments is refused before tracing:
+        inside the trace it would fail on some op far from the argument that caused it."""
+        found = flat.foreign_arrays(self.arg_names)
+        if found:
+            path, kind = found[0]
+            raise KernelError(_TRACE, f"argument {path!r} of {self.name} is a {kind}, not an MLX "
+                              f"array: pass mx.array({path}) instead", Status.INVALID_INPUT)
+
     def call_recorded(self, flat: Flat, recorder: TraceRecorder, backend: str | None = None) -> Any:
         """Call ``fn`` eagerly on ``flat``'s arrays with ``recorder`` seeing its kernel and module
         calls (as a trace would, in the same order), on this thread."""
+        self.refuse_foreign_arrays(flat)
         owners = _ModuleHooks.install([m for _, m in self.state.modules.values()])
         try:
             with recording(recorder), backends.using_backend(backend):
@@ -346,6 +394,7 @@ class Traceable:
         """Capture one call as a ``Graph``; returns it with the output tree spec. ``used``, if
         given, receives the kernel objects the call launched; ``wiring`` how to run the graph
         node by node (see ``capture.Wiring``)."""
+        self.refuse_foreign_arrays(flat)
         n_args = len(flat.arrays)
         state_arrays = self.state.arrays()
         recorder = self.recorder()
@@ -408,7 +457,7 @@ class Traceable:
         inputs = [data for _, data in g.nodes(data=True) if data["kind"] == "input"]
         for data in inputs[n_args:]:  # MLX lists the arguments first, then the state
             data["state"] = True
-        g.graph["modules"] = {path: type(module).__name__
+        g.graph["modules"] = {path: module_class_name(module)
                               for path, module in self.state.modules.values() if path}
         kernels = {k.source_hash: k for k in recorder.kernels.values()}
         g.graph["kernel_sources"] = kernel_sources(list(kernels.values()))
@@ -449,16 +498,59 @@ def _watch_modules(seen: list[str], enabled: bool) -> Iterator[None]:
 _STACK_BYTES = 1 << 30
 _MAX_TRACE_THREADS = 8
 _stack_lock = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
 _worker = threading.local()
 
 
-def _trace_threads() -> ThreadPoolExecutor:
+class _DaemonPool:
+    """Up to ``size`` daemon threads taking work from one queue, each made when no thread is idle.
+
+    Daemon threads, unlike ``ThreadPoolExecutor``'s, which are joined at exit: a joined thread
+    frees its MLX state (its compile cache, which holds Python objects once a model's
+    ``mx.compile``d function ran on it, as after a failed trace) while the interpreter finalizes,
+    and taking the GIL there aborts the process ("terminate called without an active
+    exception"). A daemon thread waiting on the queue is simply gone at exit.
+    """
+
+    def __init__(self, size: int, name: str):
+        self.size, self.name = size, name
+        self.jobs: queue.SimpleQueue[tuple[Future[None], Callable[[], None]]] = queue.SimpleQueue()
+        self.idle = threading.Semaphore(0)
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    def submit(self, work: Callable[[], None]) -> Future[None]:
+        future: Future[None] = Future()
+        self.jobs.put((future, work))
+        with self.lock:
+            if not self.idle.acquire(blocking=False) and len(self.threads) < self.size:
+                thread = threading.Thread(target=self._serve, name=f"{self.name}_{len(self.threads)}",
+                                          daemon=True)
+                thread.start()
+                self.threads.append(thread)
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            future, work = self.jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    work()
+                    future.set_result(None)
+                except BaseException as exc:  # the caller re-raises it
+                    future.set_exception(exc)
+            del future, work  # nothing of the finished call stays alive while waiting
+            self.idle.release()
+
+
+_pool: tuple[int, _DaemonPool] | None = None  # (pid that made it, pool)
+
+
+def _trace_threads() -> _DaemonPool:
     """The long-lived deep-stack threads traces run on (made again in a forked child, which
     inherits the pool but not its threads)."""
     global _pool
     if _pool is None or _pool[0] != os.getpid():
-        _pool = (os.getpid(), ThreadPoolExecutor(_MAX_TRACE_THREADS, thread_name_prefix="graphkern-trace"))
+        _pool = (os.getpid(), _DaemonPool(_MAX_TRACE_THREADS, "graphkern-trace"))
     return _pool[1]
 
 
@@ -492,7 +584,16 @@ def _on_deep_stack(work: Callable[[], None]) -> None:
             future = _trace_threads().submit(run)
         finally:
             threading.stack_size(previous)
-    future.result()
+    error = future.exception()
+    del future
+    if error is not None:
+        # no reference cycle (this frame -> error -> traceback -> this frame) keeps the failed
+        # call's frames and MLX arrays alive until interpreter exit, where freeing them aborted
+        # the process ("terminate called without an active exception")
+        try:
+            raise error
+        finally:
+            del error
 
 
 def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:

@@ -127,7 +127,8 @@ def _host_stats(x: mx.array) -> dict[str, Any]:
         return _stats_from([0.0, 0.0, 0.0], 0)
     if a.dtype.kind == "b":
         a = a.view(np.uint8)
-    total = float(a.sum(dtype=np.float64))
+    with np.errstate(invalid="ignore", over="ignore"):  # inf + -inf is NaN: counted below, not warned
+        total = float(a.sum(dtype=np.float64))
     if math.isfinite(total) or a.dtype.kind not in "fc":
         return _stats_from([float(a.min()), float(a.max()), total], a.size)
     finite = np.isfinite(a)

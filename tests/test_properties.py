@@ -84,18 +84,29 @@ def random_dags(draw):
     return g, dict(zip(failed, codes))
 
 
+#: Failures that depend on what a node was given: below another failure, not roots of their own.
+FOLLOW_ON = {gk.Status.MODULE_ERROR, gk.Status.INVALID_INPUT, gk.Status.REFERENCE_ERROR,
+             gk.Status.RUNTIME_ERROR}
+
+
 @given(random_dags())
 def test_propagation_marks_exactly_the_descendants_with_their_earliest_root(case):
     g, failed = case
     roots = propagate_status(g)
     order = {n: g.nodes[n]["order"] for n in g}
     assert all(order[u] < order[v] for u, v in g.edges())
-    assert set(roots) == set(failed) and roots == sorted(roots, key=order.__getitem__)
+    real = {n for n, code in failed.items()
+            if code not in FOLLOW_ON or not any(a in failed for a in nx.ancestors(g, n))}
+    assert set(roots) == real and roots == sorted(roots, key=order.__getitem__)
     for node in g:
         data = g.nodes[node]
-        upstream_roots = [a for a in nx.ancestors(g, node) if a in failed]
-        if node in failed:
+        upstream_roots = [a for a in nx.ancestors(g, node) if a in real]
+        if node in real:
             assert data["status"] == failed[node] and data["root_cause"] == node
+        elif node in failed:  # it failed on a failed node's placeholder
+            assert data["status"] == gk.Status.UPSTREAM_FAILED
+            assert data["root_cause"] == min(upstream_roots, key=order.__getitem__)
+            assert data["message"].startswith("failed after its input came from failed node")
         elif upstream_roots:
             assert data["status"] == gk.Status.UPSTREAM_FAILED
             assert data["root_cause"] == min(upstream_roots, key=order.__getitem__)

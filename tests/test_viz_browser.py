@@ -254,7 +254,8 @@ def test_search_and_select_on_a_real_llama(viewer: Any) -> None:
     # the details panel in the user's terms
     panel = v.page.inner_text("#gk-panel")
     assert v.page.inner_text("[data-testid=panel-title]") == kernel
-    assert "model.layers.6.input_layernorm" in panel and "KernelAddRMSNorm" in panel
+    assert "model.layers.6.input_layernorm" in panel
+    assert "RMSNorm" in panel and "KernelAddRMSNorm" not in panel  # the user's class
     assert "EPS=1e-05" in panel and "925353388" not in panel       # a float, not its bits
     inputs = v.page.inner_text("[data-testid=panel-inputs]")
     assert "model.layers.6.input_layernorm.weight" in inputs         # by parameter path
@@ -278,6 +279,21 @@ def test_search_and_select_on_a_real_llama(viewer: Any) -> None:
     v.page.dispatch_event("#gk-search", "search")
     assert v.page.inner_text("#gk-search-count") == "" and not v.state(kernel)["match"]
     v.shot("llama8-kernel-selected")
+    assert v.errors == []
+
+
+def test_a_kernels_inputs_are_listed_by_name_even_when_they_share_an_array(viewer: Any) -> None:
+    g = vg.llama(2)
+    rope = next(n for n, d in g.nx.nodes(data=True) if d.get("kernel") == "gk_rope_qk")
+    v = viewer(g, size=(1600, 1000))
+    _type_search(v, rope)
+    v.page.press("#gk-search", "Enter")
+    v.page.wait_for_selector("#gk-panel.open")
+    rows = [line.split("\t")[0] for line in
+            v.page.inner_text("[data-testid=panel-inputs]").splitlines()]
+    named = [r for r in rows if r != "also reads"]
+    assert named == ["q", "k", "offset", "freqs, q_weight, k_weight"]  # one array, three names
+    assert not [r for r in rows if r.startswith("#")]
     assert v.errors == []
 
 

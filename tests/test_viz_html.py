@@ -114,7 +114,7 @@ def test_real_llama_details_speak_the_users_terms() -> None:
     assert sources["reference"].startswith("def rms_norm_reference")
     # modules carry their class; parameters and MLX's shared constants are weights
     groups = {gr[0]: gr for gr in data["groups"]}
-    assert groups["model.layers.1"][4] and groups["model.layers.1.self_attn"][4] == "KernelAttention"
+    assert groups["model.layers.1"][4] and groups["model.layers.1.self_attn"][4] == "Attention"
     weight = "model.layers.1.input_layernorm.weight"
     assert _row(data, weight)[7] == 1 and _details(data, weight)["weight"][0] == weight
     transposed = next(n for n, d in g.nx.nodes(data=True)

@@ -107,7 +107,7 @@ def test_a_failed_layer_is_red_even_closed() -> None:
     assert configs["^model/layers\\.3$"]["borderColor"] == "#fca5a5"   # downstream only
     assert "^model/layers\\.1$" not in configs
     attrs = doc["graphs"][0]["groupNodeAttributes"]
-    assert attrs[""]["status"] == "MODULE_ERROR at KernelAddRMSNorm" and "status colours" in attrs[""]
+    assert attrs[""]["status"] == "MODULE_ERROR at RMSNorm" and "status colours" in attrs[""]
     assert attrs["model/layers.2"]["class"] and attrs["model/layers.2"]["failed"] != "0"
 
 

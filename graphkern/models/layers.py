@@ -146,8 +146,17 @@ class KernelLayer(nn.Module):
             object.__setattr__(self, "_gk_segments", found)
         return found
 
+    def shown_class_name(self) -> str:
+        """The class graphs, pictures and messages show: the replaced layer's (``graphkern.trace``)."""
+        return type(self.original).__name__
+
     def _extra_repr(self) -> str:
-        return f"{self.kernel} kernel, replaces {type(self.original).__name__}"
+        own = self.original._extra_repr()
+        return f"{own}, kernel={self.kernel}" if own else f"kernel={self.kernel}"
+
+    def __repr__(self) -> str:
+        """The replaced layer's repr with its kernel: ``RMSNorm(64, eps=1e-05, kernel=rms_norm)``."""
+        return self.shown_class_name() + super().__repr__()[len(type(self).__name__):]
 
 
 class KernelRMSNorm(KernelLayer):
@@ -690,8 +699,9 @@ class KernelDecoderStack(KernelLayer):
 
 
 class KernelSlidingDecoderStack(KernelDecoderStack):
-    """mlx-lm's ``LlamaModel``: a :class:`KernelDecoderStack` whose blocks take a full-attention or a
-    sliding-window mask (``use_sliding``), as the stock loop gives them."""
+    """mlx-lm's ``LlamaModel``: a :class:`KernelDecoderStack` whose blocks take the full-attention
+    mask, or the sliding-window one for a block with ``use_sliding`` (only where the model's config
+    has sliding-window layers), as the stock loop gives them."""
 
     def _masks(self, h: mx.array, cache: Any) -> Callable[[nn.Module], Any]:
         fa_mask = self._gk_create_mask(h, cache[self.fa_idx])

@@ -474,7 +474,8 @@ _STACK = Forward(_EMBED + "    mask = create_attention_mask(h, cache[0])\n"
                  "    for layer, c in zip(self.layers, cache):\n"
                  "        h = layer(h, mask, c)\n"
                  "    return self.norm(h)\n", _MASK)
-#: mlx-lm's LlamaModel: full-attention and sliding-window masks.
+#: mlx-lm's LlamaModel: a full-attention mask, and a sliding-window one where its config gives
+#: sliding-window layers.
 _SLIDING_STACK = Forward(
     _EMBED + "    fa_mask = create_attention_mask(h, cache[self.fa_idx])\n"
     "    if self.swa_idx is not None:\n"
@@ -519,9 +520,10 @@ def _attention_rule(name: str, heads: str, kv_heads: str, norms: bool) -> Rule:
 
 #: Every rule, in the order they are tried (a block before the layers inside it).
 RULES: list[Rule] = [
-    _stack_rule("decoder stack: each residual add fused into the next RMSNorm", KernelDecoderStack, _STACK),
-    _stack_rule("decoder stack with sliding-window layers (Llama): each residual add fused into the next "
-                "RMSNorm", KernelSlidingDecoderStack, _SLIDING_STACK),
+    _stack_rule("decoder stack (Qwen 3, Mixtral): each residual add fused into the next RMSNorm",
+                KernelDecoderStack, _STACK),
+    _stack_rule("decoder stack (Llama): each residual add fused into the next RMSNorm",
+                KernelSlidingDecoderStack, _SLIDING_STACK),
     *(Rule(f"pre-norm block (residual add + RMSNorm before {ffn})", "add_rms_norm", _residual_block(ffn),
            forwards=(_block(ffn),),
            when=lambda m: _rms_norm_offset(m.get("post_attention_layernorm")) is not None)

@@ -182,9 +182,10 @@ def _plan(g: nx.MultiDiGraph, order: list[Any], weights: bool, repeats: bool,
     plan.hidden_weights = len(hidden)
     shown = {n for n in order if n not in hidden}
     for n in shown:
-        reads = [u for u, _, _, _ in _in_edges(g, n) if u in hidden]
-        if reads:
-            plan.attrs[n] = [hidden[u].short for u in dict.fromkeys(reads)]
+        reads = {u: _input_names(d) for u, _, _, d in _in_edges(g, n) if u in hidden}
+        if reads:  # a kernel's weight by the input it is passed as: "k_weight=model.…weight"
+            plan.attrs[n] = [f"{names}={hidden[u].short}" if names else hidden[u].short
+                             for u, names in reads.items()]
     standin: dict[Any, Any] = {}
     if repeats:
         standin = _runs(g, order, shown, plan)
@@ -327,7 +328,7 @@ def to_dot(graph: Any, *, clusters: bool = True, edge_labels: bool = True, rankd
     for child in children[""]:
         emit_cluster(child, "  ")
 
-    seen: set[tuple[str, str, str]] = set()
+    seen: set[tuple[str, str, str, str]] = set()
     for u, v, key, data in _drawn_edges(g, order):
         a, b = plan.draw.get(u), plan.draw.get(v)
         if a is None or b is None or a == b:
@@ -336,15 +337,16 @@ def to_dot(graph: Any, *, clusters: bool = True, edge_labels: bool = True, rankd
         where_u, where_v = plan.block_of.get(u), plan.block_of.get(v)
         backwards = (where_u is not None and where_v is not None
                      and where_u[0] == where_v[0] and where_u[1] != where_v[1])
-        mark = (a, b, tensor if not backwards else "next")
+        names = _input_names(data)
+        mark = (a, b, tensor if not backwards else "next", names)
         if mark in seen:
             continue
         seen.add(mark)
         attrs = []
         if backwards:  # block k's output into block k+1, both drawn as the first block
             attrs += ['style="dashed"', "constraint=false", 'label=" next block"', 'color="#94a3b8"']
-        elif edge_labels:
-            attrs.append(f"label={_q(' ' + tensor)}")
+        elif edge_labels:  # into a kernel: the input's name first
+            attrs.append(f"label={_q(' ' + (names + ' ' if names else '') + tensor)}")
         attrs.append(f"tooltip={_q(f'{key}: {tensor} ({u} -> {v})')}")
         if data.get("cross_rank"):  # one rank's array read by another rank's collective
             attrs.append(_CROSS_RANK)
@@ -354,6 +356,11 @@ def to_dot(graph: Any, *, clusters: bool = True, edge_labels: bool = True, rankd
         out.append(f"  {_q(a)} -> {_q(b)} [{', '.join(attrs)}];")
     out.append("}")
     return "\n".join(out) + "\n"
+
+
+def _input_names(edge: dict[str, Any]) -> str:
+    """The kernel input names an edge carries its array as (``q_weight, k_weight``), or ``""``."""
+    return ", ".join(str(x) for x in edge.get("inputs") or ())
 
 
 def _drawn_edges(g: nx.MultiDiGraph, order: list[Any]) -> list[tuple[Any, Any, Any, dict[str, Any]]]:

@@ -12,6 +12,7 @@ differ are "changed" (a replacement changes kind and op); the rest are "added" o
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ from graphkern.viz._common import (
     node_status,
     node_text,
     ordered_nodes,
+    scope_parts,
     status_name,
     template_text,
 )
@@ -129,12 +131,46 @@ class GraphDiff:
         }
 
     def __str__(self) -> str:
+        head, rows = self._lines()
+        return "\n".join(head + _scoped_lines(rows))
+
+    def summary(self, max_lines: int = 60, max_modules: int = 20) -> str:
+        """``str(diff)`` when it has at most ``max_lines`` lines; else its head and the number of
+        nodes added, removed and changed in each module, at the deepest module level that fits
+        in ``max_modules`` lines (repeated layers with the same counts on one line), ending
+        with how to see every line.
+
+        >>> print(gk.diff(stock_graph, patched_graph).summary())            # doctest: +SKIP
+        """
+        head, rows = self._lines()
+        full = head + _scoped_lines(rows)
+        if len(full) <= max_lines:
+            return "\n".join(full)
+        deepest = max((len(scope_parts(scope)) for scope, _, _ in rows), default=0)
+        groups: list[tuple[str, str]] = []
+        for depth in range(deepest, -1, -1):
+            counted: dict[str, dict[str, int]] = {}
+            for scope, _, text in rows:
+                counts = counted.setdefault(".".join(scope_parts(scope)[:depth]), {"+": 0, "-": 0, "~": 0})
+                counts[text[0]] += 1
+            groups = _runs_of_layers({g: f"+{c['+']} -{c['-']} ~{c['~']}" for g, c in counted.items()})
+            if len(groups) <= max_modules:
+                break
+        lines = head + [f"  by module ({len(rows)} nodes differ):"]
+        lines += [f"  [{group or 'top level'}] {counts}" for group, counts in groups]
+        lines.append(f"({len(full)} lines in full: --full prints every node)")
+        return "\n".join(lines)
+
+    def _lines(self) -> tuple[list[str], list[tuple[str, str, str]]]:
+        """The head lines (counts, status, downstream cascades) and one row per node that
+        differs: (scope, sort key, text starting with +, - or ~)."""
         a, b = as_nx(self.before), as_nx(self.after)
         lines = [f"diff {graph_name(a)} ({a.number_of_nodes()} nodes) -> "
                  f"{graph_name(b)} ({b.number_of_nodes()} nodes)"]
+        rows: list[tuple[str, str, str]] = []  # (scope, sort key, text)
         if not self:
             lines.append("  no differences")
-            return "\n".join(lines)
+            return lines, rows
         lines.append(f"  kernels: +{len(self.kernels_added)} added, "
                      f"-{len(self.kernels_removed)} removed, ~{len(self.kernels_changed)} changed")
         lines.append(f"  nodes:   +{len(self.added)} added, -{len(self.removed)} removed, "
@@ -143,7 +179,6 @@ class GraphDiff:
         sa, sb = self.status_before, self.status_after
         if sa != sb:
             lines.append(f"  status:  {status_name(sa)} -> {status_name(sb)}")
-        rows: list[tuple[str, str, str]] = []  # (scope, sort key, text)
         for n in self.added:
             d = b.nodes[n]
             rows.append((str(d.get("scope") or ""), f"{d.get('order', 0):09d}+",
@@ -171,13 +206,7 @@ class GraphDiff:
             because = f" (root cause {root})" if root and root != "-" else ""
             lines.append(f"  ~ {count} node{'s' if count != 1 else ''} downstream: "
                          f"status {what}{because}")
-        current = None
-        for scope, _, text in sorted(rows, key=lambda r: (r[0], r[1])):
-            if scope != current:
-                current = scope
-                lines.append(f"[{scope or 'top level'}]")
-            lines.append("  " + text)
-        return "\n".join(lines)
+        return lines, sorted(rows, key=lambda r: (r[0], r[1]))
 
     def to_html(self, **kw: Any) -> str:
         """The ``after`` graph in the HTML viewer with the differences marked and listed."""
@@ -384,3 +413,44 @@ def _norm(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return tuple(_norm(x) for x in v) or None
     return None if v == "" else v
+
+
+def _scoped_lines(rows: list[tuple[str, str, str]]) -> list[str]:
+    """The rows under a ``[scope]`` line for each module."""
+    lines, current = [], None
+    for scope, _, text in rows:
+        if scope != current:
+            current = scope
+            lines.append(f"[{scope or 'top level'}]")
+        lines.append("  " + text)
+    return lines
+
+
+_LAYER = re.compile(r"^(.*?)(\d+)$")
+
+
+def _runs_of_layers(counts: dict[str, str]) -> list[tuple[str, str]]:
+    """``{module: counts}`` in the order of the model (``layers.2`` before ``layers.10``), each run
+    of numbered modules with the same counts on one line: ``("layers.0 … layers.31", "... each")``."""
+    def key(group: str) -> list[Any]:
+        return [(0, int(p)) if p.isdigit() else (1, p) for p in group.split(".")]
+
+    out: list[tuple[str, str]] = []
+    run: list[str] = []
+
+    def close() -> None:
+        if len(run) > 1:
+            out.append((f"{run[0]} … {run[-1]}", f"{counts[run[0]]} each ({len(run)} modules)"))
+        elif run:
+            out.append((run[0], counts[run[0]]))
+        run.clear()
+
+    for group in sorted(counts, key=key):
+        if run:
+            last, this = _LAYER.match(run[-1]), _LAYER.match(group)
+            if not (last and this and last[1] == this[1] and int(this[2]) == int(last[2]) + 1
+                    and counts[group] == counts[run[0]]):
+                close()
+        run.append(group)
+    close()
+    return out

@@ -114,7 +114,11 @@ def viewer_data(graph: Any, *, diff: Mapping[str, Any] | None = None,
         for u, _, key, data in ins[n]:
             row = [index[u], index[n], str(key), format_shape(data.get("shape")),
                    str(data.get("dtype") or "?"), int(data.get("index") or 0)]
-            edges.append(row + [1] if data.get("cross_rank") else row)  # 1: between two ranks
+            if data.get("cross_rank") or data.get("inputs"):  # [6] 1: between two ranks
+                row.append(1 if data.get("cross_rank") else 0)
+            if data.get("inputs"):  # [7]: the kernel input names it is passed as
+                row.append(", ".join(str(x) for x in data["inputs"]))
+            edges.append(row)
     roots = [n for n in order if node_status(g.nodes[n]) not in (0, 10)]
     first = g.nodes[roots[0]] if roots else None
     return {

@@ -1347,7 +1347,8 @@
     if (inE[n].length) {
       h += '<section><h3>Inputs</h3><table data-testid="panel-inputs">';
       inE[n].forEach(function (e2) {
-        var ed = D.edges[e2], name = inputName(n, ed[5]);
+        var ed = D.edges[e2], name = ed[7] || inputName(n, ed[5]);
+        if (!name && det(n).input_names) name = "also reads";   // a node the kernel's body shares
         h += row((name || "#" + ed[5]), producerText(ed[0], n) + ' <span class="gk-mono gk-dim">' + esc(ed[4]) + "[" + esc(ed[3]) + "]</span>");
       });
       h += "</table></section>";

@@ -1,0 +1,210 @@
+"""``--model PATH``, ``--prompt TEXT`` and ``--patch`` for the commands that run a model.
+
+An mlx-lm checkpoint (a folder, or a Hugging Face Hub id where the hub is reachable) is loaded with
+``mlx_lm.load``; the prompt goes through the model's chat template and tokenizer as
+``mlx_lm.generate`` does. ``trace``, ``debug``, ``view`` and ``bench`` share these options.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import click
+
+from graphkern.cli_errors import BadInput
+
+__all__ = ["Checkpoint", "ModelRun", "load_checkpoint", "model_and_tokens", "model_options", "prompt_tokens"]
+
+#: The prompt when none is given (``mlx_lm.generate``'s default).
+DEFAULT_PROMPT = "hello"
+
+_MODEL_OPTIONS = [
+    click.option("--model", "model_path", metavar="PATH",
+                 help="An mlx-lm checkpoint folder (or a Hugging Face Hub id), loaded with mlx_lm.load."),
+    click.option("--prompt", metavar="TEXT",
+                 help=f"With --model: the prompt, through the model's chat template and tokenizer "
+                      f"(default {DEFAULT_PROMPT!r})."),
+    click.option("--patch", "patch_model", is_flag=True,
+                 help="With --model: patch the model onto graphkern's kernels first (gk.patch)."),
+]
+
+
+def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Add ``--model``, ``--prompt`` and ``--patch`` to a command."""
+    for option in reversed(_MODEL_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: the model, its tokenizer, where it came from and its config."""
+
+    model: Any
+    tokenizer: Any
+    path: str
+    config: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        """The folder's (or hub id's) last part: ``Llama-3.2-1B-Instruct-4bit``."""
+        return os.path.basename(os.path.normpath(self.path)) or self.path
+
+    def describe(self) -> str:
+        """One line: name, architecture, layers, quantization and weights' dtype."""
+        quant = self.config.get("quantization") or {}
+        bits = f"{quant['bits']}-bit" if quant.get("bits") else self.weights_dtype()
+        layers = self.config.get("num_hidden_layers", "?")
+        return f"{self.name} ({self.config.get('model_type', '?')}, {layers} layers, {bits})"
+
+    def weights_dtype(self) -> str:
+        """The dtype of the model's floating-point weights (the first one met)."""
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        from graphkern.nodes import dtype_name
+
+        for _, value in tree_flatten(self.model.parameters()):  # type: ignore[str-unpack]
+            if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
+                return dtype_name(value.dtype)
+        return "?"
+
+    def twin(self) -> Any:
+        """A second model object holding this one's very weight arrays (no second copy), in
+        evaluation mode: the stock side when this one is patched, or the patched one."""
+        from pathlib import Path
+
+        from mlx_lm.utils import load_model
+
+        other, _ = load_model(Path(self.local_path()), lazy=True)  # lazy: its own arrays never load
+        other.update(self.model.parameters())
+        other.eval()
+        return other
+
+    def local_path(self) -> str:
+        from mlx_lm.utils import _download
+
+        return str(_download(self.path))
+
+
+def _looks_like_path(text: str) -> bool:
+    """A hub id is ``owner/name``: anything else (absolute, ``./``, ``~``, more parts) is a folder."""
+    return (os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") != 1
+            or os.sep != "/" and os.sep in text)
+
+
+def load_checkpoint(path: str) -> Checkpoint:
+    """``mlx_lm.load(path)`` with errors that say what to fix (exit status 2 on the command line).
+
+    >>> ckpt = load_checkpoint("models/tiny-llama-4bit")           # doctest: +SKIP
+    >>> ckpt.describe()                                              # doctest: +SKIP
+    'tiny-llama-4bit (llama, 2 layers, 4-bit)'
+    """
+    try:
+        import mlx_lm
+    except ImportError:
+        raise BadInput("--model needs mlx-lm: pip install 'graphkern[models]'") from None
+    expanded = os.path.expanduser(path)
+    if not os.path.exists(expanded) and _looks_like_path(path):
+        raise BadInput(f"--model {path}: no such folder (give an mlx-lm checkpoint folder, or a "
+                       "Hugging Face Hub id such as mlx-community/Llama-3.2-1B-Instruct-4bit)")
+    if os.path.exists(expanded) and not os.path.isdir(expanded):
+        raise BadInput(f"--model {path}: not a folder (give the checkpoint's folder, which holds "
+                       "config.json and *.safetensors)")
+    if os.path.isdir(expanded) and not os.path.isfile(os.path.join(expanded, "config.json")):
+        raise BadInput(f"--model {path}: no config.json in the folder; is it an mlx-lm checkpoint "
+                       "(config.json, *.safetensors, tokenizer files)?")
+    try:
+        model, tokenizer, config = mlx_lm.load(expanded, return_config=True)  # type: ignore[misc]
+    except Exception as exc:
+        if not os.path.exists(expanded):
+            raise BadInput(f"--model {path}: no such folder, and it could not be downloaded from "
+                           f"the Hugging Face Hub ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
+        raise BadInput(f"--model {path}: mlx_lm.load failed: {type(exc).__name__}: {exc}") from None
+    return Checkpoint(model, tokenizer, path, config)
+
+
+def prompt_tokens(tokenizer: Any, prompt: str | None) -> Any:
+    """``prompt`` as a (1, L) int32 array of token ids, as ``mlx_lm.generate`` makes them: through
+    the chat template when the tokenizer has one, else encoded with its special tokens."""
+    import mlx.core as mx
+
+    text = DEFAULT_PROMPT if prompt is None else prompt
+    chat = bool(getattr(tokenizer, "has_chat_template", False))
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=not chat)
+    if not ids:
+        raise BadInput(f"--prompt {prompt!r} gives no tokens")
+    return mx.array([ids], dtype=mx.int32)
+
+
+_WHAT = {"MODULE:CALLABLE": "a .py file or module and a callable in it, with -i SHAPE:DTYPE for each "
+                            "argument",
+         "FILE.json": "a graph written by --json"}
+
+
+def check_model_options(target: str | None, model_path: str | None, prompt: str | None,
+                        patch_model: bool, inputs: tuple[str, ...] = (),
+                        what: str = "MODULE:CALLABLE") -> None:
+    """Exactly one of ``target`` (a ``what``) and ``--model``; ``--prompt``/``--patch`` only with
+    ``--model``; ``-i`` only with a target."""
+    if target and model_path:
+        raise BadInput(f"give either {what} or --model PATH, not both")
+    if not target and not model_path:
+        raise BadInput(f"give {what} ({_WHAT[what]}) or --model PATH (an mlx-lm checkpoint folder)")
+    if not model_path and (prompt is not None or patch_model):
+        raise BadInput(f"{'--prompt' if prompt is not None else '--patch'} goes with --model PATH")
+    if model_path and inputs:
+        raise BadInput("-i/--input is for MODULE:CALLABLE; with --model the input is --prompt TEXT")
+
+
+@dataclass
+class ModelRun:
+    """A loaded checkpoint ready to run: the prompt's tokens, the ``Patched`` records (``--patch``)
+    and, when asked for, the stock model as a second object on the same weights."""
+
+    checkpoint: Checkpoint
+    tokens: Any
+    patched: list[Any]
+    stock: Any = None
+
+    def describe(self) -> str:
+        """``model q4 (llama, 2 layers, 4-bit), prompt 3 tokens, patched 7 layers: ...``."""
+        line = f"model {self.checkpoint.describe()}, prompt {self.tokens.shape[1]} tokens"
+        return line + (f", {patched_line(self.patched)}" if self.patched else "")
+
+
+def model_and_tokens(model_path: str, prompt: str | None, patch_model: bool,
+                     step: Callable[[str], None] = lambda text: None, stock_twin: bool = False) -> ModelRun:
+    """Load ``model_path``, tokenize ``prompt`` and patch the model when asked; ``stock_twin`` also
+    keeps an unpatched model object on the same weights."""
+    step(f"loading {model_path}")
+    ckpt = load_checkpoint(model_path)
+    run = ModelRun(ckpt, prompt_tokens(ckpt.tokenizer, prompt), [])
+    if stock_twin:
+        run.stock = ckpt.twin()
+    if patch_model:
+        from graphkern.models import patch
+        from graphkern.nodes import KernelError
+
+        step("patching")
+        try:
+            run.patched = patch(ckpt.model)
+        except KernelError as exc:
+            raise BadInput(f"--patch: {exc}") from None
+    return run
+
+
+def patched_line(patched: list[Any]) -> str:
+    """``patched 7 layers: add_rms_norm 3, rope_qk 2, swiglu 2``."""
+    counts: dict[str, int] = {}
+    for record in patched:
+        counts[record.kernel] = counts.get(record.kernel, 0) + 1
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    return f"patched {len(patched)} layer{'s' if len(patched) != 1 else ''}" + (f": {kinds}" if kinds else "")

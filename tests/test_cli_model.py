@@ -1,0 +1,221 @@
+"""The command line on mlx-lm checkpoint folders: ``--model PATH``, ``--prompt`` and ``--patch`` for
+trace, debug and view, and ``bench``; on a float32 folder and a 4-bit one from mlx-lm's converter,
+both written offline by ``graphkern.models.checkpoint``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+
+from graphkern.cli import main
+from graphkern.cli_model import load_checkpoint, prompt_tokens
+from graphkern.models.checkpoint import write_checkpoint
+from graphkern.models.generation_bench import GenerationResult, GenerationRun
+from graphkern.nodes import KernelError
+
+pytest.importorskip("mlx_lm")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    base = tmp_path_factory.mktemp("checkpoints")
+    return {"float": str(write_checkpoint(base / "tiny-llama")),
+            "4bit": str(write_checkpoint(base / "tiny-llama-4bit", quantize=4))}
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+# ----------------------------------------------------------------------------- the folders
+
+
+def test_the_folders_load_with_mlx_lm_and_the_4bit_one_is_quantized(folders: dict[str, str]) -> None:
+    import mlx_lm
+
+    names = set(os.listdir(folders["4bit"]))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+    config = json.loads(Path(folders["4bit"], "config.json").read_text())
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 64
+    model, tokenizer = mlx_lm.load(folders["4bit"])
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == "QuantizedLinear"
+    float_model, _ = mlx_lm.load(folders["float"])
+    assert type(float_model.model.layers[0].mlp.down_proj).__name__ == "Linear"
+    assert tokenizer.has_chat_template
+    assert mlx_lm.generate(model, tokenizer, "hi", max_tokens=3) is not None
+
+
+def test_write_checkpoint_refuses_an_existing_folder_and_unknown_arguments(tmp_path: Path) -> None:
+    with pytest.raises(KernelError, match="already exists"):
+        write_checkpoint(tmp_path)
+    with pytest.raises(KernelError, match="unknown architecture 'gpt9'"):
+        write_checkpoint(tmp_path / "a", "gpt9")
+    with pytest.raises(KernelError, match="quantize must be None, 4 or 8"):
+        write_checkpoint(tmp_path / "b", quantize=3)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_prompt_goes_through_the_chat_template(folders: dict[str, str]) -> None:
+    ckpt = load_checkpoint(folders["float"])
+    tokens = prompt_tokens(ckpt.tokenizer, "hi there")
+    text = ckpt.tokenizer.apply_chat_template([{"role": "user", "content": "hi there"}],
+                                              tokenize=False, add_generation_prompt=True)
+    assert text == "<|user|> hi there <|assistant|>"
+    assert tokens.dtype == mx.int32 and tokens.shape == (1, 4)
+    assert tokens[0].tolist() == ckpt.tokenizer.encode(text, add_special_tokens=False)
+    assert ckpt.describe() == "tiny-llama (llama, 2 layers, float32)"
+    assert load_checkpoint(folders["4bit"]).describe() == "tiny-llama-4bit (llama, 2 layers, 4-bit)"
+
+
+def test_without_a_chat_template_the_prompt_is_encoded_with_special_tokens(folders: dict[str, str],
+                                                                           tmp_path: Path) -> None:
+    import shutil
+
+    plain = tmp_path / "plain"
+    shutil.copytree(folders["float"], plain)
+    (plain / "chat_template.jinja").unlink()
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    ckpt = load_checkpoint(str(plain))
+    assert not ckpt.tokenizer.has_chat_template
+    tokens = prompt_tokens(ckpt.tokenizer, "hi there")[0].tolist()
+    assert tokens == ckpt.tokenizer.encode("hi there", add_special_tokens=True)
+    assert ckpt.tokenizer.convert_ids_to_tokens(tokens)[-2:] == ["hi", "there"]
+
+
+# ----------------------------------------------------------------------------- trace, debug, view
+
+
+@pytest.mark.parametrize("kind", ["float", "4bit"])
+def test_trace_a_checkpoint_folder(folders: dict[str, str], kind: str, tmp_path: Path) -> None:
+    code, out, err = run("trace", "--model", folders[kind], "--prompt", "hi there",
+                         "--json", str(tmp_path / "g.json"), "--html", str(tmp_path / "g.html"))
+    assert code == 0, err
+    name = Path(folders[kind]).name
+    assert out.startswith(f"graph {name}: ") and "status: OK" in out
+    assert "prompt 4 tokens" in err
+    graph = json.loads((tmp_path / "g.json").read_text())
+    scopes = {n.get("scope") for n in graph["nodes"]}
+    assert "model.layers.1.mlp" in scopes
+    assert (tmp_path / "g.html").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("kind", ["float", "4bit"])
+def test_trace_a_patched_checkpoint_shows_its_kernels_under_the_users_classes(
+        folders: dict[str, str], kind: str, tmp_path: Path) -> None:
+    code, out, err = run("trace", "--model", folders[kind], "--patch", "--json", str(tmp_path / "p.json"))
+    assert code == 0, err
+    assert "kernels: gk_add_rms_norm" in out and "gk_rope_qk" in out
+    assert "patched 7 layers: add_rms_norm 3, rope_qk 2, swiglu 2" in err
+    modules = json.loads((tmp_path / "p.json").read_text())["graph"]["modules"]
+    assert modules["model"] == "LlamaModel" and modules["model.layers.0"] == "TransformerBlock"
+    assert not any(cls.startswith("Kernel") for cls in modules.values())
+
+
+@pytest.mark.parametrize("kind", ["float", "4bit"])
+def test_debug_a_checkpoint_folder(folders: dict[str, str], kind: str) -> None:
+    code, out, err = run("debug", "--model", folders[kind], "--prompt", "hi")
+    assert code == 0, err
+    name = Path(folders[kind]).name
+    assert out.splitlines()[0].startswith(f"{name}: ") and "all values finite" in out
+
+
+@pytest.mark.parametrize("kind", ["float", "4bit"])
+def test_debug_compares_a_patched_checkpoint_with_its_stock_model(folders: dict[str, str], kind: str,
+                                                                 tmp_path: Path) -> None:
+    code, out, err = run("debug", "--model", folders[kind], "--patch", "--compare-stock",
+                         "--html", str(tmp_path / "c.html"))
+    assert code == 0, out + err
+    name = Path(folders[kind]).name
+    assert f"compare {name} stock (reference) against {name} patched" in out
+    assert "no divergence" in out
+    assert (tmp_path / "c.html").exists()
+
+
+@pytest.mark.parametrize("kind", ["float", "4bit"])
+def test_view_a_checkpoint_folder(folders: dict[str, str], kind: str, tmp_path: Path) -> None:
+    page = tmp_path / "v.html"
+    code, out, err = run("view", "--model", folders[kind], "--patch", "--out", str(page), "--no-browser")
+    assert code == 0, err
+    assert out.strip() == f"wrote {page}"
+    html = page.read_text()
+    assert "gk_rope_qk" in html and "TransformerBlock" in html and "KernelResidualBlock" not in html
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+@pytest.mark.parametrize("kind", ["float", "4bit"])
+def test_bench_prints_stock_and_patched_runs_and_the_median_ratio(folders: dict[str, str], kind: str) -> None:
+    code, out, err = run("bench", "--model", folders[kind], "--max-tokens", "5", "--rounds", "2")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"model {Path(folders[kind]).name} (llama, 2 layers, ")
+    assert "5 generated tokens, 2 rounds after a warm-up run each" in lines[0]
+    assert lines[1] == "patched 7 layers: add_rms_norm 3, rope_qk 2, swiglu 2"
+    runs = [line for line in lines if line.startswith("round ")]
+    assert [r.split()[:3] for r in runs] == [["round", "1", "stock"], ["round", "1", "patched"],
+                                               ["round", "2", "stock"], ["round", "2", "patched"]]
+    assert all("Generation: 5 tokens, " in r and "tokens-per-sec" in r and "Peak memory: " in r for r in runs)
+    assert "first round: 5 of 5 the same in both" in out  # exact on a CPU
+    assert lines[-1].startswith("patched / stock, median of 2 rounds: prompt ")
+
+
+def test_the_ratio_is_the_median_of_per_round_ratios() -> None:
+    def runs(stock_tps: float, patched_tps: float) -> dict[str, GenerationRun]:
+        return {side: GenerationRun(3, 100.0, 5, tps, 1.0, (1, 2)) for side, tps in
+                (("stock", stock_tps), ("patched", patched_tps))}
+
+    result = GenerationResult([runs(100, 110), runs(200, 180), runs(50, 100)])
+    assert result.ratio("generation_tps") == pytest.approx(1.1)  # of 1.1, 0.9 and 2.0
+    assert result.ratio("peak_memory") == 1.0
+    assert result.same_tokens() == (2, 2)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_a_missing_folder_is_a_clear_error(tmp_path: Path) -> None:
+    code, _, err = run("trace", "--model", str(tmp_path / "nowhere"))
+    assert code == 2
+    assert err.startswith(f"error: --model {tmp_path / 'nowhere'}: no such folder (give an mlx-lm checkpoint")
+
+
+def test_a_folder_without_config_is_a_clear_error(tmp_path: Path) -> None:
+    code, _, err = run("debug", "--model", str(tmp_path))
+    assert code == 2 and "no config.json in the folder" in err
+
+
+def test_an_unreachable_hub_id_says_so() -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "graphkern", "bench", "--model", "nobody/no-such-model"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: --model nobody/no-such-model: no such folder, and it could not be "
+                                  "downloaded from the Hugging Face Hub (")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["trace"], "give MODULE:CALLABLE (a .py file or module and a callable in it, with -i"),
+    (["view"], "give FILE.json (a graph written by --json) or --model PATH"),
+    (["trace", "x.py:f", "--model", "m"], "give either MODULE:CALLABLE or --model PATH, not both"),
+    (["trace", "--prompt", "hi", "x.py:f"], "--prompt goes with --model PATH"),
+    (["debug", "--patch", "x.py:f"], "--patch goes with --model PATH"),
+    (["trace", "--model", "m", "-i", "1,4:int32"],
+     "-i/--input is for MODULE:CALLABLE; with --model the input"),
+    (["debug", "--model", "m", "--compare-stock"], "--compare-stock compares a patched checkpoint"),
+])
+def test_options_that_do_not_go_together(args: list[str], message: str) -> None:
+    code, _, err = run(*args)
+    assert code == 2 and message in err, err
