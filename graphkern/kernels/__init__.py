@@ -1,5 +1,6 @@
-"""graphkern's kernel library: fused normalization, RoPE, attention prologue,
-norm-fed projections (16-bit and affine-quantized weights), activation, softmax and mixture-of-experts routing kernels.
+"""graphkern's kernel library: fused normalization, RoPE, attention prologue, norm-fed
+projections (plain and affine-quantized weights), activation, softmax and mixture-of-experts
+routing kernels.
 
 Each kernel is a :class:`graphkern.Kernel` with a Metal body, a CUDA body and a pure-MLX reference,
 for float32, float16 and bfloat16 (float32 arithmetic inside), and a layer function that picks the

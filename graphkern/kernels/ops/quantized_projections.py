@@ -43,6 +43,7 @@ from graphkern.kernels._base import (
     vector_width,
 )
 from graphkern.kernels._headers import dual_header
+from graphkern.kernels.ops.projections import _rows
 from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
@@ -335,7 +336,8 @@ _CUDA_SWIGLU = _cuda_rows("gk::aligned<4>(gate) && gk::aligned<4>(up)", r"""
       float u[M];
       const long long wo = static_cast<long long>(row) * WORDS;
       const long long so = static_cast<long long>(row) * G;
-      gk::quantized_row_dot<T, M, K, BITS, GS, WV>(gate + wo, gate_scales + so, gate_biases + so, xs, xsum, g);
+      gk::quantized_row_dot<T, M, K, BITS, GS, WV>(gate + wo, gate_scales + so, gate_biases + so, xs, xsum,
+                                                   g);
       gk::quantized_row_dot<T, M, K, BITS, GS, WV>(up + wo, up_scales + so, up_biases + so, xs, xsum, u);
       if ((threadIdx.x & 31) == 0) {
 #pragma unroll
@@ -574,8 +576,8 @@ def quantized_projections_fit(x: mx.array, group_size: int = 64) -> bool:
 
 def _check_quantization(op: str, group_size: Any, bits: Any, k: int) -> None:
     if isinstance(bits, bool) or bits not in QUANTIZED_BITS:
-        raise KernelError(op, f"bits is {bits!r}; the kernel reads affine quantization of {QUANTIZED_BITS} bits",
-                          Status.INVALID_INPUT)
+        raise KernelError(op, f"bits is {bits!r}; the kernel reads affine quantization of "
+                          f"{QUANTIZED_BITS} bits", Status.INVALID_INPUT)
     if isinstance(group_size, bool) or group_size not in QUANTIZED_GROUP_SIZES:
         raise KernelError(op, f"group_size is {group_size!r}; the kernel reads groups of "
                           f"{QUANTIZED_GROUP_SIZES}", Status.INVALID_INPUT)
@@ -584,7 +586,8 @@ def _check_quantization(op: str, group_size: Any, bits: Any, k: int) -> None:
                           Status.INVALID_INPUT)
 
 
-def _check_weight(op: str, name: str, weight: Any, x: mx.array, group_size: int, bits: int) -> QuantizedWeight:
+def _check_weight(op: str, name: str, weight: Any, x: mx.array, group_size: int,
+                  bits: int) -> QuantizedWeight:
     """``weight`` as a checked QuantizedWeight for rows like x's."""
     if not isinstance(weight, (tuple, list)) or len(weight) != 3:
         raise KernelError(op, f"{name} must be a (weight, scales, biases) triple, got {weight!r:.80}",
@@ -749,15 +752,6 @@ def quantized_norm_swiglu(x: mx.array, weight: mx.array | None, gate: Any, up: A
 
 
 # ----------------------------------------------------------------------------- registry
-
-
-def _rows(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """Random rows ``x`` of ``shape``, a residual, a norm weight, and a key for the matrices."""
-    kx, kr, kw, rest = mx.random.split(key, 4)
-    x = mx.random.normal(tuple(shape), key=kx).astype(dtype)
-    r = mx.random.normal(tuple(shape), key=kr).astype(dtype)
-    w = (1.0 + 0.5 * mx.random.normal((shape[-1],), key=kw)).astype(dtype)
-    return x, r, w, rest
 
 
 def random_quantized(n: int, k: int, dtype: mx.Dtype, key: mx.array, group_size: int = 64, bits: int = 4,
