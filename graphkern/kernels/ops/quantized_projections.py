@@ -60,8 +60,10 @@ MAX_ROWS = 8
 #: memory (an H100/H200 block may take 227 KB; past this much one block fills an SM); Metal in the
 #: dtype, in its 32 KB of threadgroup memory.
 SHARED_BYTES = {"cuda": 160 * 1024, "metal": 32 * 1024}
-#: Threads a block, one output row a warp: 8 warps, or 16 for more than 2 rows, where normalizing
-#: the rows (which each block does) costs more and fewer blocks do it.
+#: Threads a block, one output row a warp: 8 warps, or 16 for more than 2 rows of projections, where
+#: normalizing the rows (which each block does) costs more and fewer blocks do it. The SwiGLU
+#: kernel keeps 8 warps: its two products take up to 174 registers a thread at 8 rows (NVRTC for
+#: sm_90a), and MLX compiles without launch bounds, so a block of 512 could not launch.
 BLOCK = 256
 WIDE_BLOCK = 512
 
@@ -645,7 +647,7 @@ def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weigh
     inputs = (x, unused if residual is None else residual, unused if weight is None else weight,
               *(a for m in checked for a in m), *stand_in * pad)
     m = x.size // k
-    block = BLOCK if m <= 2 else WIDE_BLOCK
+    block = BLOCK if m <= 2 or gated else WIDE_BLOCK
     template = (template_arg("T", x.dtype), template_arg("M", m), template_arg("K", k),
                 template_arg("V", vector_width(k, x.dtype)), template_arg("NT", block),
                 template_arg("RESID", residual is not None), template_arg("HAS_W", weight is not None),
