@@ -810,6 +810,7 @@ ENTRY = LibraryEntry(
     make_inputs=functools.partial(quantized_case, gated=False),
     stock=_stock_projections,
     shapes=_DECODING_SHAPES,
+    last_dim_multiple=64,
     description="residual add + RMSNorm + up to 3 affine-quantized projections (4-bit, group 64), "
                 "for up to 8 rows (decoding)",
 )
@@ -822,6 +823,7 @@ ENTRY_SWIGLU = LibraryEntry(
     make_inputs=functools.partial(quantized_case, gated=True),
     stock=_stock_swiglu,
     shapes=_DECODING_SHAPES,
+    last_dim_multiple=64,
     description="residual add + RMSNorm + affine-quantized SwiGLU gate/up projections (4-bit, group 64), "
                 "for up to 8 rows (decoding)",
 )
