@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from model_comparisons import spy_on_kernels  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 import graphkern.kernels as gkk  # noqa: E402
@@ -91,19 +92,6 @@ def _quantized_model(arch: str, bits: int, group_size: int, mode: str = "affine"
     return model
 
 
-def _spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    calls: list[str] = []
-    for name in KERNELS:
-        real = getattr(gkk, name)
-
-        def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
-            calls.append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(gkk, name, spy)
-    return calls
-
-
 def _logits(model: nn.Module, steps: int = 4) -> list[mx.array]:
     cache = make_prompt_cache(model)
     logits = [model(PROMPT[None], cache=cache)]
@@ -127,7 +115,7 @@ def test_a_patched_quantized_model_decodes_through_the_quantized_kernels_as_stoc
     stock, patched = _quantized_model(arch, bits, group_size), _quantized_model(arch, bits, group_size)
     report = gk.patch(patched)
     assert not any(p.note for p in report)
-    calls = _spy(monkeypatch)
+    calls = spy_on_kernels(monkeypatch, KERNELS)
     for ours, theirs in zip(_logits(patched), _logits(stock)):
         assert mx.array_equal(ours, theirs).item()
     assert set(calls) == {"quantized_norm_projections", "quantized_norm_swiglu"}
@@ -145,7 +133,7 @@ def test_quantization_the_kernels_do_not_read_keeps_stock_products_with_a_note(
     assert sorted(notes) == ["model.layers.0", "model.layers.1"]
     assert says in notes["model.layers.0"] and "q_proj, k_proj, v_proj" in notes["model.layers.0"]
     assert "gate_proj, up_proj" in notes["model.layers.0"]
-    calls = _spy(monkeypatch)
+    calls = spy_on_kernels(monkeypatch, KERNELS)
     atol, rtol = (0.0, 0.0) if dtype == mx.float32 else MODEL_TOLERANCES[dtype]
     for ours, theirs in zip(_logits(patched, 2), _logits(stock, 2)):
         assert mx.allclose(ours, theirs, atol=atol, rtol=rtol).item()
@@ -155,6 +143,6 @@ def test_quantization_the_kernels_do_not_read_keeps_stock_products_with_a_note(
 def test_the_quantized_kernels_can_be_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
     patched = _quantized_model("llama", 4, 64)
     gk.patch(patched, kernels=["add_rms_norm", "rope_qk", "swiglu", "quantized_norm_swiglu"])
-    calls = _spy(monkeypatch)
+    calls = spy_on_kernels(monkeypatch, KERNELS)
     _logits(patched, 1)
     assert set(calls) == {"quantized_norm_swiglu"}

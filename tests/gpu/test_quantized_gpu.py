@@ -22,6 +22,7 @@ from graphkern.kernels.ops.quantized_projections import quantized_case, quantize
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from model_comparisons import spy_on_kernels  # noqa: E402
 
 from graphkern.models import MODEL_TOLERANCES, patch  # noqa: E402
 from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
@@ -96,17 +97,15 @@ def _model(arch: str, bits: int, group_size: int, dtype: mx.Dtype, **dims: int) 
     return model
 
 
-def _spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    calls: list[str] = []
-    for name in ENTRIES:
-        real = getattr(gkk, name)
-
-        def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
-            calls.append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(gkk, name, spy)
-    return calls
+def _decodes_as_stock(stock: nn.Module, patched: nn.Module, steps: int, dtype: mx.Dtype) -> None:
+    """Logits of PROMPT and ``steps`` greedy decoding steps within the model tolerance of ``dtype``."""
+    atol, rtol = MODEL_TOLERANCES[dtype]
+    cs, cp = make_prompt_cache(stock), make_prompt_cache(patched)
+    expected, got = stock(PROMPT[None], cache=cs), patched(PROMPT[None], cache=cp)
+    for _ in range(steps):
+        assert mx.allclose(got, expected, atol=atol, rtol=rtol).item(), mx.abs(got - expected).max().item()
+        token = mx.argmax(expected[:, -1:], axis=-1)
+        expected, got = stock(token, cache=cs), patched(token, cache=cp)
 
 
 PROMPT = mx.array([3, 17, 42, 5, 99, 1, 7, 64])
@@ -122,14 +121,8 @@ def test_a_patched_quantized_model_decodes_as_stock_on_device(arch: str, bits: i
     also 16 greedy tokens of mlx-lm's generate_step."""
     stock, patched = _model(arch, bits, group_size, dtype), _model(arch, bits, group_size, dtype)
     patch(patched)
-    calls = _spy(monkeypatch)
-    atol, rtol = MODEL_TOLERANCES[dtype]
-    cs, cp = make_prompt_cache(stock), make_prompt_cache(patched)
-    expected, got = stock(PROMPT[None], cache=cs), patched(PROMPT[None], cache=cp)
-    for _ in range(6):
-        assert mx.allclose(got, expected, atol=atol, rtol=rtol).item(), mx.abs(got - expected).max().item()
-        token = mx.argmax(expected[:, -1:], axis=-1)
-        expected, got = stock(token, cache=cs), patched(token, cache=cp)
+    calls = spy_on_kernels(monkeypatch, ENTRIES)
+    _decodes_as_stock(stock, patched, 6, dtype)
     assert set(calls) == set(ENTRIES)
     if dtype == mx.float32:
         tokens = [[int(t) for t, _ in generate_step(PROMPT, m, max_tokens=16,
@@ -148,10 +141,4 @@ def test_a_patched_quantized_model_of_real_width_matches_stock_on_device(bits: i
             "num_key_value_heads": 8, "vocab_size": 1024}
     stock, patched = (_model("llama", bits, 64, mx.float16, **dims) for _ in range(2))
     patch(patched)
-    atol, rtol = MODEL_TOLERANCES[mx.float16]
-    cs, cp = make_prompt_cache(stock), make_prompt_cache(patched)
-    expected, got = stock(PROMPT[None], cache=cs), patched(PROMPT[None], cache=cp)
-    for _ in range(4):
-        assert mx.allclose(got, expected, atol=atol, rtol=rtol).item(), mx.abs(got - expected).max().item()
-        token = mx.argmax(expected[:, -1:], axis=-1)
-        expected, got = stock(token, cache=cs), patched(token, cache=cp)
+    _decodes_as_stock(stock, patched, 4, mx.float16)
