@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import mlx.core as mx
@@ -36,14 +36,13 @@ from graphkern.kernels._base import (
     eps_template,
     float_from_bits,
     output_spec,
-    run,
     runs_on_cuda,
     template_arg,
     unused_input,
     vector_width,
 )
 from graphkern.kernels._headers import dual_header
-from graphkern.kernels.ops.projections import _rows
+from graphkern.kernels.ops.projections import _rows, _run, _stock_normed
 from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
@@ -482,13 +481,6 @@ _METAL_SWIGLU = _METAL_START + r"""
 # ----------------------------------------------------------------------------- references
 
 
-def _stock_normed(x: mx.array, residual: mx.array | None, w: mx.array | None,
-                  eps: float) -> tuple[mx.array, mx.array]:
-    """``(h, mx.fast.rms_norm(h))`` with ``h = x (+ residual)``: stock MLX's ops."""
-    h = x if residual is None else x + residual
-    return h, mx.fast.rms_norm(h, w, eps)
-
-
 def _quantized_product(normed: mx.array, weight: QuantizedWeight | Sequence[mx.array], group_size: int,
                        bits: int) -> mx.array:
     """``mx.quantized_matmul``, as ``nn.QuantizedLinear`` calls it."""
@@ -503,7 +495,7 @@ def quantized_norm_projections_reference(
         **_: Any) -> list[mx.array]:
     """Stock MLX: ``h = x + residual`` (when RESID), ``mx.fast.rms_norm(h)`` and its
     ``mx.quantized_matmul`` with the NW weights; an absent output is a one-element zero."""
-    h, normed = _stock_normed(x, residual if RESID else None, w if HAS_W else None, float_from_bits(EPS))
+    h, normed = _stock_normed(x, w if HAS_W else None, float_from_bits(EPS), residual if RESID else None)
     absent = mx.zeros((1,), x.dtype)
     weights = ((w0, scales0, biases0), (w1, scales1, biases1), (w2, scales2, biases2))
     outputs = [_quantized_product(normed, weights[i], GS, BITS) if i < NW else absent for i in range(3)]
@@ -518,7 +510,7 @@ def quantized_norm_swiglu_reference(
     ``nn.silu`` (what mlx-lm's ``swiglu`` computes)."""
     import mlx.nn as nn
 
-    h, normed = _stock_normed(x, residual if RESID else None, w if HAS_W else None, float_from_bits(EPS))
+    h, normed = _stock_normed(x, w if HAS_W else None, float_from_bits(EPS), residual if RESID else None)
     g = _quantized_product(normed, (gate, gate_scales, gate_biases), GS, BITS)
     u = _quantized_product(normed, (up, up_scales, up_biases), GS, BITS)
     return [h if RESID else mx.zeros((1,), x.dtype), nn.silu(g) * u]
@@ -694,13 +686,6 @@ def _signature(x: mx.array, weight: mx.array | None, residual: mx.array | None, 
         return None
 
 
-def _run(launches: LayerLaunches, key: object, arrays: tuple[mx.array, ...],
-         make_plan: Callable[[], Plan]) -> list[mx.array]:
-    if key is None:
-        return run(make_plan())
-    return launches(key, arrays, make_plan)
-
-
 _PROJECTIONS = LayerLaunches()
 _SWIGLU = LayerLaunches()
 
@@ -783,7 +768,7 @@ def quantized_case(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, *, gate
 def _stock_projections(x: mx.array, weight: mx.array | None, projections: Sequence[Any], eps: float = 1e-5,
                        residual: mx.array | None = None, *, group_size: int = 64,
                        bits: int = 4) -> tuple[mx.array, ...]:
-    h, normed = _stock_normed(x, residual, weight, eps)
+    h, normed = _stock_normed(x, weight, eps, residual)
     outputs = tuple(_quantized_product(normed, m, group_size, bits) for m in projections)
     return outputs if residual is None else (h, *outputs)
 
@@ -793,7 +778,7 @@ def _stock_swiglu(x: mx.array, weight: mx.array | None, gate: Any, up: Any, eps:
                   bits: int = 4) -> mx.array | tuple[mx.array, mx.array]:
     import mlx.nn as nn
 
-    h, normed = _stock_normed(x, residual, weight, eps)
+    h, normed = _stock_normed(x, weight, eps, residual)
     out = nn.silu(_quantized_product(normed, gate, group_size, bits)) * _quantized_product(
         normed, up, group_size, bits)
     return out if residual is None else (h, out)
