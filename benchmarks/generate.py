@@ -15,9 +15,16 @@ through ``torch.profiler``, as ``gpu_kernels.py`` reads them; and, for the longe
 to the first token taken apart (building the prefill's graph, evaluating it, mlx-lm's
 ``mx.clear_cache()``, the first step) with the prefill's peak memory.
 
+``--preset`` takes models at the dimensions of real checkpoints instead (Llama 3.2 1B, Llama 3.1 8B,
+Qwen3 0.6B, Qwen3 30B-A3B, Mixtral 8x7B; ``--layers N`` keeps the first N blocks where memory or time
+demands, said in the output), and ``--quantize 4|8 --group-size N`` quantizes the random-weight
+model as mlx-lm's converter does (``nn.quantize``: embeddings and output layer included).
+
     python benchmarks/generate.py                                   # the default grid
     python benchmarks/generate.py --models llama --sizes large --dtypes bfloat16 --breakdown
+    python benchmarks/generate.py --preset llama-3.2-1b --quantize 4 --dtypes bfloat16
     python benchmarks/generate.py --sizes tiny --rounds 1           # a CPU smoke run
+    python benchmarks/generate.py --preset qwen3-30b-a3b --quantize 4 --quick   # a preset's CPU smoke run
 """
 
 from __future__ import annotations
@@ -57,6 +64,37 @@ ARCHS: dict[str, dict[str, Any]] = {
     "mixtral": {"model_type": "mixtral", "rms_norm_eps": 1e-5, "rope_theta": 1e6,
                 "num_local_experts": 8, "num_experts_per_tok": 2},
 }
+_LLAMA3 = {"model_type": "llama", "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "head_dim": 64,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+           "max_position_embeddings": 131072}
+_QWEN3 = {"rms_norm_eps": 1e-6, "rope_theta": 1e6, "head_dim": 128, "vocab_size": 151936,
+          "max_position_embeddings": 40960}
+#: Real checkpoints' config.json dimensions (random weights).
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": {**_LLAMA3, "hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192,
+                     "tie_word_embeddings": True,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    "llama-3.1-8b": {**_LLAMA3, "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336,
+                     "head_dim": 128, "tie_word_embeddings": False,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    "qwen3-0.6b": {**_QWEN3, "model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28,
+                   "intermediate_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 8,
+                   "tie_word_embeddings": True},
+    "qwen3-30b-a3b": {**_QWEN3, "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+                      "intermediate_size": 6144, "moe_intermediate_size": 768, "num_attention_heads": 32,
+                      "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
+                      "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+                      "tie_word_embeddings": False},
+    "mixtral-8x7b": {"model_type": "mixtral", "rms_norm_eps": 1e-5, "rope_theta": 1e6, "hidden_size": 4096,
+                     "num_hidden_layers": 32, "intermediate_size": 14336, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "vocab_size": 32000, "num_local_experts": 8,
+                     "num_experts_per_tok": 2},
+}
+#: ``--quick``: a preset's architecture and options at a size a CPU runs in seconds.
+QUICK = {"hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512, "moe_intermediate_size": 128,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
 
@@ -67,10 +105,31 @@ def config(arch: str, size: str) -> dict[str, Any]:
     return cfg
 
 
-def twin_models(arch: str, size: str, dtype: mx.Dtype) -> tuple[Any, Any]:
-    """The stock model and a patched one sharing its weight arrays, in evaluation mode."""
-    stock = random_model(config(arch, size), dtype)
-    patched = type(stock)(stock.args)
+def preset_config(name: str, layers: int | None, quick: bool) -> tuple[dict[str, Any], str]:
+    """A preset's config (``layers`` blocks of it; ``quick``: at the QUICK size) and its label."""
+    cfg = dict(PRESETS[name])
+    if quick:
+        cfg |= {k: v for k, v in QUICK.items() if k in cfg or k != "moe_intermediate_size"}
+    total = cfg["num_hidden_layers"]
+    if layers is not None:
+        cfg["num_hidden_layers"] = min(layers, total)
+    label = f"{name}{' (quick size)' if quick else ''}, {cfg['num_hidden_layers']} of {total} layers"
+    return cfg, label
+
+
+def twin_models(cfg: dict[str, Any], dtype: mx.Dtype, bits: int | None = None,
+                group_size: int = 64) -> tuple[Any, Any]:
+    """The stock model and a patched one sharing its weight arrays, in evaluation mode; ``bits``:
+    both quantized as mlx-lm's converter quantizes (``nn.quantize``, every layer that has a
+    quantized form: embeddings and output layer included)."""
+    import mlx.nn as nn
+
+    stock = random_model(cfg, dtype)
+    patched = type(stock)(stock.args)  # lazy weights: replaced below before they are ever evaluated
+    if bits is not None:
+        nn.quantize(stock, group_size=group_size, bits=bits)
+        mx.eval(stock.parameters())
+        nn.quantize(patched, group_size=group_size, bits=bits)
     patched.update(stock.parameters())
     gk.patch(patched)
     stock.eval()  # as mlx_lm.load leaves a model
@@ -128,10 +187,10 @@ def generate_batch(model: Any, prompt: mx.array, tokens: int, batch: int) -> tup
 TTFT_REPEATS = 5
 
 
-def measure(arch: str, size: str, dtype_name: str, args: argparse.Namespace) -> dict[str, Any]:
+def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Namespace) -> dict[str, Any]:
     dtype = DTYPES[dtype_name]
-    stock, patched = twin_models(arch, size, dtype)
-    vocab = SIZES[size]["vocab_size"]
+    stock, patched = twin_models(cfg, dtype, args.quantize, args.group_size)
+    vocab = cfg["vocab_size"]
     variants: dict[str, Any] = {"stock": stock, "patched": patched}
     if "wrap" in args.modes:
         variants |= {"stock wrap": gk.wrap(stock), "patched wrap": gk.wrap(patched)}
@@ -180,7 +239,8 @@ def measure(arch: str, size: str, dtype_name: str, args: argparse.Namespace) -> 
                 row["speedup"] = statistics.median(ratios)
                 row["speedup_range"] = [min(ratios), max(ratios)]
             rows.append(row)
-    result = {"arch": arch, "size": size, "dtype": dtype_name, "rows": rows}
+    weights = f"{args.quantize}-bit, group {args.group_size}" if args.quantize else dtype_name
+    result = {"model": label, "dtype": dtype_name, "weights": weights, "rows": rows}
     if args.breakdown:
         twins = (("stock", stock), ("patched", patched))
         result["breakdown"] = {name: breakdown(model, short, args.tokens) for name, model in twins}
@@ -270,7 +330,7 @@ def _cell(value: float | None, task: str) -> str:
 
 
 def format_result(result: dict[str, Any]) -> str:
-    lines = [f"\n## {result['arch']} {result['size']} {result['dtype']}",
+    lines = [f"\n## {result['model']}, {result['dtype']}, weights {result['weights']}",
              "| task | mode | stock | patched | patched speed / stock | rounds' range |",
              "|---|---|---:|---:|---:|---:|"]
     for row in result["rows"]:
@@ -299,8 +359,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per decode run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--preset", help="models at real checkpoints' dimensions instead of --models and "
+                        f"--sizes: {', '.join(PRESETS)}")
+    parser.add_argument("--layers", type=int, help="keep the first N blocks of a preset")
+    parser.add_argument("--quantize", type=int, choices=(4, 8), help="quantize the weights (nn.quantize)")
+    parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    parser.add_argument("--quick", action="store_true",
+                        help="a preset at a CPU's size: 2 blocks of 256, one round of 8 tokens, batch 1")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    unknown = sorted(set((args.preset or "").split(",")) - set(PRESETS) - {""})
+    if unknown:
+        parser.error(f"unknown presets {unknown}; known: {', '.join(PRESETS)}")
+    if args.quick:
+        args.rounds, args.tokens, args.batches, args.prefill = 1, 8, "1", "32"
     args.modes = args.modes.split(",")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.prefill = [int(p) for p in args.prefill.split(",")]
@@ -308,14 +380,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# rounds {args.rounds}, {args.tokens} tokens a decode run; speed ratio = patched "
           "tokens/s over stock (decode) or stock time over patched (ttft), median over rounds, "
           "and the lowest and highest round")
+    if args.preset:
+        models = [preset_config(name, args.layers, args.quick) for name in args.preset.split(",")]
+    else:
+        models = [(config(arch, size), f"{arch} {size}") for arch in args.models.split(",")
+                  for size in args.sizes.split(",")]
     results = []
-    for arch in args.models.split(","):
-        for size in args.sizes.split(","):
-            for dtype_name in args.dtypes.split(","):
-                result = measure(arch, size, dtype_name, args)
-                results.append(result)
-                print(format_result(result), flush=True)
-                mx.clear_cache()
+    for cfg, label in models:
+        for dtype_name in args.dtypes.split(","):
+            result = measure(label, cfg, dtype_name, args)
+            results.append(result)
+            print(format_result(result), flush=True)
+            mx.clear_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -115,8 +115,12 @@ def _as_strided(case: Case) -> Case:
 
 
 def _fit_shape(shape: Sequence[int], entry: LibraryEntry) -> tuple[int, ...]:
-    """Pad leading 1s so the shape has the entry's minimum rank (rope needs (B, *, L, D))."""
+    """Pad leading 1s so the shape has the entry's minimum rank (rope needs (B, *, L, D)), and round
+    its last dimension up to the entry's ``last_dim_multiple``."""
     shape = tuple(int(s) for s in shape)
+    if shape and entry.last_dim_multiple > 1:
+        step = entry.last_dim_multiple
+        shape = (*shape[:-1], max(step, -(-shape[-1] // step) * step))
     return (1,) * max(0, entry.min_ndim - len(shape)) + shape
 
 

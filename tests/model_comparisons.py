@@ -60,3 +60,20 @@ def count_layer_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(LayerLaunches, "__call__", counted)
     return count
+
+
+def spy_on_kernels(monkeypatch: pytest.MonkeyPatch, names: Any) -> list[str]:
+    """A list that records, from now on (until ``monkeypatch`` undoes it), the name of each call of
+    the ``graphkern.kernels`` layer functions ``names``."""
+    import graphkern.kernels as gkk
+
+    calls: list[str] = []
+    for name in names:
+        real = getattr(gkk, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(gkk, name, spy)
+    return calls

@@ -1,5 +1,6 @@
-"""graphkern's kernel library: fused normalization, RoPE, attention prologue,
-norm-fed projections, activation, softmax and mixture-of-experts routing kernels.
+"""graphkern's kernel library: fused normalization, RoPE, attention prologue, norm-fed
+projections (plain and affine-quantized weights), activation, softmax and mixture-of-experts
+routing kernels.
 
 Each kernel is a :class:`graphkern.Kernel` with a Metal body, a CUDA body and a pure-MLX reference,
 for float32, float16 and bfloat16 (float32 arithmetic inside), and a layer function that picks the
@@ -23,6 +24,12 @@ from graphkern.kernels.ops.gelu import GELU, gelu
 from graphkern.kernels.ops.layer_norm import LAYER_NORM, layer_norm
 from graphkern.kernels.ops.moe_route import MOE_ROUTE, moe_route
 from graphkern.kernels.ops.projections import NORM_PROJECTIONS, NORM_SWIGLU, norm_projections, norm_swiglu
+from graphkern.kernels.ops.quantized_projections import (
+    QUANTIZED_NORM_PROJECTIONS,
+    QUANTIZED_NORM_SWIGLU,
+    quantized_norm_projections,
+    quantized_norm_swiglu,
+)
 from graphkern.kernels.ops.rms_norm import RMS_NORM, rms_norm
 from graphkern.kernels.ops.rope import ROPE, rope
 from graphkern.kernels.ops.rope_qk import ROPE_QK, rope_qk
@@ -38,6 +45,8 @@ __all__ = [
     "MOE_ROUTE",
     "NORM_PROJECTIONS",
     "NORM_SWIGLU",
+    "QUANTIZED_NORM_PROJECTIONS",
+    "QUANTIZED_NORM_SWIGLU",
     "RMS_NORM",
     "ROPE",
     "ROPE_QK",
@@ -54,6 +63,8 @@ __all__ = [
     "moe_route",
     "norm_projections",
     "norm_swiglu",
+    "quantized_norm_projections",
+    "quantized_norm_swiglu",
     "rms_norm",
     "rope",
     "rope_qk",

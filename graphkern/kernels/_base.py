@@ -423,6 +423,9 @@ class LibraryEntry:
     stock: Callable[..., Any]
     shapes: tuple[tuple[int, ...], ...]
     min_ndim: int = 1
+    #: check() rounds the last dimension of a shape up to a multiple of this (quantized weights
+    #: come in groups of 64 inputs).
+    last_dim_multiple: int = 1
     description: str = ""
     #: (atol, rtol) by dtype where check() must allow more than ``kernel_checks.TOLERANCES``.
     tolerances: dict[mx.Dtype, tuple[float, float]] = field(default_factory=dict)

@@ -9,6 +9,7 @@ from graphkern.kernels.ops import (
     layer_norm,
     moe_route,
     projections,
+    quantized_projections,
     rms_norm,
     rope,
     rope_qk,
@@ -36,6 +37,8 @@ LIBRARY: dict[str, LibraryEntry] = {
         gelu.ENTRY_APPROX,
         projections.ENTRY,
         projections.ENTRY_SWIGLU,
+        quantized_projections.ENTRY,
+        quantized_projections.ENTRY_SWIGLU,
         moe_route.ENTRY,
     )
 }

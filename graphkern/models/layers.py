@@ -31,6 +31,12 @@ from graphkern.autodiff import vjp_enabled, without_vjp
 from graphkern.backends import active_backend
 from graphkern.context import current_recorder
 from graphkern.kernels.ops.projections import projections_fit
+from graphkern.kernels.ops.quantized_projections import (
+    QUANTIZED_BITS,
+    QUANTIZED_GROUP_SIZES,
+    QuantizedWeight,
+    quantized_projections_fit,
+)
 from graphkern.kernels.ops.rope import int_offset_array
 from graphkern.models.patterns import is_class
 from graphkern.models.prefill import prompt_mode, start_on_device, stock_layers, stock_layers_run
@@ -149,6 +155,10 @@ class KernelLayer(nn.Module):
     def shown_class_name(self) -> str:
         """The class graphs, pictures and messages show: the replaced layer's (``graphkern.trace``)."""
         return type(self.original).__name__
+
+    def note(self) -> str:
+        """Anything ``patch`` should report of this layer beyond its kernel (empty: nothing)."""
+        return ""
 
     def _extra_repr(self) -> str:
         own = self.original._extra_repr()
@@ -521,10 +531,56 @@ def _plain_weights(module: nn.Module, names: tuple[str, ...], x: mx.array) -> li
     return weights
 
 
-def _fuses(norm: nn.Module, residual: mx.array | None, x: mx.array) -> bool:
-    """Whether ``norm`` (with the residual add before it) can run inside a projection kernel on x."""
-    return (isinstance(norm, KernelAddRMSNorm if residual is not None else KernelRMSNorm)
-            and projections_fit(x))
+class Quantized(NamedTuple):
+    """Affine-quantized weights of one kind, as the quantized projection kernels take them."""
+
+    weights: list[QuantizedWeight]
+    group_size: int
+    bits: int
+
+
+def _quantization(linear: Any) -> tuple[int, int] | None:
+    """``(group_size, bits)`` of an ``nn.QuantizedLinear`` without a bias whose affine weights the
+    quantized projection kernels read, else None."""
+    if (type(linear) is not nn.QuantizedLinear or "bias" in linear or "biases" not in linear
+            or getattr(linear, "mode", "affine") != "affine"):
+        return None
+    found = (linear.group_size, linear.bits)
+    return found if found[0] in QUANTIZED_GROUP_SIZES and found[1] in QUANTIZED_BITS else None
+
+
+def _quantized_weights(module: nn.Module, names: tuple[str, ...], x: mx.array) -> Quantized | None:
+    """The weights of ``module``'s children ``names`` when each is an ``nn.QuantizedLinear`` the
+    quantized kernels read (:func:`_quantization`), all quantized alike, with scales in x's dtype;
+    else None."""
+    found = [_quantization(module.get(name)) for name in names]
+    if found[0] is None or any(f != found[0] for f in found):
+        return None
+    linears = [module[name] for name in names]
+    if any(linear.scales.dtype != x.dtype for linear in linears):
+        return None
+    weights = [QuantizedWeight(linear.weight, linear.scales, linear.biases) for linear in linears]
+    return Quantized(weights, *found[0])
+
+
+def quantized_note(module: nn.Module, names: tuple[str, ...]) -> str:
+    """What a block says of quantized children ``names`` the quantized kernels cannot read (other
+    bit widths, modes other than affine, a bias): they keep their stock products. Empty when there
+    are none."""
+    odd = [name for name in names
+           if isinstance(module.get(name), nn.QuantizedLinear) and _quantization(module.get(name)) is None]
+    if not odd:
+        return ""
+    kinds = sorted({f"{module[n].bits}-bit {getattr(module[n], 'mode', 'affine')}" for n in odd})
+    return (f"{', '.join(odd)} ({', '.join(kinds)}): quantization the fused kernels do not read "
+            f"(affine, bits {QUANTIZED_BITS}, groups {QUANTIZED_GROUP_SIZES}, no bias); stock products")
+
+
+def _fuses(norm: nn.Module, residual: mx.array | None, x: mx.array, group_size: int | None = None) -> bool:
+    """Whether ``norm`` (with the residual add before it) can run inside a projection kernel on x
+    (a quantized one, for weights of ``group_size``)."""
+    fits = projections_fit(x) if group_size is None else quantized_projections_fit(x, group_size)
+    return isinstance(norm, KernelAddRMSNorm if residual is not None else KernelRMSNorm) and fits
 
 
 #: The residual a block is called without: a stock call, not a link of a fused chain.
@@ -544,8 +600,10 @@ class KernelResidualBlock(KernelLayer):
     """
 
     kernel = "add_rms_norm"
-    #: The kernels a block can also decode with, when ``patch`` selects them.
-    DECODING_KERNELS = frozenset({"norm_projections", "norm_swiglu"})
+    #: The kernels a block can also decode with, when ``patch`` selects them: the plain ones for
+    #: ``nn.Linear`` projections, the quantized ones for ``nn.QuantizedLinear`` ones.
+    DECODING_KERNELS = frozenset({"norm_projections", "norm_swiglu", "quantized_norm_projections",
+                                  "quantized_norm_swiglu"})
 
     def __init__(self, original: nn.Module, ffn: str, norm: KernelAddRMSNorm,
                  input_norm: KernelAddRMSNorm | None = None):
@@ -601,11 +659,19 @@ class KernelResidualBlock(KernelLayer):
         rows, norm and plain projections are one ``norm_projections`` launch."""
         attention = self.self_attn
         norm = self.input_layernorm
-        weights = None
+        names = ("q_proj", "k_proj", "v_proj")
+        outputs = None
         if "norm_projections" in self._gk_decoding:
-            weights = _plain_weights(attention, ("q_proj", "k_proj", "v_proj"), x)
-        if weights is not None and _fuses(norm, residual, x):
-            outputs = gkk.norm_projections(x, norm.scale(), weights, norm.eps, residual)
+            weights = _plain_weights(attention, names, x)
+            if weights is not None and _fuses(norm, residual, x):
+                outputs = gkk.norm_projections(x, norm.scale(), weights, norm.eps, residual)
+        if outputs is None and "quantized_norm_projections" in self._gk_decoding:
+            quantized = _quantized_weights(attention, names, x)
+            if quantized is not None and _fuses(norm, residual, x, quantized.group_size):
+                outputs = gkk.quantized_norm_projections(
+                    x, norm.scale(), quantized.weights, norm.eps, residual, group_size=quantized.group_size,
+                    bits=quantized.bits)
+        if outputs is not None:
             if residual is not None:
                 x = outputs[0]
             queries, keys, values = outputs[-3:]
@@ -620,14 +686,31 @@ class KernelResidualBlock(KernelLayer):
         r = self.self_attn.output(attended)
         ffn = self[self._gk_ffn]
         norm = self.post_attention_layernorm
-        weights = None
+        names = ("gate_proj", "up_proj")
+        found = None
         if isinstance(ffn, KernelSwiGLUMLP) and "norm_swiglu" in self._gk_decoding:
-            weights = _plain_weights(ffn, ("gate_proj", "up_proj"), x)
-        if weights is None or not _fuses(norm, r, x):
+            weights = _plain_weights(ffn, names, x)
+            if weights is not None and _fuses(norm, r, x):
+                found = gkk.norm_swiglu(x, norm.scale(), weights[0], weights[1], norm.eps, residual=r)
+        swiglu = isinstance(ffn, KernelSwiGLUMLP)
+        if found is None and swiglu and "quantized_norm_swiglu" in self._gk_decoding:
+            quantized = _quantized_weights(ffn, names, x)
+            if quantized is not None and _fuses(norm, r, x, quantized.group_size):
+                gate, up = quantized.weights
+                found = gkk.quantized_norm_swiglu(x, norm.scale(), gate, up, norm.eps, residual=r,
+                                                  group_size=quantized.group_size, bits=quantized.bits)
+        if found is None:
             return self._after_attention(x, r, alone)
-        h, gated = gkk.norm_swiglu(x, norm.scale(), weights[0], weights[1], norm.eps, residual=r)
+        h, gated = found
         out = ffn.down_proj(gated)
         return h + out if alone else (h, out)
+
+    def note(self) -> str:
+        """What ``patch`` reports of this block: quantized projections whose quantization the
+        fused decoding kernels do not read, which keep their stock products."""
+        notes = [quantized_note(self.self_attn, ("q_proj", "k_proj", "v_proj")),
+                 quantized_note(self[self._gk_ffn], ("gate_proj", "up_proj"))]
+        return "; ".join(n for n in notes if n)
 
     def failed_output(self, x: mx.array, mask: Any = None, cache: Any = None, residual: Any = _ALONE) -> Any:
         """What a trace puts in place of a failed call (graphkern.trace): zeros of its outputs."""

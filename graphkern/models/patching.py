@@ -95,12 +95,14 @@ class Rule:
 
 @dataclass(frozen=True)
 class Patched:
-    """One replaced layer: where, by which kernel and rule, and what it was."""
+    """One replaced layer: where, by which kernel and rule, and what it was; ``note`` says what of
+    it stays stock (a block's projections quantized in a way the fused kernels do not read)."""
 
     path: str
     kernel: str
     rule: str
     original: str
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -129,8 +131,8 @@ def _refuse(path: str, description: str) -> KernelError:
     return ModelError(PATCH, f"{path or '<model>'}: {description}", Status.INVALID_INPUT)
 
 
-def _float_dtype(dtype: mx.Dtype, what: str, path: str) -> None:
-    if dtype not in FLOAT_DTYPES:
+def _float_dtype(dtype: mx.Dtype | None, what: str, path: str) -> None:
+    if dtype is not None and dtype not in FLOAT_DTYPES:
         raise _refuse(path, f"{what} is {dtype_name(dtype)}; the kernels take float32, float16 "
                       "and bfloat16")
 
@@ -167,8 +169,9 @@ def _child(module: nn.Module, key: str, path: str) -> nn.Module:
     return child
 
 
-def _linear(module: nn.Module, key: str, path: str) -> tuple[int, int, mx.Dtype]:
-    """(input dims, output dims, output dtype) of a Linear or QuantizedLinear child."""
+def _linear(module: nn.Module, key: str, path: str) -> tuple[int, int, mx.Dtype | None]:
+    """(input dims, output dims, output dtype) of a Linear or QuantizedLinear child; the dtype is
+    None for a quantization whose scales are not floats (mxfp4...): its output takes its input's."""
     layer = _child(module, key, path)
     weight = layer.get("weight")
     if not isinstance(weight, mx.array) or weight.ndim != 2:
@@ -176,12 +179,13 @@ def _linear(module: nn.Module, key: str, path: str) -> tuple[int, int, mx.Dtype]
     scales = layer.get("scales")
     if isinstance(scales, mx.array):  # quantized: packed weight, output in the scales' dtype
         bits = getattr(layer, "bits", 32)
-        return weight.shape[1] * 32 // bits, weight.shape[0], scales.dtype
+        dtype = scales.dtype if mx.issubdtype(scales.dtype, mx.floating) else None
+        return weight.shape[1] * 32 // bits, weight.shape[0], dtype
     return weight.shape[1], weight.shape[0], weight.dtype
 
 
 def _same(path: str, what: str, a: tuple[str, Any], b: tuple[str, Any]) -> None:
-    if a[1] != b[1]:
+    if a[1] != b[1] and a[1] is not None and b[1] is not None:  # None: not known from the weights
         show = (lambda v: dtype_name(v)) if isinstance(a[1], mx.Dtype) else repr
         raise _refuse(path, f"{what} mismatch: {a[0]} gives {show(a[1])} but {b[0]} gives {show(b[1])}")
 
@@ -563,7 +567,7 @@ RULES: list[Rule] = [
 
 def kernel_names() -> list[str]:
     """The kernel names ``patch(kernels=...)`` accepts: those of the rules, and those fused blocks
-    also decode with (``norm_projections``, ``norm_swiglu``)."""
+    also decode with (``norm_projections``, ``norm_swiglu`` and their quantized forms)."""
     return sorted({rule.kernel for rule in RULES} | KernelResidualBlock.DECODING_KERNELS)
 
 
@@ -672,7 +676,7 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> PatchReport
                 child._training = module._training
                 installs.append((container, key, child))
                 report.append(Patched(child_path, rule.kernel, rule.name,
-                                      type(child.original).__qualname__))
+                                      type(child.original).__qualname__, child.note()))
             visit(child, child_path)
 
     visit(model, "")

@@ -46,6 +46,10 @@ GPU_SHAPES: dict[str, list[tuple[int, ...]]] = {
     # (scalar)
     "norm_projections": [(1, 1, 2048), (8, 512), (3, 100), (2, 99)],
     "norm_swiglu": [(1, 1, 2048), (8, 512), (3, 100), (2, 99)],
+    # quantized weights (4-bit, groups of 64): one token of 2048, 8 rows of 1024, 3 rows of 256
+    # (tests/gpu/test_quantized_gpu.py takes the rest)
+    "quantized_norm_projections": [(1, 1, 2048), (8, 1024), (3, 256)],
+    "quantized_norm_swiglu": [(1, 1, 2048), (8, 1024), (3, 256)],
     # router logits: Mixtral's 8 experts (top 2 of the logits) at one token and at 2x37 (a partial
     # last block); Qwen 3 MoE's 128 and 1000 experts (top 8 of the softmax, several per lane)
     "moe_route": [(1, 1, 8), (2, 37, 8), (5, 128), (3, 1000)],

@@ -1,0 +1,148 @@
+"""The quantized norm-fed projection kernels (graphkern.kernels.ops.quantized_projections) and the
+patched quantized blocks decoding through them: on the CPU the kernels run their references, which
+are stock MLX's ops, so a patched quantized model must equal the stock one exactly, logits and
+greedy tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+pytest.importorskip("mlx_lm")
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from model_comparisons import spy_on_kernels  # noqa: E402
+
+import graphkern as gk  # noqa: E402
+import graphkern.kernels as gkk  # noqa: E402
+from graphkern.kernels.ops.quantized_projections import quantized_case, random_quantized  # noqa: E402
+from graphkern.models import MODEL_TOLERANCES  # noqa: E402
+from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
+
+PROMPT = mx.array([3, 17, 42, 5, 99, 1, 7, 64])
+KERNELS = ("norm_projections", "norm_swiglu", "quantized_norm_projections", "quantized_norm_swiglu")
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 64), (8, 128)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_kernels_give_stock_mlx_products(bits: int, group_size: int, dtype: mx.Dtype) -> None:
+    for entry in (gkk.LIBRARY["quantized_norm_projections"], gkk.LIBRARY["quantized_norm_swiglu"]):
+        case = quantized_case((2, 1, 256), dtype, mx.random.key(1), gated=entry.name.endswith("swiglu"),
+                              group_size=group_size, bits=bits)
+        ours, stock = entry(case), entry.stock_outputs(case)
+        assert [o.shape for o in ours] == [s.shape for s in stock]
+        assert all(mx.array_equal(o, s).item() for o, s in zip(ours, stock)), entry.name
+
+
+def test_without_residual_or_weight_the_products_come_alone() -> None:
+    x = mx.random.normal((1, 128), key=mx.random.key(0))
+    q = random_quantized(48, 128, mx.float32, mx.random.key(1), 64, 4)
+    (y,) = gkk.quantized_norm_projections(x, None, [q], eps=1e-6, group_size=64, bits=4)
+    expected = mx.quantized_matmul(mx.fast.rms_norm(x, None, 1e-6), *q, transpose=True, group_size=64, bits=4)
+    assert y.shape == (1, 48) and mx.array_equal(y, expected).item()
+
+
+def _bad(**change: Any) -> Any:
+    x, w = mx.ones((2, 64)), mx.ones((64,))
+    q = random_quantized(8, 64, mx.float32, mx.random.key(0), 64, 4)
+    args: dict[str, Any] = {"x": x, "weight": w, "projections": [q], "group_size": 64, "bits": 4}
+    args.update(change)
+    return lambda: gkk.quantized_norm_projections(**args)
+
+
+@pytest.mark.parametrize("call, says", [
+    (_bad(bits=3), "bits is 3"),
+    (_bad(group_size=16), "group_size is 16"),
+    (_bad(x=mx.ones((2, 96)), weight=mx.ones((96,)), group_size=64), "not a multiple of group_size 64"),
+    (_bad(projections=[]), "1 to 3"),
+    (_bad(projections=[(mx.ones((8, 8)),)]), "triple"),
+    (_bad(projections=[(mx.ones((8, 8)), mx.ones((8, 1)), mx.ones((8, 1)))]), "expected uint32 (N, 8)"),
+    (_bad(projections=[(mx.zeros((8, 8), mx.uint32), mx.ones((8, 2)), mx.ones((8, 1)))]),
+     "scales have shape"),
+    (_bad(projections=[(mx.zeros((8, 8), mx.uint32), mx.ones((8, 1), mx.float16), mx.ones((8, 1)))]),
+     "dtype mismatch"),
+    (_bad(bits=8), "expected uint32 (N, 16)"),
+    (_bad(x=mx.ones((9, 64))), "1 to 8 rows"),
+])
+def test_bad_arguments_are_refused_by_name(call: Any, says: str) -> None:
+    with pytest.raises(gk.KernelError) as raised:
+        call()
+    assert raised.value.operation == "quantized_norm_projections" and says in str(raised.value)
+    x = mx.ones((1, 64))
+    q = random_quantized(8, 64, mx.float32, mx.random.key(0), 64, 4)
+    assert gkk.quantized_norm_projections(x, None, [q])[0].shape == (1, 8)  # MLX still usable
+
+
+# ----------------------------------------------------------------------------- patched models
+
+
+def _quantized_model(arch: str, bits: int, group_size: int, mode: str = "affine",
+                     dtype: mx.Dtype = mx.float32) -> nn.Module:
+    """A tiny random ``arch`` of hidden size 128 (groups of 128 fit), quantized as mlx-lm's converter
+    does (embeddings and output layer included), in evaluation mode."""
+    config = {**TINY_CONFIGS[arch], "hidden_size": 128, "intermediate_size": 256}
+    if "head_dim" in config:
+        config["head_dim"] = 32  # o_proj takes 4 heads of 32: 128 inputs
+    model = random_model(config, dtype)
+    nn.quantize(model, group_size=group_size, bits=bits, mode=mode)
+    model.eval()
+    return model
+
+
+def _logits(model: nn.Module, steps: int = 4) -> list[mx.array]:
+    cache = make_prompt_cache(model)
+    logits = [model(PROMPT[None], cache=cache)]
+    for _ in range(steps):
+        token = mx.argmax(logits[-1][:, -1:], axis=-1)
+        logits.append(model(token, cache=cache))
+    return logits
+
+
+def _greedy(model: nn.Module, tokens: int = 16) -> list[int]:
+    steps = generate_step(PROMPT, model, max_tokens=tokens, prompt_cache=make_prompt_cache(model))
+    return [int(token) for token, _ in steps]
+
+
+@pytest.mark.parametrize("arch, bits, group_size", [
+    ("llama", 4, 64), ("llama", 4, 32), ("llama", 8, 128), ("qwen3", 4, 64), ("qwen3", 8, 32),
+    ("qwen3", 4, 128), ("llama", 8, 64),
+])
+def test_a_patched_quantized_model_decodes_through_the_quantized_kernels_as_stock(
+        arch: str, bits: int, group_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    stock, patched = _quantized_model(arch, bits, group_size), _quantized_model(arch, bits, group_size)
+    report = gk.patch(patched)
+    assert not any(p.note for p in report)
+    calls = spy_on_kernels(monkeypatch, KERNELS)
+    for ours, theirs in zip(_logits(patched), _logits(stock)):
+        assert mx.array_equal(ours, theirs).item()
+    assert set(calls) == {"quantized_norm_projections", "quantized_norm_swiglu"}
+    assert _greedy(patched) == _greedy(stock)
+
+
+@pytest.mark.parametrize("bits, group_size, mode, says", [
+    (3, 64, "affine", "3-bit affine"), (4, 32, "mxfp4", "4-bit mxfp4")])
+def test_quantization_the_kernels_do_not_read_keeps_stock_products_with_a_note(
+        bits: int, group_size: int, mode: str, says: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # mxfp4 dequantizes its embeddings to bfloat16: a model of that dtype, held to its tolerance
+    dtype = mx.float32 if mode == "affine" else mx.bfloat16
+    stock, patched = (_quantized_model("llama", bits, group_size, mode, dtype) for _ in range(2))
+    notes = {p.path: p.note for p in gk.patch(patched) if p.note}
+    assert sorted(notes) == ["model.layers.0", "model.layers.1"]
+    assert says in notes["model.layers.0"] and "q_proj, k_proj, v_proj" in notes["model.layers.0"]
+    assert "gate_proj, up_proj" in notes["model.layers.0"]
+    calls = spy_on_kernels(monkeypatch, KERNELS)
+    atol, rtol = (0.0, 0.0) if dtype == mx.float32 else MODEL_TOLERANCES[dtype]
+    for ours, theirs in zip(_logits(patched, 2), _logits(stock, 2)):
+        assert mx.allclose(ours, theirs, atol=atol, rtol=rtol).item()
+    assert calls == []
+
+
+def test_the_quantized_kernels_can_be_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    patched = _quantized_model("llama", 4, 64)
+    gk.patch(patched, kernels=["add_rms_norm", "rope_qk", "swiglu", "quantized_norm_swiglu"])
+    calls = spy_on_kernels(monkeypatch, KERNELS)
+    _logits(patched, 1)
+    assert set(calls) == {"quantized_norm_swiglu"}
