@@ -228,9 +228,9 @@ def threadgroup_backend() -> str:
     return "cuda" if runs_on_cuda() else "metal"
 
 
-def check_threadgroup_memory(op: str, parts: dict[str, int]) -> None:
+def check_threadgroup_memory(op: str, parts: dict[str, int], limit: int | None = None) -> None:
     """Raise INVALID_LAUNCH when ``parts`` (threadgroup array -> bytes) exceed the active backend's
-    limit, before MLX sees the launch.
+    limit (or ``limit``: a kernel's own, for CUDA's dynamic shared memory), before MLX sees the launch.
 
     >>> try:
     ...     check_threadgroup_memory("demo", {"rows": 32768, "reduction": 128})
@@ -239,11 +239,12 @@ def check_threadgroup_memory(op: str, parts: dict[str, int]) -> None:
     INVALID_LAUNCH metal allows 32768 B
     """
     backend = threadgroup_backend()
+    allowed = THREADGROUP_MEMORY[backend] if limit is None else limit
     total = sum(parts.values())
-    if total > THREADGROUP_MEMORY[backend]:
+    if total > allowed:
         detail = ", ".join(f"{name} {size} B" for name, size in parts.items())
         raise KernelError(op, f"the launch needs {total} B of threadgroup memory ({detail}); {backend} "
-                          f"allows {THREADGROUP_MEMORY[backend]} B", Status.INVALID_LAUNCH)
+                          f"allows {allowed} B", Status.INVALID_LAUNCH)
 
 
 # ----------------------------------------------------------------------------- plan parts

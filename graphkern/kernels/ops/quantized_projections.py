@@ -27,17 +27,20 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from graphkern.kernels._base import (
+    THREADGROUP_MEMORY,
     Case,
     LayerLaunches,
     LibraryEntry,
     Plan,
     check_dtype,
+    check_threadgroup_memory,
     check_vector,
     eps_template,
     float_from_bits,
     output_spec,
     runs_on_cuda,
     template_arg,
+    threadgroup_backend,
     unused_input,
     vector_width,
 )
@@ -55,10 +58,11 @@ QUANTIZED_BITS = (4, 8)
 QUANTIZED_GROUP_SIZES = (32, 64, 128)
 #: Most token rows a launch takes (each warp keeps one float sum per row in registers).
 MAX_ROWS = 8
-#: Bytes of normalized rows a block keeps, at most: CUDA keeps them as float32 in dynamic shared
-#: memory (an H100/H200 block may take 227 KB; past this much one block fills an SM); Metal in the
-#: dtype, in its 32 KB of threadgroup memory.
-SHARED_BYTES = {"cuda": 160 * 1024, "metal": 32 * 1024}
+#: Bytes of normalized rows and group sums a CUDA block keeps, at most, as float32 in dynamic shared
+#: memory (an H100/H200 block may take 227 KB; past this much one block fills an SM). Metal keeps the
+#: rows in the dtype, with its reduction scratch, in its 32 KB of threadgroup memory
+#: (``THREADGROUP_MEMORY``).
+CUDA_SHARED_BYTES = 160 * 1024
 #: Threads a block, one output row a warp: 8 warps, or 16 for more than 2 rows of projections, where
 #: normalizing the rows (which each block does) costs more and fewer blocks do it. The SwiGLU
 #: kernel keeps 8 warps: its two products take up to 174 registers a thread at 8 rows (NVRTC for
@@ -547,25 +551,26 @@ def _with_shared(kernel: Kernel, nbytes: int) -> Kernel:
 # ----------------------------------------------------------------------------- plans
 
 
-def _backend() -> str:
-    return "cuda" if runs_on_cuda() else "metal"
+def _shared_parts(rows: int, k: int, group_size: int, dtype: mx.Dtype) -> tuple[dict[str, int], int]:
+    """(threadgroup arrays -> bytes, the limit they must fit) of ``rows`` normalized rows of ``k``:
+    CUDA's float32 rows and group sums in dynamic shared memory, or Metal's rows in ``dtype`` and its
+    reduction scratch."""
+    if threadgroup_backend() == "cuda":
+        return {"normalized rows and group sums": _cuda_row_bytes(rows, k, group_size)}, CUDA_SHARED_BYTES
+    return {"normalized rows": rows * k * dtype.size, "reduction": 32 * 4}, THREADGROUP_MEMORY["metal"]
 
 
-def _row_bytes(rows: int, k: int, group_size: int, dtype: mx.Dtype, backend: str) -> int:
-    """Shared memory of ``rows`` normalized rows of ``k``: CUDA's float32 rows and group sums, or
-    Metal's rows in ``dtype``."""
-    if backend == "cuda":
-        return 4 * rows * (k + k // max(group_size, 1))
-    return rows * k * dtype.size
+def _cuda_row_bytes(rows: int, k: int, group_size: int) -> int:
+    return 4 * rows * (k + k // max(group_size, 1))
 
 
 def quantized_projections_fit(x: mx.array, group_size: int = 64) -> bool:
     """Whether rows like ``x``'s (``(..., K)``) fit one launch: ``M = x.size / K`` rows, at most
-    ``MAX_ROWS``, whose normalized copies fit the active backend's ``SHARED_BYTES``."""
+    ``MAX_ROWS``, whose normalized copies fit the active backend's shared (threadgroup) memory."""
     k = x.shape[-1]
     rows = x.size // k if k else 0
-    backend = _backend()
-    return 0 < rows <= MAX_ROWS and _row_bytes(rows, k, group_size, x.dtype, backend) <= SHARED_BYTES[backend]
+    parts, limit = _shared_parts(rows, k, group_size, x.dtype)
+    return 0 < rows <= MAX_ROWS and sum(parts.values()) <= limit
 
 
 def _check_quantization(op: str, group_size: Any, bits: Any, k: int) -> None:
@@ -613,10 +618,11 @@ def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weigh
     check_dtype(op, x)
     k = x.shape[-1]
     _check_quantization(op, group_size, bits, k)
-    if not quantized_projections_fit(x, group_size):
-        raise KernelError(op, f"x has {x.size // max(k, 1)} rows of {k} {dtype_name(x.dtype)}; one launch "
-                          f"takes 1 to {MAX_ROWS} rows of at most {SHARED_BYTES[_backend()] // 1024} KB "
-                          "together", Status.INVALID_LAUNCH)
+    rows = x.size // max(k, 1)
+    if not 0 < rows <= MAX_ROWS:
+        raise KernelError(op, f"x has {rows} rows of {k} {dtype_name(x.dtype)}; one launch takes 1 to "
+                          f"{MAX_ROWS} rows", Status.INVALID_LAUNCH)
+    check_threadgroup_memory(op, *_shared_parts(rows, k, group_size, x.dtype))
     if residual is not None:
         check_dtype(op, residual, "residual")
         if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -647,7 +653,7 @@ def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weigh
                 *(() if gated else (template_arg("NW", len(checked)),)))
     blocks = -(-sum(out_rows) // (block // 32))
     if runs_on_cuda():
-        kernel = _with_shared(kernel, _row_bytes(m, k, group_size, x.dtype, "cuda"))
+        kernel = _with_shared(kernel, _cuda_row_bytes(m, k, group_size))
     return Plan(kernel, inputs, specs, (blocks * block, 1, 1), (block, 1, 1), template)
 
 
