@@ -13,8 +13,10 @@ safetensors file (no float32 copy is ever made) and then times:
   in float32 to judge each node against what rounding explains (see ``graphkern.precision``).
 
 Peak memory: MLX's allocator peak (``mx.get_peak_memory()``, reset once the models are loaded)
-and the process's peak RSS (``ru_maxrss``, including loading the models), each over the bytes of
-both models' weights. Ratios are to ``inspect a + b`` (time) and to the weights (memory).
+and the process's peak RSS (``ru_maxrss``, including loading the models and Python), each over the
+bytes of both models' weights. Time: wall clock and process CPU time (all threads; other jobs on
+a shared machine disturb it less). Ratios are to ``inspect a + b`` of the same round (time) and
+to the weights (memory).
 
     python benchmarks/compare_speed.py --layers 4 --dtype bfloat16
 """
@@ -85,7 +87,7 @@ def measure(mode: str, layers: int, weights: str, tokens: int) -> dict[str, Any]
     x = mx.random.randint(0, config["vocab_size"], (1, tokens), key=mx.random.key(0))
     mx.eval(x)
     mx.reset_peak_memory()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if mode == "inspect":
         gk.inspect(a, x)
         gk.inspect(b, x)
@@ -94,9 +96,9 @@ def measure(mode: str, layers: int, weights: str, tokens: int) -> dict[str, Any]
         c = gk.compare(a, b, x, rounding=mode == "rounding", progress=False)
         first = c.first_divergence
         found = "no divergence" if first is None else f"first divergence {first.b} in {first.scope}"
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"seconds": seconds, "mx_peak": mx.get_peak_memory(), "rss_peak": rss, "weights": weight_bytes,
+    return {"seconds": seconds, "cpu": cpu, "mx_peak": mx.get_peak_memory(), "rss_peak": rss, "weights": weight_bytes,
             "found": found}
 
 
@@ -137,12 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     base = results["inspect"]
     weight_bytes = base[0]["weights"]
     print(f"weights of both models: {_gb(weight_bytes)}")
-    print("| run | measured | seconds | time ratio | MLX peak | / weights | peak RSS | / weights | found |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| run | measured | wall s | ratio | CPU s | ratio | MLX peak | / weights | peak RSS | / weights | found |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for i in range(args.rounds):
         for mode, label in MODES.items():
             r = results[mode][i]
             print(f"| {i + 1} | {label} | {r['seconds']:.2f} | {r['seconds'] / base[i]['seconds']:.2f} | "
+                  f"{r['cpu']:.2f} | {r['cpu'] / base[i]['cpu']:.2f} | "
                   f"{_gb(r['mx_peak'])} | {r['mx_peak'] / weight_bytes:.2f} | {_gb(r['rss_peak'])} | "
                   f"{r['rss_peak'] / weight_bytes:.2f} | {r['found'] or '-'} |")
     return 0

@@ -55,8 +55,19 @@ _VIEWS = _SAME_VALUES | {"AsStrided", "Slice"}
 _ERRORS_PER_FLUSH = 256
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Errors:
+    """How far ``b``'s values are from ``a``'s: largest abs and rel errors, elements beyond."""
+
+    max_abs: float | None = None
+    max_rel: float | None = None
+    mismatched: int | None = None
+    ok: bool | None = None
+    note: str = ""
+
+
 @dataclass(frozen=True)
-class Row:
+class Row(_Errors):
     """One matched output: node ``a`` (output ``a_output``) against node ``b``.
 
     ``op`` is the op or kernel name, ``"Multiply -> swiglu"`` where ``b`` replaced ``a`` by
@@ -77,11 +88,6 @@ class Row:
     shape: tuple[int, ...]
     dtype_a: str
     dtype_b: str
-    max_abs: float | None = None
-    max_rel: float | None = None
-    mismatched: int | None = None
-    ok: bool | None = None
-    note: str = ""
     rounding: float | None = None
     excess: float | None = None
 
@@ -91,7 +97,7 @@ class Row:
 
 
 @dataclass(frozen=True)
-class ParameterRow:
+class ParameterRow(_Errors):
     """One parameter both calls read, by name: ``a``'s against ``b``'s. ``same_array``: both
     read one array (equal without reading it); ``ok`` None: not comparable (``note``)."""
 
@@ -99,12 +105,7 @@ class ParameterRow:
     shape: tuple[int, ...]
     dtype_a: str
     dtype_b: str
-    max_abs: float | None = None
-    max_rel: float | None = None
-    mismatched: int | None = None
-    ok: bool | None = None
     same_array: bool = False
-    note: str = ""
 
 
 @dataclass(frozen=True)
