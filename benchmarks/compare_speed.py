@@ -98,8 +98,8 @@ def measure(mode: str, layers: int, weights: str, tokens: int) -> dict[str, Any]
         found = "no divergence" if first is None else f"first divergence {first.b} in {first.scope}"
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"seconds": seconds, "cpu": cpu, "mx_peak": mx.get_peak_memory(), "rss_peak": rss, "weights": weight_bytes,
-            "found": found}
+    return {"seconds": seconds, "cpu": cpu, "mx_peak": mx.get_peak_memory(), "rss_peak": rss,
+            "weights": weight_bytes, "found": found}
 
 
 def run_child(mode: str, layers: int, weights: str, tokens: int) -> dict[str, Any]:
@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     base = results["inspect"]
     weight_bytes = base[0]["weights"]
     print(f"weights of both models: {_gb(weight_bytes)}")
-    print("| run | measured | wall s | ratio | CPU s | ratio | MLX peak | / weights | peak RSS | / weights | found |")
+    print("| run | measured | wall s | ratio | CPU s | ratio | MLX peak | / weights | peak RSS | / weights "
+          "| found |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for i in range(args.rounds):
         for mode, label in MODES.items():

@@ -43,6 +43,7 @@ from .distributed.collectives import run_again
 from .graph import Graph
 from .launch_paths import run_launch, run_reference
 from .nodes import Kernel, NodeKind, Status, dtype_name
+from .precision import main_float_dtype
 from .progress import Progress, progress_line
 from .schema import STAT_KEYS
 from .state import Flat
@@ -61,7 +62,7 @@ _SAME_VALUES = frozenset({"Reshape", "Flatten", "Unflatten", "ExpandDims", "Sque
                           "Copy", "StopGradient", "Broadcast", "BroadcastAxes"})
 # primitives whose output is some of their first input's values, exactly (for _cast_reads)
 _SELECTING = _SAME_VALUES | {"Gather", "GatherAxis", "Slice", "AsStrided"}
-_CAST_BLOCK = 1 << 24  # elements of a weight cast at once by a run with cast_inputs
+_CAST_BLOCK = 1 << 22  # elements of a weight cast at once by a run with cast_inputs
 _INPUT, _CONSTANT, _OUTPUT, _OP, _KERNEL = (k.value for k in (
     NodeKind.INPUT, NodeKind.CONSTANT, NodeKind.OUTPUT, NodeKind.OP, NodeKind.KERNEL))
 _COLLECTIVE = NodeKind.COLLECTIVE.value
@@ -612,8 +613,6 @@ def _errors(outputs: Sequence[mx.array], reference: Sequence[mx.array], rtol: fl
 
 def _main_dtype(arrays: Sequence[mx.array]) -> str:
     """The floating dtype most elements of ``arrays`` are in ("no floats" when none is)."""
-    from .precision import main_float_dtype
-
     dtype = main_float_dtype(arrays)
     return dtype_name(dtype) if dtype is not None else "no floats"
 
