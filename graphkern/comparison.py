@@ -755,73 +755,87 @@ def _compare(a: Callable[..., Any], b: Callable[..., Any], args: tuple[Any, ...]
     if rounding is None:
         rounding = is_half(dtypes[0]) and is_half(dtypes[1])
     parameters = compare_parameters(side_a.parameters(), side_b.parameters(), rtol, atol, progress)
-    by_name = {p.name: p for p in parameters}
     pairs = match_outputs(side_a, side_b)
+    views = _parameter_views(side_a, side_b, pairs, parameters)
     tolerance = (rtol, atol) if check_kernels else None
     runs = [GraphRun(side_a.graph, side_a.wiring, side_a.arrays, check_kernels=tolerance),
             GraphRun(side_b.graph, side_b.wiring, side_b.arrays, check_kernels=tolerance)]
-    views: dict[Output, ParameterRow] = {}
+    judged = {x: y for x, y in pairs.items() if x not in views}
     notes: dict[Output, str] = {}
-    groups: list[tuple[Output | None, ...]] = []
-    keys: list[Output] = []
-    judged = [(x, y) for x, y in pairs.items()]
-    for x, y in judged:
-        name = side_a.parameter_view(x)
-        if name is not None and name == side_b.parameter_view(y) and name in by_name:
-            views[x] = by_name[name]
     if rounding:
         side_a32, run_a32 = _float32_side(traceable_a, flat_a, backends[0], "a", progress)
         side_b32, run_b32 = _float32_side(traceable_b, flat_b, backends[1], "b", progress)
         runs += [run_a32, run_b32]
-        pairs_a, pairs_b = match_outputs(side_a, side_a32), match_outputs(side_b, side_b32)
-    for x, y in judged:
-        if x in views:
-            continue
-        if not rounding:
-            groups.append((x, y))
-        else:
-            x32, y32 = _counterpart(side_a, pairs_a, x), _counterpart(side_b, pairs_b, y)
-            if x32 is None or y32 is None:
-                notes[x] = "no float32 counterpart to tell rounding by"
-                continue
-            groups.append((x, y, x32, y32))
-        keys.append(x)
+        groups, notes = _with_float32(judged, side_a, side_b, match_outputs(side_a, side_a32),
+                                      match_outputs(side_b, side_b32))
+    else:
+        groups = [(x, y) for x, y in judged.items()]
 
     def judge(arrays: list[mx.array]) -> mx.array:
         if len(arrays) == 4:
             return beyond_rounding(arrays[0], arrays[1], arrays[2], arrays[3], rtol, atol, margin)
         return difference(arrays[0], arrays[1], rtol, atol)
 
-    progress.phase("values (" + " and ".join(sorted({dtype_name(d) for d in dtypes if d is not None}
-                                                   | ({"float32"} if rounding else set()))) + ")",
-                   side_a.graph.nx.number_of_nodes())
+    names = {dtype_name(d) for d in dtypes if d is not None} | ({"float32"} if rounding else set())
+    progress.phase(f"values ({' and '.join(sorted(names))})", side_a.graph.nx.number_of_nodes())
     lockstep = _Lockstep(runs, groups, judge, progress)
     lockstep.run()
     finish_values(side_a.graph)
     finish_values(side_b.graph)
-    results: dict[Output, Sequence[float] | str] = {x: lockstep.results.get(g, "not compared")
-                                                    for g, x in enumerate(keys)}
+    results: dict[Output, Sequence[float] | str] = {**notes}
+    results.update((group[0], lockstep.results.get(g, "not compared")) for g, group in enumerate(groups))
     position = {node: i for i, node in enumerate(run_order(side_a.graph))}  # as the call runs
     ordered = sorted(pairs.items(), key=lambda p: (position[p[0][0]], p[0][1]))
     rows = [_parameter_row(side_a, side_b, x, y, views[x]) if x in views
-            else _row(side_a, side_b, x, y, results.get(x) or notes.get(x, "not compared"))
-            for x, y in ordered]
+            else _row(side_a, side_b, x, y, results.get(x, "not compared")) for x, y in ordered]
+    result = Comparison(side_a.graph, side_b.graph, rtol, atol, rows, parameters=parameters,
+                        rounding=margin if rounding else None)
+    _finish(result, side_a, side_b, pairs, check_kernels)
+    return result
+
+
+def _parameter_views(side_a: _Side, side_b: _Side, pairs: dict[Output, Output],
+                     parameters: list[ParameterRow]) -> dict[Output, ParameterRow]:
+    """The matched outputs holding one parameter's values on both sides, with its row."""
+    by_name = {p.name: p for p in parameters}
+    views = {}
+    for x, y in pairs.items():
+        name = side_a.parameter_view(x)
+        if name is not None and name == side_b.parameter_view(y) and name in by_name:
+            views[x] = by_name[name]
+    return views
+
+
+def _with_float32(judged: dict[Output, Output], side_a: _Side, side_b: _Side, pairs_a: dict[Output, Output],
+                  pairs_b: dict[Output, Output]) -> tuple[list[tuple[Output, ...]], dict[Output, str]]:
+    """Each matched pair with its outputs in the float32 graphs; a note where there are none."""
+    groups: list[tuple[Output, ...]] = []
+    notes = {}
+    for x, y in judged.items():
+        x32, y32 = _counterpart(side_a, pairs_a, x), _counterpart(side_b, pairs_b, y)
+        if x32 is None or y32 is None:
+            notes[x] = "no float32 counterpart to tell rounding by"
+        else:
+            groups.append((x, y, x32, y32))
+    return groups, notes
+
+
+def _finish(result: Comparison, side_a: _Side, side_b: _Side, pairs: dict[Output, Output],
+            check_kernels: bool) -> None:
+    """Each judged node of ``b`` gets its ``comparison``; what is unmatched; the kernel checks."""
     graph_a, graph_b = side_a.graph, side_b.graph
-    for row in rows:
+    for row in result.rows:
         if row.ok is not None:
             graph_b.nx.nodes[row.b].setdefault("comparison", {}).update(
                 {"against": row.a, "max_abs": row.max_abs, "max_rel": row.max_rel, "ok": row.ok})
-    matched_a = {x[0] for x in pairs}
-    matched_b = {y[0] for y in pairs.values()}
-    result = Comparison(graph_a, graph_b, rtol, atol, rows, parameters=parameters,
-                        rounding=margin if rounding else None)
     names_a, names_b = side_a.parameters(), side_b.parameters()
     result.parameters_only_a = [n for n in names_a if n not in names_b]
     result.parameters_only_b = [n for n in names_b if n not in names_a]
+    matched_a = {x[0] for x in pairs}
+    matched_b = {y[0] for y in pairs.values()}
     result.unmatched_a = [n for n in graph_a.nodes() if n not in matched_a
                           and graph_a.nx.nodes[n]["kind"] in _INNER]
     result.unmatched_b = [n for n in graph_b.nodes() if n not in matched_b
                           and graph_b.nx.nodes[n]["kind"] in _INNER]
     if check_kernels:
         result.kernel_checks = [*_kernel_checks("a", graph_a), *_kernel_checks("b", graph_b)]
-    return result
