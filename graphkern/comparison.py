@@ -19,6 +19,7 @@ follows the call, layer by layer); ``first_divergence`` is the earliest row beyo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -28,20 +29,22 @@ import mlx.core as mx
 
 from .capture import Wiring
 from .graph import Graph
-from .nodes import NodeKind
+from .nodes import NodeKind, dtype_name
+from .precision import ROUNDING_MARGIN, beyond_rounding, float32_state, is_half, main_float_dtype
+from .progress import Progress, progress_line
 from .state import Flat
 from .tolerance import errors
 from .trace import Traceable
 from .values import (
     _SAME_VALUES,
     GraphRun,
-    _progress_bar,
     finish_values,
     run_order,
     trace_for_values,
 )
 
-__all__ = ["Comparison", "KernelCheck", "Row", "compare", "match_outputs"]
+__all__ = ["Comparison", "KernelCheck", "ParameterRow", "Row", "compare", "compare_parameters",
+           "match_outputs"]
 
 Output = tuple[str, int]  # (node, output index)
 _INNER = (NodeKind.OP.value, NodeKind.KERNEL.value)
@@ -52,13 +55,28 @@ _VIEWS = _SAME_VALUES | {"AsStrided", "Slice"}
 _ERRORS_PER_FLUSH = 256
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Errors:
+    """How far ``b``'s values are from ``a``'s: largest abs and rel errors, elements beyond."""
+
+    max_abs: float | None = None
+    max_rel: float | None = None
+    mismatched: int | None = None
+    ok: bool | None = None
+    note: str = ""
+
+
 @dataclass(frozen=True)
-class Row:
+class Row(_Errors):
     """One matched output: node ``a`` (output ``a_output``) against node ``b``.
 
     ``op`` is the op or kernel name, ``"Multiply -> swiglu"`` where ``b`` replaced ``a`` by
     something else; ``mismatched`` counts the elements beyond tolerance (NaN against a number
-    counts); ``ok`` is None when the values could not be compared (``note`` says why).
+    counts); ``ok`` is None when the values could not be compared (``note`` says why). With
+    ``rounding`` (half precision, see :func:`compare`): ``rounding`` is the largest difference
+    rounding explains at an element (``|a - a32| + |b - b32|``), ``excess`` the largest ratio of
+    an element's difference to what is allowed there (beyond when over 1). A node holding a
+    parameter's values (a transpose of a weight) is judged by the parameter (``note``).
     """
 
     a: str
@@ -70,15 +88,24 @@ class Row:
     shape: tuple[int, ...]
     dtype_a: str
     dtype_b: str
-    max_abs: float | None = None
-    max_rel: float | None = None
-    mismatched: int | None = None
-    ok: bool | None = None
-    note: str = ""
+    rounding: float | None = None
+    excess: float | None = None
 
     @property
     def replaced(self) -> bool:
         return "->" in self.op
+
+
+@dataclass(frozen=True)
+class ParameterRow(_Errors):
+    """One parameter both calls read, by name: ``a``'s against ``b``'s. ``same_array``: both
+    read one array (equal without reading it); ``ok`` None: not comparable (``note``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype_a: str
+    dtype_b: str
+    same_array: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,6 +138,12 @@ class Comparison:
     kernel_checks: list[KernelCheck] = field(default_factory=list)
     unmatched_a: list[str] = field(default_factory=list)
     unmatched_b: list[str] = field(default_factory=list)
+    #: each parameter both read, by name, compared before any node
+    parameters: list[ParameterRow] = field(default_factory=list)
+    parameters_only_a: list[str] = field(default_factory=list)
+    parameters_only_b: list[str] = field(default_factory=list)
+    #: the margin over rounding when nodes were judged against what rounding explains, else None
+    rounding: float | None = None
 
     @property
     def first_divergence(self) -> Row | None:
@@ -122,32 +155,62 @@ class Comparison:
         return [r for r in self.rows if r.ok is False]
 
     @property
+    def parameters_differing(self) -> list[ParameterRow]:
+        return [p for p in self.parameters if p.ok is False]
+
+    @property
     def ok(self) -> bool:
-        """Every row within tolerance, every kernel check too, and no NaN/Inf started in ``b``
-        that ``a`` did not have."""
-        return not self.diverged and all(k.ok for k in self.kernel_checks)
+        """Every row within tolerance, every parameter and kernel check too, and no NaN/Inf
+        started in ``b`` that ``a`` did not have."""
+        return not self.diverged and not self.parameters_differing and all(k.ok for k in self.kernel_checks)
 
     def to_dict(self) -> dict[str, Any]:
         first = self.first_divergence
         return {"a": self.a.nx.graph.get("name"), "b": self.b.nx.graph.get("name"),
-                "rtol": self.rtol, "atol": self.atol, "ok": self.ok,
+                "rtol": self.rtol, "atol": self.atol, "rounding": self.rounding, "ok": self.ok,
                 "first_divergence": asdict(first) if first else None,
+                "parameters": [asdict(p) for p in self.parameters],
                 "rows": [asdict(r) for r in self.rows],
                 "kernel_checks": [asdict(k) for k in self.kernel_checks],
-                "unmatched": {"a": self.unmatched_a, "b": self.unmatched_b}}
+                "unmatched": {"a": self.unmatched_a, "b": self.unmatched_b},
+                "parameters_unmatched": {"a": self.parameters_only_a, "b": self.parameters_only_b}}
+
+    def _rule(self) -> str:
+        rule = f"|a - b| <= {self.atol:g} + {self.rtol:g} * |a|"
+        if self.rounding is not None:
+            rule = (f"|a - b| <= {self.rounding:g} * (|a - a32| + |b - b32|) + {self.atol:g} + "
+                    f"{self.rtol:g} * |a32| (a32, b32: float32 runs)")
+        return rule
+
+    def _parameter_line(self) -> str:
+        same = sum(p.same_array for p in self.parameters)
+        differing = self.parameters_differing
+        line = (f"parameters: {len(self.parameters)} by name, {same} shared, "
+                f"{len(self.parameters) - same - len(differing)} equal in value, {len(differing)} differ")
+        if differing:
+            worst = max(differing, key=lambda p: p.max_rel if p.max_rel is not None else math.inf)
+            line += (f" (first: {differing[0].name}; most: {worst.name}, max rel {_num(worst.max_rel)}"
+                     f"{', ' + worst.note if worst.note else ''})")
+        unmatched = len(self.parameters_only_a) + len(self.parameters_only_b)
+        if unmatched:
+            line += f"; {len(self.parameters_only_a)} only in a, {len(self.parameters_only_b)} only in b"
+        return line
 
     def _head(self) -> list[str]:
         a, b = self.a.nx.graph.get("name", "a"), self.b.nx.graph.get("name", "b")
         lines = [f"compare {a} ({self.a.nx.graph.get('backend')}) against {b} "
                  f"({self.b.nx.graph.get('backend')}): {len(self.rows)} matched outputs, "
-                 f"{len(self.diverged)} beyond |a - b| <= {self.atol:g} + {self.rtol:g} * |a|"]
+                 f"{len(self.diverged)} beyond {self._rule()}", self._parameter_line()]
         first = self.first_divergence
         if first is None:
             lines.append("no divergence")
         else:
+            within = "rounding and tolerance" if self.rounding is not None else "tolerance"
             lines.append(f"first divergence: {first.b} ({first.op}) in {first.scope or 'top level'}: "
                          f"max abs {_num(first.max_abs)}, max rel {_num(first.max_rel)}, "
-                         f"{first.mismatched} elements beyond tolerance")
+                         f"{first.mismatched} elements beyond {within}"
+                         + (f" (up to {_num(first.excess)}x what is allowed)" if first.excess else "")
+                         + (f" ({first.note})" if first.note else ""))
         bad = [k for k in self.kernel_checks if not k.ok]
         if self.kernel_checks:
             lines.append(f"kernels against their references in place: {len(self.kernel_checks) - len(bad)} "
@@ -164,9 +227,13 @@ class Comparison:
 
         chosen = self.rows if rows is None else rows
         body = [[r.a if r.a == r.b else f"{r.a} | {r.b}", r.op, r.scope, _shape(r.shape),
-                 _num(r.max_abs), _num(r.max_rel), {True: "ok", False: "DIVERGED", None: r.note}[r.ok]]
-                for r in chosen]
-        return tabulate(body, headers=["node (a | b)", "op", "scope", "shape", "max abs", "max rel", ""])
+                 _num(r.max_abs), _num(r.max_rel), _num(r.rounding),
+                 {True: "ok", False: "DIVERGED", None: r.note}[r.ok]] for r in chosen]
+        headers = ["node (a | b)", "op", "scope", "shape", "max abs", "max rel", "rounding", ""]
+        if self.rounding is None:
+            body = [line[:6] + line[7:] for line in body]
+            headers = headers[:6] + headers[7:]
+        return tabulate(body, headers=headers)
 
     def __str__(self) -> str:
         shown = self.diverged[:20]
@@ -225,11 +292,16 @@ def _shape(shape: Sequence[int]) -> str:
 class _Side:
     """One graph with what matching needs: node order, output shapes, who reads what."""
 
-    __slots__ = ("graph", "wiring", "nodes", "order", "outputs")
+    __slots__ = ("graph", "wiring", "nodes", "order", "outputs", "arrays", "first_state", "_views",
+                 "_input_index")
 
-    def __init__(self, graph: Graph, wiring: Wiring):
+    def __init__(self, graph: Graph, wiring: Wiring, arrays: Sequence[mx.array] = (), first_state: int = 0):
         self.graph = graph
         self.wiring = wiring
+        self.arrays = list(arrays)  # the call's arrays: its arguments, then its state from first_state
+        self.first_state = first_state
+        self._views: dict[Output, str | None] = {}
+        self._input_index = {node: i for i, node in enumerate(wiring.inputs)}
         self.nodes = graph.nx.nodes
         self.order = {n: i for i, n in enumerate(graph.nodes())}
         self.outputs: dict[str, dict[int, tuple[tuple[int, ...], str]]] = {}
@@ -260,6 +332,27 @@ class _Side:
             if len(reads) == 1 and self.nodes[reads[0][0]]["kind"] == NodeKind.KERNEL.value:
                 return self.maker(reads[0][0])
         return self.what(node)
+
+    def parameters(self) -> dict[str, mx.array]:
+        """The call's state arrays (parameters) by name."""
+        return {str(self.nodes[node]["label"]): self.arrays[i] for node, i in self._input_index.items()
+                if self.first_state <= i < len(self.arrays)}
+
+    def parameter_view(self, out: Output) -> str | None:
+        """The parameter whose values ``out`` holds exactly (the parameter itself, or a
+        transpose, reshape, broadcast... of it), or None."""
+        if out in self._views:
+            return self._views[out]
+        found = None
+        data = self.nodes[out[0]]
+        if data["kind"] == _INPUT:
+            found = str(data["label"]) if self._input_index.get(out[0], -1) >= self.first_state else None
+        elif data["kind"] == NodeKind.OP.value and data["op"] in _SAME_VALUES and out[1] == 0:
+            reads = self.reads(out[0])
+            if len(reads) == 1 and reads[0] is not None:
+                found = self.parameter_view(reads[0])
+        self._views[out] = found
+        return found
 
     def key(self, node: str) -> tuple[str, str, str]:
         data = self.nodes[node]
@@ -369,113 +462,214 @@ def match_outputs(a: _Side, b: _Side) -> dict[Output, Output]:
 
 
 
+# ----------------------------------------------------------------------------- parameters
+
+_PARAMETER_CHUNK = 1 << 22  # elements of a parameter compared at once: bounds the float32 temporaries
+_PARAMETER_BATCH = 1 << 26  # elements evaluated at once
+
+
+def _pieces(x: mx.array, y: mx.array) -> list[tuple[mx.array, mx.array]]:
+    fx, fy = x.reshape(-1), y.reshape(-1)
+    return [(fx[i:i + _PARAMETER_CHUNK], fy[i:i + _PARAMETER_CHUNK])
+            for i in range(0, max(x.size, 1), _PARAMETER_CHUNK)]
+
+
+def _evaluated(lazy: list[tuple[Any, mx.array, int]]) -> Iterator[tuple[Any, list[float]]]:
+    """``(key, value.tolist())`` of each lazy array, evaluated a batch of elements at a time."""
+    batch: list[tuple[Any, mx.array]] = []
+    size = 0
+    for key, value, elements in [*lazy, (None, None, 0)]:
+        if value is None or size + elements > _PARAMETER_BATCH:
+            mx.eval([v for _, v in batch])
+            yield from ((k, v.tolist()) for k, v in batch)  # type: ignore[misc]
+            batch, size = [], 0
+        if value is not None:
+            batch.append((key, value))
+            size += elements
+
+
+def compare_parameters(a: dict[str, mx.array], b: dict[str, mx.array], rtol: float, atol: float,
+                       progress: Progress | None = None) -> list[ParameterRow]:
+    """Each parameter name both have, ``a``'s array against ``b``'s (in ``a``'s order): one array
+    shared by both is the same without reading it; others are first tested for equality, and
+    only pieces that differ get their errors. Reads each parameter once, a piece at a time.
+
+    >>> w = mx.ones((2, 2))
+    >>> rows = compare_parameters({"w": w, "v": w}, {"w": w, "v": w * 2}, 1e-4, 1e-5)
+    >>> [(r.name, r.same_array, r.ok) for r in rows]
+    [('w', True, True), ('v', False, False)]
+    """
+    progress = progress or Progress()
+    found: dict[str, ParameterRow] = {}
+    work: list[tuple[str, mx.array, mx.array]] = []
+    for name, x in a.items():
+        y = b.get(name)
+        if y is None:
+            continue
+        row = ParameterRow(name, tuple(x.shape), dtype_name(x.dtype), dtype_name(y.dtype))
+        if x is y:
+            found[name] = dataclasses.replace(row, max_abs=0.0, max_rel=0.0, mismatched=0, ok=True,
+                                              same_array=True)
+        elif x.shape != y.shape:
+            found[name] = dataclasses.replace(row, ok=False, note=f"shapes differ: {tuple(x.shape)} "
+                                              f"against {tuple(y.shape)}")
+        else:
+            work.append((name, x, y))
+            found[name] = row
+    progress.phase("parameters", len(found))
+    progress.advance(len(found) - len(work))
+    pieces = {name: _pieces(x, y) for name, x, y in work}
+    equal = [((name, i), mx.all(px == py), px.size) for name, ps in pieces.items()
+             for i, (px, py) in enumerate(ps)]
+    unequal: dict[str, list[int]] = {name: [] for name in pieces}
+    for (name, i), same in _evaluated(equal):
+        if not same:
+            unequal[name].append(i)
+    differing = [((name, i), errors(pieces[name][i][1], pieces[name][i][0], rtol=rtol, atol=atol),
+                  pieces[name][i][0].size) for name, indices in unequal.items() for i in indices]
+    worst: dict[str, list[float]] = {name: [0.0, 0.0, 0.0] for name in pieces}
+    for (name, _), (max_abs, max_rel, beyond) in _evaluated(differing):
+        w = worst[name]
+        worst[name] = [max(w[0], max_abs), max(w[1], max_rel), w[2] + beyond]
+    for name in pieces:
+        max_abs, max_rel, beyond = worst[name]
+        found[name] = dataclasses.replace(found[name], max_abs=_finite_or_inf(max_abs),
+                                          max_rel=_finite_or_inf(max_rel), mismatched=int(beyond),
+                                          ok=beyond == 0)
+        progress.advance()
+    return [found[name] for name in a if name in found]
+
+
+def _finite_or_inf(value: float) -> float:
+    return value if math.isfinite(value) else float("inf")
+
+
 # ----------------------------------------------------------------------------- running
 
 
 class _Lockstep:
-    """Runs both graphs node by node; computes each row's difference once both sides have it."""
+    """Runs several graphs node by node, the first leading; each group (an output of every run,
+    None where a run has none) is judged once all its runs made it, and its values dropped."""
 
-    def __init__(self, side_a: _Side, side_b: _Side, run_a: GraphRun, run_b: GraphRun,
-                 pairs: dict[Output, Output], rtol: float, atol: float):
-        self.run_a, self.run_b = run_a, run_b
-        self.pairs = pairs
-        self.rtol, self.atol = rtol, atol
-        self.waiting_a: dict[str, set[str]] = {}  # a node -> b nodes it still waits for
-        self.waiting_b: dict[str, set[str]] = {}
-        for (node_a, _), (node_b, _) in pairs.items():
-            self.waiting_a.setdefault(node_a, set()).add(node_b)
-            self.waiting_b.setdefault(node_b, set()).add(node_a)
-        self.values_a: dict[str, list[mx.array] | None] = {}
-        self.values_b: dict[str, list[mx.array] | None] = {}
-        self.by_nodes: dict[tuple[str, str], list[tuple[Output, Output]]] = {}
-        for x, y in pairs.items():
-            self.by_nodes.setdefault((x[0], y[0]), []).append((x, y))
-        self.pending: list[tuple[Output, mx.array]] = []
-        self.results: dict[Output, list[float] | str] = {}
-        self.advance: Callable[[], None] = lambda: None
+    def __init__(self, runs: Sequence[GraphRun], groups: Sequence[tuple[Output | None, ...]],
+                 judge: Callable[[list[mx.array]], mx.array], progress: Progress):
+        self.runs, self.groups, self.judge, self.progress = runs, groups, judge, progress
+        self.waiting: list[dict[str, set[int]]] = [{} for _ in runs]  # node -> groups waiting for it
+        for g, outputs in enumerate(groups):
+            for r, out in enumerate(outputs):
+                if out is not None:
+                    self.waiting[r].setdefault(out[0], set()).add(g)
+        self.values: list[dict[str, list[mx.array] | None]] = [{} for _ in runs]
+        self.done: list[set[str]] = [set() for _ in runs]
+        self.steps = [run.steps() for run in runs]
+        self.finished = [False] * len(runs)
+        self.pending: list[tuple[int, mx.array]] = []
+        self.results: dict[int, list[float] | str] = {}
+        self.settled: set[int] = set()
 
-    def _settle(self, x: str, y: str) -> None:
-        va, vb = self.values_a.get(x), self.values_b.get(y)
-        for out_a, out_b in self.by_nodes.get((x, y), []):
-            if va is None or vb is None:
-                self.results[out_a] = "not reached on " + ("both sides" if va is None and vb is None
-                                                           else "side a" if va is None else "side b")
+    def _seen(self, r: int, node: str, values: list[mx.array] | None) -> None:
+        self.done[r].add(node)
+        if node not in self.waiting[r]:
+            return
+        self.values[r][node] = values
+        for g in list(self.waiting[r][node]):
+            if all(out is None or out[0] in self.done[k] for k, out in enumerate(self.groups[g])):
+                self._settle(g)
+
+    def _settle(self, g: int) -> None:
+        arrays: list[mx.array] = []
+        missing = []
+        for r, out in enumerate(self.groups[g]):
+            if out is None:
+                continue
+            values = self.values[r].get(out[0])
+            if values is None:
+                missing.append(r)
             else:
-                self.pending.append((out_a, errors(vb[out_b[1]], va[out_a[1]], rtol=self.rtol,
-                                                   atol=self.atol)))
-        self.waiting_a[x].discard(y)
-        self.waiting_b[y].discard(x)
-        if not self.waiting_a[x]:
-            self.values_a.pop(x, None)
-        if not self.waiting_b[y]:
-            self.values_b.pop(y, None)
+                arrays.append(values[out[1]])
+        if missing:
+            self.results[g] = "not reached on " + ", ".join(_RUN_NAMES[r] for r in missing)
+        else:
+            self.pending.append((g, self.judge(arrays)))
+        self.settled.add(g)
+        for r, out in enumerate(self.groups[g]):
+            if out is not None:
+                left = self.waiting[r][out[0]]
+                left.discard(g)
+                if not left:
+                    self.values[r].pop(out[0], None)
 
-    def _seen_b(self, node: str, values: list[mx.array] | None) -> None:
-        if node in self.waiting_b:
-            self.values_b[node] = values
-            for x in [x for x in self.waiting_b[node] if x in self.values_a]:
-                self._settle(x, node)
+    def _step(self, r: int) -> bool:
+        try:
+            node, values = next(self.steps[r])
+        except StopIteration:
+            self.finished[r] = True
+            return False
+        self._seen(r, node, values)
+        self._flush()
+        return True
 
     def _flush(self, final: bool = False) -> None:
-        if not (final or self.run_a.need_flush or self.run_b.need_flush
+        if not (final or any(run.need_flush for run in self.runs)
                 or len(self.pending) >= _ERRORS_PER_FLUSH):
             return
         errors = [e for _, e in self.pending]
-        self.run_a.flush(errors)
-        self.run_b.flush()
-        for (out, _), error in zip(self.pending, errors):
-            self.results[out] = error.tolist()  # type: ignore[assignment]
+        self.runs[0].flush(errors)
+        for run in self.runs[1:]:
+            run.flush()
+        for (g, _), error in zip(self.pending, errors):
+            self.results[g] = error.tolist()  # type: ignore[assignment]
         self.pending = []
 
     def run(self) -> None:
-        steps_b = self.run_b.steps()
-        done_b: set[str] = set()
-        finished_b = False
-
-        def step_b() -> bool:
-            try:
-                node, values = next(steps_b)
-            except StopIteration:
-                return False
-            done_b.add(node)
-            self._seen_b(node, values)
+        for node, values in self.steps[0]:
+            self.done[0].add(node)
+            self._seen(0, node, values)
+            for g in list(self.waiting[0].get(node, ())):  # the other runs up to its counterparts
+                for r, out in enumerate(self.groups[g]):
+                    while r and out is not None and out[0] not in self.done[r] and self._step(r):
+                        pass
             self._flush()
-            self.advance()
-            return True
-
-        for node, values in self.run_a.steps():
-            if node in self.waiting_a:
-                self.values_a[node] = values
-                for y in list(self.waiting_a[node]):
-                    if y in done_b:
-                        self._settle(node, y)
-                while not finished_b and self.waiting_a[node]:  # run b up to its counterparts
-                    finished_b = not step_b()
-            self._flush()
-            self.advance()
-        while not finished_b and step_b():
-            pass
-        for x in list(self.waiting_a):  # counterparts b never reached
-            for y in list(self.waiting_a[x]):
-                self.values_a.setdefault(x, None)
-                self._settle(x, y)
+            self.progress.advance()
+        for r in range(1, len(self.runs)):
+            while self._step(r):
+                pass
+        for g in range(len(self.groups)):  # counterparts never reached
+            if g not in self.settled:
+                for r, out in enumerate(self.groups[g]):
+                    if out is not None:
+                        self.values[r].setdefault(out[0], None)
+                self._settle(g)
         self._flush(final=True)
 
 
-def _row(side_a: _Side, side_b: _Side, x: Output, y: Output, result: list[float] | str) -> Row:
+_RUN_NAMES = ("side a", "side b", "side a in float32", "side b in float32")
+
+
+def _row(side_a: _Side, side_b: _Side, x: Output, y: Output, result: Sequence[float] | str) -> Row:
     (shape, dtype_a), (_, dtype_b) = side_a.outputs[x[0]][x[1]], side_b.outputs[y[0]][y[1]]
     what_a, what_b = side_a.what(x[0]), side_b.what(y[0])
     if what_a != what_b:  # b replaced a: by a kernel, maybe seen through a view of its output
         what_b = side_b.maker(y[0])
     op = what_a if what_a == what_b else f"{what_a} -> {what_b}"
     scope = str(side_b.nodes[y[0]]["scope"] or side_a.nodes[x[0]]["scope"])
+    row = Row(x[0], y[0], x[1], y[1], scope, op, shape, dtype_a, dtype_b)
     if isinstance(result, str):
-        return Row(x[0], y[0], x[1], y[1], scope, op, shape, dtype_a, dtype_b, note=result)
-    max_abs, max_rel, beyond = result
-    mismatched = int(beyond)
-    return Row(x[0], y[0], x[1], y[1], scope, op, shape, dtype_a, dtype_b,
-               max_abs if math.isfinite(max_abs) else float("inf"),
-               max_rel if math.isfinite(max_rel) else float("inf"), mismatched, mismatched == 0)
+        return dataclasses.replace(row, note=result)
+    mismatched = int(result[2])
+    found = dataclasses.replace(row, max_abs=_finite_or_inf(result[0]), max_rel=_finite_or_inf(result[1]),
+                                mismatched=mismatched, ok=mismatched == 0)
+    if len(result) > 3:
+        found = dataclasses.replace(found, rounding=_finite_or_inf(result[3]),
+                                    excess=_finite_or_inf(result[4]))
+    return found
+
+
+def _parameter_row(side_a: _Side, side_b: _Side, x: Output, y: Output, p: ParameterRow) -> Row:
+    """A node holding a parameter's values (a transpose, a reshape): judged by the parameter."""
+    row = _row(side_a, side_b, x, y, f"as parameter {p.name}")
+    return dataclasses.replace(row, max_abs=p.max_abs, max_rel=p.max_rel, mismatched=p.mismatched,
+                               ok=p.ok)
 
 
 def _kernel_checks(side: str, graph: Graph) -> Iterator[KernelCheck]:
@@ -489,54 +683,159 @@ def _kernel_checks(side: str, graph: Graph) -> Iterator[KernelCheck]:
                           check["mismatched"] == 0)
 
 
+def _counterpart(side: _Side, pairs: dict[Output, Output], out: Output) -> Output | None:
+    """``out``'s output in the float32 graph of the same call: its match, or for a cast or a
+    view with no match (a half-precision graph casts where the float32 one need not), its
+    input's."""
+    while out not in pairs:
+        data = side.nodes[out[0]]
+        reads = side.reads(out[0])
+        if data["kind"] != _OP or data["op"] not in _CASTS or len(reads) != 1 or reads[0] is None:
+            return None
+        out = reads[0]
+    return pairs[out]
+
+
+_OP = NodeKind.OP.value
+_CASTS = _SAME_VALUES | {"AsType"}
+
+
 def compare(a: Callable[..., Any], b: Callable[..., Any], *args: Any, rtol: float = 1e-4,
             atol: float = 1e-5, kwargs: dict[str, Any] | None = None,
             backends: tuple[str | None, str | None] = (None, None), check_kernels: bool = False,
-            progress: bool | None = None) -> Comparison:
+            progress: bool | None = None, rounding: bool | None = None,
+            margin: float = ROUNDING_MARGIN) -> Comparison:
     """Run ``a`` and ``b`` (functions or models) on ``args`` (and ``kwargs``) node by node and
     compare every matched node's output (see the module). ``a`` is the reference.
 
-    ``backends`` sets each side's kernel backend (``(None, "reference")``: the GPU kernels
-    against their references, all else alike); ``check_kernels`` also runs each kernel node's
-    reference on the exact inputs it received inside the model (``c.kernel_checks``).
+    ``rounding``: judge each node against what rounding explains there, from float32 runs of
+    both (see :mod:`graphkern.precision`; ``margin`` times it, plus ``atol + rtol * |a|``);
+    None: when both compute in float16 or bfloat16 (it doubles the work). Otherwise an element
+    is beyond when ``|a - b| > atol + rtol * |a|``. ``backends`` sets each side's kernel backend
+    (``(None, "reference")``: the GPU kernels against their references, all else alike);
+    ``check_kernels`` also runs each kernel node's reference on the exact inputs it received
+    inside the model (``c.kernel_checks``). ``progress``: a progress line on stderr (None: when
+    stderr is a terminal).
 
     >>> import mlx.core as mx, graphkern as gk
     >>> c = gk.compare(lambda x: mx.sin(x) + 1, lambda x: mx.sin(x) + 1, mx.ones((3,)))
     >>> c.ok, [r.op for r in c.rows]
     (True, ['Sin', 'Broadcast', 'Add', 'output_0'])
     """
-    kwargs = kwargs or {}
-    traced = []
-    for fn, backend in zip((a, b), backends):
-        traceable = Traceable(fn)
-        traced.append(trace_for_values(traceable, Flat.of(args, kwargs, traceable.arg_names), backend))
-    (graph_a, wiring_a, arrays_a), (graph_b, wiring_b, arrays_b) = traced
-    side_a, side_b = _Side(graph_a, wiring_a), _Side(graph_b, wiring_b)
+    with progress_line(progress, "compare") as line:
+        return _compare(a, b, args, kwargs or {}, rtol, atol, backends, check_kernels, rounding,
+                        margin, line)
+
+
+def _traced(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], backend: str | None,
+            what: str, progress: Progress) -> tuple[Traceable, Flat, _Side]:
+    progress.phase(f"tracing {what}")
+    traceable = Traceable(fn)
+    flat = Flat.of(args, kwargs, traceable.arg_names)
+    graph, wiring, arrays = trace_for_values(traceable, flat, backend)
+    return traceable, flat, _Side(graph, wiring, arrays, len(flat.arrays))
+
+
+def _float32_side(traceable: Traceable, flat: Flat, backend: str | None, what: str,
+                  progress: Progress) -> tuple[_Side, GraphRun]:
+    """The call traced again in float32, and a run of it casting the call's arrays as read."""
+    progress.phase(f"tracing {what} in float32")
+    with float32_state(traceable, flat) as flat32:
+        graph, wiring, _ = trace_for_values(traceable, flat32, backend)
+    arrays = list(flat.arrays) + traceable.state.arrays()
+    return _Side(graph, wiring), GraphRun(graph, wiring, arrays, cast_inputs=mx.float32, record=False)
+
+
+def _compare(a: Callable[..., Any], b: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+             rtol: float, atol: float, backends: tuple[str | None, str | None], check_kernels: bool,
+             rounding: bool | None, margin: float, progress: Progress) -> Comparison:
+    traceable_a, flat_a, side_a = _traced(a, args, kwargs, backends[0], "a", progress)
+    traceable_b, flat_b, side_b = _traced(b, args, kwargs, backends[1], "b", progress)
+    dtypes = (main_float_dtype(side_a.arrays), main_float_dtype(side_b.arrays))
+    if rounding is None:
+        rounding = is_half(dtypes[0]) and is_half(dtypes[1])
+    parameters = compare_parameters(side_a.parameters(), side_b.parameters(), rtol, atol, progress)
     pairs = match_outputs(side_a, side_b)
+    views = _parameter_views(side_a, side_b, pairs, parameters)
     tolerance = (rtol, atol) if check_kernels else None
-    run_a = GraphRun(graph_a, wiring_a, arrays_a, check_kernels=tolerance)
-    run_b = GraphRun(graph_b, wiring_b, arrays_b, check_kernels=tolerance)
-    lockstep = _Lockstep(side_a, side_b, run_a, run_b, pairs, rtol, atol)
-    total = graph_a.nx.number_of_nodes() + graph_b.nx.number_of_nodes()
-    with _progress_bar(progress, total) as advance:
-        lockstep.advance = advance
-        lockstep.run()
-    finish_values(graph_a)
-    finish_values(graph_b)
-    position = {node: i for i, node in enumerate(run_order(graph_a))}  # as the call runs
+    runs = [GraphRun(side_a.graph, side_a.wiring, side_a.arrays, check_kernels=tolerance),
+            GraphRun(side_b.graph, side_b.wiring, side_b.arrays, check_kernels=tolerance)]
+    judged = {x: y for x, y in pairs.items() if x not in views}
+    notes: dict[Output, str] = {}
+    if rounding:
+        side_a32, run_a32 = _float32_side(traceable_a, flat_a, backends[0], "a", progress)
+        side_b32, run_b32 = _float32_side(traceable_b, flat_b, backends[1], "b", progress)
+        runs += [run_a32, run_b32]
+        groups, notes = _with_float32(judged, side_a, side_b, match_outputs(side_a, side_a32),
+                                      match_outputs(side_b, side_b32))
+    else:
+        groups = [(x, y) for x, y in judged.items()]
+
+    def judge(arrays: list[mx.array]) -> mx.array:
+        if len(arrays) == 4:
+            return beyond_rounding(arrays[0], arrays[1], arrays[2], arrays[3], rtol, atol, margin)
+        return errors(arrays[1], arrays[0], rtol=rtol, atol=atol)
+
+    names = {dtype_name(d) for d in dtypes if d is not None} | ({"float32"} if rounding else set())
+    progress.phase(f"values ({' and '.join(sorted(names))})", side_a.graph.nx.number_of_nodes())
+    lockstep = _Lockstep(runs, groups, judge, progress)
+    lockstep.run()
+    finish_values(side_a.graph)
+    finish_values(side_b.graph)
+    results: dict[Output, Sequence[float] | str] = {**notes}
+    results.update((group[0], lockstep.results.get(g, "not compared")) for g, group in enumerate(groups))
+    position = {node: i for i, node in enumerate(run_order(side_a.graph))}  # as the call runs
     ordered = sorted(pairs.items(), key=lambda p: (position[p[0][0]], p[0][1]))
-    rows = [_row(side_a, side_b, x, y, lockstep.results.get(x, "not compared")) for x, y in ordered]
-    for row in rows:
+    rows = [_parameter_row(side_a, side_b, x, y, views[x]) if x in views
+            else _row(side_a, side_b, x, y, results.get(x, "not compared")) for x, y in ordered]
+    result = Comparison(side_a.graph, side_b.graph, rtol, atol, rows, parameters=parameters,
+                        rounding=margin if rounding else None)
+    _finish(result, side_a, side_b, pairs, check_kernels)
+    return result
+
+
+def _parameter_views(side_a: _Side, side_b: _Side, pairs: dict[Output, Output],
+                     parameters: list[ParameterRow]) -> dict[Output, ParameterRow]:
+    """The matched outputs holding one parameter's values on both sides, with its row."""
+    by_name = {p.name: p for p in parameters}
+    views = {}
+    for x, y in pairs.items():
+        name = side_a.parameter_view(x)
+        if name is not None and name == side_b.parameter_view(y) and name in by_name:
+            views[x] = by_name[name]
+    return views
+
+
+def _with_float32(judged: dict[Output, Output], side_a: _Side, side_b: _Side, pairs_a: dict[Output, Output],
+                  pairs_b: dict[Output, Output]) -> tuple[list[tuple[Output, ...]], dict[Output, str]]:
+    """Each matched pair with its outputs in the float32 graphs; a note where there are none."""
+    groups: list[tuple[Output, ...]] = []
+    notes = {}
+    for x, y in judged.items():
+        x32, y32 = _counterpart(side_a, pairs_a, x), _counterpart(side_b, pairs_b, y)
+        if x32 is None or y32 is None:
+            notes[x] = "no float32 counterpart to tell rounding by"
+        else:
+            groups.append((x, y, x32, y32))
+    return groups, notes
+
+
+def _finish(result: Comparison, side_a: _Side, side_b: _Side, pairs: dict[Output, Output],
+            check_kernels: bool) -> None:
+    """Each judged node of ``b`` gets its ``comparison``; what is unmatched; the kernel checks."""
+    graph_a, graph_b = side_a.graph, side_b.graph
+    for row in result.rows:
         if row.ok is not None:
             graph_b.nx.nodes[row.b].setdefault("comparison", {}).update(
                 {"against": row.a, "max_abs": row.max_abs, "max_rel": row.max_rel, "ok": row.ok})
+    names_a, names_b = side_a.parameters(), side_b.parameters()
+    result.parameters_only_a = [n for n in names_a if n not in names_b]
+    result.parameters_only_b = [n for n in names_b if n not in names_a]
     matched_a = {x[0] for x in pairs}
     matched_b = {y[0] for y in pairs.values()}
-    result = Comparison(graph_a, graph_b, rtol, atol, rows)
     result.unmatched_a = [n for n in graph_a.nodes() if n not in matched_a
                           and graph_a.nx.nodes[n]["kind"] in _INNER]
     result.unmatched_b = [n for n in graph_b.nodes() if n not in matched_b
                           and graph_b.nx.nodes[n]["kind"] in _INNER]
     if check_kernels:
         result.kernel_checks = [*_kernel_checks("a", graph_a), *_kernel_checks("b", graph_b)]
-    return result

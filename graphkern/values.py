@@ -41,7 +41,9 @@ from .autodiff import without_vjp
 from .capture import Wiring
 from .graph import Graph
 from .launch_paths import run_launch, run_reference
-from .nodes import Kernel, NodeKind, Status
+from .nodes import Kernel, NodeKind, Status, dtype_name
+from .precision import main_float_dtype
+from .progress import Progress, progress_line
 from .schema import STAT_KEYS
 from .state import Flat
 from .tolerance import errors
@@ -58,6 +60,9 @@ _ANCHOR_ROUNDS = 3  # eager runs a values run may ask for, after nodes that fail
 # primitives whose output holds their input's values (reordered, reshaped, repeated equally)
 _SAME_VALUES = frozenset({"Reshape", "Flatten", "Unflatten", "ExpandDims", "Squeeze", "Transpose",
                           "Copy", "StopGradient", "Broadcast", "BroadcastAxes"})
+# primitives whose output is some of their first input's values, exactly (for _cast_reads)
+_SELECTING = _SAME_VALUES | {"Gather", "GatherAxis", "Slice", "AsStrided"}
+_CAST_BLOCK = 1 << 22  # elements of a weight cast at once by a run with cast_inputs
 _INPUT, _CONSTANT, _OUTPUT, _OP, _KERNEL = (k.value for k in (
     NodeKind.INPUT, NodeKind.CONSTANT, NodeKind.OUTPUT, NodeKind.OP, NodeKind.KERNEL))
 _COLLECTIVE = NodeKind.COLLECTIVE.value
@@ -110,34 +115,46 @@ def _stats_from(summary: list[float], size: int, counts: Sequence[int] | None = 
     return {"min": lo, "max": hi, "mean": mean, "absmax": max(abs(lo), abs(hi)), "nan": nan, "inf": inf}
 
 
-def _host_array(x: mx.array) -> np.ndarray:
-    """An evaluated array as numpy sees it, without a copy where MLX's memory is the host's
-    (bfloat16, which numpy lacks, through its bits)."""
-    if x.dtype == mx.bfloat16:
-        bits = np.asarray(x.view(mx.uint16)).astype(np.uint32) << 16
-        return bits.view(np.float32)
-    a = np.asarray(x)
-    return np.abs(a) if np.iscomplexobj(a) else a
+_HOST_PIECE = 1 << 22  # elements summarised at once: a large bfloat16 array is widened a piece at a time
+
+
+def _host_pieces(x: mx.array) -> Iterator[np.ndarray]:
+    """An evaluated array as numpy sees it, flat, in pieces, without a copy where MLX's memory is
+    the host's (bfloat16, which numpy lacks, through its bits, widened a piece at a time)."""
+    bf16 = x.dtype == mx.bfloat16
+    flat = np.asarray(x.view(mx.uint16) if bf16 else x).reshape(-1)
+    if np.iscomplexobj(flat):
+        flat = np.abs(flat)
+    elif flat.dtype.kind == "b":
+        flat = flat.view(np.uint8)
+    for start in range(0, flat.size, _HOST_PIECE):
+        piece = flat[start:start + _HOST_PIECE]
+        yield (piece.astype(np.uint32) << 16).view(np.float32) if bf16 else piece
 
 
 def _host_stats(x: mx.array) -> dict[str, Any]:
     """``stats`` of an evaluated array with numpy (summed in float64)."""
-    a = _host_array(x)
-    if not a.size:
+    if not x.size:
         return _stats_from([0.0, 0.0, 0.0], 0)
-    if a.dtype.kind == "b":
-        a = a.view(np.uint8)
-    with np.errstate(invalid="ignore", over="ignore"):  # inf + -inf is NaN: counted below, not warned
-        total = float(a.sum(dtype=np.float64))
-    if math.isfinite(total) or a.dtype.kind not in "fc":
-        return _stats_from([float(a.min()), float(a.max()), total], a.size)
-    finite = np.isfinite(a)
-    nan = int(np.isnan(a).sum())
-    kept = a[finite]
-    if not kept.size:
-        return _stats_from([0.0, 0.0, 0.0], a.size, (nan, a.size - nan))
-    summary = [float(kept.min()), float(kept.max()), float(kept.mean(dtype=np.float64))]
-    return _stats_from(summary, a.size, (nan, a.size - nan - kept.size))
+    lo, hi, total, nan, inf = math.inf, -math.inf, 0.0, 0, 0
+    for a in _host_pieces(x):
+        if a.dtype.kind == "b":
+            a = a.view(np.uint8)
+        with np.errstate(invalid="ignore", over="ignore"):  # inf + -inf is NaN: counted below, not warned
+            piece_total = float(a.sum(dtype=np.float64))
+        if not math.isfinite(piece_total) and a.dtype.kind in "fc":
+            finite = np.isfinite(a)
+            nans = int(np.isnan(a).sum())
+            nan, inf = nan + nans, inf + a.size - nans - int(finite.sum())
+            a = a[finite]
+            if not a.size:
+                continue
+            piece_total = float(a.sum(dtype=np.float64))
+        lo, hi, total = min(lo, float(a.min())), max(hi, float(a.max())), total + piece_total
+    if not nan and not inf:
+        return _stats_from([lo, hi, total], x.size)
+    finite = x.size - nan - inf
+    return _stats_from([lo, hi, total / finite if finite else 0.0], x.size, (nan, inf))
 
 
 def array_stats(x: mx.array) -> dict[str, Any]:
@@ -241,8 +258,12 @@ class GraphRun:
     def __init__(self, graph: Graph, wiring: Wiring, arrays: list[mx.array], *,
                  check_kernels: tuple[float, float] | None = None, keep: NodeFilter | None = None,
                  writer: Any = None, anchors: dict[str, list[mx.array]] | None = None,
-                 more_anchors: Callable[[set[str]], dict[str, list[mx.array]]] | None = None):
+                 more_anchors: Callable[[set[str]], dict[str, list[mx.array]]] | None = None,
+                 cast_inputs: mx.Dtype | None = None, record: bool = True):
         self.graph = graph
+        self.cast_inputs = cast_inputs  # float inputs become this dtype as they are read
+        self.record = record  # False: run the values without recording their statistics
+        self.uncast: set[tuple[str, int]] = set()  # outputs holding inputs not cast yet
         self.nodes = adjacency(graph.nx)[0]
         self.anchors = anchors or {}  # node -> its outputs from an eager run of the function
         self.more_anchors = more_anchors
@@ -304,10 +325,13 @@ class GraphRun:
     def _compute(self, node: str, data: dict[str, Any]) -> list[mx.array] | str:
         kind = data["kind"]
         if kind == _INPUT:
-            return [self.arrays[self.input_index[node]]]
+            value: mx.array = self.arrays[self.input_index[node]]
+            if self.cast_inputs is not None and value.dtype in _FLOATS and value.dtype != self.cast_inputs:
+                self.uncast.add((node, 0))  # cast as read (see _cast_reads)
+            return [value]
         if kind == _CONSTANT:
-            value = self.wiring.constants.get(node)
-            return [value] if value is not None else "its value was not captured"
+            constant = self.wiring.constants.get(node)
+            return [constant] if constant is not None else "its value was not captured"
         if data["status"] not in _RUNNABLE:
             return f"the node has status {Status(data['status']).name}"
         anchored = self.anchors.pop(node, None)
@@ -316,6 +340,15 @@ class GraphRun:
         inputs = self._inputs(node)
         if isinstance(inputs, str):
             return inputs
+        if self.uncast:
+            made = [self.wiring.producer.get(array) for array in self.wiring.args.get(node, ())]
+            if kind == _OP and data["op"] == "Matmul" and made[1] in self.uncast \
+                    and inputs[1].size > _CAST_BLOCK and made[0] not in self.uncast:
+                return [_matmul_cast_in_blocks(inputs[0], inputs[1], self.cast_inputs or mx.float32)]
+            cast = self._cast_reads(node, data, inputs, made)
+            if cast is None:
+                return self._uncast_op(node, data, inputs)
+            inputs = cast
         if kind == _KERNEL:
             return self._kernel(node, inputs)
         if kind == _COLLECTIVE:  # for real: every rank runs its graph at once, as the model
@@ -330,6 +363,31 @@ class GraphRun:
             return replay.run(event["name"], event["arguments"], inputs, specs)
         except replay.NotReplayable as exc:
             return self._failed_here(node, str(exc))
+
+    def _cast_reads(self, node: str, data: dict[str, Any], inputs: list[mx.array],
+                    made: list[tuple[str, int] | None]) -> list[mx.array] | None:
+        """``cast_inputs``: the call's arrays are held as given and cast as each node reads them,
+        so that no cast copy of a weight outlives the node reading it. None: ``node`` reads them
+        as given (an op that only selects or lays out values: its outputs are cast in turn as
+        they are read)."""
+        if data["kind"] == _OP and data["op"] in _SELECTING and made[0] in self.uncast \
+                and not any(m in self.uncast for m in made[1:]):
+            return None
+        dtype = self.cast_inputs or mx.float32
+        return [value.astype(dtype) if m in self.uncast else value for value, m in zip(inputs, made)]
+
+    def _uncast_op(self, node: str, data: dict[str, Any], inputs: list[mx.array]) -> list[mx.array] | str:
+        """A selecting op on an input not cast yet: its outputs stay in the input's dtype."""
+        event = self.wiring.primitives.get(node)
+        if event is None:
+            return "no MLX primitive is recorded for it"
+        specs = [(tuple(shape), inputs[0].dtype) for _, shape, _ in event["outputs"]]
+        try:
+            outputs = replay.run(event["name"], event["arguments"], inputs, specs)
+        except replay.NotReplayable as exc:
+            return str(exc)
+        self.uncast.update((node, i) for i in range(len(outputs)))
+        return outputs
 
     def _failed_here(self, node: str, why: str) -> list[mx.array] | str:
         """A node that could not run again after all: ask for the eager outputs that let the
@@ -460,19 +518,21 @@ class GraphRun:
             for index, value in enumerate(values):
                 if self.readers.get((node, index), 0) > 0:
                     self.env[(node, index)] = value
-                self._record(node, index, len(values), value)
+                if self.record:
+                    self._record(node, index, len(values), value)
                 self.sizes_of[(node, index)] = value.size
             yield node, values
         self.env.clear()
 
-    def run(self, progress: bool | None = None) -> None:
-        """Run every node, evaluating in chunks."""
-        with _progress_bar(progress, self.graph.nx.number_of_nodes()) as advance:
-            for _ in self.steps():
-                if self.need_flush:
-                    self.flush()
-                advance()
-            self.flush()
+    def run(self, progress: Progress | None = None) -> None:
+        """Run every node, evaluating in chunks; ``progress`` counts the nodes."""
+        progress = progress or Progress()
+        progress.phase(f"values ({_main_dtype(self.arrays)})", self.graph.nx.number_of_nodes())
+        for _ in self.steps():
+            if self.need_flush:
+                self.flush()
+            progress.advance()
+        self.flush()
 
     def _output(self, array: str) -> list[mx.array] | str:
         """The array an output node returns (its producer's, read once)."""
@@ -484,6 +544,18 @@ class GraphRun:
         if self.readers[made] <= 0:
             del self.env[made]
         return [value]
+
+
+def _matmul_cast_in_blocks(x: mx.array, w: mx.array, dtype: mx.Dtype) -> mx.array:
+    """``x @ w.astype(dtype)``, a block of ``w``'s columns at a time: a large weight (a tied
+    embedding read as the output layer) is never cast whole: each block is evaluated at once,
+    since one evaluation of them all may make every block's cast before any product."""
+    step = max(1, _CAST_BLOCK // max(1, w.shape[-2]))
+    blocks = []
+    for j in range(0, w.shape[-1], step):
+        blocks.append(x @ w[..., j:j + step].astype(dtype))
+        mx.eval(blocks[-1])
+    return blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=-1)
 
 
 def run_order(graph: Graph) -> list[str]:
@@ -525,24 +597,10 @@ def _errors(outputs: Sequence[mx.array], reference: Sequence[mx.array], *, rtol:
     return mx.stack([mx.max(rows[:, 0]), mx.max(rows[:, 1]), mx.sum(rows[:, 2])])
 
 
-@contextlib.contextmanager
-def _progress_bar(enabled: bool | None, total: int) -> Iterator[Callable[[], None]]:
-    """A rich progress bar over the nodes on stderr: always with ``True``, never with ``False``,
-    and with ``None`` only on a terminal for graphs of over 2,000 nodes."""
-    if enabled is False or (enabled is None and total <= 2000):
-        yield lambda: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    console = Console(stderr=True)
-    if enabled is None and not console.is_terminal:
-        yield lambda: None
-        return
-    with Progress(TextColumn("values"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
-        task = bar.add_task("values", total=total)
-        yield lambda: bar.advance(task)
+def _main_dtype(arrays: Sequence[mx.array]) -> str:
+    """The floating dtype most elements of ``arrays`` are in ("no floats" when none is)."""
+    dtype = main_float_dtype(arrays)
+    return dtype_name(dtype) if dtype is not None else "no floats"
 
 
 # ----------------------------------------------------------------------------- root causes
@@ -626,8 +684,9 @@ class Inspector:
     node names, ``name:i`` for a node's i-th of several outputs); ``nodes``: which nodes to save
     (names, or ``(name, attrs) -> bool``; default: op and kernel nodes). ``check_kernels``: also
     run each kernel's reference on the exact inputs it received in the graph and record
-    ``reference_check = {"max_abs", "max_rel"}`` on its node. ``progress``: a progress bar on
-    stderr (``None``: on a terminal, for graphs of over 2,000 nodes). ``backend``: as
+    ``reference_check = {"max_abs", "max_rel"}`` on its node. ``progress``: a progress line on
+    stderr naming the phase (tracing, values in which dtype) and the nodes done (``None``: when
+    stderr is a terminal; see :mod:`graphkern.progress`). ``backend``: as
     ``gk.compile``'s.
 
     >>> import mlx.core as mx, os, tempfile
@@ -654,6 +713,11 @@ class Inspector:
 
     def run(self, traceable: Traceable, flat: Flat) -> Graph:
         """The values graph of one call already flattened (what compiled graphs use)."""
+        with progress_line(self.progress, "inspect") as progress:
+            return self._run(traceable, flat, progress)
+
+    def _run(self, traceable: Traceable, flat: Flat, progress: Progress) -> Graph:
+        progress.phase("tracing")
         graph, wiring, arrays = trace_for_values(traceable, flat, self.backend)
         writer = None
         if self.save is not None:
@@ -671,7 +735,7 @@ class Inspector:
         with (writer if writer is not None else contextlib.nullcontext()):
             check = self.tolerance if self.check_kernels else None
             GraphRun(graph, wiring, arrays, check_kernels=check, keep=_node_filter(self.nodes),
-                     writer=writer, anchors=anchors, more_anchors=anchors_for).run(self.progress)
+                     writer=writer, anchors=anchors, more_anchors=anchors_for).run(progress)
         finish_values(graph, anchored=sum(1 for n in anchored if "stats" in graph.nx.nodes[n]))
         return graph
 

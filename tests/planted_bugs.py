@@ -86,3 +86,25 @@ def swiglu_off_llama(dtype: mx.Dtype = mx.float32, patch_library: bool = True) -
 
 NAN_SCOPE = f"model.layers.{BAD_LAYER}.post_attention_layernorm"
 SWIGLU_SCOPE = f"model.layers.{BAD_LAYER}.mlp"
+
+
+#: A deep, narrow llama for half-precision comparisons: 32 layers of hidden 128.
+DEEP_CONFIG = {**TINY_CONFIGS["llama"], "num_hidden_layers": 32, "hidden_size": 128, "intermediate_size": 256,
+               "vocab_size": 256}
+DEEP_BAD_LAYER = 20
+
+
+def deep_llama(dtype: mx.Dtype = mx.bfloat16) -> nn.Module:
+    """The 32-layer llama (the same weights every time)."""
+    return random_model(DEEP_CONFIG, dtype)
+
+
+def deep_llama_scaled(dtype: mx.Dtype = mx.bfloat16, weight: str = "self_attn.o_proj") -> nn.Module:
+    """The 32-layer llama with layer 20's ``weight`` 1% too large (scaled in float32, then rounded
+    to ``dtype``): a real 1% error, below what bfloat16 rounding already makes of a patched model."""
+    model = deep_llama(dtype)
+    module = model.model.layers[DEEP_BAD_LAYER]
+    for part in weight.split("."):
+        module = getattr(module, part)
+    module.weight = (module.weight.astype(mx.float32) * 1.01).astype(dtype)
+    return model

@@ -103,3 +103,117 @@ def test_backends_and_kernels_checked_in_place() -> None:
 def test_keyword_arguments_reach_both_functions() -> None:
     c = gk.compare(lambda x, s: x * s, lambda x, s: x * s + 0, mx.ones((3,)), kwargs={"s": mx.array(2.0)})
     assert c.ok and any(r.op == "Multiply" for r in c.rows)
+
+
+# ----------------------------------------------------------------------------- parameters first
+
+
+def test_parameters_are_compared_by_name_before_any_node() -> None:
+    model = pb.llama()
+    c = gk.compare(model, model, pb.TOKENS)  # one model twice: every parameter is one array
+    assert c.parameters and all(p.same_array and p.ok and p.max_abs == 0.0 for p in c.parameters)
+    names = {p.name for p in c.parameters}
+    assert "model.layers.3.mlp.down_proj.weight" in names and "model.embed_tokens.weight" in names
+    assert f"parameters: {len(names)} by name, {len(names)} shared, 0 equal in value, 0 differ" in str(c)
+
+
+def test_a_changed_weight_is_named_and_its_views_are_judged_by_it() -> None:
+    changed = pb.llama()
+    layer = changed.model.layers[pb.BAD_LAYER]
+    layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * 1.01
+    c = gk.compare(pb.llama(), changed, pb.TOKENS)
+    assert [p.name for p in c.parameters_differing] == [f"model.layers.{pb.BAD_LAYER}.mlp.down_proj.weight"]
+    assert c.parameters_differing[0].max_rel == pytest.approx(0.01, rel=1e-3)
+    assert not c.parameters_differing[0].same_array and not c.ok
+    assert "1 differ (first: model.layers.3.mlp.down_proj.weight" in str(c)
+    # the weight's transpose holds its values: judged by the parameter, never diffed itself
+    views = [r for r in c.rows if r.note.startswith("as parameter ")]
+    assert views and all(r.op in ("Transpose", "Broadcast", "Reshape", "ExpandDims") for r in views)
+    bad = [r for r in views if r.ok is False]
+    assert [r.note for r in bad] == [f"as parameter model.layers.{pb.BAD_LAYER}.mlp.down_proj.weight"]
+    assert bad[0].scope == f"model.layers.{pb.BAD_LAYER}.mlp.down_proj" and c.first_divergence is bad[0]
+    # the product reading it is where the values part ways
+    product = next(r for r in c.rows if r.op == "Matmul" and r.scope == bad[0].scope)
+    assert product.ok is False and product.note == ""
+    assert all(r.ok for r in c.rows[: c.rows.index(bad[0])])
+
+
+# ----------------------------------------------------------------------------- half precision
+
+
+@pytest.fixture(scope="module")
+def deep_stock() -> object:
+    return pb.deep_llama()
+
+
+def test_a_patched_bfloat16_model_is_within_rounding_where_a_plain_tolerance_fails(deep_stock) -> None:
+    patched = pb.deep_llama()
+    gk.patch(patched)
+    c = gk.compare(deep_stock, patched, pb.TOKENS)  # bfloat16 both: judged against rounding
+    assert c.rounding == 2.0 and c.ok and c.first_divergence is None, str(c)
+    assert "no divergence" in str(c) and "(a32, b32: float32 runs)" in str(c)
+    assert len(c.rows) > 1500 and all(r.ok for r in c.rows)
+    judged = [r for r in c.rows if r.rounding is not None]
+    assert len(judged) > 1000 and max(r.rounding for r in judged) > 0  # bfloat16 does round
+    assert max(r.excess for r in judged) <= 1 / c.rounding + 1e-3  # |a - b| <= |a - a32| + |b - b32|
+    # without the float32 runs, the rounding of layer 0 already reads as a divergence
+    plain = gk.compare(deep_stock, patched, pb.TOKENS, rounding=False)
+    assert plain.rounding is None and plain.first_divergence.scope.startswith("model.layers.0.")
+
+
+def test_a_one_percent_error_in_layer_20_of_32_in_bfloat16_is_found_there(deep_stock) -> None:
+    weight = "self_attn.o_proj"
+    c = gk.compare(deep_stock, pb.deep_llama_scaled(weight=weight), pb.TOKENS)
+    layer = f"model.layers.{pb.DEEP_BAD_LAYER}."
+    assert [p.name for p in c.parameters_differing] == [f"{layer}{weight}.weight"]
+    first = c.first_divergence
+    assert first is not None and first.scope == f"{layer}{weight}", str(c)
+    assert all(r.ok for r in c.rows[: c.rows.index(first)])  # layers 0-19 within rounding
+    computed = next(r for r in c.rows if r.ok is False and not r.note)  # the first value computed
+    assert computed.scope.startswith(layer) and computed.excess > 2, str(c)
+    assert not c.ok and "beyond rounding and tolerance" in str(c)
+
+
+def test_rounding_is_the_default_only_in_half_precision() -> None:
+    c = gk.compare(pb.llama(), pb.llama(), pb.TOKENS)
+    assert c.rounding is None and all(r.rounding is None for r in c.rows)
+    half = gk.compare(pb.llama(mx.float16), pb.llama(mx.float16), pb.TOKENS)
+    assert half.rounding == 2.0 and half.ok
+    assert {r.dtype_a for r in half.rows if r.op == "Matmul"} == {"float16"}
+    mixed = gk.compare(pb.llama(), pb.llama(mx.float16), pb.TOKENS)  # float32 against float16
+    assert mixed.rounding is None and mixed.parameters_differing  # the weights were rounded
+
+
+def test_a_weight_read_in_float32_is_cast_a_block_at_a_time(monkeypatch) -> None:
+    from graphkern import values
+
+    model = tiny_model("qwen2", mx.bfloat16)  # tied embeddings: the output layer reads the embedding
+    whole = gk.compare(model, model, pb.TOKENS)
+    monkeypatch.setattr(values, "_CAST_BLOCK", 64)
+    blocks = gk.compare(model, model, pb.TOKENS)
+    assert whole.ok and blocks.ok
+    for a, b in zip(whole.rows, blocks.rows):
+        assert (a.a, a.rounding) == (b.a, b.rounding)
+    logits = next(r for r in blocks.rows if r.a == "output_0")
+    assert logits.rounding is not None and logits.rounding > 0
+
+
+def test_a_half_precision_overflow_in_one_side_is_always_beyond() -> None:
+    from graphkern.precision import beyond_rounding
+
+    a32 = mx.array([1.0, 6e4])
+    a = a32.astype(mx.float16)  # 6e4 fits float16
+    b = mx.array([1.0, float("inf")], dtype=mx.float16)  # b overflowed: its own "rounding" is inf
+    max_abs, _, beyond, rounding, excess = beyond_rounding(a, b, a32, a32, 1e-4, 1e-5).tolist()
+    assert beyond == 1 and max_abs == float("inf") and excess == float("inf")
+    assert rounding < 1e2  # the overflow is not counted as rounding
+
+
+def test_compare_reports_its_phases(capsys) -> None:
+    gk.compare(pb.llama(mx.bfloat16), pb.llama(mx.bfloat16), pb.TOKENS, progress=True)
+    err = capsys.readouterr().err  # not a terminal: one line a phase
+    phases = ("tracing a", "tracing b", "parameters", "tracing a in float32", "values (bfloat16 and float32)")
+    for phase in phases:
+        assert f"compare: {phase}" in err
+    gk.compare(pb.llama(), pb.llama(), pb.TOKENS, progress=False)
+    assert capsys.readouterr().err == ""

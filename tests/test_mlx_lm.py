@@ -7,6 +7,7 @@ import mlx.nn as nn
 import pytest
 
 from graphkern.models import MODEL_TOLERANCES, check_model, patch, patched_layers, unpatch, wrap
+from graphkern.models.model_checks import model_dtype
 from graphkern.models.tiny import TINY_CONFIGS, tiny_model
 
 TOKENS = mx.array([[3, 17, 42, 5, 99, 1, 7, 64], [8, 8, 120, 33, 2, 0, 71, 9]])
@@ -96,6 +97,18 @@ def test_check_model_reports_a_failing_run_and_restores_the_model():
     assert not any(c.passed for c in float16) and "GatherMM" in float16[0].error
     assert model.model.norm.weight is weight
     assert set(patched_layers(model).values()) == {"rope"}  # patched before, patched after
+
+
+def test_check_model_runs_the_dtype_of_the_weights_and_says_which(capsys):
+    model = tiny_model("llama", mx.bfloat16)
+    report = check_model(model, TOKENS, progress=True)  # not a terminal: a line a run
+    assert report.ok and {c.dtype for c in report.cases} == {"bfloat16"}
+    err = capsys.readouterr().err
+    assert "check_model: bfloat16: stock model" in err
+    assert "check_model: bfloat16: patched model, compiled" in err
+    quantized = tiny_model("llama", mx.float16)
+    nn.quantize(quantized, group_size=32, bits=4)  # uint32 weights, float16 scales
+    assert model_dtype(quantized) == mx.float16 and model_dtype(tiny_model("llama")) == mx.float32
 
 
 def test_quantized_model_patches_and_matches():

@@ -242,9 +242,13 @@ def test_inspect_keyword_arguments_go_to_the_function() -> None:
     assert g.node("output_0")["stats"]["max"] == 3.0
 
 
-def test_progress_bar_on_request(capsys) -> None:
-    gk.Inspector(progress=True)(lambda x: mx.exp(x), mx.ones((3,)))
+def test_progress_on_request_names_the_phase_and_dtype(capsys) -> None:
+    gk.Inspector(progress=True)(lambda x: mx.exp(x), mx.ones((3,), mx.bfloat16))
+    err = capsys.readouterr().err  # not a terminal: a line a phase
+    assert "inspect: tracing" in err and "inspect: values (bfloat16) (3 steps)" in err
     gk.Inspector(progress=False)(lambda x: mx.exp(x), mx.ones((3,)))  # and none when refused
+    gk.inspect(lambda x: mx.exp(x), mx.ones((3,)))  # nor by default, off a terminal
+    assert capsys.readouterr().err == ""
 
 
 def test_stats_in_json_are_checked_by_lint() -> None:
@@ -271,3 +275,17 @@ def test_an_op_that_fails_to_run_again_is_passed_through_an_eager_module_output(
     noisy_out = next(n for n in g.nodes() if "layers.1" in g.node(n).get("module_outputs", []))
     assert _close(g.node(noisy_out)["stats"], _eager_stats(model.layers[1](model.layers[0](x))))
     assert _close(g.node("output_0")["stats"], _eager_stats(model(x)))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.int32])
+def test_host_statistics_a_piece_at_a_time_equal_the_whole(monkeypatch, dtype) -> None:
+    x = mx.array([3.0, -1.0, 2.0, 8.0, 0.5, -6.0, 1.0, 4.0, 7.0, 2.5], dtype=dtype)
+    whole = values._host_stats(x)
+    monkeypatch.setattr(values, "_HOST_PIECE", 3)  # four pieces, the last short
+    assert values._host_stats(x) == pytest.approx(whole)
+    assert whole["min"] == -6.0 and whole["max"] == 8.0 and whole["absmax"] == 8.0
+    if dtype != mx.int32:  # a NaN in one piece, an Inf in another, a piece of NaNs alone
+        nan, inf = float("nan"), float("inf")
+        bad = mx.array([1.0, nan, 2.0, inf, 5.0, 0.0, nan, nan, nan, nan], dtype=dtype)
+        stats = values._host_stats(bad)
+        assert stats == {"min": 0.0, "max": 5.0, "mean": 2.0, "absmax": 5.0, "nan": 5, "inf": 1}

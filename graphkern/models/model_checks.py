@@ -10,10 +10,11 @@ it was: same dtype, same parameter arrays, same patched layers. ``graphkern.kern
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from graphkern.backends import active_backend
 from graphkern.errors import ModelError
@@ -23,9 +24,11 @@ from graphkern.models.patching import patch, patched_layers, unpatch
 from graphkern.models.prefill import kernels_only
 from graphkern.models.wrapping import wrap
 from graphkern.nodes import Status, dtype_name
+from graphkern.precision import main_float_dtype
+from graphkern.progress import Progress, progress_line
 from graphkern.tolerance import MODEL_TOLERANCES, worst_errors
 
-__all__ = ["MODEL_TOLERANCES", "check_model"]
+__all__ = ["MODEL_TOLERANCES", "check_model", "model_dtype"]
 
 _CHECK = "check a patched model against the stock model"
 
@@ -59,15 +62,27 @@ def _call(fn: Any, inputs: Any) -> list[mx.array]:
     return outputs
 
 
+def model_dtype(model: nn.Module) -> mx.Dtype:
+    """The floating dtype most of ``model``'s parameters are in (a quantized model: its scales'),
+    the dtype it computes in; float32 for a model without floating parameters."""
+    leaves = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    return main_float_dtype(array for _, array in leaves) or mx.float32
+
+
 def check_model(model: nn.Module, inputs: Any = None, *, kernels: str | Sequence[str] = "all",
                 dtypes: Sequence[mx.Dtype] | None = None, seed: int = 0, compiled: bool = True,
-                tolerances: dict[mx.Dtype, tuple[float, float]] | None = None) -> CheckReport:
+                tolerances: dict[mx.Dtype, tuple[float, float]] | None = None,
+                progress: bool | None = None) -> CheckReport:
     """Compare ``model`` patched with ``kernels`` against the stock model, for each dtype.
 
     ``inputs``: the model's input (an array, or a list of positional arguments); by default random
     tokens of shape (2, 16) when the model has a token embedding. Float inputs are cast to each
-    dtype. ``compiled`` adds a case running the patched model through ``wrap``. A dtype where no
-    layer gets patched, or where a run fails, is a failed case with the reason.
+    dtype. ``dtypes``: by default the one dtype the model's weights are in (:func:`model_dtype`: a
+    quantized model's scales'); others by name (each is a full forward, stock and patched; MLX's
+    float16/bfloat16 forward of a quantized model is slow on the CPU). ``compiled`` adds a case
+    running the patched model through ``wrap``. A dtype where no layer gets patched, or where a
+    run fails, is a failed case with the reason. ``progress``: a line on stderr naming the dtype
+    and run in progress (None: when stderr is a terminal).
 
     >>> import mlx.core as mx, mlx.nn as nn
     >>> model = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8), nn.GELU())
@@ -76,7 +91,7 @@ def check_model(model: nn.Module, inputs: Any = None, *, kernels: str | Sequence
     (True, ['eager', 'compiled'])
     """
     tolerances = {**MODEL_TOLERANCES, **(tolerances or {})}
-    dtypes = list(dtypes) if dtypes is not None else list(FLOAT_DTYPES)
+    dtypes = list(dtypes) if dtypes is not None else [model_dtype(model)]
     unknown = [dtype_name(d) for d in dtypes if d not in tolerances]
     if unknown:
         raise ModelError(_CHECK, f"no tolerance for {unknown}; pass tolerances=", Status.INVALID_INPUT)
@@ -84,6 +99,13 @@ def check_model(model: nn.Module, inputs: Any = None, *, kernels: str | Sequence
     shape = tuple(inputs.shape) if isinstance(inputs, mx.array) else tuple(inputs[0].shape)
     name = f"{type(model).__module__.rsplit('.', 1)[-1]}.{type(model).__name__}"
 
+    with progress_line(progress, "check_model") as line:
+        return _check(model, inputs, kernels, dtypes, compiled, tolerances, name, shape, line)
+
+
+def _check(model: nn.Module, inputs: Any, kernels: str | Sequence[str], dtypes: list[mx.Dtype],
+           compiled: bool, tolerances: dict[mx.Dtype, tuple[float, float]], name: str, shape: tuple[int, ...],
+           line: Progress) -> CheckReport:
     already = sorted(set(patched_layers(model).values()))
     unpatch(model)
     saved = model.parameters()
@@ -95,11 +117,13 @@ def check_model(model: nn.Module, inputs: Any = None, *, kernels: str | Sequence
             x = _cast(inputs, dtype)
             modes = ["eager", "compiled"] if compiled else ["eager"]
             try:
+                line.phase(f"{dtype_name(dtype)}: stock model")
                 stock = _call(model, x)
                 if not patch(model, kernels):
                     raise ModelError(_CHECK, f"no layer of {name} matches the kernels {kernels!r}",
                                       Status.INVALID_INPUT)
                 for mode in modes:
+                    line.phase(f"{dtype_name(dtype)}: patched model, {mode}")
                     with kernels_only():  # the kernels at every length, where a model may run stock layers
                         out = _call(model if mode == "eager" else wrap(model), x)
                     max_abs, max_rel, passed = worst_errors(out, stock, rtol=rtol, atol=atol)
