@@ -23,6 +23,7 @@ from . import backends, mlx_kernels
 from .autodiff import without_vjp
 from .context import recording
 from .graph import Failure, Graph, GraphError
+from .launch_cache import LaunchCache, track
 from .nodes import Kernel, KernelError, Status
 from .state import Flat, flatten_outputs, unflatten_outputs
 from .trace import Traceable
@@ -282,7 +283,8 @@ class CompiledGraph:
 
         self._sync = rank_sync([m for _, m in self._state.modules.values()], group, timeout)
         self._watched = self._sync is not None and self._sync.job is not None
-        self._graphs: dict[Any, tuple[Graph, Any]] = {}
+        # signature -> (graph, output spec); least recently used first (``forget_oldest_trace``)
+        self._graphs = LaunchCache("compiled graph traces", None, group=None)
         self._slots: dict[Any, _KernelSlots] = {}
         self._last: Graph | None = None
         self._call_state = _CallState()
@@ -294,6 +296,7 @@ class CompiledGraph:
         # signatures each mx.compile'd function has run; the one a steady call may take (__call__)
         self._served: dict[Any, set[Any]] = {}
         self._steady: _Prepared | None = None
+        track(self, "compiled graphs")  # gk.cache_stats() counts its traces, gk.clear_caches() clears it
 
     def _run_flat(self, *arrays: mx.array) -> list[mx.array]:
         call = self._call_state
@@ -350,7 +353,7 @@ class CompiledGraph:
         if entry is None:
             used: list[Kernel] = []
             entry = self._traceable.trace(flat, self.backend, used)
-            self._graphs[key] = entry
+            self._graphs.put(key, entry)
             self._slots[key] = _KernelSlots.find(self.fn, used)
         self._last = entry[0]
         return entry
@@ -528,6 +531,10 @@ class CompiledGraph:
         if self._sync is not None:
             self._sync.clear()
 
+    def stats(self) -> dict[str, int]:
+        """Signatures found traced (hits), traced anew (misses), traces kept (size)."""
+        return self._graphs.stats()
+
     def traces(self) -> Iterator[Graph]:
         return (g for g, _ in self._graphs.values())
 
@@ -536,12 +543,12 @@ class CompiledGraph:
         return len(self._graphs)
 
     def forget_oldest_trace(self) -> None:
-        """Drop the trace kept longest, and the ``mx.compile``'d functions (MLX keeps a trace per
+        """Drop the trace used least recently, and the ``mx.compile``'d functions (MLX keeps a trace per
         signature inside each: they go with it, and the traces kept are compiled again when next
         called)."""
         if not self._graphs:
             return
-        key = next(iter(self._graphs))
+        key = self._graphs.oldest()
         graph, _ = self._graphs.pop(key)
         self._slots.pop(key, None)
         self._forget_compiled()
