@@ -105,6 +105,9 @@ class LaunchCache:
     def values(self) -> list[Any]:
         return list(self._data.values())
 
+    def items(self) -> list[tuple[Any, Any]]:
+        return list(self._data.items())
+
     def __contains__(self, key: Any) -> bool:
         return key in self._data
 

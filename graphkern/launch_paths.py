@@ -23,7 +23,7 @@ from .nodes import KernelError, Status
 from .validation import Launch
 
 __all__ = ["differentiable_launch", "eager_form", "replayed", "run_eager", "run_launch", "run_native",
-           "run_reference"]
+           "run_reference", "thread_forms"]
 
 
 def run_reference(launch: Launch, inputs: list[Any]) -> list[mx.array]:
@@ -162,6 +162,13 @@ def differentiable_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
         fn = mx.compile(fn) if native else fn
         forms.put(key, fn)
     return fn(*arrays)  # type: ignore[no-any-return]
+
+
+def thread_forms(launch: Launch) -> list[Callable[..., list[mx.array]]]:
+    """This thread's compiled custom-function forms of ``launch``: one for all-array inputs, one
+    per set of scalar input values (see ``differentiable_launch``)."""
+    return [form for key, form in state.forms.items()
+            if key is launch or (key.__class__ is tuple and key[0] is launch)]
 
 
 def run_native(launch: Launch, inputs: list[Any]) -> list[mx.array]:
