@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import operator
 import threading
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,7 @@ from .context import recording
 from .graph import Failure, Graph, GraphError
 from .launch_cache import LaunchCache, track
 from .nodes import Kernel, KernelError, Status
-from .state import Flat, flatten_outputs, unflatten_outputs
+from .state import Flat, flatten_outputs, reach, unflatten_outputs
 from .trace import Traceable
 from .validation import Launch
 
@@ -44,11 +43,11 @@ class _KernelSlots:
 
     ``mx.compile`` bakes each kernel (on the CPU: its reference) into the compiled function, so
     a call that would now find another kernel object there (a registry entry replaced, a
-    module's kernel attribute swapped) must trace again. The places searched: ``fn``'s closure
-    cells and the globals its code names (with the attributes it names of imported modules), the
-    module tree of ``fn`` (items and attributes), the globals named by each module class's
-    ``__call__``, and the dicts, lists and tuples inside all of these. A kernel built inside
-    ``fn`` sits in none of them and needs no watching.
+    module's kernel attribute swapped) must trace again. The places searched: what ``fn``'s code
+    reaches by name (``state.reach``: closure cells, globals, attributes of imported modules and
+    of the object a method is bound to), the module tree of ``fn`` (items and attributes), what
+    each module class's ``__call__`` reaches, and the dicts, lists and tuples inside all of these.
+    A kernel built inside ``fn`` sits in none of them and needs no watching.
 
     >>> _KernelSlots([]).changed()
     False
@@ -103,26 +102,12 @@ class _KernelSlots:
                 visit_function(call)
 
         def visit_function(func: Any) -> None:
-            func = getattr(func, "__func__", func)
-            code = getattr(func, "__code__", None)
-            if code is None or id(func) in seen:
+            reached = reach(func)
+            if getattr(reached.function, "__code__", None) is None or id(reached.function) in seen:
                 return
-            seen.add(id(func))
-            for cell in func.__closure__ or ():
-                try:
-                    value = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
-                visit(value, cell, (("cell_contents", True),), 1)
-            names = set(code.co_names)
-            for name in names & set(func.__globals__):
-                value = func.__globals__[name]
-                path: _Path = ((name, False),)
-                if isinstance(value, types.ModuleType):  # an imported module: the attributes fn names
-                    for attr in names & set(vars(value)):
-                        visit(getattr(value, attr), func.__globals__, (*path, (attr, True)), 2)
-                else:
-                    visit(value, func.__globals__, path, 1)
+            seen.add(id(reached.function))
+            for item in reached.found:
+                visit(item.value, item.holder, ((item.key, item.attribute),), 1)
 
         root = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
         if isinstance(root, nn.Module):
