@@ -5,7 +5,8 @@ chosen for the thread, whether launches carry a custom vjp, how patched layers r
 the thread's compiled launch forms. Every launch reads this state, so it lives in one
 ``threading.local`` whose class defaults make a read cheap. A trace runs its capture on a thread
 of its own (a deep stack: see ``trace``): :func:`snapshot` and :func:`adopted` carry the
-settings there and back as one piece.
+settings there and back as one piece. (What one object keeps per thread stays with that object:
+a compiled graph's call in progress, ``compiled._CallState``, goes with its graph.)
 """
 
 from __future__ import annotations
