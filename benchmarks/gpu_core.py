@@ -21,7 +21,6 @@ import argparse
 import json
 import platform
 import sys
-import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -229,7 +228,7 @@ def bench_eager(rounds: int, number_lazy: int, number_eval: int) -> list[dict[st
                                                template)
             replayed = mx.compile(bare_call)  # the bare call replayed, as a plain launch now is
             # the compiled custom function gk.apply calls for a known launch (on this thread)
-            form = launch.differentiable_forms[(threading.get_ident(), ())]
+            [form] = launch_paths.thread_forms(launch)
             layers = {"bare": bare,
                       "bare, replayed by mx.compile": lambda: replayed(x, y),
                       "plain launch (_run_native)": lambda: launch_paths.run_native(launch, checked),
@@ -240,7 +239,7 @@ def bench_eager(rounds: int, number_lazy: int, number_eval: int) -> list[dict[st
             for name, v in t.items():
                 print(f"eager layers, lazy: {name:>30}: {v['median'] * 1e6:7.2f} us", flush=True)
             rows.append({"mode": "layers", **{k: v["median"] * 1e6 for k, v in t.items()}})
-        except (AttributeError, KeyError) as exc:  # the runtime was reorganised: skip the diagnosis
+        except (AttributeError, KeyError, ValueError) as exc:  # the runtime changed: skip the diagnosis
             print(f"eager layers: skipped ({exc})")
     for label, number, wrap in (("lazy (no eval)", number_lazy, lambda f: f),
                                 ("with mx.eval", number_eval, lambda f: (lambda: mx.eval(f())))):

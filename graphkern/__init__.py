@@ -13,6 +13,7 @@ from .bound import BoundLaunch, bind
 from .compiled import CompiledGraph, compile
 from .errors import BackendError, DrawingError, GraphFormatError, GraphkernError, ModelError, PatchWarning
 from .graph import Failure, Graph, GraphError
+from .launch_cache import cache_stats, clear_caches
 from .mlx_kernels import kernel_cache
 from .nodes import Kernel, KernelError, KernelResult, NodeKind, OutputSpec, Status, TemplateArg
 from .runtime import apply, apply_in_graph, launch
@@ -67,8 +68,10 @@ __all__ = [
     "apply",
     "apply_in_graph",
     "bind",
+    "cache_stats",
     "check",
     "check_model",
+    "clear_caches",
     "compare",
     "diff",
     "inspect",

@@ -7,17 +7,17 @@ for every GPU launch (see ``launch_paths.differentiable_launch``); graphkern's i
 because ``mx.export_function`` cannot export a custom function with a vjp. To export a function with
 GPU kernels yourself, launch them inside ``without_vjp()``.
 
-This module imports only ``graphkern.nodes``.
+This module imports only ``graphkern.nodes`` and the thread's state (``graphkern.context``).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
 
+from .context import state
 from .nodes import KernelError, Status
 
 __all__ = ["differentiable", "vjp_enabled", "with_vjp", "without_vjp"]
@@ -27,13 +27,6 @@ Forward = Callable[[list[Any]], list[mx.array]]
 Backward = Callable[[list[Any], list[mx.array], list[mx.array]], Sequence[Any]]
 
 _VJP = "differentiate a graphkern kernel"
-
-
-class _Switch(threading.local):
-    depth = 0
-
-
-_switch = _Switch()
 
 
 class without_vjp:  # noqa: N801 - used like a function, as contextlib's context managers are
@@ -49,15 +42,15 @@ class without_vjp:  # noqa: N801 - used like a function, as contextlib's context
     """
 
     def __enter__(self) -> None:
-        _switch.depth += 1
+        state.vjp_off += 1
 
     def __exit__(self, *exc: object) -> None:
-        _switch.depth -= 1
+        state.vjp_off -= 1
 
 
 def vjp_enabled() -> bool:
     """False inside ``without_vjp()``."""
-    return _switch.depth == 0
+    return state.vjp_off == 0
 
 
 def _merge(inputs: Sequence[Any], positions: list[int], arrays: Sequence[mx.array]) -> list[Any]:

@@ -23,7 +23,6 @@ from .nodes import Kernel, Status
 __all__ = [
     "BACKENDS",
     "active_backend",
-    "backend_override",
     "backend_setting",
     "generated_name",
     "mlx_kernel_name",
@@ -48,11 +47,6 @@ def backend_setting() -> Any:
     """This thread's backend choice as launch caches key it: the ``using_backend`` override, else
     ``GRAPHKERN_BACKEND`` as the environment holds it (bytes on POSIX), or None."""
     return state.backend or environ_get(BACKEND_VARIABLE)
-
-
-def backend_override() -> str | None:
-    """This thread's ``using_backend`` override, if any (a trace hands it to its own thread)."""
-    return state.backend
 
 
 def _backend_variable() -> str | None:

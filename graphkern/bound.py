@@ -42,16 +42,13 @@ class BoundLaunch:
         self._arity = len(kernel.input_names)
 
     def __call__(self, *inputs: Any) -> list[mx.array]:
-        if (len(inputs) == self._arity and context.current_recorder() is None
+        if (len(inputs) == self._arity and context.state.recorder is None
                 and (self.backend or backends.backend_setting()) == self._setting):
             for value in inputs:
                 if value.__class__ is not mx.array:
                     break
             else:  # all arrays, outside traces, on the backend it was bound for
-                replay = launch_paths.eager_form(self.launch)
-                if replay is not None:
-                    return replay(*inputs)
-                return launch_paths.run_launch(self.launch, list(inputs))  # builds the form
+                return launch_paths.run_eager(self.launch, inputs)
         return self._general(list(inputs))
 
     def _general(self, inputs: list[Any]) -> list[mx.array]:

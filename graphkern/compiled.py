@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import operator
 import threading
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +22,9 @@ from . import backends, mlx_kernels
 from .autodiff import without_vjp
 from .context import recording
 from .graph import Failure, Graph, GraphError
+from .launch_cache import LaunchCache, track
 from .nodes import Kernel, KernelError, Status
-from .state import Flat, flatten_outputs, unflatten_outputs
+from .state import Flat, flatten_outputs, reach, unflatten_outputs
 from .trace import Traceable
 from .validation import Launch
 
@@ -43,11 +43,11 @@ class _KernelSlots:
 
     ``mx.compile`` bakes each kernel (on the CPU: its reference) into the compiled function, so
     a call that would now find another kernel object there (a registry entry replaced, a
-    module's kernel attribute swapped) must trace again. The places searched: ``fn``'s closure
-    cells and the globals its code names (with the attributes it names of imported modules), the
-    module tree of ``fn`` (items and attributes), the globals named by each module class's
-    ``__call__``, and the dicts, lists and tuples inside all of these. A kernel built inside
-    ``fn`` sits in none of them and needs no watching.
+    module's kernel attribute swapped) must trace again. The places searched: what ``fn``'s code
+    reaches by name (``state.reach``: closure cells, globals, attributes of imported modules and
+    of the object a method is bound to), the module tree of ``fn`` (items and attributes), what
+    each module class's ``__call__`` reaches, and the dicts, lists and tuples inside all of these.
+    A kernel built inside ``fn`` sits in none of them and needs no watching.
 
     >>> _KernelSlots([]).changed()
     False
@@ -102,26 +102,12 @@ class _KernelSlots:
                 visit_function(call)
 
         def visit_function(func: Any) -> None:
-            func = getattr(func, "__func__", func)
-            code = getattr(func, "__code__", None)
-            if code is None or id(func) in seen:
+            reached = reach(func)
+            if getattr(reached.function, "__code__", None) is None or id(reached.function) in seen:
                 return
-            seen.add(id(func))
-            for cell in func.__closure__ or ():
-                try:
-                    value = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
-                visit(value, cell, (("cell_contents", True),), 1)
-            names = set(code.co_names)
-            for name in names & set(func.__globals__):
-                value = func.__globals__[name]
-                path: _Path = ((name, False),)
-                if isinstance(value, types.ModuleType):  # an imported module: the attributes fn names
-                    for attr in names & set(vars(value)):
-                        visit(getattr(value, attr), func.__globals__, (*path, (attr, True)), 2)
-                else:
-                    visit(value, func.__globals__, path, 1)
+            seen.add(id(reached.function))
+            for item in reached.found:
+                visit(item.value, item.holder, ((item.key, item.attribute),), 1)
 
         root = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
         if isinstance(root, nn.Module):
@@ -282,7 +268,8 @@ class CompiledGraph:
 
         self._sync = rank_sync([m for _, m in self._state.modules.values()], group, timeout)
         self._watched = self._sync is not None and self._sync.job is not None
-        self._graphs: dict[Any, tuple[Graph, Any]] = {}
+        # signature -> (graph, output spec); least recently used first (``forget_oldest_trace``)
+        self._graphs = LaunchCache("compiled graph traces", None, group=None)
         self._slots: dict[Any, _KernelSlots] = {}
         self._last: Graph | None = None
         self._call_state = _CallState()
@@ -294,6 +281,7 @@ class CompiledGraph:
         # signatures each mx.compile'd function has run; the one a steady call may take (__call__)
         self._served: dict[Any, set[Any]] = {}
         self._steady: _Prepared | None = None
+        track(self, "compiled graphs")  # gk.cache_stats() counts its traces, gk.clear_caches() clears it
 
     def _run_flat(self, *arrays: mx.array) -> list[mx.array]:
         call = self._call_state
@@ -350,7 +338,7 @@ class CompiledGraph:
         if entry is None:
             used: list[Kernel] = []
             entry = self._traceable.trace(flat, self.backend, used)
-            self._graphs[key] = entry
+            self._graphs.put(key, entry)
             self._slots[key] = _KernelSlots.find(self.fn, used)
         self._last = entry[0]
         return entry
@@ -528,6 +516,10 @@ class CompiledGraph:
         if self._sync is not None:
             self._sync.clear()
 
+    def stats(self) -> dict[str, int]:
+        """Signatures found traced (hits), traced anew (misses), traces kept (size)."""
+        return self._graphs.stats()
+
     def traces(self) -> Iterator[Graph]:
         return (g for g, _ in self._graphs.values())
 
@@ -536,12 +528,12 @@ class CompiledGraph:
         return len(self._graphs)
 
     def forget_oldest_trace(self) -> None:
-        """Drop the trace kept longest, and the ``mx.compile``'d functions (MLX keeps a trace per
+        """Drop the trace used least recently, and the ``mx.compile``'d functions (MLX keeps a trace per
         signature inside each: they go with it, and the traces kept are compiled again when next
         called)."""
         if not self._graphs:
             return
-        key = next(iter(self._graphs))
+        key = self._graphs.oldest()
         graph, _ = self._graphs.pop(key)
         self._slots.pop(key, None)
         self._forget_compiled()

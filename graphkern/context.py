@@ -1,8 +1,12 @@
-"""What a thread's launches depend on beyond their arguments: the trace recording them, the
-backend chosen for the thread, and the key of its compiled launch forms.
+"""A thread's state: everything graphkern keeps per thread, in one place.
 
-Every launch reads this state, so it lives in one ``threading.local`` whose class defaults make a
-read cheap.
+What a thread's launches depend on beyond their arguments (the trace recording them, the backend
+chosen for the thread, whether launches carry a custom vjp, how patched layers run a prompt) and
+the thread's compiled launch forms. Every launch reads this state, so it lives in one
+``threading.local`` whose class defaults make a read cheap. A trace runs its capture on a thread
+of its own (a deep stack: see ``trace``): :func:`snapshot` and :func:`adopted` carry the
+settings there and back as one piece. (What one object keeps per thread stays with that object:
+a compiled graph's call in progress, ``compiled._CallState``, goes with its graph.)
 """
 
 from __future__ import annotations
@@ -10,26 +14,83 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from threading import get_ident
 from typing import Any, Protocol
 
 import mlx.core as mx
 
-__all__ = ["Recorder", "current_recorder", "inside_inspection_trace", "recording", "state"]
+from .launch_cache import LaunchCache
+
+__all__ = ["Recorder", "Settings", "adopted", "current_recorder", "inside_inspection_trace",
+           "recording", "snapshot", "state"]
+
+#: The most compiled launch forms a thread keeps (each holds an ``mx.compile``d function).
+THREAD_FORMS = 1024
 
 
 class _ThreadState(threading.local):
-    """This thread's trace recorder and backend override, and the key of its launches' compiled
-    forms for all-array inputs (see ``launch_paths.differentiable_launch``)."""
+    """This thread's settings (class defaults until set) and its compiled launch forms."""
 
+    #: the trace recording this thread's launches (``recording``)
     recorder: Any = None
+    #: the ``using_backend`` override
     backend: str | None = None
+    #: ``without_vjp`` nesting depth: launches carry a custom vjp at 0
+    vjp_off: int = 0
+    #: patched layers run the layers they replaced (``models.prefill.stock_layers``)
+    stock_layers: bool = False
+    #: patched decoder stacks run their kernels at every prompt length (``kernels_only``)
+    kernels_only: bool = False
+    #: this thread is a trace's deep-stack thread (not a setting: never carried)
+    deep_stack: bool = False
 
     def __init__(self) -> None:  # runs once in each thread that reads the state
-        self.array_forms_key = (get_ident(), ())
+        # the thread's compiled forms: MLX keeps one compile cache a thread, so a compiled
+        # function must stay on the thread that first called it (see
+        # ``launch_paths.differentiable_launch``). They live and die with the thread; a new
+        # thread never sees a dead one's, whatever id it is given.
+        self.forms = LaunchCache("thread launch forms", THREAD_FORMS)
+        #: this thread as a key of per-thread entries kept elsewhere (a layer's compiled
+        #: segments): alive while an entry holds it, so never handed to another thread, as a
+        #: thread id is once its thread ends
+        self.token = object()
+        self.plain_forms = LaunchCache("thread plain launch forms", THREAD_FORMS)
 
 
 state = _ThreadState()
+
+#: The settings a snapshot carries (what a launch or a patched layer reads).
+_SETTINGS = ("recorder", "backend", "vjp_off", "stock_layers", "kernels_only")
+Settings = tuple[Any, ...]
+
+
+def snapshot() -> Settings:
+    """This thread's settings, to carry to another thread with :func:`adopted`.
+
+    >>> from graphkern.backends import using_backend
+    >>> with using_backend("reference"):
+    ...     settings = snapshot()
+    >>> import threading; seen = []
+    >>> def work():
+    ...     with adopted(settings):
+    ...         seen.append(state.backend)
+    >>> t = threading.Thread(target=work); t.start(); t.join(); seen
+    ['reference']
+    """
+    return tuple(getattr(state, name) for name in _SETTINGS)
+
+
+@contextlib.contextmanager
+def adopted(settings: Settings) -> Iterator[None]:
+    """This thread runs with ``settings`` (a :func:`snapshot`) for the duration, then gets its
+    own back."""
+    previous = snapshot()
+    for name, value in zip(_SETTINGS, settings):
+        setattr(state, name, value)
+    try:
+        yield
+    finally:
+        for name, value in zip(_SETTINGS, previous):
+            setattr(state, name, value)
 
 
 class Recorder(Protocol):

@@ -3,14 +3,14 @@
 A GPU launch runs inside ``mx.custom_function`` so ``mx.grad`` works through it (MLX's
 ``CustomKernel`` has no vjp), compiled with ``mx.compile`` so an eager call replays the recorded
 primitives instead of building them again in Python. Inside inspection traces and
-``without_vjp()`` it runs plain.
+``without_vjp()`` it runs plain. :func:`run_eager` is the eager shortcut every launch API takes
+(``apply``, a bound launch, a library layer): all inputs arrays, no trace recording.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from threading import get_ident
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -22,7 +22,8 @@ from .mlx_kernels import status_of_mlx_error
 from .nodes import KernelError, Status
 from .validation import Launch
 
-__all__ = ["differentiable_launch", "eager_form", "replayed", "run_launch", "run_native", "run_reference"]
+__all__ = ["differentiable_launch", "eager_form", "replayed", "run_eager", "run_launch", "run_native",
+           "run_reference", "thread_forms"]
 
 
 def run_reference(launch: Launch, inputs: list[Any]) -> list[mx.array]:
@@ -80,9 +81,29 @@ def eager_form(launch: Launch) -> Callable[..., list[mx.array]] | None:
     """What an eager call of all-array inputs on this thread replays, outside traces: the
     compiled custom function (``differentiable_launch``) or, inside ``without_vjp``, the
     compiled plain launch (``replayed``); None until the first call built it."""
-    if vjp_enabled():
-        return launch.differentiable_forms.get(state.array_forms_key)
+    if state.vjp_off == 0:
+        return state.forms.get(launch)  # type: ignore[no-any-return]
     return replayed(launch)
+
+
+def run_eager(launch: Launch, inputs: Sequence[mx.array]) -> list[mx.array]:
+    """The eager shortcut: ``launch`` on ``inputs``, all ``mx.array``s, with no trace recording
+    on this thread (the caller checked both). Replays the thread's compiled form of the launch,
+    built by the first such call.
+
+    >>> from graphkern import Kernel, OutputSpec
+    >>> from graphkern.validation import validated_launch
+    >>> k = Kernel("twice", ["x"], ["out"], reference=lambda x: [x * 2])
+    >>> launch = validated_launch(k, [OutputSpec((2,), mx.float32)], (2, 1, 1), (2, 1, 1))
+    >>> run_eager(launch, [mx.ones((2,))])[0]
+    array([2, 2], dtype=float32)
+    """
+    if launch.backend == "reference" and launch.kernel.vjp is None:  # nothing compiled to replay
+        return run_reference(launch, inputs)  # type: ignore[arg-type]
+    form = eager_form(launch)
+    if form is not None:
+        return form(*inputs)
+    return run_launch(launch, list(inputs))
 
 
 def replayed(launch: Launch) -> Callable[..., list[mx.array]] | None:
@@ -92,13 +113,15 @@ def replayed(launch: Launch) -> Callable[..., list[mx.array]] | None:
     than MLX's own kernel call (that builds the kernel's source text anew each time)."""
     if launch.backend == "reference":
         return None
-    fn = launch.plain_forms.get(get_ident())
+    forms = state.plain_forms
+    fn = forms.get(launch)
     if fn is None:
         def plain(*arrays: mx.array) -> list[mx.array]:
             return run_native(launch, list(arrays))
 
-        launch.plain_forms[get_ident()] = fn = mx.compile(plain)
-    return fn
+        fn = mx.compile(plain)
+        forms.put(launch, fn)
+    return fn  # type: ignore[no-any-return]
 
 
 def differentiable_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
@@ -113,10 +136,12 @@ def differentiable_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
     function again in Python (most of an eager launch's cost); under a transformation
     (``mx.grad``, ``mx.compile``, ``mx.vmap``, an export) the inputs are tracers, and MLX calls the
     custom function itself, as it would without ``mx.compile``. The reference backend is left
-    uncompiled, since ``mx.compile`` may fuse its ops. Each thread gets its own form: MLX keeps a
-    compile cache per thread, and a compiled function erases its entries only from the cache of
-    the thread that called it last, so one shared across threads would leave stale entries that
-    a later function at the same address could be handed (ml-explore/mlx#3940, #4248).
+    uncompiled, since ``mx.compile`` may fuse its ops. Each thread gets its own form, kept in its
+    state (``context.state.forms``, keyed by the launch, and the scalar inputs when there are
+    any): MLX keeps a compile cache per thread, and a compiled function erases its entries only
+    from the cache of the thread that called it last, so one shared across threads would leave
+    stale entries that a later function at the same address could be handed
+    (ml-explore/mlx#3940, #4248).
     """
     native = launch.backend != "reference"
     forward = run_native if native else run_reference
@@ -127,14 +152,23 @@ def differentiable_launch(launch: Launch, inputs: list[Any]) -> list[mx.array]:
     arrays = [v for v in inputs if v.__class__ is mx.array]
     scalars = () if len(arrays) == len(inputs) else tuple(
         (i, v.__class__, v) for i, v in enumerate(inputs) if v.__class__ is not mx.array)
-    key = state.array_forms_key if not scalars else (get_ident(), scalars)
-    fn = launch.differentiable_forms.get(key)
+    key = launch if not scalars else (launch, scalars)
+    forms = state.forms
+    fn = forms.get(key)
     if fn is None:  # built on first use: a custom function is costly to build
         reference = functools.partial(run_reference, launch) if kernel.reference is not None else None
         fn = differentiable(functools.partial(forward, launch), inputs, reference=reference,
                             vjp=kernel.vjp, name=f"kernel {kernel.name!r}")
-        launch.differentiable_forms[key] = fn = mx.compile(fn) if native else fn
-    return fn(*arrays)
+        fn = mx.compile(fn) if native else fn
+        forms.put(key, fn)
+    return fn(*arrays)  # type: ignore[no-any-return]
+
+
+def thread_forms(launch: Launch) -> list[Callable[..., list[mx.array]]]:
+    """This thread's compiled custom-function forms of ``launch``: one for all-array inputs, one
+    per set of scalar input values (see ``differentiable_launch``)."""
+    return [form for key, form in state.forms.items()
+            if key is launch or (key.__class__ is tuple and key[0] is launch)]
 
 
 def run_native(launch: Launch, inputs: list[Any]) -> list[mx.array]:

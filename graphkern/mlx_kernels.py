@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from .backends import mlx_kernel_name
 from .context import inside_inspection_trace
+from .launch_cache import track
 from .nodes import Kernel, KernelError, Status
 from .source_text import for_backend
 
@@ -25,20 +26,23 @@ __all__ = ["KernelCache", "build_mlx_kernel", "kernel_cache", "status_of_mlx_err
 class KernelCache:
     """A thread-safe cache of MLX kernel objects, one per (backend, name, source, header, options).
 
-    The role of ``get_jit_module`` in MLX's CUDA backend: build once, count hits and misses.
+    The role of ``get_jit_module`` in MLX's CUDA backend: build once, count hits and misses. It
+    holds what MLX compiled for the program's life (never evicted), and takes part in
+    ``gk.cache_stats()`` and ``gk.clear_caches()`` under ``group`` (the library's own cache is
+    ``"mlx kernels"``).
 
     >>> cache = KernelCache()
     >>> cache.stats()
     {'hits': 0, 'misses': 0, 'size': 0}
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
+    def __init__(self, group: str | None = None) -> None:
+        self._lock = threading.Lock()  # held while building: each object is built once
         self._objects: dict[tuple[Any, ...], Any] = {}
         self._by_kernel: dict[tuple[str, Kernel], Any] = {}  # the same, by Kernel identity
-        self._thread = threading.local()  # this thread's hit count: no lock on the hit path
-        self._hit_counts: list[list[int]] = []  # every thread's, summed by stats()
-        self.misses = 0
+        self.hits = self.misses = 0
+        if group is not None:
+            track(self, group)
 
     @staticmethod
     def key(backend: str, kernel: Kernel) -> tuple[Any, ...]:
@@ -51,7 +55,8 @@ class KernelCache:
         """The MLX kernel object for ``kernel`` on ``backend``, built on first use.
 
         Looked up by the Kernel object first (a dict probe, without the lock), by content on its
-        first sight."""
+        first sight. A hit is counted without the lock: one attribute increment, which no thread
+        switch splits (see ``LaunchCache``)."""
         found = self._by_kernel.get((backend, kernel))
         if found is None:
             key = self.key(backend, kernel)
@@ -63,29 +68,20 @@ class KernelCache:
                     self._by_kernel[(backend, kernel)] = found
                     return found
                 self._by_kernel[(backend, kernel)] = found
-        counter = getattr(self._thread, "hits", None)
-        if counter is None:
-            counter = self._thread.hits = [0]
-            with self._lock:
-                self._hit_counts.append(counter)
-        counter[0] += 1
+        self.hits += 1
         return found
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            hits = sum(count[0] for count in self._hit_counts)
-            return {"hits": hits, "misses": self.misses, "size": len(self._objects)}
+        return {"hits": self.hits, "misses": self.misses, "size": len(self._objects)}
 
     def clear(self) -> None:
         with self._lock:
             self._objects.clear()
             self._by_kernel.clear()
-            for count in self._hit_counts:
-                count[0] = 0
-            self.misses = 0
+            self.hits = self.misses = 0
 
 
-kernel_cache = KernelCache()
+kernel_cache = KernelCache(group="mlx kernels")
 
 
 def build_mlx_kernel(backend: str, kernel: Kernel) -> Any:

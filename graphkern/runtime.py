@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from .backends import APPLY
 from .context import current_recorder, state
-from .launch_paths import eager_form, run_launch
+from .launch_paths import run_eager, run_launch
 from .nodes import Kernel, KernelError, KernelResult, OutputSpec, Status, TemplateLike
 from .validation import Launch, validate
 
@@ -43,11 +43,8 @@ def apply(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence[OutputSp
     """
     launch, checked = validate(kernel, inputs, output_specs, grid, threadgroup, template,
                                init_value, backend)
-    if checked is inputs and state.recorder is None:
-        # a launch run before with all-array inputs, outside traces: replay its compiled form
-        replay = eager_form(launch)
-        if replay is not None:
-            return replay(*checked)
+    if checked is inputs and state.recorder is None:  # all arrays, outside traces
+        return run_eager(launch, checked)
     return run_launch(launch, checked)
 
 

@@ -15,12 +15,13 @@ import numbers
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["Flat", "State", "argument_names", "flatten_outputs", "static_key", "unflatten_outputs"]
+__all__ = ["Flat", "Reach", "Reached", "State", "argument_names", "flatten_outputs", "reach", "static_key",
+           "unflatten_outputs"]
 
 
 class _Leaf:
@@ -191,29 +192,82 @@ def argument_names(fn: Callable[..., Any]) -> list[str]:
                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)]
 
 
-def _named_modules(func: Any, code: Any, owner: Any) -> list[tuple[str, nn.Module]]:
-    """The modules ``func``'s code reaches by name, as closures are found: a global it names
-    (``model(x)``), an attribute it names of a global Python module (``mymodels.model(x)``) or
-    of the object a method is bound to (``self.model(x)`` on a plain object)."""
+@dataclass(frozen=True)
+class Reached:
+    """One value a function's code reaches by name, and where it sits: ``holder[key]`` (a globals
+    dict) or ``getattr(holder, key)`` (``attribute``: a closure cell's ``cell_contents``, an
+    imported module's attribute, an attribute of the object a method is bound to)."""
+
+    name: str
+    value: Any
+    holder: Any
+    key: str
+    attribute: bool
+    kind: Literal["cell", "global", "attribute"]
+
+
+@dataclass(frozen=True)
+class Reach:
+    """What a function reaches besides its arguments (see :func:`reach`)."""
+
+    #: the function under any bound method (``fn.__func__``), or ``fn`` itself
+    function: Any
+    #: the object a bound method is bound to, or None
+    owner: Any
+    #: the globals dict the function's code runs in, or None (a builtin, a callable object)
+    namespace: dict[str, Any] | None
+    #: closure cells first, then globals, then attributes of imported modules and of ``owner``
+    found: list[Reached]
+
+
+_MISSING = object()
+
+
+def reach(fn: Any) -> Reach:
+    """The values ``fn``'s code reaches by name: its closure cells (empty ones skipped), the
+    globals it names, the attributes it names of imported Python modules among those globals
+    (``mymodels.model(x)``) and of the object a method is bound to (``self.model(x)`` on a plain
+    object). The one walker behind ``State`` (arrays and modules), the compiled graph's watch
+    on kernels and the collectives' stand-ins (the namespaces to patch).
+
+    >>> import math
+    >>> w = mx.ones((2,))
+    >>> found = reach(lambda x: math.pi * w * x).found
+    >>> [(r.name, r.kind) for r in found]
+    [('math', 'global'), ('w', 'global'), ('pi', 'attribute')]
+    """
+    func = getattr(fn, "__func__", fn)
+    owner = getattr(fn, "__self__", None)
+    code = getattr(func, "__code__", None)
+    found: list[Reached] = []
+    closure = getattr(func, "__closure__", None) or ()
+    for name, cell in zip(code.co_freevars if code else (), closure):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        found.append(Reached(name, value, cell, "cell_contents", True, "cell"))
     names = getattr(code, "co_names", ())
-    found: list[tuple[str, nn.Module]] = []
     scope = getattr(func, "__globals__", None)
-    holders: list[Any] = []
-    if isinstance(scope, dict):
+    namespace = scope if isinstance(scope, dict) else None
+    holders: list[tuple[Any, bool]] = []  # (holder, read statically)
+    if namespace is not None:
         for name in names:
-            value = scope.get(name)
-            if isinstance(value, nn.Module):
-                found.append((name, value))
-            elif isinstance(value, types.ModuleType):
-                holders.append(value)
+            value = namespace.get(name, _MISSING)
+            if value is _MISSING:
+                continue
+            found.append(Reached(name, value, namespace, name, False, "global"))
+            if isinstance(value, types.ModuleType):
+                holders.append((value, False))
     if owner is not None and not isinstance(owner, nn.Module):
-        holders.append(owner)
-    for holder in holders:
+        holders.append((owner, True))
+    for holder, static in holders:
         for name in names:
-            value = inspect.getattr_static(holder, name, None)
-            if isinstance(value, nn.Module):
-                found.append((name, value))
-    return found
+            value = (inspect.getattr_static(holder, name, _MISSING) if static
+                     else vars(holder).get(name, _MISSING))
+            if value is not _MISSING:
+                found.append(Reached(name, value, holder, name, True, "attribute"))
+    return Reach(func, owner, namespace, found)
 
 
 class _Cell:
@@ -257,23 +311,18 @@ class State:
         state = cls()
         if isinstance(fn, nn.Module):
             state._add_root("", fn)
-        owner = getattr(fn, "__self__", None)
-        if isinstance(owner, nn.Module):
-            state._add_root("", owner)
-        func = getattr(fn, "__func__", fn)
-        code = getattr(func, "__code__", None)
-        closure = getattr(func, "__closure__", None) or ()
-        for name, cell in zip(code.co_freevars if code else (), closure):
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if isinstance(value, mx.array):
-                state._add_cell(name, cell)
-            elif isinstance(value, (dict, list)):
-                state._add_root(name, value)
-        for name, module in _named_modules(func, code, owner):
-            state._add_root(name, module)
+        reached = reach(fn)
+        if isinstance(reached.owner, nn.Module):
+            state._add_root("", reached.owner)
+        for item in reached.found:
+            if item.kind == "cell":
+                if isinstance(item.value, mx.array):
+                    state._add_cell(item.name, item.holder)
+                elif isinstance(item.value, (dict, list)):
+                    state._add_root(item.name, item.value)
+        for item in reached.found:
+            if item.kind != "cell" and isinstance(item.value, nn.Module):
+                state._add_root(item.name, item.value)
         if extra is not None:
             state._add_root("state", extra)
         return state

@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 from . import backends
 from ._fastpaths import gc_paused
 from .capture import MAGIC, EventLog, Record, Wiring, build_graph
-from .context import current_recorder, recording
+from .context import adopted, current_recorder, recording, snapshot, state
 from .graph import Graph, GraphError
 from .nodes import Kernel, KernelError, Status, dtype_name
 from .state import Flat, State, argument_names, flatten_outputs, unflatten_outputs
@@ -405,8 +405,6 @@ class Traceable:
                 return self.call_flat(flat, arrays[:n_args], out)
 
         log = EventLog()
-        if backend is None:  # this thread's override (thread-local) must reach the trace thread
-            backend = backends.backend_override()
 
         unseen: list[str] = []  # nn.Modules that ran although none was found to scope
 
@@ -498,7 +496,6 @@ def _watch_modules(seen: list[str], enabled: bool) -> Iterator[None]:
 _STACK_BYTES = 1 << 30
 _MAX_TRACE_THREADS = 8
 _stack_lock = threading.Lock()
-_worker = threading.local()
 
 
 class _DaemonPool:
@@ -558,25 +555,27 @@ def _on_deep_stack(work: Callable[[], None]) -> None:
     """Run ``work`` on a thread with a 1 GiB stack (address space; pages are touched on use).
 
     MLX walks the graph recursively in ``export_function``: a chain of ~50,000 primitives
-    overflows the default 8 MiB stack and kills the process. The caller's context variables go
-    along; an exception is re-raised here.
+    overflows the default 8 MiB stack and kills the process. The caller's context variables and
+    its thread's settings (``context.snapshot``: the backend override, ``without_vjp``, how patched
+    layers run) go along; an exception is re-raised here.
 
     The threads are few and reused: MLX keeps state for every thread that ever ran MLX code (its
     per-thread streams, about 13 KiB) and never frees it, so a thread per trace leaked on every
     trace. A trace started on one of these threads (a trace inside a trace) runs in place: it has
     the deep stack already, and waiting for a free thread there could deadlock.
     """
-    if getattr(_worker, "active", False):
+    if state.deep_stack:
         work()
         return
-    context = contextvars.copy_context()
+    variables, settings = contextvars.copy_context(), snapshot()
 
     def run() -> None:
-        _worker.active = True
+        state.deep_stack = True
         try:
-            context.run(work)
+            with adopted(settings):
+                variables.run(work)
         finally:
-            _worker.active = False
+            state.deep_stack = False
 
     with _stack_lock:  # the pool starts its threads inside submit(): give them the big stack
         previous = threading.stack_size(_STACK_BYTES)

@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from .backends import APPLY, backend_setting, resolve_backend
+from .launch_cache import LaunchCache, track_function
 from .nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg
 
 __all__ = ["MAX_THREADS_PER_GROUP", "Launch", "check_inputs", "launch_key", "validate", "validated_launch"]
@@ -30,12 +31,13 @@ _CUDA_MAX_BLOCKS_YZ = 65535
 _CUDA_MAX_BLOCK_Z = 64
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Launch:
     """A validated launch: everything needed to run a kernel once, and to describe it on a node.
 
     Besides the configuration it holds what is derived from it once (MLX's call arguments, the
-    reference's keyword arguments) and the compiled forms ``graphkern.launch_paths`` builds for it.
+    reference's keyword arguments). Compared and hashed by identity: it keys each thread's
+    compiled forms (``context.state.forms``), looked up on every eager launch.
     """
 
     kernel: Kernel
@@ -53,17 +55,6 @@ class Launch:
             return {}
         named, takes_any = _reference_keywords(self.kernel.reference)
         return {a.name: a.value for a in self.template if takes_any or a.name in named}
-
-    @functools.cached_property
-    def differentiable_forms(self) -> dict[tuple[Any, ...], Callable[..., list[mx.array]]]:
-        """This launch wrapped in ``mx.custom_function``, one per thread and set of scalar inputs,
-        keyed ``(thread ident, scalars)`` (see ``launch_paths.differentiable_launch``)."""
-        return {}
-
-    @functools.cached_property
-    def plain_forms(self) -> dict[int, Callable[..., list[mx.array]]]:
-        """This launch's plain compiled forms, by thread ident (see ``launch_paths.replayed``)."""
-        return {}
 
     @functools.cached_property
     def declared(self) -> list[tuple[tuple[int, ...], mx.Dtype]]:
@@ -227,8 +218,7 @@ def _check_init_value(init_value: object) -> float | None:
 
 
 #: Launch configurations checked before, by ``launch_key``.
-VALIDATED: dict[Any, Launch] = {}
-_VALIDATED_MAX = 4096
+VALIDATED = LaunchCache("validated launches", 4096)
 
 
 def launch_key(kernel: Kernel, output_specs: Any, grid: Any, threadgroup: Any, template: Any,
@@ -297,9 +287,7 @@ def validated_launch(kernel: Kernel, output_specs: object, grid: object, threadg
         return known
     launch = _validate_launch(kernel, output_specs, grid, threadgroup, template, init_value, backend)
     if key is not None:
-        if len(VALIDATED) >= _VALIDATED_MAX:
-            VALIDATED.clear()
-        VALIDATED[key] = launch
+        VALIDATED.put(key, launch)
     return launch
 
 
@@ -323,6 +311,7 @@ def _reference_keywords(reference: Callable[..., Any]) -> tuple[frozenset[str], 
         return _cached_reference_keywords.__wrapped__(reference)
 
 
+@track_function("reference keywords")
 @functools.lru_cache(maxsize=1024)
 def _cached_reference_keywords(reference: Callable[..., Any]) -> tuple[frozenset[str], bool]:
     try:

@@ -6,7 +6,7 @@ import pytest
 from kernels_fixture import SCALE_ADD
 
 import graphkern as gk
-from graphkern import backends, validation
+from graphkern import backends, launch_paths, validation
 
 X = mx.arange(8, dtype=mx.float32)
 Y = mx.ones((8,))
@@ -97,9 +97,11 @@ def test_threads_each_replay_their_own_form_of_a_bound_launch(opaque_gpu, two_li
     def work():
         with backends.using_backend("cuda"):  # the backend override is per thread
             x, s = mx.arange(8, dtype=mx.float32), mx.array(2.0)  # default streams are per thread
-            return [bound(x + i, s)[0].tolist() for i in range(3)]
+            values = [bound(x + i, s)[0].tolist() for i in range(3)]
+        return values, launch_paths.thread_forms(bound.launch)
 
-    results, threads = two_live_threads(work)
-    assert results == [[((X + i) * 2).tolist() for i in range(3)]] * 2
-    assert set(bound.launch.differentiable_forms) == {(t.ident, ()) for t in threads}
+    results, _ = two_live_threads(work)
+    assert [values for values, _ in results] == [[((X + i) * 2).tolist() for i in range(3)]] * 2
+    [[first], [second]] = [held for _, held in results]  # one form a thread
+    assert first is not second and launch_paths.thread_forms(bound.launch) == []
     assert opaque_gpu.count("bound_threads") == 2  # traced once a thread, replayed after

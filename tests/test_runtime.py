@@ -6,7 +6,7 @@ import pytest
 from kernels_fixture import SCALE_ADD, SPLIT, scale_add
 
 import graphkern as gk
-from graphkern import backends, mlx_kernels, validation
+from graphkern import backends, launch_paths, mlx_kernels, validation
 
 X = mx.arange(8, dtype=mx.float32)
 Y = mx.ones((8,))
@@ -217,9 +217,9 @@ def test_differentiable_launches_build_their_custom_function_once():
 
     launch, _ = validation.validate(k, [X, 1.0], SPEC, (8, 1, 1), (8, 1, 1))
     assert run(X).tolist() == (X * 3).tolist() and run(X * 2).tolist() == (X * 6).tolist()
-    assert len(launch.differentiable_forms) == 1  # reused across calls with the same scalars
+    assert len(launch_paths.thread_forms(launch)) == 1  # reused across calls with the same scalars
     assert mx.grad(lambda x: run(x, 2.0).sum())(X).tolist() == [6.0] * 8  # the user's vjp
-    assert len(launch.differentiable_forms) == 2  # a new scalar value gets its own
+    assert len(launch_paths.thread_forms(launch)) == 2  # a new scalar value gets its own
 
 
 def test_scalar_inputs_and_template_names_are_checked_like_c_identifiers():

@@ -29,6 +29,7 @@ import mlx.nn as nn
 import mlx.nn.layers.distributed as _mlx_distributed
 
 from ..context import current_recorder
+from ..state import reach
 
 __all__ = ["COLLECTIVE_OPS", "REAL", "run_again", "standing_in"]
 
@@ -183,15 +184,15 @@ def _namespaces(fn: Any, modules: Iterable[nn.Module]) -> list[dict[str, Any]]:
     """The globals of ``fn`` and of the ``__call__`` of each module class, where a module-level
     ``from mlx.nn.layers.distributed import sum_gradients`` binds the name."""
     found: dict[int, dict[str, Any]] = {id(vars(_mlx_distributed)): vars(_mlx_distributed)}
-    functions = [getattr(fn, "__func__", fn)]
+    functions = [fn]
     for klass in {type(m) for m in modules}:
         for owner in klass.__mro__:
             call = owner.__dict__.get("__call__")
             if call is not None and owner is not object:
                 functions.append(getattr(call, "__wrapped__", call))
     for func in functions:
-        namespace = getattr(func, "__globals__", None)
-        if isinstance(namespace, dict):
+        namespace = reach(func).namespace
+        if namespace is not None:
             found.setdefault(id(namespace), namespace)
     return list(found.values())
 

@@ -18,11 +18,12 @@ import mlx.core as mx
 import numpy as np
 
 from graphkern.backends import active_backend, backend_setting
+from graphkern.bound import bind
 from graphkern.context import state
-from graphkern.launch_paths import eager_form, run_launch
+from graphkern.launch_cache import LaunchCache, track_function
+from graphkern.launch_paths import run_eager
 from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name
 from graphkern.runtime import apply, launch
-from graphkern.validation import Launch, validated_launch
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -92,18 +93,19 @@ def run(plan: Plan) -> list[mx.array]:
 
 
 class LayerLaunches:
-    """One library layer's launches, by the signature of its arguments.
+    """One library layer's launches, bound (``gk.bind``) once per signature of its arguments.
 
     A layer function builds and checks its launch plan once per signature, then each later call
-    with that signature hands only its arrays to the launch: this keeps a layer call as cheap as
-    the kernel call behind it, which is what decoding (one token, every launch host-bound) needs.
+    with that signature hands only its arrays to the bound launch: this keeps a layer call as cheap
+    as the kernel call behind it, which is what decoding (one token, every launch host-bound) needs.
 
     ``layer(key, arrays, make_plan)``: ``key`` is everything the plan depends on other than the
     arrays passed per call (shapes and dtypes of the arrays, the values of the other arguments);
     ``arrays`` are the call's arrays, in the order the plan's inputs take them; ``make_plan()``
     builds (and validates) the plan. Every other input of the plan must be a constant of the
     signature, made by :func:`signature_constant`; a plan with any other input is run, never kept.
-    Inside traces and compiled graphs the plan is run as it is (a node of the graph).
+    Inside traces and compiled graphs the plan is run as it is (a node of the graph). The
+    entries are a bounded LRU (``gk.cache_stats()["layer launches"]``).
 
     >>> layer = LayerLaunches()
     >>> x = mx.ones((2, 4))
@@ -116,26 +118,25 @@ class LayerLaunches:
     MAX_ENTRIES = 4096
 
     def __init__(self) -> None:
-        self.entries: dict[Any, tuple[Launch, tuple[Any, ...] | None]] = {}
+        #: signature -> (the bound launch, where each plan input comes from: see ``_sources``)
+        self.entries = LaunchCache("layer launches", self.MAX_ENTRIES)
 
     def __call__(self, key: Any, arrays: tuple[mx.array, ...],
                  make_plan: Callable[[], Plan]) -> list[mx.array]:
         key = (key, backend_setting())
         entry = self.entries.get(key)
         if entry is not None and state.recorder is None:
-            launch_, sources = entry
+            bound, sources = entry
             inputs = arrays if sources is None else [
                 arrays[s] if s.__class__ is int else s for s in sources]
-            form = eager_form(launch_)
-            return form(*inputs) if form is not None else run_launch(launch_, list(inputs))
+            return run_eager(bound.launch, inputs)
         plan = make_plan()
         if state.recorder is None and not plan.empty:
             found = _sources(plan.inputs, arrays)
             if not isinstance(found, bool):
-                if len(self.entries) >= self.MAX_ENTRIES:
-                    self.entries.clear()
-                self.entries[key] = (validated_launch(plan.kernel, plan.output_specs, plan.grid,
-                                                      plan.threadgroup, plan.template), found)
+                self.entries.put(key, (bind(plan.kernel, plan.output_specs, grid=plan.grid,
+                                            threadgroup=plan.threadgroup, template=plan.template),
+                                       found))
         return run(plan)
 
 
@@ -251,6 +252,7 @@ def check_threadgroup_memory(op: str, parts: dict[str, int], limit: int | None =
 # A layer function builds its plan on every eager call; these immutable parts are made once.
 
 
+@track_function("plan parts")
 @functools.lru_cache(maxsize=1024, typed=True)  # typed: True and 1 are different arguments
 def template_arg(name: str, value: mx.Dtype | int | bool) -> TemplateArg:
     """``TemplateArg(name, value)``, made once per name and value.
@@ -263,6 +265,7 @@ def template_arg(name: str, value: mx.Dtype | int | bool) -> TemplateArg:
     return TemplateArg(name, value)
 
 
+@track_function("plan parts")
 @functools.lru_cache(maxsize=1024)
 def output_spec(shape: tuple[int, ...], dtype: mx.Dtype) -> OutputSpec:
     """``OutputSpec(shape, dtype)``, made once per shape and dtype."""
@@ -302,6 +305,7 @@ class RowConfig:
                 template_arg("CH", self.chunks))
 
 
+@track_function("plan parts")
 @functools.lru_cache(maxsize=1024)
 def row_config(n: int, dtype: mx.Dtype, *, vector: int = 8, items: int = 16, streamed: bool = False,
                max_threads: int = MAX_THREADS) -> RowConfig:
@@ -382,11 +386,13 @@ def float_template(name: str, value: float) -> TemplateArg:
     return _float_template(name, value, math.copysign(1.0, value))
 
 
+@track_function("plan parts")
 @functools.lru_cache(maxsize=1024)
 def _float_template(name: str, value: float, sign: float) -> TemplateArg:
     return template_arg(name, float_bits(value))
 
 
+@track_function("plan parts")
 @functools.lru_cache(maxsize=16)
 def unused_input(dtype: mx.Dtype) -> mx.array:
     """A one-element stand-in for an absent optional input (never read by the kernel), made once.

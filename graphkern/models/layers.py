@@ -38,6 +38,7 @@ from graphkern.kernels.ops.quantized_projections import (
     quantized_projections_fit,
 )
 from graphkern.kernels.ops.rope import int_offset_array
+from graphkern.launch_cache import track_function
 from graphkern.models.patterns import is_class
 from graphkern.models.prefill import prompt_mode, start_on_device, stock_layers, stock_layers_run
 from graphkern.models.segments import Segments, decoding, segments_apply
@@ -434,6 +435,7 @@ class KernelAttention(KernelLayer):
 _SWITCH = "mlx_lm.models.switch_layers"
 
 
+@track_function("plan parts")
 @functools.lru_cache(maxsize=64)
 def _batch_rows(shape: tuple[int, ...]) -> mx.array:
     """``arange`` over a ``gather_mm`` operand's batch of ``shape``, what it makes for its

@@ -24,7 +24,6 @@ goes on lazily. ``kernels_only()`` makes every call run the kernels (``check_mod
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from typing import Literal
 
@@ -53,14 +52,6 @@ STOCK_PROMPT_BACKENDS = frozenset({"cuda"})
 PromptMode = Literal["kernels", "stock", "pipelined"]
 
 
-class _Prompt(threading.local):
-    stock = False  # the stock layers run this forward (KernelLayer.__call__ reads it)
-    kernels_only = False
-
-
-_prompt = _Prompt()
-
-
 def prompt_mode(tokens: mx.array, sparse: bool = False) -> PromptMode:
     """How an evaluating decoder stack (``sparse``: with mixture-of-experts blocks) runs a call on
     ``tokens`` (``(B, L)`` token ids or ``(B, L, D)`` embeddings): on the kernels, on the stock
@@ -78,7 +69,7 @@ def prompt_mode(tokens: mx.array, sparse: bool = False) -> PromptMode:
     length = tokens.shape[1]
     if tokens.shape[0] * length >= (SPARSE_PIPELINE_TOKENS if sparse else PIPELINE_TOKENS):
         return "pipelined"
-    if (length > MAX_SEGMENT_TOKENS and not _prompt.kernels_only
+    if (length > MAX_SEGMENT_TOKENS and not state.kernels_only
             and active_backend() in STOCK_PROMPT_BACKENDS):
         return "stock"
     return "kernels"
@@ -86,17 +77,17 @@ def prompt_mode(tokens: mx.array, sparse: bool = False) -> PromptMode:
 
 def stock_layers_run() -> bool:
     """Whether this thread is inside a forward that runs the stock layers (:func:`stock_layers`)."""
-    return _prompt.stock
+    return state.stock_layers
 
 
 @contextlib.contextmanager
 def stock_layers() -> Iterator[None]:
     """Every patched layer called on this thread runs the layer it replaced, for the duration."""
-    previous, _prompt.stock = _prompt.stock, True
+    previous, state.stock_layers = state.stock_layers, True
     try:
         yield
     finally:
-        _prompt.stock = previous
+        state.stock_layers = previous
 
 
 @contextlib.contextmanager
@@ -108,11 +99,11 @@ def kernels_only() -> Iterator[None]:
     ...     prompt_mode(mx.zeros((1, 100), mx.int32))
     'kernels'
     """
-    previous, _prompt.kernels_only = _prompt.kernels_only, True
+    previous, state.kernels_only = state.kernels_only, True
     try:
         yield
     finally:
-        _prompt.kernels_only = previous
+        state.kernels_only = previous
 
 
 def start_on_device(*arrays: mx.array | None) -> bool:

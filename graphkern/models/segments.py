@@ -38,19 +38,22 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Callable
-from threading import get_ident
 from typing import Any
 
 import mlx.core as mx
 
 from graphkern.autodiff import vjp_enabled
 from graphkern.context import state
+from graphkern.launch_cache import LaunchCache
 
 __all__ = ["MAX_SEGMENT_TOKENS", "Segments", "decoding", "segments_apply"]
 
 #: Calls of at most this many tokens run compiled segments (decoding, speculative verification).
 #: Longer ones (prefill) run layer by layer: each new prompt length would be a new trace.
 MAX_SEGMENT_TOKENS = 16
+
+#: Compiled forms a layer keeps, over all its segments and threads.
+MAX_FORMS = 256
 
 _NOT_A_TREE = "[compile] Function arguments must be trees"
 
@@ -82,7 +85,9 @@ class Segments:
 
     def __init__(self, layer: Any):
         self.layer = weakref.ref(layer)
-        self._forms: dict[tuple[str, int], Callable[..., Any]] = {}
+        # (name, the thread's token) -> the compiled form: one a thread (MLX keeps a compile
+        # cache a thread), a bounded LRU
+        self._forms = LaunchCache("segment forms", MAX_FORMS)
         self.usable = True
 
     def traced(self) -> list[str]:
@@ -90,10 +95,11 @@ class Segments:
         return sorted({name for name, _ in self._forms})
 
     def __call__(self, name: str, *args: Any) -> Any:
-        key = (name, get_ident())
+        key = (name, state.token)
         form = self._forms.get(key)
         if form is None:
-            form = self._forms[key] = mx.compile(_traced(self.layer, name))
+            form = mx.compile(_traced(self.layer, name))
+            self._forms.put(key, form)
         try:
             return form(self.layer(), *args)
         except ValueError as exc:

@@ -40,6 +40,7 @@ from graphkern.kernels._base import (
 )
 from graphkern.kernels._headers import dual_header
 from graphkern.kernels._host_math import host_float
+from graphkern.launch_cache import track_function
 from graphkern.nodes import Kernel, KernelError, Status, TemplateArg
 
 __all__ = ["ROPE", "ROPE_CUDA", "int_offset_array", "plan_rope", "rope", "rope_reference", "rotate_reference",
@@ -322,6 +323,7 @@ ROPE = Kernel(
 )
 
 
+@track_function("plan parts")
 @functools.lru_cache(maxsize=64)
 def _base_frequencies(dims: int, base: float) -> mx.array:
     """``base ** (-i / (dims/2))`` as mx.fast.rope's CPU fallback computes it (``std::log`` of the
@@ -347,6 +349,7 @@ GPU_FORMULA_TOLERANCES = {mx.float32: (4e-5, 4e-5)}
 OFFSET_BIAS = 1 << 30
 
 
+@track_function("plan parts")
 @functools.lru_cache(maxsize=1024)
 def _offset_array(offset: int, in_shape: bool) -> mx.array:
     """The ``offset`` input for an int offset, one array per value (reused by every layer at that

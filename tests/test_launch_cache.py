@@ -1,0 +1,153 @@
+"""One launch cache (graphkern.launch_cache), one thread state (graphkern.context)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+import graphkern as gk
+import graphkern.kernels as gkk
+from graphkern import context, launch_paths, mlx_kernels, validation
+from graphkern.autodiff import vjp_enabled
+from graphkern.launch_cache import LaunchCache
+from graphkern.models.prefill import kernels_only, stock_layers, stock_layers_run
+
+X = mx.arange(8, dtype=mx.float32)
+SPEC = [gk.OutputSpec((8,), mx.float32)]
+CONFIG: dict[str, Any] = dict(grid=(8, 1, 1), threadgroup=(8, 1, 1))
+
+
+def gpu_kernel(name: str) -> gk.Kernel:
+    """A kernel with a CUDA source, run by the ``opaque_gpu`` stand-in."""
+    return gk.Kernel(name, ["x"], ["out"], cuda="/* stands in */", reference=lambda x: [x * 3])
+
+
+def test_a_cache_keeps_its_bound_dropping_the_least_recently_used() -> None:
+    cache = LaunchCache("bounded", maxsize=8, group=None)
+    for i in range(8):
+        cache.put(i, str(i))
+    assert cache.get(0) == "0"  # now the most recently used
+    for i in range(8, 40):
+        cache.put(i, str(i))
+        assert len(cache) <= 8
+    assert len(cache) == 8 and sorted(cache) == list(range(32, 40))
+    cache.put(40, "40")
+    cache.get(33)
+    cache.put(41, "41")  # 34 goes, not 33
+    assert 33 in cache and 34 not in cache and len(cache) == 8
+    assert cache.get("absent") is None and cache.stats()["misses"] == 1
+
+
+def test_the_validated_launches_stay_at_their_bound_past_it() -> None:
+    kernel = gk.Kernel("bounded_launches", ["x"], ["out"], reference=lambda x: [x])
+    bound = validation.VALIDATED.maxsize
+    assert bound is not None
+    first = validation.validated_launch(kernel, SPEC, (1, 1, 1), (1, 1, 1))
+    for i in range(2, bound + 50):
+        validation.validated_launch(kernel, SPEC, (i, 1, 1), (1, 1, 1))
+        if i % 1000 == 0:  # the first one is in use: it stays while older ones go
+            assert validation.validated_launch(kernel, SPEC, (1, 1, 1), (1, 1, 1)) is first
+    assert len(validation.VALIDATED) == bound
+    assert gk.cache_stats()["validated launches"]["size"] == bound
+    assert validation.validated_launch(kernel, SPEC, (1, 1, 1), (1, 1, 1)) is first
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = mx.ones((8,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return gkk.rms_norm(x, self.weight) * 2
+
+
+def test_clear_caches_empties_every_cache_and_the_next_calls_build_again(
+        opaque_gpu: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[str] = []
+    monkeypatch.setattr(mlx_kernels, "build_mlx_kernel", lambda backend, kernel: built.append(kernel.name))
+    kernel = gpu_kernel("cleared")
+    model = _Scaled()
+    compiled = gk.compile(model)
+    bound = gk.bind(kernel, SPEC, **CONFIG)
+    x = mx.ones((2, 8))
+
+    def run_everything() -> None:
+        assert gk.apply(kernel, [X], SPEC, **CONFIG)[0].tolist() == (X * 3).tolist()
+        assert bound(X)[0].tolist() == (X * 3).tolist()
+        assert mx.allclose(gkk.rms_norm(x, model.weight), mx.fast.rms_norm(x, model.weight, 1e-5)).item()
+        assert mx.allclose(compiled(x), model(x)).item()
+        gk.kernel_cache.get("cuda", kernel)
+
+    run_everything()
+    before = gk.cache_stats()
+    for group in ("validated launches", "thread launch forms", "layer launches", "compiled graphs",
+                  "mlx kernels", "plan parts", "reference keywords"):
+        assert before[group]["size"] > 0, (group, before[group])
+    launched = opaque_gpu.count("cleared")
+    gk.clear_caches()
+    after = gk.cache_stats()
+    assert all(figures["size"] == 0 for figures in after.values()), after
+    assert compiled.trace_count() == 0 and len(launch_paths.thread_forms(bound.launch)) == 0
+    run_everything()  # everything again: built anew, and right
+    again = gk.cache_stats()
+    for group in ("validated launches", "thread launch forms", "layer launches", "compiled graphs"):
+        assert again[group]["misses"] > 0 and again[group]["size"] > 0, (group, again[group])
+    assert built == ["cleared", "cleared"]  # MLX's kernel object built again
+    assert opaque_gpu.count("cleared") > launched  # the compiled launch form traced again
+
+
+def test_a_new_thread_never_inherits_the_forms_of_a_dead_thread_with_its_id(opaque_gpu: list[str]) -> None:
+    kernel = gpu_kernel("reused_ident")
+    bound = gk.bind(kernel, SPEC, **CONFIG)
+    seen: dict[str, Any] = {}
+
+    def first() -> None:
+        with gk.backends.using_backend("cuda"):  # the override is per thread
+            bound(mx.arange(8, dtype=mx.float32))
+        seen["ident"], seen["forms"] = threading.get_ident(), launch_paths.thread_forms(bound.launch)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    thread.join()
+    assert len(seen["forms"]) == 1
+
+    def later() -> None:
+        seen["later"] = threading.get_ident(), launch_paths.thread_forms(bound.launch)
+
+    for _ in range(100):  # CPython hands a new thread the id of one that ended, mostly at once
+        thread = threading.Thread(target=later)
+        thread.start()
+        thread.join()
+        if seen["later"][0] == seen["ident"]:
+            break
+    ident, forms = seen["later"]
+    assert ident == seen["ident"], "no thread got the id of the one that ended"
+    assert forms == []  # the dead thread's compiled form is not handed to the new one
+    launched = opaque_gpu.count("reused_ident")
+    thread = threading.Thread(target=lambda: seen.update(out=bound(X)[0].tolist()))
+    thread.start()
+    thread.join()
+    assert seen["out"] == (X * 3).tolist()
+    assert opaque_gpu.count("reused_ident") == launched  # nor its backend override: reference
+
+
+def test_every_setting_of_the_thread_reaches_the_traced_function_and_comes_back() -> None:
+    inside: dict[str, Any] = {}
+
+    def fn(x: mx.array) -> mx.array:
+        inside.update(thread=threading.current_thread(), backend=gk.active_backend(),
+                      vjp=vjp_enabled(), stock=stock_layers_run(), kernels_only=context.state.kernels_only)
+        return x * 2
+
+    with gk.backends.using_backend("cuda"), gk.without_vjp(), stock_layers(), kernels_only():
+        gk.trace(fn, X)
+        assert (gk.active_backend(), vjp_enabled(), stock_layers_run()) == ("cuda", False, True)
+    assert inside["thread"] is not threading.current_thread()  # it ran on the deep-stack thread
+    settings = ("backend", "vjp", "stock", "kernels_only")
+    assert [inside[name] for name in settings] == ["cuda", False, True, True]
+    gk.trace(fn, X)  # the deep-stack thread went back to its own settings
+    assert [inside[name] for name in settings] == [gk.active_backend(), True, False, False]
