@@ -15,9 +15,9 @@ import mlx.nn as nn
 import pytest
 
 import graphkern.kernels as gkk
-from graphkern.kernel_checks import compare
 from graphkern.kernels import Case, apply_plan
 from graphkern.kernels.ops.quantized_projections import quantized_case, quantized_projections_fit
+from graphkern.tolerance import worst_errors
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
@@ -41,7 +41,7 @@ def _agree(name: str, shape: tuple[int, ...], dtype: mx.Dtype, bits: int, group_
                           gated=name.endswith("swiglu"), group_size=group_size, bits=bits)
     ours, stock = entry(case), entry.stock_outputs(case)
     atol, rtol = STOCK_TOL[dtype]
-    max_abs, _, ok = compare(ours, stock, atol, rtol)
+    max_abs, _, ok = worst_errors(ours, stock, rtol=rtol, atol=atol)
     assert ok, f"{name} {shape} {dtype} bits={bits} group_size={group_size}: max abs err vs stock {max_abs}"
 
 
@@ -81,7 +81,8 @@ def test_misaligned_rows_and_weights_take_the_narrow_loads(name: str) -> None:
     case = Case(args, base.kwargs)
     plan = gkk.LIBRARY[name].plan(*case.args, **case.kwargs)
     out, ref = apply_plan(plan), apply_plan(plan, "reference")
-    assert compare(out, ref, *STOCK_TOL[mx.float16])[2]
+    atol, rtol = STOCK_TOL[mx.float16]
+    assert worst_errors(out, ref, rtol=rtol, atol=atol)[2]
 
 
 # ----------------------------------------------------------------------------- patched models
