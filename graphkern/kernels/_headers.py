@@ -269,27 +269,27 @@ inline float round_to(float x) {
 
 struct Sum {
   inline float operator()(float a, float b) const { return a + b; }
-  inline float simd(float v) const { return metal::simd_sum(v); }
+  inline float simd_reduce(float v) const { return metal::simd_sum(v); }
   static inline float identity() { return 0.0f; }
 };
 struct Max {
   inline float operator()(float a, float b) const { return metal::max(a, b); }
-  inline float simd(float v) const { return metal::simd_max(v); }
+  inline float simd_reduce(float v) const { return metal::simd_max(v); }
   static inline float identity() { return -3.402823466e+38f; }
 };
 
 // Reduce v over a threadgroup of NT threads (a multiple of 32); every thread gets the result.
 template <int NT, typename Op>
-inline float block_reduce(float v, threadgroup float* smem, uint lane, uint simd, Op op) {
-  v = op.simd(v);
+inline float block_reduce(float v, threadgroup float* smem, uint lane, uint sg, Op op) {
+  v = op.simd_reduce(v);
   if (NT > 32) {
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (lane == 0) {
-      smem[simd] = v;
+      smem[sg] = v;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     v = lane < uint(NT / 32) ? smem[lane] : Op::identity();
-    v = op.simd(v);
+    v = op.simd_reduce(v);
   }
   return v;
 }

@@ -98,19 +98,19 @@ namespace gk {
 
 template <typename T, int NT, bool HAS_W, bool HAS_B, typename PX, typename PW, typename PB,
           typename PO>
-inline void layer_norm_row(PX x, PW w, PB b, PO out, float eps, int n, uint tid, uint lane, uint simd,
+inline void layer_norm_row(PX x, PW w, PB b, PO out, float eps, int n, uint tid, uint lane, uint sg,
                            threadgroup float* smem) {
   float s = 0.0f;
   for (int i = tid; i < n; i += NT) {
     s += static_cast<float>(x[i]);
   }
-  const float mean = block_reduce<NT>(s, smem, lane, simd, Sum()) / n;
+  const float mean = block_reduce<NT>(s, smem, lane, sg, Sum()) / n;
   float ss = 0.0f;
   for (int i = tid; i < n; i += NT) {
     const float d = static_cast<float>(x[i]) - mean;
     ss += d * d;
   }
-  const float inv = metal::precise::rsqrt(block_reduce<NT>(ss, smem, lane, simd, Sum()) / n + eps);
+  const float inv = metal::precise::rsqrt(block_reduce<NT>(ss, smem, lane, sg, Sum()) / n + eps);
   for (int i = tid; i < n; i += NT) {
     float o = round_to<T>((static_cast<float>(x[i]) - mean) * inv);
     if (HAS_W) {

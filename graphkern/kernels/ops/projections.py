@@ -38,8 +38,8 @@ from graphkern.kernels._headers import dual_header
 from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA, rms_norm_reference
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
-__all__ = ["NORM_PROJECTIONS", "NORM_SWIGLU", "MAX_ROWS", "norm_projections", "norm_swiglu",
-           "plan_norm_projections", "plan_norm_swiglu", "projections_fit"]
+__all__ = ["METAL_NORM_ROWS", "NORM_PROJECTIONS", "NORM_SWIGLU", "MAX_ROWS", "norm_projections",
+           "norm_swiglu", "plan_norm_projections", "plan_norm_swiglu", "projections_fit"]
 
 #: Most token rows a launch takes (each warp keeps one float sum per row in registers).
 MAX_ROWS = 8
@@ -213,14 +213,14 @@ _CUDA_SWIGLU = _cuda_body(
       }
     }""")
 
-_METAL = r"""
-namespace gk {
-
+#: Metal: the M rows of x (+ r, rounded to T, block 0 writing the sum to h) RMS-normalized into
+#: the threadgroup rows xs, rounded as rms_norm rounds (shared with the quantized projections).
+METAL_NORM_ROWS = r"""
 // Each pointer has its own type: MLX passes an input of fewer than 8 elements (a tiny row, the
 // one-element stand-in of an absent residual or weight) in constant memory, others in device memory.
 template <typename T, int M, int K, int NT, bool RESID, bool HAS_W, typename PX, typename PR, typename PW,
           typename PH>
-inline void norm_rows(PX x, PR r, PW w, PH h, threadgroup T* xs, float eps, uint tid, uint lane, uint simd,
+inline void norm_rows(PX x, PR r, PW w, PH h, threadgroup T* xs, float eps, uint tid, uint lane, uint sg,
                       uint block, threadgroup float* red) {
   for (int m = 0; m < M; ++m) {
     float ss = 0.0f;
@@ -235,7 +235,7 @@ inline void norm_rows(PX x, PR r, PW w, PH h, threadgroup T* xs, float eps, uint
       xs[m * K + i] = static_cast<T>(v);
       ss += v * v;
     }
-    const float inv = metal::precise::rsqrt(block_reduce<NT>(ss, red, lane, simd, Sum()) / K + eps);
+    const float inv = metal::precise::rsqrt(block_reduce<NT>(ss, red, lane, sg, Sum()) / K + eps);
     for (int i = tid; i < K; i += NT) {
       float o = round_to<T>(static_cast<float>(xs[m * K + i]) * inv);
       if (HAS_W) {
@@ -247,6 +247,11 @@ inline void norm_rows(PX x, PR r, PW w, PH h, threadgroup T* xs, float eps, uint
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
+"""
+
+_METAL = r"""
+namespace gk {
+""" + METAL_NORM_ROWS + r"""
 template <typename T, int M, int K, typename PW>
 inline void row_dot(PW row, threadgroup const T* xs, uint lane, thread float (&acc)[M]) {
   for (int m = 0; m < M; ++m) {

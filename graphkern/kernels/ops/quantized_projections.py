@@ -45,7 +45,7 @@ from graphkern.kernels._base import (
     vector_width,
 )
 from graphkern.kernels._headers import dual_header
-from graphkern.kernels.ops.projections import _rows, _run, _stock_normed
+from graphkern.kernels.ops.projections import METAL_NORM_ROWS, _rows, _run, _stock_normed
 from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
@@ -359,38 +359,7 @@ _CUDA_SWIGLU = _cuda_rows("gk::aligned<4>(gate) && gk::aligned<4>(up)", r"""
 _METAL = r"""
 namespace gk {
 
-// The M rows of x (+ r, rounded to T, block 0 writing the sum to h) RMS-normalized into xs, rounded
-// as rms_norm rounds. Each pointer has a type of its own: MLX passes an input of fewer than 8
-// elements (an absent one's stand-in) in the constant address space, others in device memory.
-template <typename T, int M, int K, int NT, bool RESID, bool HAS_W, typename PX, typename PR, typename PW,
-          typename PH>
-inline void quantized_norm_rows(PX x, PR r, PW w, PH h, threadgroup T* xs, float eps, uint tid, uint lane,
-                                uint sg, uint block, threadgroup float* red) {
-  for (int m = 0; m < M; ++m) {
-    float ss = 0.0f;
-    for (int i = tid; i < K; i += NT) {
-      float v = static_cast<float>(x[m * K + i]);
-      if (RESID) {
-        v = round_to<T>(v + static_cast<float>(r[m * K + i]));
-        if (block == 0) {
-          h[m * K + i] = static_cast<T>(v);
-        }
-      }
-      xs[m * K + i] = static_cast<T>(v);
-      ss += v * v;
-    }
-    const float inv = metal::precise::rsqrt(block_reduce<NT>(ss, red, lane, sg, Sum()) / K + eps);
-    for (int i = tid; i < K; i += NT) {
-      float o = round_to<T>(static_cast<float>(xs[m * K + i]) * inv);
-      if (HAS_W) {
-        o *= static_cast<float>(w[i]);
-      }
-      xs[m * K + i] = static_cast<T>(o);
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-}
-
+""" + METAL_NORM_ROWS + r"""
 template <typename T, int M, int K, int BITS, int GS, typename PW, typename PS, typename PB>
 inline void quantized_row_dot(PW row, PS scales, PB biases, threadgroup const T* xs, uint lane,
                               thread float (&acc)[M]) {
@@ -424,7 +393,7 @@ _METAL_START = r"""
   threadgroup float red[32];
   threadgroup T xs[M * K];
   const uint lane = thread_index_in_simdgroup;
-  gk::quantized_norm_rows<T, M, K, NT, RESID, HAS_W>(x, residual, w, h, xs, as_type<float>(EPS),
+  gk::norm_rows<T, M, K, NT, RESID, HAS_W>(x, residual, w, h, xs, as_type<float>(EPS),
       thread_position_in_threadgroup.x, lane, simdgroup_index_in_threadgroup,
       threadgroup_position_in_grid.x, red);
   const int row = threadgroup_position_in_grid.x * (NT / 32) + simdgroup_index_in_threadgroup;

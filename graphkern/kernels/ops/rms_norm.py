@@ -106,14 +106,14 @@ RMS_METAL = r"""
 namespace gk {
 
 template <typename T, int NT, bool HAS_W, typename PX, typename PW, typename PO>
-inline void rms_norm_row(PX x, PW w, PO out, float eps, int n, uint tid, uint lane, uint simd,
+inline void rms_norm_row(PX x, PW w, PO out, float eps, int n, uint tid, uint lane, uint sg,
                          threadgroup float* smem) {
   float ss = 0.0f;
   for (int i = tid; i < n; i += NT) {
     const float v = static_cast<float>(x[i]);
     ss += v * v;
   }
-  const float inv = metal::precise::rsqrt(block_reduce<NT>(ss, smem, lane, simd, Sum()) / n + eps);
+  const float inv = metal::precise::rsqrt(block_reduce<NT>(ss, smem, lane, sg, Sum()) / n + eps);
   for (int i = tid; i < n; i += NT) {
     float o = round_to<T>(static_cast<float>(x[i]) * inv);
     if (HAS_W) {

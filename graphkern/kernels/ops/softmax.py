@@ -145,17 +145,17 @@ _METAL = r"""
 namespace gk {
 
 template <typename T, int NT, typename PX, typename PO>
-inline void softmax_row(PX x, PO out, int n, uint tid, uint lane, uint simd, threadgroup float* smem) {
+inline void softmax_row(PX x, PO out, int n, uint tid, uint lane, uint sg, threadgroup float* smem) {
   float m = Max::identity();
   for (int i = tid; i < n; i += NT) {
     m = metal::max(m, static_cast<float>(x[i]));
   }
-  m = block_reduce<NT>(m, smem, lane, simd, Max());
+  m = block_reduce<NT>(m, smem, lane, sg, Max());
   float s = 0.0f;
   for (int i = tid; i < n; i += NT) {
     s += metal::fast::exp(static_cast<float>(x[i]) - m);
   }
-  const float inv = 1.0f / block_reduce<NT>(s, smem, lane, simd, Sum());
+  const float inv = 1.0f / block_reduce<NT>(s, smem, lane, sg, Sum());
   for (int i = tid; i < n; i += NT) {
     out[i] = static_cast<T>(metal::fast::exp(static_cast<float>(x[i]) - m) * inv);
   }
