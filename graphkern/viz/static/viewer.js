@@ -1114,9 +1114,9 @@
     setTransform(d3.zoomIdentity.translate(cssW / 2 - wx * k, cssH / 2 - wy * k).scale(k), ms);
   }
   var READABLE = 0.55;   // below this zoom a box's text is too small to read
-  // Fit: the whole graph when it is readable so; otherwise its full width (or as much as is
-  // readable) from the top, the minimap showing the rest
-  function fit(ms) {
+  // The first view: the whole graph when it is readable so; otherwise its full width (or as much
+  // as is readable) from the top, the minimap showing the rest
+  function firstView(ms) {
     var b = L.bounds, gw = b[2] - b[0] + 48, gh = b[3] - b[1] + 48;
     var k = Math.min(cssW / gw, cssH / gh, 1.25);
     if (k >= READABLE) { centerOn((b[0] + b[2]) / 2, (b[1] + b[3]) / 2, k, ms); return; }
@@ -1124,9 +1124,10 @@
     var cx = cssW / k >= gw ? (b[0] + b[2]) / 2 : b[0] - 24 + cssW / 2 / k;
     setTransform(d3.zoomIdentity.translate(cssW / 2 - cx * k, 24 - b[1] * k).scale(k), ms);
   }
-  function fitAll() {
-    var b = L.bounds, k = Math.min(cssW / (b[2] - b[0] + 40), cssH / (b[3] - b[1] + 40));
-    centerOn((b[0] + b[2]) / 2, (b[1] + b[3]) / 2, k, 0);
+  // Fit (the button, "f"): the whole graph on screen, however small that makes it
+  function fitAll(ms) {
+    var b = L.bounds, k = Math.min(cssW / (b[2] - b[0] + 40), cssH / (b[3] - b[1] + 40), 1.25);
+    centerOn((b[0] + b[2]) / 2, (b[1] + b[3]) / 2, k, ms || 0);
   }
 
   // ------------------------------------------------------------------ hit testing
@@ -1239,7 +1240,7 @@
     depthSel.value = String(depth);
     relayout(-1);
     if (selected !== -1 && !L.unitOfKey.has(selected) && !(selected < 0 && L.frameOf.has(keyGroup(selected)))) selectContaining(selected);
-    fit(0);
+    firstView(0);
   }
   function applyDepth(depth) {
     if (depth === "auto") { autoCollapse(); return; }
@@ -1594,7 +1595,7 @@
     if (ev.target === search || ev.target.tagName === "SELECT") return;
     if (ev.key === "/") { ev.preventDefault(); search.focus(); search.select(); }
     else if (ev.key === "Escape") select(-1);
-    else if (ev.key === "f") fit(300);
+    else if (ev.key === "f") fitAll(300);
     else if (ev.key === "m") treeBtn.click();
     else if (ev.key === "w") weightsBox.click();
     else if ((ev.key === "ArrowUp" || ev.key === "ArrowDown") && selected >= 0) {
@@ -1607,7 +1608,7 @@
   });
 
   // ------------------------------------------------------------------ toolbar
-  document.getElementById("gk-fit").addEventListener("click", function () { fit(300); });
+  document.getElementById("gk-fit").addEventListener("click", function () { fitAll(300); });
   var depthSel = document.getElementById("gk-depth");
   var maxDepth = 0; for (g = 0; g < G; g++) maxDepth = Math.max(maxDepth, gDepth[g] + 1);
   function option(sel, value, text) { var o = document.createElement("option"); o.value = value; o.textContent = text; sel.appendChild(o); }
@@ -1785,7 +1786,7 @@
   resize();
   window.addEventListener("resize", resize);
   if (roots.length && !L.unitOfKey.has(roots[0]) && dOfNode[roots[0]] < 0) reveal(roots[0]);
-  fit(0);
+  firstView(0);
   if (roots.length) {   // a failure is what the reader came for: keep it on screen
     var rp = anchorPoint(roots[0]), ru = L.unitOfDn[dOfNode[roots[0]]];
     if (rp) {
@@ -1854,7 +1855,7 @@
     },
     frames: function () { return L.frames.map(function (f) { return { path: gPath[f.g], x: f.x, y: f.y, w: f.w, h: f.h, parent: gParent[f.g] >= 0 ? gPath[gParent[f.g]] : "" }; }); },
     transform: function () { return { x: transform.x, y: transform.y, k: transform.k }; },
-    fit: function () { fit(0); },
+    fit: function () { firstView(0); },
     fitAll: fitAll,
     redraw: draw,
     painted: painted,   // a Promise: the canvas has been redrawn since the last change
