@@ -118,24 +118,25 @@ def debug_cmd(target: str | None, model_path: str | None, prompt: str | None, pa
     with _progress(not quiet) as step:
         call = traced_call(target, model_path, prompt, patch_model, specs, seed, step, quiet,
                            stock_twin=compare_stock)
-        fn, name, args = call.fn, call.name, call.args
-        if compare_stock:
-            reference, other = call.run.stock, "the stock model"
-        try:
-            if reference is None:
-                step(f"running {name} node by node")
-                graph = Inspector(backend=backend, save=save, progress=False)(fn, *args)
-                result: Any = graph
-            else:
-                step(f"comparing {name} with {other}")
-                result = compare(reference, fn, *args, rtol=rtol, atol=atol,
-                                    backends=(compare_backend, backend), progress=False)
-        except gk.KernelError as exc:
-            click.echo(f"error: {exc}", err=True)
-            raise SystemExit(EXIT_FAILED) from None
-        except Exception as exc:
-            click.echo(f"error: running {call.label} raised {type(exc).__name__}: {exc}", err=True)
-            raise SystemExit(EXIT_FAILED) from None
+    fn, name, args = call.fn, call.name, call.args
+    if compare_stock:
+        reference, other = call.run.stock, "the stock model"
+    # the long part reports its own phases (a bar on a terminal, lines otherwise) on stderr
+    try:
+        if reference is None:
+            graph = Inspector(backend=backend, save=save, progress=not quiet)(fn, *args)
+            result: Any = graph
+        else:
+            if not quiet:
+                click.echo(f"comparing {name} with {other}", err=True)
+            result = compare(reference, fn, *args, rtol=rtol, atol=atol,
+                             backends=(compare_backend, backend), progress=not quiet)
+    except gk.KernelError as exc:
+        click.echo(f"error: {exc}", err=True)
+        raise SystemExit(EXIT_FAILED) from None
+    except Exception as exc:
+        click.echo(f"error: running {call.label} raised {type(exc).__name__}: {exc}", err=True)
+        raise SystemExit(EXIT_FAILED) from None
     if call.run is not None:  # name the graphs after the checkpoint, not its class
         graphs = [result] if reference is None else [result.a, result.b]
         sides = [""] if reference is None else [" stock", " patched"]
