@@ -12,9 +12,10 @@ import planted_bugs as pb
 import pytest
 
 import graphkern as gk
-from graphkern import replay, values
+from graphkern.debugging import values
+from graphkern.debugging.values import GraphRun, array_stats, trace_for_values
 from graphkern.models.tiny import tiny_model
-from graphkern.values import GraphRun, array_stats, trace_for_values
+from graphkern.tracing import replay
 
 S = gk.Status
 
@@ -159,8 +160,8 @@ def test_values_are_dropped_once_their_last_reader_ran() -> None:
 
 
 def _flat(model: nn.Module) -> tuple:
-    from graphkern.state import Flat
     from graphkern.trace import Traceable
+    from graphkern.tracing.state import Flat
 
     return (Flat.of((pb.TOKENS,), {}, Traceable(model).arg_names),)
 

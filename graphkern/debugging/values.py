@@ -3,7 +3,7 @@ summary statistics of every node's output; the first node that made a NaN or Inf
 
 The trace is ``gk.trace``'s. Then the graph runs again, node by node, from the call's own
 arguments and state: every op node through the MLX op that makes its primitive
-(:mod:`graphkern.replay`), every kernel node through its validated launch. Each node's output gets
+(:mod:`graphkern.tracing.replay`), every kernel node through its validated launch. Each node's output gets
 ``stats = {"min", "max", "mean", "absmax", "nan", "inf"}`` (min, max, mean and absmax over its
 finite elements, ``None`` when it has none; ``nan`` and ``inf`` count elements), module outputs
 included (``module_outputs`` names the module calls a node's output left). A node whose array
@@ -35,19 +35,19 @@ from typing import Any, cast
 import mlx.core as mx
 import numpy as np
 
-from . import replay
-from ._fastpaths import adjacency
-from .autodiff import without_vjp
-from .capture import Wiring
-from .graph import Graph
-from .launch_paths import run_launch, run_reference
-from .nodes import Kernel, NodeKind, Status, dtype_name
+from ..launching._fastpaths import adjacency
+from ..launching.autodiff import without_vjp
+from ..launching.launch_paths import run_launch, run_reference
+from ..nodes import Kernel, NodeKind, Status, dtype_name
+from ..trace import Traceable, TraceRecorder
+from ..tracing import replay
+from ..tracing.capture import Wiring
+from ..tracing.graph import Graph
+from ..tracing.schema import STAT_KEYS
+from ..tracing.state import Flat
 from .precision import main_float_dtype
 from .progress import Progress, progress_line
-from .schema import STAT_KEYS
-from .state import Flat
 from .tolerance import errors
-from .trace import Traceable, TraceRecorder
 
 __all__ = ["STAT_KEYS", "GraphRun", "Inspector", "array_stats", "finish_values", "inspect",
            "is_finite_stats", "root_causes", "run_order", "trace_for_values"]
@@ -58,10 +58,10 @@ _CHUNK_BYTES = 256 << 20  # evaluate once this many bytes of node outputs are pe
 _CHUNK_NODES = 512
 _ANCHOR_ROUNDS = 3  # eager runs a values run may ask for, after nodes that fail to run again
 # primitives whose output holds their input's values (reordered, reshaped, repeated equally)
-_SAME_VALUES = frozenset({"Reshape", "Flatten", "Unflatten", "ExpandDims", "Squeeze", "Transpose",
+SAME_VALUES = frozenset({"Reshape", "Flatten", "Unflatten", "ExpandDims", "Squeeze", "Transpose",
                           "Copy", "StopGradient", "Broadcast", "BroadcastAxes"})
 # primitives whose output is some of their first input's values, exactly (for _cast_reads)
-_SELECTING = _SAME_VALUES | {"Gather", "GatherAxis", "Slice", "AsStrided"}
+_SELECTING = SAME_VALUES | {"Gather", "GatherAxis", "Slice", "AsStrided"}
 _CAST_BLOCK = 1 << 22  # elements of a weight cast at once by a run with cast_inputs
 _INPUT, _CONSTANT, _OUTPUT, _OP, _KERNEL = (k.value for k in (
     NodeKind.INPUT, NodeKind.CONSTANT, NodeKind.OUTPUT, NodeKind.OP, NodeKind.KERNEL))
@@ -352,7 +352,7 @@ class GraphRun:
         if kind == _KERNEL:
             return self._kernel(node, inputs)
         if kind == _COLLECTIVE:  # for real: every rank runs its graph at once, as the model
-            from .distributed.collectives import run_again
+            from ..distributed.collectives import run_again
 
             return run_again(data, inputs)
         event = self.wiring.primitives.get(node)
@@ -467,7 +467,7 @@ class GraphRun:
         output node returns its producer's array."""
         if data["kind"] == _OUTPUT:
             made = self.wiring.producer.get(self.returned.get(node, ""))
-        elif data["kind"] == _OP and data["op"] in _SAME_VALUES:
+        elif data["kind"] == _OP and data["op"] in SAME_VALUES:
             args = self.wiring.args.get(node, ())
             made = self.wiring.producer.get(args[0]) if len(args) == 1 else None
         else:
@@ -686,7 +686,7 @@ class Inspector:
     run each kernel's reference on the exact inputs it received in the graph and record
     ``reference_check = {"max_abs", "max_rel"}`` on its node. ``progress``: a progress line on
     stderr naming the phase (tracing, values in which dtype) and the nodes done (``None``: when
-    stderr is a terminal; see :mod:`graphkern.progress`). ``backend``: as
+    stderr is a terminal; see :mod:`graphkern.debugging.progress`). ``backend``: as
     ``gk.compile``'s.
 
     >>> import mlx.core as mx, os, tempfile
@@ -721,7 +721,7 @@ class Inspector:
         graph, wiring, arrays = trace_for_values(traceable, flat, self.backend)
         writer = None
         if self.save is not None:
-            from .tensor_files import open_writer
+            from ..tracing.tensor_files import open_writer
 
             writer = open_writer(self.save)
         anchored: set[str] = set()

@@ -15,10 +15,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..errors import BackendError
+from ..nodes import Kernel, Status
 from ._fastpaths import BACKEND_VARIABLE, environ_get
 from .context import state
-from .errors import BackendError
-from .nodes import Kernel, Status
 
 __all__ = [
     "BACKENDS",

@@ -1,0 +1,1 @@
+"""Debugging values: the interpreter, comparison, precision, progress lines, tolerances, kernel checks."""
