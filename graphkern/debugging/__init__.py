@@ -1,1 +1,2 @@
-"""Debugging values: the interpreter, comparison, precision, progress lines, tolerances, kernel checks."""
+"""Debugging values: the graph interpreter, statistics, inspect, comparison, precision, progress
+lines, tolerances, kernel checks."""

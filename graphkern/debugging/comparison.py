@@ -32,16 +32,11 @@ from ..trace import Traceable
 from ..tracing.capture import Wiring
 from ..tracing.graph import Graph
 from ..tracing.state import Flat
+from .interpreter import run_order
 from .precision import ROUNDING_MARGIN, beyond_rounding, float32_state, is_half, main_float_dtype
 from .progress import Progress, progress_line
 from .tolerance import errors
-from .values import (
-    SAME_VALUES,
-    GraphRun,
-    finish_values,
-    run_order,
-    trace_for_values,
-)
+from .values import SAME_VALUES, GraphRun, finish_values, trace_for_values
 
 __all__ = ["Comparison", "KernelCheck", "ParameterRow", "Row", "compare", "compare_parameters",
            "match_outputs"]
