@@ -26,8 +26,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .launching import backends
-from .launching._fastpaths import gc_paused
 from .launching.context import adopted, current_recorder, recording, snapshot, state
+from .launching.fastpaths import gc_paused
 from .launching.validation import Launch
 from .nodes import Kernel, KernelError, Status, dtype_name
 from .tracing.capture import MAGIC, EventLog, Record, Wiring, build_graph

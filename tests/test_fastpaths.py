@@ -1,4 +1,4 @@
-"""Each fast path of graphkern.launching._fastpaths agrees with the public route it stands for."""
+"""Each fast path of graphkern.launching.fastpaths agrees with the public route it stands for."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 import graphkern as gk
 from graphkern.launching import launch_paths, validation
-from graphkern.launching._fastpaths import (
+from graphkern.launching.fastpaths import (
     BACKEND_VARIABLE,
     adjacency,
     bulk_multidigraph,
@@ -99,7 +99,7 @@ def test_moving_a_nodes_out_edges_equals_the_public_api_route():
 def test_the_paused_collector_is_left_as_it_was_found(enabled: bool) -> None:
     import gc
 
-    from graphkern.launching._fastpaths import gc_paused
+    from graphkern.launching.fastpaths import gc_paused
 
     was = gc.isenabled()
     (gc.enable if enabled else gc.disable)()

@@ -26,8 +26,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..launching._fastpaths import adjacency
 from ..launching.autodiff import without_vjp
+from ..launching.fastpaths import adjacency
 from ..launching.launch_paths import run_launch
 from ..nodes import Kernel, NodeKind, Status
 from ..tracing import replay

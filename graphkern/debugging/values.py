@@ -34,7 +34,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from ..launching._fastpaths import adjacency
+from ..launching.fastpaths import adjacency
 from ..launching.launch_paths import run_reference
 from ..nodes import NodeKind, Status, dtype_name
 from ..trace import Traceable, TraceRecorder

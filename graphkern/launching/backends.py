@@ -17,8 +17,8 @@ import mlx.core as mx
 
 from ..errors import BackendError
 from ..nodes import Kernel, Status
-from ._fastpaths import BACKEND_VARIABLE, environ_get
 from .context import state
+from .fastpaths import BACKEND_VARIABLE, environ_get
 
 __all__ = [
     "BACKENDS",

@@ -20,7 +20,7 @@ from typing import Any, cast
 import mlx.core as mx
 import networkx as nx
 
-from ..launching._fastpaths import adjacency, bulk_multidigraph, move_out_edges
+from ..launching.fastpaths import adjacency, bulk_multidigraph, move_out_edges
 from ..nodes import KernelError, NodeKind, dtype_name
 
 MAGIC = 0x676B7472  # "gktr"

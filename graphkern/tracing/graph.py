@@ -14,7 +14,7 @@ from typing import Any
 import networkx as nx
 
 from ..errors import GraphFormatError
-from ..launching._fastpaths import adjacency
+from ..launching.fastpaths import adjacency
 from ..nodes import KernelError, NodeKind, Status
 from .schema import EDGE_FIELDS, NODE_FIELDS, ROOT_FAILURES, lint
 

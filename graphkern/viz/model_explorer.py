@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from graphkern.launching._fastpaths import gc_paused
+from graphkern.launching.fastpaths import gc_paused
 from graphkern.viz._common import (
     UPSTREAM_FAILED,
     all_in_edges,
