@@ -205,7 +205,7 @@ def float_template_names(kernel: Kernel) -> frozenset[str]:
 
 def _template_floats(template: list[list[str]], names: frozenset[str]) -> dict[str, float]:
     """``{"EPS": 1e-05}`` for the template arguments in ``names`` that hold float32 bits."""
-    from graphkern.kernels._base import float_from_bits
+    from graphkern.kernels.base import float_from_bits
 
     out = {}
     for name, text in template:

@@ -37,7 +37,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from graphkern.kernels._base import Plan  # noqa: E402
+from graphkern.kernels.base import Plan  # noqa: E402
 from graphkern.kernels.registry import LIBRARY  # noqa: E402
 from graphkern.launching.backends import mlx_kernel_name  # noqa: E402
 from graphkern.launching.source_text import for_backend  # noqa: E402

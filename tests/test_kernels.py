@@ -18,8 +18,8 @@ import graphkern.kernels as gkk
 from graphkern.debugging.kernel_checks import strided
 from graphkern.debugging.tolerance import worst_errors
 from graphkern.kernels import LIBRARY, apply_plan
-from graphkern.kernels import _base as kernels_base
-from graphkern.kernels._base import MAX_ROW_ITEMS, Plan, row_config, runs_on_cuda
+from graphkern.kernels import base as kernels_base
+from graphkern.kernels.base import MAX_ROW_ITEMS, Plan, row_config, runs_on_cuda
 from graphkern.kernels.ops import softmax as softmax_module
 from graphkern.kernels.ops.rope import (
     OFFSET_BIAS,

@@ -1,4 +1,4 @@
-"""Library layers keep one checked launch per argument signature (kernels._base.LayerLaunches)."""
+"""Library layers keep one checked launch per argument signature (kernels.base.LayerLaunches)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 import graphkern as gk
 import graphkern.kernels as gkk
-from graphkern.kernels._base import LayerLaunches, Plan, signature_constant
+from graphkern.kernels.base import LayerLaunches, Plan, signature_constant
 from graphkern.kernels.ops import add_rms_norm as add_rms_norm_module
 from graphkern.kernels.ops import rms_norm as rms_norm_module
 from graphkern.launching import backends

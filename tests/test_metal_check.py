@@ -11,7 +11,7 @@ import pytest
 
 import graphkern as gk
 from graphkern.kernels import LIBRARY
-from graphkern.kernels._base import THREADGROUP_MEMORY
+from graphkern.kernels.base import THREADGROUP_MEMORY
 from graphkern.launching.backends import using_backend
 from graphkern.launching.mlx_kernels import build_mlx_kernel
 from graphkern.metal_check import check_library_metal, check_metal, metal_source

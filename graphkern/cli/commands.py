@@ -273,7 +273,7 @@ def render_outputs(graph: Any, outputs: dict[str, str | None],
 
 
 def write_files(files: dict[str, bytes]) -> None:
-    from graphkern.viz._common import atomic_write
+    from graphkern.viz.common import atomic_write
 
     for path, data in files.items():
         atomic_write(path, data)
@@ -281,7 +281,7 @@ def write_files(files: dict[str, bytes]) -> None:
 
 def brief_summary(graph: Any) -> str:
     """Name, counts by kind, kernels and status in a few lines."""
-    from graphkern.viz._common import failures, status_name
+    from graphkern.viz.common import failures, status_name
 
     g = graph.nx
     kinds: dict[str, int] = {}
@@ -585,7 +585,7 @@ def view_cmd(file: str | None, model_path: str | None, prompt: str | None, patch
     import tempfile
     import webbrowser
 
-    from graphkern.viz._common import atomic_write
+    from graphkern.viz.common import atomic_write
     from graphkern.viz.html import to_html
 
     check_outputs({"--out": out})

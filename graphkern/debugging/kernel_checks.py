@@ -22,7 +22,7 @@ from tabulate import tabulate
 
 from graphkern.debugging.tolerance import TOLERANCES, worst_errors
 from graphkern.kernels import LIBRARY, entries_for
-from graphkern.kernels._base import FLOAT_DTYPES, Case, LibraryEntry, apply_plan
+from graphkern.kernels.base import FLOAT_DTYPES, Case, LibraryEntry, apply_plan
 from graphkern.launching.backends import resolve_backend
 from graphkern.nodes import Kernel, KernelError, dtype_name
 

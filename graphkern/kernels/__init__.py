@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx  # noqa: F401  (doctest namespace)
 
-from graphkern.kernels._base import Case, LibraryEntry, Plan, apply_plan
+from graphkern.kernels.base import Case, LibraryEntry, Plan, apply_plan
 from graphkern.kernels.ops.add_rms_norm import ADD_RMS_NORM, add_rms_norm
 from graphkern.kernels.ops.gelu import GELU, gelu
 from graphkern.kernels.ops.layer_norm import LAYER_NORM, layer_norm

@@ -21,7 +21,7 @@ from graphkern.debugging.precision import main_float_dtype
 from graphkern.debugging.progress import Progress, progress_line
 from graphkern.debugging.tolerance import MODEL_TOLERANCES, worst_errors
 from graphkern.errors import ModelError
-from graphkern.kernels._base import FLOAT_DTYPES
+from graphkern.kernels.base import FLOAT_DTYPES
 from graphkern.launching.backends import active_backend
 from graphkern.models.patching import patch, patched_layers, unpatch
 from graphkern.models.prefill import kernels_only

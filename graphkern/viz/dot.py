@@ -28,7 +28,7 @@ import networkx as nx
 
 from graphkern.errors import DrawingError
 from graphkern.nodes import Status
-from graphkern.viz._common import (
+from graphkern.viz.common import (
     UPSTREAM_FAILED,
     all_in_edges,
     as_nx,

@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._base import (
+from graphkern.kernels._headers import dual_header
+from graphkern.kernels.base import (
     THREADGROUP_MEMORY,
     Case,
     LayerLaunches,
@@ -34,7 +35,6 @@ from graphkern.kernels._base import (
     unused_input,
     vector_width,
 )
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA, rms_norm_reference
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 

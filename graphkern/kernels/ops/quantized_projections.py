@@ -26,7 +26,8 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from graphkern.kernels._base import (
+from graphkern.kernels._headers import dual_header
+from graphkern.kernels.base import (
     THREADGROUP_MEMORY,
     Case,
     LayerLaunches,
@@ -44,7 +45,6 @@ from graphkern.kernels._base import (
     unused_input,
     vector_width,
 )
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.ops.projections import random_rows, run_cached, stock_normed
 from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
