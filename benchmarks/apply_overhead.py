@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _timing import header, interleaved  # noqa: E402
 
 import graphkern as gk  # noqa: E402
-from graphkern import mlx_kernels
+from graphkern.launching import mlx_kernels
 
 KERNEL = gk.Kernel(
     "scale_add",

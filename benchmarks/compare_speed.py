@@ -10,7 +10,7 @@ safetensors file (no float32 copy is ever made) and then times:
 - ``inspect a + b``: ``gk.inspect(a, x)`` then ``gk.inspect(b, x)``;
 - ``compare``: ``gk.compare(a, b, x, rounding=False)`` (the plain tolerance rule);
 - ``compare, rounding``: ``gk.compare(a, b, x)``, which for half-precision models also runs both
-  in float32 to judge each node against what rounding explains (see ``graphkern.precision``).
+  in float32 to judge each node against what rounding explains (see ``graphkern.debugging.precision``).
 
 Peak memory: MLX's allocator peak (``mx.get_peak_memory()``, reset once the models are loaded)
 and the process's peak RSS (``ru_maxrss``, including loading the models and Python), each over the

@@ -31,7 +31,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, if not installed
 import graphkern as gk  # noqa: E402
-from graphkern import validation
+from graphkern.launching import validation
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import interleaved_samples, paired_ratio, summary  # noqa: E402
@@ -222,7 +222,7 @@ def bench_eager(rounds: int, number_lazy: int, number_eval: int) -> list[dict[st
     assert mx.allclose(gk_bound()[0], bare()[0]).item()
     rows = []
     if CUDA:  # diagnosis: where graphkern's time goes, layer by layer (private functions)
-        from graphkern import launch_paths
+        from graphkern.launching import launch_paths
         try:
             launch, checked = validation.validate(SCALE_ADD, [x, y], spec, kw["grid"], kw["threadgroup"],
                                                template)

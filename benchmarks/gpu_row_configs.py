@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_kernels import _gpu_time  # noqa: E402
 
 from graphkern.kernels import LIBRARY  # noqa: E402
-from graphkern.kernels._base import Plan, RowConfig, row_launch, run  # noqa: E402
+from graphkern.kernels.base import Plan, RowConfig, row_launch, run  # noqa: E402
 
 ROW_KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "softmax")
 ROPE_KERNELS = ("rope", "rope_traditional")

@@ -36,7 +36,7 @@ from _timing import header, interleaved_samples, paired_ratio, summary  # noqa: 
 
 import graphkern as gk  # noqa: E402
 import graphkern.kernels as gkk  # noqa: E402
-from graphkern import launch_paths  # noqa: E402
+from graphkern.launching import launch_paths
 
 CHAIN = 64
 _COPY = "auto i = blockIdx.x * blockDim.x + threadIdx.x; if (i < x_shape[0] * x_shape[1]) out[i] = x[i];"
@@ -63,7 +63,7 @@ def without_vjp(fn: Callable[[], None]) -> Callable[[], None]:
 
 def not_replayed(fn: Callable[[], None]) -> Callable[[], None]:
     """``fn`` with eager launches calling MLX's kernel object each time instead of replaying the
-    launch's ``mx.compile``d form (``graphkern.launch_paths.replayed``): which of the two costs the
+    launch's ``mx.compile``d form (``graphkern.launching.launch_paths.replayed``): which of the two costs the
     host less."""
     def run() -> None:
         replayed = launch_paths.replayed
@@ -83,7 +83,7 @@ def same_source_step(x: mx.array, w: mx.array) -> Callable[[mx.array], mx.array]
     """One launch of ``gkk.rms_norm``'s kernel on ``x``-shaped input through MLX's kernel object
     alone: the library's plan (grid, template), none of its call path."""
     from graphkern.kernels.ops.rms_norm import plan_rms_norm
-    from graphkern.mlx_kernels import build_mlx_kernel
+    from graphkern.launching.mlx_kernels import build_mlx_kernel
 
     plan = plan_rms_norm(x, w, 1e-5)
     kernel = build_mlx_kernel("cuda", plan.kernel)

@@ -46,7 +46,7 @@ import mlx.core as mx  # noqa: E402
 import viz_graphs  # noqa: E402
 
 import graphkern as gk  # noqa: E402
-from graphkern.viz.dot import DotError, _run_dot, render, to_dot  # noqa: E402
+from graphkern.viz.dot import DotError, render, run_dot, to_dot  # noqa: E402
 from graphkern.viz.html import to_html  # noqa: E402
 from graphkern.viz.model_explorer import to_model_explorer  # noqa: E402
 
@@ -216,7 +216,7 @@ def llamas(args: argparse.Namespace, results: list[dict[str, Any]], browser: Bro
 def _dot_row(name: str, dot: str, args: argparse.Namespace) -> dict[str, Any]:
     t = time.perf_counter()
     try:
-        _run_dot(dot, "svg", timeout=args.dot_timeout)
+        run_dot(dot, "svg", timeout=args.dot_timeout)
     except DotError as e:
         print(f"{name:<52} stopped after {time.perf_counter() - t:.1f} s ({e})", flush=True)
         return {"name": name, "median_ms": None, "stopped_after_s": args.dot_timeout}

@@ -7,25 +7,26 @@ True
 
 from __future__ import annotations
 
-from .autodiff import without_vjp
-from .backends import active_backend
-from .bound import BoundLaunch, bind
-from .compiled import CompiledGraph, compile
 from .errors import BackendError, DrawingError, GraphFormatError, GraphkernError, ModelError, PatchWarning
-from .graph import Failure, Graph, GraphError
-from .launch_cache import cache_stats, clear_caches
-from .mlx_kernels import kernel_cache
+from .launching.autodiff import without_vjp
+from .launching.backends import active_backend
+from .launching.bound import BoundLaunch, bind
+from .launching.launch_cache import cache_stats, clear_caches
+from .launching.mlx_kernels import kernel_cache
 from .nodes import Kernel, KernelError, KernelResult, NodeKind, OutputSpec, Status, TemplateArg
 from .runtime import apply, apply_in_graph, launch
 from .trace import ScopeWarning, trace
+from .tracing.compiled import CompiledGraph, compile
+from .tracing.graph import Failure, Graph, GraphError
 
 __version__ = "0.1.0"
 
 _LAZY = {  # heavier parts, imported on first use so `import graphkern` stays light
     "wrap": "graphkern.models", "patch": "graphkern.models", "unpatch": "graphkern.models",
-    "check_model": "graphkern.models", "check": "graphkern.kernel_checks", "diff": "graphkern.viz.graph_diff",
-    "kernels": "graphkern.kernels", "inspect": "graphkern.values", "Inspector": "graphkern.values",
-    "compare": "graphkern.comparison", "Comparison": "graphkern.comparison",
+    "check_model": "graphkern.models", "check": "graphkern.debugging.kernel_checks",
+    "diff": "graphkern.viz.graph_diff", "kernels": "graphkern.kernels",
+    "inspect": "graphkern.debugging.values", "Inspector": "graphkern.debugging.values",
+    "compare": "graphkern.debugging.comparison", "Comparison": "graphkern.debugging.comparison",
 }
 
 

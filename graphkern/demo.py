@@ -15,10 +15,10 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from .compiled import compile
-from .graph import Graph, GraphError
 from .runtime import apply_in_graph
 from .trace import trace
+from .tracing.compiled import compile
+from .tracing.graph import Graph, GraphError
 
 __all__ = ["DemoModel", "DemoResult", "demo_inputs", "run_demo"]
 

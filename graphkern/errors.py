@@ -5,7 +5,7 @@ Every error is a :class:`GraphkernError` carrying ``operation`` (what was attemp
 
     GraphkernError
     └── KernelError            kernels: defining, launching, applying one (graphkern.nodes)
-        ├── GraphError         a compiled graph with a failed node was called (graphkern.graph)
+        ├── GraphError         a compiled graph with a failed node was called (graphkern.tracing.graph)
         │   └── GroupError     the ranks of a job cannot run a call together (graphkern.distributed)
         │       └── JobAborted
         │           └── CollectiveTimeout

@@ -15,11 +15,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from .backends import APPLY
-from .context import current_recorder, state
-from .launch_paths import run_eager, run_launch
+from .launching.backends import APPLY
+from .launching.context import current_recorder, state
+from .launching.launch_paths import run_eager, run_launch
+from .launching.validation import Launch, validate
 from .nodes import Kernel, KernelError, KernelResult, OutputSpec, Status, TemplateLike
-from .validation import Launch, validate
 
 __all__ = ["apply", "apply_in_graph", "launch", "placeholders"]
 

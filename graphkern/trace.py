@@ -1,8 +1,8 @@
 """Trace a function into a ``Graph`` with MLX's own capture.
 
 ``trace`` runs ``fn`` once inside ``mx.export_function`` with a recorder installed: every
-``apply_in_graph`` call and every ``nn.Module`` call is tagged, then ``graphkern.capture`` turns
-MLX's events into the graph. ``graphkern.compiled`` builds compiled graphs on these traces.
+``apply_in_graph`` call and every ``nn.Module`` call is tagged, then ``graphkern.tracing.capture`` turns
+MLX's events into the graph. ``graphkern.tracing.compiled`` builds compiled graphs on these traces.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import backends
-from ._fastpaths import gc_paused
-from .capture import MAGIC, EventLog, Record, Wiring, build_graph
-from .context import adopted, current_recorder, recording, snapshot, state
-from .graph import Graph, GraphError
+from .launching import backends
+from .launching.context import adopted, current_recorder, recording, snapshot, state
+from .launching.fastpaths import gc_paused
+from .launching.validation import Launch
 from .nodes import Kernel, KernelError, Status, dtype_name
-from .state import Flat, State, argument_names, flatten_outputs, unflatten_outputs
-from .validation import Launch
+from .tracing.capture import MAGIC, EventLog, Record, Wiring, build_graph
+from .tracing.graph import Graph, GraphError
+from .tracing.state import Flat, State, argument_names, flatten_outputs, unflatten_outputs
 
 __all__ = ["Graph", "GraphError", "ScopeWarning", "TraceRecorder", "trace"]
 
@@ -205,7 +205,7 @@ def float_template_names(kernel: Kernel) -> frozenset[str]:
 
 def _template_floats(template: list[list[str]], names: frozenset[str]) -> dict[str, float]:
     """``{"EPS": 1e-05}`` for the template arguments in ``names`` that hold float32 bits."""
-    from graphkern.kernels._base import float_from_bits
+    from graphkern.kernels.base import float_from_bits
 
     out = {}
     for name, text in template:
@@ -327,7 +327,7 @@ def _refuse_compiled(fn: Any) -> None:
                           "cannot be traced again: trace the model itself (gk.trace(wrapped.model, "
                           "...)), or read the graph the wrapper traced: wrapped.graph",
                           Status.INVALID_INPUT)
-    from graphkern.compiled import CompiledGraph
+    from graphkern.tracing.compiled import CompiledGraph
 
     if isinstance(fn, CompiledGraph):
         raise KernelError(_TRACE, "this is a gk.compile()d function, which runs a compiled graph "

@@ -37,11 +37,11 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from graphkern.backends import mlx_kernel_name  # noqa: E402
-from graphkern.kernels._base import Plan  # noqa: E402
+from graphkern.kernels.base import Plan  # noqa: E402
 from graphkern.kernels.registry import LIBRARY  # noqa: E402
+from graphkern.launching.backends import mlx_kernel_name  # noqa: E402
+from graphkern.launching.source_text import for_backend  # noqa: E402
 from graphkern.nodes import Kernel, KernelError, OutputSpec, TemplateArg, dtype_name  # noqa: E402
-from graphkern.source_text import for_backend  # noqa: E402
 
 DEFAULT_MLX_SRC = "/work/.mirror/ml-explore+mlx/repo"
 ARCH = "sm_90a"  # what MLX picks on an H100/H200 (compute capability 9.0, arch tag "a")

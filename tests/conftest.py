@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, settings
 
-from graphkern import backends, launch_paths
+from graphkern.launching import backends, launch_paths
 
 settings.register_profile("ci", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -76,7 +76,7 @@ def two_live_threads() -> Callable[[Callable[[], Any]], tuple[list[Any], list[th
 
 @pytest.fixture(autouse=True, scope="session")
 def lint_every_trace():  # type: ignore[no-untyped-def]
-    """Every graph a test captures is checked against graphkern.schema (``Graph.lint``), as
+    """Every graph a test captures is checked against graphkern.tracing.schema (``Graph.lint``), as
     torch.fx's tests lint every graph they build."""
     import sys
 

@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from graphkern.kernels._base import LayerLaunches
+from graphkern.kernels.base import LayerLaunches
 from graphkern.models import MODEL_TOLERANCES
 
 ATOL, RTOL = (1e-5, 1e-5) if mx.default_device() == mx.cpu else MODEL_TOLERANCES[mx.float32]

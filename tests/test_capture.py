@@ -2,8 +2,8 @@ import mlx.core as mx
 import networkx as nx
 
 import graphkern as gk
-from graphkern.capture import innermost_common_scope
-from graphkern.graph import topological_order
+from graphkern.tracing.capture import innermost_common_scope
+from graphkern.tracing.graph import topological_order
 
 
 def test_topological_order_is_valid_and_stable():

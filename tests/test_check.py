@@ -1,4 +1,4 @@
-"""graphkern.kernel_checks on CPU: report contents, tolerances, failure detection and the no-GPU note."""
+"""gk.check on CPU: report contents, tolerances, failure detection and the no-GPU note."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import graphkern as gk
-from graphkern.backends import active_backend
-from graphkern.kernel_checks import TOLERANCES, CheckReport, check, strided
+from graphkern.debugging.kernel_checks import TOLERANCES, CheckReport, check, strided
+from graphkern.debugging.tolerance import within, worst_errors
 from graphkern.kernels import LIBRARY, RMS_NORM, Case
+from graphkern.launching.backends import active_backend
 from graphkern.nodes import KernelError
-from graphkern.tolerance import within, worst_errors
 
 
 def test_check_covers_dtypes_shapes_and_layouts() -> None:
@@ -56,7 +56,7 @@ def test_unknown_targets_and_dtypes_are_refused() -> None:
 
 
 def test_a_wrong_kernel_fails_with_its_worst_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    import graphkern.kernel_checks as check_module
+    import graphkern.debugging.kernel_checks as check_module
 
     real_apply = check_module.apply_plan
     calls: list[str | None] = []
@@ -76,7 +76,7 @@ def test_a_wrong_kernel_fails_with_its_worst_error(monkeypatch: pytest.MonkeyPat
 
 
 def test_a_kernel_error_becomes_a_failed_case(monkeypatch: pytest.MonkeyPatch) -> None:
-    import graphkern.kernel_checks as check_module
+    import graphkern.debugging.kernel_checks as check_module
 
     def broken(plan, backend=None):  # type: ignore[no-untyped-def]
         raise KernelError("launch the cuda kernel 'gk_rms_norm'", "Failed to compile kernel: x.cu(3): error")

@@ -13,10 +13,10 @@ import pytest
 from model_comparisons import same_values
 
 import graphkern as gk
+from graphkern.debugging.tolerance import MODEL_TOLERANCES, within
 from graphkern.models import prefill
 from graphkern.models.checkpoint import write_checkpoint
 from graphkern.nodes import dtype_name
-from graphkern.tolerance import MODEL_TOLERANCES, within
 
 mlx_lm = pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402

@@ -174,7 +174,7 @@ def test_random_inputs_have_the_declared_shape_dtype_and_range(dtype: str) -> No
     import mlx.core as mx
     import numpy as np
 
-    from graphkern.cli_commands import make_input
+    from graphkern.cli.commands import make_input
     from graphkern.nodes import dtype_from_name
 
     x = make_input((64, 32), dtype, mx.random.key(3))
@@ -203,7 +203,7 @@ def test_nothing_written_when_a_later_output_fails(work: Path, monkeypatch) -> N
     def no_graphviz(*a, **k):
         raise dot.DotError("rendering needs Graphviz's 'dot' program")
 
-    monkeypatch.setattr(dot, "_run_dot", no_graphviz)
+    monkeypatch.setattr(dot, "run_dot", no_graphviz)
     r = run("trace", "mymodel:forward", "-i", "8", "-i", "8", "--json", "g.json", "--svg", "g.svg")
     assert r.exit_code == 2 and "Graphviz" in r.output
     assert files(work) == {"mymodel.py"}
@@ -241,7 +241,7 @@ def test_show_failed_graph_exits_1(saved: dict[str, Path]) -> None:
 
 
 @pytest.mark.parametrize("content, message", [
-    ('{"schema": "graphkern.graph", "version": 1, "nodes": [', "not valid JSON"),
+    ('{"schema": "graphkern.tracing.graph", "version": 1, "nodes": [', "not valid JSON"),
     ("this is not json", "not valid JSON"),
     ("", "not valid JSON"),
     ('{"hello": 1}', "not a graphkern graph"),

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from graphkern.cli import main
-from graphkern.cli_model import load_checkpoint, prompt_tokens
+from graphkern.cli.model import load_checkpoint, prompt_tokens
 from graphkern.models.checkpoint import write_checkpoint
 from graphkern.models.generation_bench import GenerationResult, GenerationRun
 from graphkern.nodes import KernelError

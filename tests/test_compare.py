@@ -185,7 +185,7 @@ def test_rounding_is_the_default_only_in_half_precision() -> None:
 
 
 def test_a_weight_read_in_float32_is_cast_a_block_at_a_time(monkeypatch) -> None:
-    from graphkern import values
+    from graphkern.debugging import values
 
     model = tiny_model("qwen2", mx.bfloat16)  # tied embeddings: the output layer reads the embedding
     whole = gk.compare(model, model, pb.TOKENS)
@@ -199,7 +199,7 @@ def test_a_weight_read_in_float32_is_cast_a_block_at_a_time(monkeypatch) -> None
 
 
 def test_a_half_precision_overflow_in_one_side_is_always_beyond() -> None:
-    from graphkern.precision import beyond_rounding
+    from graphkern.debugging.precision import beyond_rounding
 
     a32 = mx.array([1.0, 6e4])
     a = a32.astype(mx.float16)  # 6e4 fits float16

@@ -119,7 +119,7 @@ def test_run_failure_is_attributed_to_its_kernel_node():
 
 
 def test_compiled_path_has_no_tags():
-    from graphkern.autodiff import without_vjp
+    from graphkern.launching.autodiff import without_vjp
 
     events = []
     cf = gk.compile(model_fn)
@@ -143,7 +143,7 @@ def test_python_scalar_arguments_are_never_baked_into_a_shared_trace():
 def test_a_failing_stock_op_is_not_blamed_on_the_kernel_after_it(monkeypatch):
     import importlib
 
-    trace_module = importlib.import_module("graphkern.compiled")
+    trace_module = importlib.import_module("graphkern.tracing.compiled")
 
     probe = trace_module._PassThrough(probe=True)
     boom = RuntimeError("[gather_mm] not supported on this backend")

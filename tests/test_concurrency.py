@@ -31,9 +31,9 @@ from mlx.utils import tree_map
 
 import graphkern as gk
 import graphkern.kernels as gkk
-from graphkern import backends, mlx_kernels
-from graphkern.compiled import _CallState, _PassThrough
+from graphkern.launching import backends, mlx_kernels
 from graphkern.trace import _ModuleHooks
+from graphkern.tracing.compiled import _CallState, _PassThrough
 
 THREADS = 8
 CALLS = 1_000

@@ -12,7 +12,7 @@ import pytest
 
 import graphkern as gk
 from graphkern import errors
-from graphkern.backends import using_backend
+from graphkern.launching.backends import using_backend
 from graphkern.viz.dot import render
 
 

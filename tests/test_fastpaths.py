@@ -1,4 +1,4 @@
-"""Each fast path of graphkern._fastpaths agrees with the public route it stands for."""
+"""Each fast path of graphkern.launching.fastpaths agrees with the public route it stands for."""
 
 from __future__ import annotations
 
@@ -9,8 +9,14 @@ import networkx as nx
 import pytest
 
 import graphkern as gk
-from graphkern import launch_paths, validation
-from graphkern._fastpaths import BACKEND_VARIABLE, adjacency, bulk_multidigraph, environ_get, move_out_edges
+from graphkern.launching import launch_paths, validation
+from graphkern.launching.fastpaths import (
+    BACKEND_VARIABLE,
+    adjacency,
+    bulk_multidigraph,
+    environ_get,
+    move_out_edges,
+)
 
 
 def _decoded(raw: object) -> object:
@@ -93,7 +99,7 @@ def test_moving_a_nodes_out_edges_equals_the_public_api_route():
 def test_the_paused_collector_is_left_as_it_was_found(enabled: bool) -> None:
     import gc
 
-    from graphkern._fastpaths import gc_paused
+    from graphkern.launching.fastpaths import gc_paused
 
     was = gc.isenabled()
     (gc.enable if enabled else gc.disable)()

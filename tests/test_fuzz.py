@@ -30,7 +30,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import graphkern as gk
-from graphkern import backends, context, mlx_kernels, validation
+from graphkern.launching import backends, context, mlx_kernels, validation
 from graphkern.nodes import dtype_name
 from graphkern.trace import TraceRecorder
 

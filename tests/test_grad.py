@@ -14,8 +14,8 @@ from mlx.utils import tree_flatten
 from model_comparisons import ATOL, NEEDS_STOCK_GRADIENTS, RTOL, assert_same_gradients, same_values
 
 import graphkern as gk
-from graphkern import backends, launch_paths, validation
-from graphkern.autodiff import with_vjp, without_vjp
+from graphkern.launching import backends, launch_paths, validation
+from graphkern.launching.autodiff import with_vjp, without_vjp
 from graphkern.models import patch, unpatch
 from graphkern.models.tiny import tiny_model
 
@@ -194,7 +194,7 @@ def test_with_vjp_scalars_get_no_cotangent_and_bad_backwards_are_reported():
 
 
 def test_without_vjp_is_public_nests_and_is_undone_by_an_exception():
-    from graphkern.autodiff import vjp_enabled
+    from graphkern.launching.autodiff import vjp_enabled
 
     with gk.without_vjp():
         with gk.without_vjp():

@@ -27,7 +27,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import graphkern as gk
-from graphkern import graph as graph_module
+from graphkern.tracing import graph as graph_module
 
 S = gk.Status
 LOAD_OP = "load a graphkern graph from JSON"
@@ -296,7 +296,7 @@ def test_oversized_documents_are_refused_before_parsing(monkeypatch: pytest.Monk
 @pytest.mark.parametrize("text", [
     "", " ", "null", "[]", "{}", "0", '"graph"', "[" * 100_000, '{"a":' * 100_000,
     "1" * 5_000,  # over Python's int-string limit: a ValueError that is not a JSONDecodeError
-    '{"schema": "graphkern.graph", "version": 1, "graph": {}, "nodes": [], "edges": [], "x": '
+    '{"schema": "graphkern.tracing.graph", "version": 1, "graph": {}, "nodes": [], "edges": [], "x": '
     + "9" * 5000 + "}",
     b"\xff\xfe\x00{", b'{"schema": "\xc3\x28"}', "\ud800", 12, None, ["{}"],
 ], ids=["empty", "space", "null", "list", "object", "number", "string", "deep-list", "deep-object",

@@ -15,10 +15,11 @@ from hypothesis import strategies as st
 
 import graphkern as gk
 import graphkern.kernels as gkk
-from graphkern.kernel_checks import strided
+from graphkern.debugging.kernel_checks import strided
+from graphkern.debugging.tolerance import worst_errors
 from graphkern.kernels import LIBRARY, apply_plan
-from graphkern.kernels import _base as kernels_base
-from graphkern.kernels._base import MAX_ROW_ITEMS, Plan, row_config, runs_on_cuda
+from graphkern.kernels import base as kernels_base
+from graphkern.kernels.base import MAX_ROW_ITEMS, Plan, row_config, runs_on_cuda
 from graphkern.kernels.ops import softmax as softmax_module
 from graphkern.kernels.ops.rope import (
     OFFSET_BIAS,
@@ -30,7 +31,6 @@ from graphkern.kernels.ops.rope import (
 )
 from graphkern.kernels.ops.softmax import plan_softmax
 from graphkern.nodes import KernelError, Status
-from graphkern.tolerance import worst_errors
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 # Tolerances against stock MLX, which rounds intermediates to the dtype in places where the

@@ -1,4 +1,4 @@
-"""One launch cache (graphkern.launch_cache), one thread state (graphkern.context)."""
+"""One launch cache (graphkern.launching.launch_cache), one thread state (graphkern.launching.context)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 
 import graphkern as gk
 import graphkern.kernels as gkk
-from graphkern import context, launch_paths, mlx_kernels, validation
-from graphkern.autodiff import vjp_enabled
-from graphkern.launch_cache import LaunchCache
+from graphkern.launching import backends, context, launch_paths, mlx_kernels, validation
+from graphkern.launching.autodiff import vjp_enabled
+from graphkern.launching.launch_cache import LaunchCache
 from graphkern.models.prefill import kernels_only, stock_layers, stock_layers_run
 
 X = mx.arange(8, dtype=mx.float32)
@@ -106,7 +106,7 @@ def test_a_new_thread_never_inherits_the_forms_of_a_dead_thread_with_its_id(opaq
     seen: dict[str, Any] = {}
 
     def first() -> None:
-        with gk.backends.using_backend("cuda"):  # the override is per thread
+        with backends.using_backend("cuda"):  # the override is per thread
             bound(mx.arange(8, dtype=mx.float32))
         seen["ident"], seen["forms"] = threading.get_ident(), launch_paths.thread_forms(bound.launch)
 
@@ -143,7 +143,7 @@ def test_every_setting_of_the_thread_reaches_the_traced_function_and_comes_back(
                       vjp=vjp_enabled(), stock=stock_layers_run(), kernels_only=context.state.kernels_only)
         return x * 2
 
-    with gk.backends.using_backend("cuda"), gk.without_vjp(), stock_layers(), kernels_only():
+    with backends.using_backend("cuda"), gk.without_vjp(), stock_layers(), kernels_only():
         gk.trace(fn, X)
         assert (gk.active_backend(), vjp_enabled(), stock_layers_run()) == ("cuda", False, True)
     assert inside["thread"] is not threading.current_thread()  # it ran on the deep-stack thread

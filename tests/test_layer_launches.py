@@ -1,4 +1,4 @@
-"""Library layers keep one checked launch per argument signature (kernels._base.LayerLaunches)."""
+"""Library layers keep one checked launch per argument signature (kernels.base.LayerLaunches)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 
 import graphkern as gk
 import graphkern.kernels as gkk
-from graphkern.kernels._base import LayerLaunches, Plan, signature_constant
+from graphkern.kernels.base import LayerLaunches, Plan, signature_constant
 from graphkern.kernels.ops import add_rms_norm as add_rms_norm_module
 from graphkern.kernels.ops import rms_norm as rms_norm_module
+from graphkern.launching import backends
 
 
 def _rms(x: mx.array, w: mx.array | None, eps: float) -> mx.array:
@@ -62,7 +63,7 @@ def test_traces_and_backends_take_their_own_way(opaque_gpu: list[str]) -> None:
     gkk.rms_norm(x, norm.weight)  # an eager launch, kept
     graph = gk.trace(lambda v: gkk.rms_norm(v, norm.weight), x)
     assert [graph.node(k)["kernel"] for k in graph.kernels()] == ["gk_rms_norm"]  # a node, traced
-    with gk.backends.using_backend("reference"):  # another backend: its own launch
+    with backends.using_backend("reference"):  # another backend: its own launch
         assert mx.allclose(gkk.rms_norm(x, norm.weight), norm(x), atol=1e-6).item()
     assert {key[1] for key in rms_norm_module._LAUNCHES.entries} >= {"cuda", "reference"}
 

@@ -10,12 +10,12 @@ import mlx.core as mx
 import pytest
 
 import graphkern as gk
-from graphkern.backends import using_backend
 from graphkern.kernels import LIBRARY
-from graphkern.kernels._base import THREADGROUP_MEMORY
+from graphkern.kernels.base import THREADGROUP_MEMORY
+from graphkern.launching.backends import using_backend
+from graphkern.launching.mlx_kernels import build_mlx_kernel
 from graphkern.metal_check import check_library_metal, check_metal, metal_source
 from graphkern.metal_check.variants import library_variants
-from graphkern.mlx_kernels import build_mlx_kernel
 from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg
 
 pytest.importorskip("clang.cindex")

@@ -34,7 +34,7 @@ def test_constants_first_made_while_tracing_work_on_the_calling_thread():
     library's cached constants (RoPE frequencies, the stand-in for an absent weight), first made
     lazily during a trace, could then not be evaluated by the caller: "There is no Stream(cpu, 1)
     in current thread"."""
-    from graphkern.kernels._base import unused_input
+    from graphkern.kernels.base import unused_input
     from graphkern.kernels.ops.rope import _base_frequencies
 
     _base_frequencies.cache_clear()

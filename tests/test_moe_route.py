@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from model_comparisons import ATOL, NEEDS_STOCK_GRADIENTS, RTOL, assert_same_gradients, same_values  # noqa: E402
 
 import graphkern.kernels as gkk  # noqa: E402
-from graphkern.backends import active_backend  # noqa: E402
+from graphkern.launching.backends import active_backend  # noqa: E402
 from graphkern.models import layers, patch, unpatch  # noqa: E402
 from graphkern.models.layers import KernelSparseMoE  # noqa: E402
 from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402

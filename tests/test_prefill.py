@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from model_comparisons import ATOL, RTOL, count_layer_launches  # noqa: E402
 
 import graphkern as gk  # noqa: E402
-from graphkern.backends import active_backend  # noqa: E402
+from graphkern.launching.backends import active_backend  # noqa: E402
 from graphkern.models import layers as layers_module  # noqa: E402
 from graphkern.models import prefill  # noqa: E402
 from graphkern.models.prefill import PIPELINE_TOKENS, SPARSE_PIPELINE_TOKENS, start_on_device  # noqa: E402

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from kernels_fixture import SCALE_ADD
 
 import graphkern as gk
-from graphkern.graph import propagate_status
+from graphkern.tracing.graph import propagate_status
 
 dims = st.one_of(st.integers(-3, 40), st.sampled_from([0, 2**31, 2**31 - 1, 1025]),
                  st.floats(allow_nan=False, width=16), st.booleans())

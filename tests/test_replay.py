@@ -1,4 +1,4 @@
-"""graphkern.replay: MLX primitives run again from the export's description give MLX's own values."""
+"""graphkern.tracing.replay: MLX primitives run again from the export's description give MLX's own values."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import graphkern as gk
-from graphkern import replay
+from graphkern.tracing import replay
 
 X = mx.random.normal((4, 6, 8), key=mx.random.key(0))
 IDX = mx.array([3, 0, 2])

@@ -6,7 +6,7 @@ import pytest
 from kernels_fixture import SCALE_ADD, SPLIT, scale_add
 
 import graphkern as gk
-from graphkern import backends, launch_paths, mlx_kernels, validation
+from graphkern.launching import backends, launch_paths, mlx_kernels, validation
 
 X = mx.arange(8, dtype=mx.float32)
 Y = mx.ones((8,))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from graphkern.kernels.registry import LIBRARY
-from graphkern.source_text import for_backend, two_backend_header
+from graphkern.launching.source_text import for_backend, two_backend_header
 
 KERNELS = {entry.kernel.name: entry.kernel for entry in LIBRARY.values()}
 

@@ -10,7 +10,7 @@ import mlx.nn as nn
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphkern.state import Flat, static_key
+from graphkern.tracing.state import Flat, static_key
 
 Pair = namedtuple("Pair", ["a", "b"])
 _ARRAYS = [mx.ones((2,)), mx.zeros((3, 1), dtype=mx.float16)]

@@ -12,9 +12,11 @@ import planted_bugs as pb
 import pytest
 
 import graphkern as gk
-from graphkern import replay, values
+from graphkern.debugging import statistics
+from graphkern.debugging.statistics import array_stats
+from graphkern.debugging.values import GraphRun, trace_for_values
 from graphkern.models.tiny import tiny_model
-from graphkern.values import GraphRun, array_stats, trace_for_values
+from graphkern.tracing import replay
 
 S = gk.Status
 
@@ -87,7 +89,7 @@ def test_op_values_are_the_values_mlx_computes() -> None:
 @pytest.mark.parametrize("host", [True, False], ids=["numpy on the host", "MLX on the device"])
 def test_stats_summarise_the_finite_elements_and_count_nan_and_inf(host: bool) -> None:
     def stats(x: mx.array) -> dict:
-        batch = values._Batch(host=host)
+        batch = statistics.StatsBatch(host=host)
         batch.add(x, lambda s: None)
         return batch.flush()[0]
 
@@ -159,8 +161,8 @@ def test_values_are_dropped_once_their_last_reader_ran() -> None:
 
 
 def _flat(model: nn.Module) -> tuple:
-    from graphkern.state import Flat
     from graphkern.trace import Traceable
+    from graphkern.tracing.state import Flat
 
     return (Flat.of((pb.TOKENS,), {}, Traceable(model).arg_names),)
 
@@ -280,12 +282,12 @@ def test_an_op_that_fails_to_run_again_is_passed_through_an_eager_module_output(
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.int32])
 def test_host_statistics_a_piece_at_a_time_equal_the_whole(monkeypatch, dtype) -> None:
     x = mx.array([3.0, -1.0, 2.0, 8.0, 0.5, -6.0, 1.0, 4.0, 7.0, 2.5], dtype=dtype)
-    whole = values._host_stats(x)
-    monkeypatch.setattr(values, "_HOST_PIECE", 3)  # four pieces, the last short
-    assert values._host_stats(x) == pytest.approx(whole)
+    whole = statistics.host_stats(x)
+    monkeypatch.setattr(statistics, "_HOST_PIECE", 3)  # four pieces, the last short
+    assert statistics.host_stats(x) == pytest.approx(whole)
     assert whole["min"] == -6.0 and whole["max"] == 8.0 and whole["absmax"] == 8.0
     if dtype != mx.int32:  # a NaN in one piece, an Inf in another, a piece of NaNs alone
         nan, inf = float("nan"), float("inf")
         bad = mx.array([1.0, nan, 2.0, inf, 5.0, 0.0, nan, nan, nan, nan], dtype=dtype)
-        stats = values._host_stats(bad)
+        stats = statistics.host_stats(bad)
         assert stats == {"min": 0.0, "max": 5.0, "mean": 2.0, "absmax": 5.0, "nan": 5, "inf": 1}

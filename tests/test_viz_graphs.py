@@ -1,4 +1,4 @@
-"""The hand-built graphs of ``viz_graphs`` keep the graph's contract (``graphkern.schema``), so the
+"""The hand-built graphs of ``viz_graphs`` keep the graph's contract (``graphkern.tracing.schema``), so the
 drawing tests and benchmarks that use them test what a real trace would give the viewers."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import viz_graphs as vg
 
 from graphkern.nodes import NodeKind, Status
-from graphkern.schema import lint
+from graphkern.tracing.schema import lint
 
 BUILDERS: dict[str, Callable[[], Any]] = {
     "small": vg.small,

@@ -12,7 +12,7 @@ import viz_graphs as vg
 
 import graphkern as gk
 from graphkern import KernelError
-from graphkern.schema import STAT_KEYS
+from graphkern.tracing.schema import STAT_KEYS
 from graphkern.viz.html import repr_html, to_html, viewer_data
 from graphkern.viz.overlay import json_number
 

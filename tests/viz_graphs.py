@@ -1,6 +1,6 @@
 """Hand-built trace graphs in graphkern's schema, for the drawing tests and benchmarks.
 
-They follow the graph's contract in ``graphkern.schema`` exactly (node kinds, attributes, one
+They follow the graph's contract in ``graphkern.tracing.schema`` exactly (node kinds, attributes, one
 edge per array keyed by its name; ``tests/test_viz_graphs.py`` lints every one), so the viewers
 can be tested without tracing, at any size, with failures placed where a test wants them.
 ``FakeGraph`` stands in for ``gk.Graph``: it has ``.nx`` and ``.status``. ``traced`` and ``llama``

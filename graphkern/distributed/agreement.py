@@ -28,8 +28,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..graph import Failure, Graph, GraphError
 from ..nodes import KernelError, NodeKind, Status
+from ..tracing.graph import Failure, Graph, GraphError
 from .collectives import REAL
 
 __all__ = ["COMMUNICATING", "GROUP_WIDE", "Collective", "GroupError", "StepCheck", "agree", "check_step",

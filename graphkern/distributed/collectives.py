@@ -28,8 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.nn.layers.distributed as _mlx_distributed
 
-from ..context import current_recorder
-from ..state import reach
+from ..launching.context import current_recorder
+from ..tracing.state import reach
 
 __all__ = ["COLLECTIVE_OPS", "REAL", "run_again", "standing_in"]
 

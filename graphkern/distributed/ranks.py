@@ -19,8 +19,8 @@ from typing import Any
 import mlx.core as mx
 import networkx as nx
 
-from ..graph import Graph
 from ..nodes import KernelError, NodeKind, Status
+from ..tracing.graph import Graph
 from .agreement import GROUP_WIDE, Collective, collectives_of, gather_bytes
 
 __all__ = ["gather", "merge"]

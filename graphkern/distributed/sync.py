@@ -18,8 +18,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..graph import Graph
 from ..nodes import KernelError, Status, dtype_name
+from ..tracing.graph import Graph
 from .agreement import COMMUNICATING, GroupError, StepCheck, agree, check_step, collectives_of
 from .watchdog import Job
 

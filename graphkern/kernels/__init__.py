@@ -6,7 +6,7 @@ Each kernel is a :class:`graphkern.Kernel` with a Metal body, a CUDA body and a 
 for float32, float16 and bfloat16 (float32 arithmetic inside), and a layer function that picks the
 launch and calls ``graphkern.runtime.launch``, so it works eagerly, in a graphkern trace and in a
 compiled graph. ``LIBRARY`` maps names to :class:`LibraryEntry` objects (kernel, layer function,
-stock MLX equivalent, ``make_inputs``) for :func:`graphkern.kernel_checks`.
+stock MLX equivalent, ``make_inputs``) for :func:`graphkern.debugging.kernel_checks`.
 
 >>> import graphkern.kernels as gkk
 >>> y = gkk.rms_norm(mx.ones((2, 8)), mx.ones((8,)))
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx  # noqa: F401  (doctest namespace)
 
-from graphkern.kernels._base import Case, LibraryEntry, Plan, apply_plan
+from graphkern.kernels.base import Case, LibraryEntry, Plan, apply_plan
 from graphkern.kernels.ops.add_rms_norm import ADD_RMS_NORM, add_rms_norm
 from graphkern.kernels.ops.gelu import GELU, gelu
 from graphkern.kernels.ops.layer_norm import LAYER_NORM, layer_norm

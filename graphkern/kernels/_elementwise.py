@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._base import Plan, elementwise_config, output_spec, template_arg
+from graphkern.kernels.base import Plan, elementwise_config, output_spec, template_arg
 from graphkern.nodes import Kernel, TemplateArg
 
 __all__ = ["cuda_map_body", "metal_map_body", "plan_elementwise"]

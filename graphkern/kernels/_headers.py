@@ -15,7 +15,7 @@ Metal row model: one threadgroup of ``NT`` threads per row, each thread striding
 
 from __future__ import annotations
 
-from graphkern.source_text import two_backend_header
+from graphkern.launching.source_text import two_backend_header
 
 __all__ = ["CUDA_COMMON", "CUDA_NORM_ROW_START", "METAL_COMMON", "METAL_NORM_ROW_START", "dual_header"]
 
@@ -342,7 +342,7 @@ METAL_NORM_ROW_START = r"""
 
 def dual_header(cuda: str, metal: str, body: str = "") -> str:
     """One ``Kernel.header`` for both backends: the shared helpers of each, then ``cuda``/``metal``
-    (see ``graphkern.source_text.two_backend_header``: each backend's compiler gets its branch).
+    (see ``graphkern.launching.source_text.two_backend_header``: each backend's compiler gets its branch).
 
     Of the CUDA helpers, only those ``cuda`` and the kernel's CUDA ``body`` name are included: MLX
     hashes a kernel's whole source on every launch.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from graphkern.kernels._base import LibraryEntry
+from graphkern.kernels.base import LibraryEntry
 from graphkern.kernels.ops import (
     add_rms_norm,
     gelu,

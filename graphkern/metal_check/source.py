@@ -28,9 +28,9 @@ from importlib import resources
 
 import mlx.core as mx
 
-from graphkern.backends import mlx_kernel_name
+from graphkern.launching.backends import mlx_kernel_name
+from graphkern.launching.source_text import for_backend
 from graphkern.nodes import Kernel, OutputSpec, TemplateArg, dtype_name
-from graphkern.source_text import for_backend
 
 __all__ = ["MAX_CONSTANT_ARRAY_SIZE", "METAL_ATTRIBUTES", "ArgInfo", "MetalSource", "metal_source",
            "utils_preamble"]

@@ -17,9 +17,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from graphkern.backends import using_backend
-from graphkern.kernels._base import FLOAT_DTYPES, Case, Plan
+from graphkern.kernels.base import FLOAT_DTYPES, Case, Plan
 from graphkern.kernels.registry import LIBRARY
+from graphkern.launching.backends import using_backend
 from graphkern.metal_check.source import MetalSource, metal_source
 from graphkern.nodes import KernelError, dtype_name
 

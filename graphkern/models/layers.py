@@ -27,9 +27,6 @@ import mlx.nn as nn
 import numpy as np
 
 from graphkern import kernels as gkk
-from graphkern.autodiff import vjp_enabled, without_vjp
-from graphkern.backends import active_backend
-from graphkern.context import current_recorder
 from graphkern.kernels.ops.projections import projections_fit
 from graphkern.kernels.ops.quantized_projections import (
     QUANTIZED_BITS,
@@ -38,7 +35,10 @@ from graphkern.kernels.ops.quantized_projections import (
     quantized_projections_fit,
 )
 from graphkern.kernels.ops.rope import int_offset_array
-from graphkern.launch_cache import track_function
+from graphkern.launching.autodiff import vjp_enabled, without_vjp
+from graphkern.launching.backends import active_backend
+from graphkern.launching.context import current_recorder
+from graphkern.launching.launch_cache import track_function
 from graphkern.models.patterns import is_class
 from graphkern.models.prefill import prompt_mode, start_on_device, stock_layers, stock_layers_run
 from graphkern.models.segments import Segments, decoding, segments_apply

@@ -2,9 +2,9 @@
 
 For each dtype the model is cast, run stock, patched with the selected kernels and run again,
 eagerly and as a wrapped compiled graph; the worst difference against per-dtype tolerances is
-reported in a ``graphkern.kernel_checks.CheckReport`` (one case per dtype and mode). The model is left as
-it was: same dtype, same parameter arrays, same patched layers. ``graphkern.kernel_checks()`` hands
-``nn.Module`` targets here.
+reported in a ``graphkern.debugging.kernel_checks.CheckReport`` (one case per dtype and mode). The
+model is left as it was: same dtype, same parameter arrays, same patched layers. ``gk.check()``
+hands ``nn.Module`` targets here.
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from graphkern.backends import active_backend
+from graphkern.debugging.kernel_checks import CheckCase, CheckReport
+from graphkern.debugging.precision import main_float_dtype
+from graphkern.debugging.progress import Progress, progress_line
+from graphkern.debugging.tolerance import MODEL_TOLERANCES, worst_errors
 from graphkern.errors import ModelError
-from graphkern.kernel_checks import CheckCase, CheckReport
-from graphkern.kernels._base import FLOAT_DTYPES
+from graphkern.kernels.base import FLOAT_DTYPES
+from graphkern.launching.backends import active_backend
 from graphkern.models.patching import patch, patched_layers, unpatch
 from graphkern.models.prefill import kernels_only
 from graphkern.models.wrapping import wrap
 from graphkern.nodes import Status, dtype_name
-from graphkern.precision import main_float_dtype
-from graphkern.progress import Progress, progress_line
-from graphkern.tolerance import MODEL_TOLERANCES, worst_errors
 
 __all__ = ["MODEL_TOLERANCES", "check_model", "model_dtype"]
 

@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from graphkern.errors import ModelError, PatchWarning
-from graphkern.kernels._base import FLOAT_DTYPES
+from graphkern.kernels.base import FLOAT_DTYPES
 from graphkern.kernels.ops.moe_route import MAX_EXPERTS, MAX_TOP_K
 from graphkern.kernels.ops.rope_qk import MAX_HEAD_DIM
 from graphkern.models.layers import (

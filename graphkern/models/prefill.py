@@ -29,9 +29,9 @@ from typing import Literal
 
 import mlx.core as mx
 
-from graphkern.autodiff import vjp_enabled
-from graphkern.backends import active_backend
-from graphkern.context import state
+from graphkern.launching.autodiff import vjp_enabled
+from graphkern.launching.backends import active_backend
+from graphkern.launching.context import state
 from graphkern.models.segments import MAX_SEGMENT_TOKENS
 
 __all__ = ["PIPELINE_TOKENS", "SPARSE_PIPELINE_TOKENS", "STOCK_PROMPT_BACKENDS", "kernels_only",

@@ -42,9 +42,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from graphkern.autodiff import vjp_enabled
-from graphkern.context import state
-from graphkern.launch_cache import LaunchCache
+from graphkern.launching.autodiff import vjp_enabled
+from graphkern.launching.context import state
+from graphkern.launching.launch_cache import LaunchCache
 
 __all__ = ["MAX_SEGMENT_TOKENS", "Segments", "decoding", "segments_apply"]
 

@@ -26,17 +26,17 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern import backends
-from graphkern.compiled import CompiledGraph, all_finite, non_finite_error
-from graphkern.compiled import compile as compile_graph
 from graphkern.distributed.sync import rank_sync
 from graphkern.errors import ModelError
-from graphkern.graph import Graph
+from graphkern.launching import backends
 from graphkern.models.cache import cache_states, snapshot, stand_ins, states_of, write_back
 from graphkern.models.structure import StructureWatch
 from graphkern.nodes import KernelError, Status
-from graphkern.state import Flat, argument_names, static_key
 from graphkern.trace import Traceable
+from graphkern.tracing.compiled import CompiledGraph, all_finite, non_finite_error
+from graphkern.tracing.compiled import compile as compile_graph
+from graphkern.tracing.graph import Graph
+from graphkern.tracing.state import Flat, argument_names, static_key
 
 __all__ = ["WRAP_OPERATION", "WrappedModel", "wrap"]
 

@@ -28,7 +28,7 @@ import networkx as nx
 
 from graphkern.errors import DrawingError
 from graphkern.nodes import Status
-from graphkern.viz._common import (
+from graphkern.viz.common import (
     UPSTREAM_FAILED,
     all_in_edges,
     as_nx,
@@ -490,7 +490,7 @@ def _relative(path: str, scope: str) -> str:
 Progress = Callable[[str], None]
 
 
-def _run_dot(dot: str, fmt: str, *, progress: Progress | None = None,
+def run_dot(dot: str, fmt: str, *, progress: Progress | None = None,
              timeout: float | None = None, what: str = "graph") -> bytes:
     """``dot -T<fmt>`` on ``dot``; ``progress`` hears how long it has run every second after the
     first two, and a run past ``timeout`` seconds is stopped."""
@@ -556,7 +556,7 @@ def to_svg(graph: Any, **kw: Any) -> str:
     >>> svg.lstrip().startswith("<?xml")                  # doctest: +SKIP
     True
     """
-    return _run_dot(to_dot(graph, **kw), "svg").decode("utf-8")
+    return run_dot(to_dot(graph, **kw), "svg").decode("utf-8")
 
 
 def format_for(path: str | os.PathLike[str], format: str | None = None) -> str:
@@ -602,6 +602,6 @@ def render(graph: Any, path: str | os.PathLike[str], format: str | None = None, 
     report = _stderr_progress() if progress is None or progress is True else progress or None
     g = as_nx(graph)
     what = f"{graph_name(g)} ({g.number_of_nodes()} nodes) for {os.fspath(path)}"
-    atomic_write(path, _run_dot(to_dot(graph, **kw), fmt, progress=report, timeout=timeout,
+    atomic_write(path, run_dot(to_dot(graph, **kw), fmt, progress=report, timeout=timeout,
                                 what=what))
     return os.fspath(path)

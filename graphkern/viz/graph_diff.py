@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphkern.viz._common import (
+from graphkern.viz.common import (
     as_nx,
     format_tensor,
     graph_name,

@@ -18,7 +18,7 @@ from importlib import resources
 from typing import Any
 
 from graphkern.nodes import NodeKind
-from graphkern.viz._common import (
+from graphkern.viz.common import (
     all_in_edges,
     as_nx,
     format_shape,

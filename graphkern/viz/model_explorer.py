@@ -21,8 +21,8 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from graphkern._fastpaths import gc_paused
-from graphkern.viz._common import (
+from graphkern.launching.fastpaths import gc_paused
+from graphkern.viz.common import (
     UPSTREAM_FAILED,
     all_in_edges,
     as_nx,
@@ -352,7 +352,7 @@ def view(graph: Any, *, port: int = 8080, host: str = "localhost", folder: str |
         import model_explorer  # type: ignore[import-not-found]
     except ImportError as e:
         raise ModelExplorerMissing(INSTALL_HINT) from e
-    from graphkern.viz._common import atomic_write
+    from graphkern.viz.common import atomic_write
 
     folder = folder or tempfile.mkdtemp(prefix="graphkern-me-")
     name = graph_name(as_nx(graph))

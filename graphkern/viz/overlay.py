@@ -18,7 +18,7 @@ from typing import Any
 
 from graphkern.errors import DrawingError
 from graphkern.nodes import Status
-from graphkern.schema import STAT_KEYS
+from graphkern.tracing.schema import STAT_KEYS
 
 __all__ = ["COLOURINGS", "colouring_for", "json_number", "node_values", "values_doc"]
 

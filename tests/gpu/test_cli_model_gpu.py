@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 pytest.importorskip("mlx_lm")
 
-from graphkern.backends import active_backend  # noqa: E402
 from graphkern.cli import main  # noqa: E402
+from graphkern.launching.backends import active_backend  # noqa: E402
 from graphkern.models.checkpoint import write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import graphkern as gk
-from graphkern import backends, mlx_kernels
+from graphkern.launching import backends, mlx_kernels
 from graphkern.nodes import dtype_name
 
 pytestmark = pytest.mark.gpu

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import graphkern as gk
-from graphkern import backends, mlx_kernels
+from graphkern.launching import backends, mlx_kernels
 
 pytestmark = pytest.mark.gpu
 

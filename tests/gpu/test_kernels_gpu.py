@@ -13,11 +13,11 @@ import mlx.nn as nn
 import pytest
 
 import graphkern.kernels as gkk
-from graphkern.kernel_checks import TOLERANCES, check_kernel
+from graphkern.debugging.kernel_checks import TOLERANCES, check_kernel
+from graphkern.debugging.tolerance import worst_errors
 from graphkern.kernels import LIBRARY, Case, LibraryEntry, apply_plan
 from graphkern.kernels.ops.rope_qk import _stock as stock_prologue
 from graphkern.models import patch
-from graphkern.tolerance import worst_errors
 
 pytestmark = pytest.mark.gpu
 

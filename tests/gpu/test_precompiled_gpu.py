@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import graphkern as gk
-from graphkern import mlx_kernels
+from graphkern.launching import mlx_kernels
 
 pytestmark = pytest.mark.gpu
 

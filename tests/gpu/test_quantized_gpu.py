@@ -15,9 +15,9 @@ import mlx.nn as nn
 import pytest
 
 import graphkern.kernels as gkk
+from graphkern.debugging.tolerance import worst_errors
 from graphkern.kernels import Case, apply_plan
 from graphkern.kernels.ops.quantized_projections import quantized_case, quantized_projections_fit
-from graphkern.tolerance import worst_errors
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402

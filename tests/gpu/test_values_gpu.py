@@ -27,8 +27,8 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 import graphkern as gk  # noqa: E402
-from graphkern.backends import active_backend  # noqa: E402
-from graphkern.kernel_checks import TOLERANCES  # noqa: E402
+from graphkern.debugging.kernel_checks import TOLERANCES  # noqa: E402
+from graphkern.launching.backends import active_backend  # noqa: E402
 from graphkern.models import MODEL_TOLERANCES  # noqa: E402
 from graphkern.models.tiny import tiny_model  # noqa: E402
 from graphkern.nodes import dtype_name  # noqa: E402

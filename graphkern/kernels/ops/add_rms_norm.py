@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._base import (
+from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
+from graphkern.kernels.base import (
     Case,
     LayerLaunches,
     LibraryEntry,
@@ -20,7 +21,6 @@ from graphkern.kernels._base import (
     output_spec,
     run,
 )
-from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.kernels.ops.rms_norm import RMS_CUDA, RMS_METAL, rms_launch, rms_norm_reference
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern.kernels._base import Case, LayerLaunches, LibraryEntry, Plan, check_dtype, run, template_arg
 from graphkern.kernels._elementwise import cuda_map_body, metal_map_body, plan_elementwise
 from graphkern.kernels._headers import dual_header
+from graphkern.kernels.base import Case, LayerLaunches, LibraryEntry, Plan, check_dtype, run, template_arg
 from graphkern.nodes import Kernel
 
 __all__ = ["GELU", "gelu", "gelu_reference", "plan_gelu"]

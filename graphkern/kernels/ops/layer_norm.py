@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._base import (
+from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
+from graphkern.kernels.base import (
     Case,
     LayerLaunches,
     LibraryEntry,
@@ -28,7 +29,6 @@ from graphkern.kernels._base import (
     template_arg,
     unused_input,
 )
-from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.nodes import Kernel
 
 __all__ = ["LAYER_NORM", "layer_norm", "layer_norm_reference", "plan_layer_norm"]

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._base import (
+from graphkern.kernels._headers import dual_header
+from graphkern.kernels.base import (
     Case,
     LayerLaunches,
     LibraryEntry,
@@ -32,7 +33,6 @@ from graphkern.kernels._base import (
     run,
     template_arg,
 )
-from graphkern.kernels._headers import dual_header
 from graphkern.nodes import Kernel, KernelError, Status
 
 __all__ = ["MAX_EXPERTS", "MAX_TOP_K", "MOE_ROUTE", "moe_route", "moe_route_reference", "plan_moe_route"]

@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._base import (
+from graphkern.kernels._headers import dual_header
+from graphkern.kernels.base import (
     THREADGROUP_MEMORY,
     Case,
     LayerLaunches,
@@ -34,7 +35,6 @@ from graphkern.kernels._base import (
     unused_input,
     vector_width,
 )
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA, rms_norm_reference
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
@@ -485,7 +485,7 @@ def norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence
     except (AttributeError, TypeError):  # not arrays: the plan says what is wrong
         key = None
     arrays = tuple(a for a in (x, residual, weight) if a is not None) + tuple(projections)
-    outputs = _run(_PROJECTIONS, key, arrays,
+    outputs = run_cached(_PROJECTIONS, key, arrays,
                    lambda: plan_norm_projections(x, weight, projections, eps, residual))
     found = outputs[1:1 + len(projections)]
     return (outputs[0], *found) if residual is not None else tuple(found)
@@ -508,11 +508,11 @@ def norm_swiglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.arr
     except (AttributeError, TypeError):
         key = None
     arrays = tuple(a for a in (x, residual, weight) if a is not None) + (gate, up)
-    h, out = _run(_SWIGLU, key, arrays, lambda: plan_norm_swiglu(x, weight, gate, up, eps, residual))
+    h, out = run_cached(_SWIGLU, key, arrays, lambda: plan_norm_swiglu(x, weight, gate, up, eps, residual))
     return (h, out) if residual is not None else out
 
 
-def _run(launches: LayerLaunches, key: object, arrays: tuple[mx.array, ...],
+def run_cached(launches: LayerLaunches, key: object, arrays: tuple[mx.array, ...],
          make_plan: Callable[[], Plan]) -> list[mx.array]:
     if key is None:
         return run(make_plan())
@@ -523,7 +523,7 @@ _PROJECTIONS = LayerLaunches()
 _SWIGLU = LayerLaunches()
 
 
-def _rows(shape: Sequence[int], dtype: mx.Dtype,
+def random_rows(shape: Sequence[int], dtype: mx.Dtype,
           key: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """Random rows ``x`` of ``shape``, a residual, a norm weight, and a key for the matrices."""
     kx, kr, kw, rest = mx.random.split(key, 4)
@@ -534,7 +534,7 @@ def _rows(shape: Sequence[int], dtype: mx.Dtype,
 
 
 def _make_projection_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
-    x, r, w, rest = _rows(shape, dtype, key)
+    x, r, w, rest = random_rows(shape, dtype, key)
     k = shape[-1]
     mats = [(mx.random.normal((n, k), key=kk) / k**0.5).astype(dtype)
             for n, kk in zip((96, 32, 32), mx.random.split(rest, 3))]
@@ -542,7 +542,7 @@ def _make_projection_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array
 
 
 def _make_swiglu_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
-    x, r, w, rest = _rows(shape, dtype, key)
+    x, r, w, rest = random_rows(shape, dtype, key)
     k = shape[-1]
     kg, ku = mx.random.split(rest)
     gate = (2.0 * mx.random.normal((80, k), key=kg) / k**0.5).astype(dtype)
@@ -550,7 +550,7 @@ def _make_swiglu_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) ->
     return Case((x, w, gate, up), {"eps": 1e-5, "residual": r})
 
 
-def _stock_normed(x: mx.array, weight: mx.array | None, eps: float,
+def stock_normed(x: mx.array, weight: mx.array | None, eps: float,
                   residual: mx.array | None) -> tuple[mx.array, mx.array]:
     """Stock MLX's ``(h, rms_norm(h))`` with ``h = x (+ residual)``: what both kernels start from."""
     h = x if residual is None else x + residual
@@ -560,7 +560,7 @@ def _stock_normed(x: mx.array, weight: mx.array | None, eps: float,
 def _stock_projections(x: mx.array, weight: mx.array | None, projections: Sequence[mx.array],
                        eps: float = 1e-5,
                        residual: mx.array | None = None) -> tuple[mx.array, ...]:
-    h, normed = _stock_normed(x, weight, eps, residual)
+    h, normed = stock_normed(x, weight, eps, residual)
     outputs = tuple(normed @ w.T for w in projections)
     return outputs if residual is None else (h, *outputs)
 
@@ -569,7 +569,7 @@ def _stock_swiglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.a
                   residual: mx.array | None = None) -> mx.array | tuple[mx.array, mx.array]:
     import mlx.nn as nn
 
-    h, normed = _stock_normed(x, weight, eps, residual)
+    h, normed = stock_normed(x, weight, eps, residual)
     out = nn.silu(normed @ gate.T) * (normed @ up.T)
     return out if residual is None else (h, out)
 

@@ -26,7 +26,8 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from graphkern.kernels._base import (
+from graphkern.kernels._headers import dual_header
+from graphkern.kernels.base import (
     THREADGROUP_MEMORY,
     Case,
     LayerLaunches,
@@ -44,8 +45,7 @@ from graphkern.kernels._base import (
     unused_input,
     vector_width,
 )
-from graphkern.kernels._headers import dual_header
-from graphkern.kernels.ops.projections import METAL_NORM_ROWS, _rows, _run, _stock_normed
+from graphkern.kernels.ops.projections import METAL_NORM_ROWS, random_rows, run_cached, stock_normed
 from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
@@ -468,7 +468,7 @@ def quantized_norm_projections_reference(
         **_: Any) -> list[mx.array]:
     """Stock MLX: ``h = x + residual`` (when RESID), ``mx.fast.rms_norm(h)`` and its
     ``mx.quantized_matmul`` with the NW weights; an absent output is a one-element zero."""
-    h, normed = _stock_normed(x, w if HAS_W else None, float_from_bits(EPS), residual if RESID else None)
+    h, normed = stock_normed(x, w if HAS_W else None, float_from_bits(EPS), residual if RESID else None)
     absent = mx.zeros((1,), x.dtype)
     weights = ((w0, scales0, biases0), (w1, scales1, biases1), (w2, scales2, biases2))
     outputs = [_quantized_product(normed, weights[i], GS, BITS) if i < NW else absent for i in range(3)]
@@ -483,7 +483,7 @@ def quantized_norm_swiglu_reference(
     ``nn.silu`` (what mlx-lm's ``swiglu`` computes)."""
     import mlx.nn as nn
 
-    h, normed = _stock_normed(x, w if HAS_W else None, float_from_bits(EPS), residual if RESID else None)
+    h, normed = stock_normed(x, w if HAS_W else None, float_from_bits(EPS), residual if RESID else None)
     g = _quantized_product(normed, (gate, gate_scales, gate_biases), GS, BITS)
     u = _quantized_product(normed, (up, up_scales, up_biases), GS, BITS)
     return [h if RESID else mx.zeros((1,), x.dtype), nn.silu(g) * u]
@@ -684,7 +684,7 @@ def quantized_norm_projections(x: mx.array, weight: mx.array | None, projections
     arrays = tuple(a for a in (x, residual, weight) if a is not None)
     if key is not None:
         arrays += tuple(a for m in projections for a in m)
-    outputs = _run(_PROJECTIONS, key, arrays, lambda: plan_quantized_norm_projections(
+    outputs = run_cached(_PROJECTIONS, key, arrays, lambda: plan_quantized_norm_projections(
         x, weight, projections, eps, residual, group_size=group_size, bits=bits))
     found = outputs[1:1 + len(projections)]
     return (outputs[0], *found) if residual is not None else tuple(found)
@@ -708,7 +708,7 @@ def quantized_norm_swiglu(x: mx.array, weight: mx.array | None, gate: Any, up: A
     arrays = tuple(a for a in (x, residual, weight) if a is not None)
     if key is not None:
         arrays += (*gate, *up)
-    h, out = _run(_SWIGLU, key, arrays, lambda: plan_quantized_norm_swiglu(
+    h, out = run_cached(_SWIGLU, key, arrays, lambda: plan_quantized_norm_swiglu(
         x, weight, gate, up, eps, residual, group_size=group_size, bits=bits))
     return (h, out) if residual is not None else out
 
@@ -728,7 +728,7 @@ def quantized_case(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, *, gate
                    bits: int = 4) -> Case:
     """Arguments for one call: ``gated`` ones for :func:`quantized_norm_swiglu` (gate and up of 80
     rows), else for :func:`quantized_norm_projections` (three weights of 96, 32 and 32 rows)."""
-    x, r, w, rest = _rows(shape, dtype, key)
+    x, r, w, rest = random_rows(shape, dtype, key)
     k = shape[-1]
     options = {"eps": 1e-5, "residual": r, "group_size": group_size, "bits": bits}
     if gated:
@@ -743,7 +743,7 @@ def quantized_case(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, *, gate
 def _stock_projections(x: mx.array, weight: mx.array | None, projections: Sequence[Any], eps: float = 1e-5,
                        residual: mx.array | None = None, *, group_size: int = 64,
                        bits: int = 4) -> tuple[mx.array, ...]:
-    h, normed = _stock_normed(x, weight, eps, residual)
+    h, normed = stock_normed(x, weight, eps, residual)
     outputs = tuple(_quantized_product(normed, m, group_size, bits) for m in projections)
     return outputs if residual is None else (h, *outputs)
 
@@ -753,7 +753,7 @@ def _stock_swiglu(x: mx.array, weight: mx.array | None, gate: Any, up: Any, eps:
                   bits: int = 4) -> mx.array | tuple[mx.array, mx.array]:
     import mlx.nn as nn
 
-    h, normed = _stock_normed(x, weight, eps, residual)
+    h, normed = stock_normed(x, weight, eps, residual)
     out = nn.silu(_quantized_product(normed, gate, group_size, bits)) * _quantized_product(
         normed, up, group_size, bits)
     return out if residual is None else (h, out)

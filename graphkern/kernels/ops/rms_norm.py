@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._base import (
+from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
+from graphkern.kernels.base import (
     Case,
     LayerLaunches,
     LibraryEntry,
@@ -27,7 +28,6 @@ from graphkern.kernels._base import (
     template_arg,
     unused_input,
 )
-from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.nodes import Kernel, TemplateArg
 
 __all__ = ["RMS_CUDA", "RMS_NORM", "RMS_SCALE_CUDA", "plan_rms_norm", "rms_launch", "rms_norm",

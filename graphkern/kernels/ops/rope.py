@@ -21,7 +21,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from graphkern.kernels._base import (
+from graphkern.kernels._headers import dual_header
+from graphkern.kernels._host_math import host_float
+from graphkern.kernels.base import (
     MAX_GRID,
     Case,
     LayerLaunches,
@@ -38,9 +40,7 @@ from graphkern.kernels._base import (
     unused_input,
     vector_width,
 )
-from graphkern.kernels._headers import dual_header
-from graphkern.kernels._host_math import host_float
-from graphkern.launch_cache import track_function
+from graphkern.launching.launch_cache import track_function
 from graphkern.nodes import Kernel, KernelError, Status, TemplateArg
 
 __all__ = ["ROPE", "ROPE_CUDA", "int_offset_array", "plan_rope", "rope", "rope_reference", "rotate_reference",

@@ -26,7 +26,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from graphkern.kernels._base import (
+from graphkern.kernels._headers import dual_header
+from graphkern.kernels.base import (
     MAX_GRID,
     Case,
     LayerLaunches,
@@ -40,7 +41,6 @@ from graphkern.kernels._base import (
     template_arg,
     unused_input,
 )
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.ops.rms_norm import rms_norm_reference
 from graphkern.kernels.ops.rope import (
     GPU_FORMULA_TOLERANCES,

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._base import (
+from graphkern.kernels._headers import dual_header
+from graphkern.kernels.base import (
     Case,
     LayerLaunches,
     LibraryEntry,
@@ -28,7 +29,6 @@ from graphkern.kernels._base import (
     runs_on_cuda,
     template_arg,
 )
-from graphkern.kernels._headers import dual_header
 from graphkern.nodes import Kernel
 
 __all__ = ["SOFTMAX", "in_shared_memory", "plan_softmax", "shared_row_bytes", "softmax", "softmax_reference"]

@@ -15,10 +15,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._fastpaths import BACKEND_VARIABLE, environ_get
+from ..errors import BackendError
+from ..nodes import Kernel, Status
 from .context import state
-from .errors import BackendError
-from .nodes import Kernel, Status
+from .fastpaths import BACKEND_VARIABLE, environ_get
 
 __all__ = [
     "BACKENDS",

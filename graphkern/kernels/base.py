@@ -17,11 +17,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from graphkern.backends import active_backend, backend_setting
-from graphkern.bound import bind
-from graphkern.context import state
-from graphkern.launch_cache import LaunchCache, track_function
-from graphkern.launch_paths import run_eager
+from graphkern.launching.backends import active_backend, backend_setting
+from graphkern.launching.bound import bind
+from graphkern.launching.context import state
+from graphkern.launching.launch_cache import LaunchCache, track_function
+from graphkern.launching.launch_paths import run_eager
 from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name
 from graphkern.runtime import apply, launch
 

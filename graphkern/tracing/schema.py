@@ -42,7 +42,7 @@ from typing import Any
 
 import networkx as nx
 
-from .nodes import NodeKind, Status, dtype_from_name
+from ..nodes import NodeKind, Status, dtype_from_name
 
 __all__ = ["COLLECTIVES", "COLLECTIVE_FIELDS", "EDGE_FIELDS", "KERNEL_FIELDS", "NODE_FIELDS",
            "OPTIONAL_EDGE_FIELDS", "OPTIONAL_FIELDS", "ROOT_FAILURES", "STAT_KEYS", "lint",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import click
 
-from graphkern.cli_commands import _progress
-from graphkern.cli_errors import BadInput
-from graphkern.cli_model import DEFAULT_PROMPT, load_checkpoint, patched_line, prompt_tokens
+from graphkern.cli.commands import progress_steps
+from graphkern.cli.errors import BadInput
+from graphkern.cli.model import DEFAULT_PROMPT, load_checkpoint, patched_line, prompt_tokens
 
 __all__ = ["bench_cmd", "register"]
 
@@ -40,7 +40,7 @@ def bench_cmd(model_path: str, prompt: str | None, max_tokens: int, rounds: int,
     from graphkern.models.generation_bench import measure_generation
     from graphkern.nodes import KernelError
 
-    with _progress(not quiet) as step:
+    with progress_steps(not quiet) as step:
         step(f"loading {model_path}")
         ckpt = load_checkpoint(model_path)
         tokens = prompt_tokens(ckpt.tokenizer, prompt)[0].tolist()

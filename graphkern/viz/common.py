@@ -1,6 +1,6 @@
 """Helpers shared by the drawing back ends: reading the trace graph, scopes, statuses, shapes.
 
-The nodes and edges they read are defined in :mod:`graphkern.schema`.
+The nodes and edges they read are defined in :mod:`graphkern.tracing.schema`.
 """
 
 from __future__ import annotations

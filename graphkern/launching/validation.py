@@ -18,9 +18,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg
 from .backends import APPLY, backend_setting, resolve_backend
 from .launch_cache import LaunchCache, track_function
-from .nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg
 
 __all__ = ["MAX_THREADS_PER_GROUP", "Launch", "check_inputs", "launch_key", "validate", "validated_launch"]
 

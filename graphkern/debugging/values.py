@@ -3,7 +3,7 @@ summary statistics of every node's output; the first node that made a NaN or Inf
 
 The trace is ``gk.trace``'s. Then the graph runs again, node by node, from the call's own
 arguments and state: every op node through the MLX op that makes its primitive
-(:mod:`graphkern.replay`), every kernel node through its validated launch. Each node's output gets
+(:mod:`graphkern.tracing.replay`), every kernel node through its validated launch. Each node's output gets
 ``stats = {"min", "max", "mean", "absmax", "nan", "inf"}`` (min, max, mean and absmax over its
 finite elements, ``None`` when it has none; ``nan`` and ``inf`` count elements), module outputs
 included (``module_outputs`` names the module calls a node's output left). A node whose array
@@ -29,28 +29,28 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
-import numpy as np
 
-from . import replay
-from ._fastpaths import adjacency
-from .autodiff import without_vjp
-from .capture import Wiring
-from .graph import Graph
-from .launch_paths import run_launch, run_reference
-from .nodes import Kernel, NodeKind, Status, dtype_name
+from ..launching.fastpaths import adjacency
+from ..launching.launch_paths import run_reference
+from ..nodes import NodeKind, Status, dtype_name
+from ..trace import Traceable, TraceRecorder
+from ..tracing import replay
+from ..tracing.capture import Wiring
+from ..tracing.graph import Graph
+from ..tracing.schema import STAT_KEYS
+from ..tracing.state import Flat
+from .interpreter import RUNNABLE, GraphInterpreter, Outputs
 from .precision import main_float_dtype
 from .progress import Progress, progress_line
-from .schema import STAT_KEYS
-from .state import Flat
+from .statistics import FLOATS, StatsBatch, is_finite_stats, merge_stats
 from .tolerance import errors
-from .trace import Traceable, TraceRecorder
 
-__all__ = ["STAT_KEYS", "GraphRun", "Inspector", "array_stats", "finish_values", "inspect",
-           "is_finite_stats", "root_causes", "run_order", "trace_for_values"]
+__all__ = ["STAT_KEYS", "GraphRun", "Inspector", "eager_anchors", "finish_values", "inspect",
+           "root_causes", "trace_for_values"]
 
 
 _INSPECT = "inspect a function's values"
@@ -58,225 +58,44 @@ _CHUNK_BYTES = 256 << 20  # evaluate once this many bytes of node outputs are pe
 _CHUNK_NODES = 512
 _ANCHOR_ROUNDS = 3  # eager runs a values run may ask for, after nodes that fail to run again
 # primitives whose output holds their input's values (reordered, reshaped, repeated equally)
-_SAME_VALUES = frozenset({"Reshape", "Flatten", "Unflatten", "ExpandDims", "Squeeze", "Transpose",
+SAME_VALUES = frozenset({"Reshape", "Flatten", "Unflatten", "ExpandDims", "Squeeze", "Transpose",
                           "Copy", "StopGradient", "Broadcast", "BroadcastAxes"})
 # primitives whose output is some of their first input's values, exactly (for _cast_reads)
-_SELECTING = _SAME_VALUES | {"Gather", "GatherAxis", "Slice", "AsStrided"}
+_SELECTING = SAME_VALUES | {"Gather", "GatherAxis", "Slice", "AsStrided"}
 _CAST_BLOCK = 1 << 22  # elements of a weight cast at once by a run with cast_inputs
 _INPUT, _CONSTANT, _OUTPUT, _OP, _KERNEL = (k.value for k in (
     NodeKind.INPUT, NodeKind.CONSTANT, NodeKind.OUTPUT, NodeKind.OP, NodeKind.KERNEL))
-_COLLECTIVE = NodeKind.COLLECTIVE.value
-_RUNNABLE = frozenset({int(Status.OK), int(Status.NON_FINITE)})  # statuses a node runs again with
 _MARKABLE = frozenset({int(Status.OK), int(Status.UPSTREAM_FAILED), int(Status.NON_FINITE)})
-_FLOATS = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
-_INF = float("inf")
 
 NodeFilter = Callable[[str, dict[str, Any]], bool]
 
 
-# ----------------------------------------------------------------------------- statistics
+# ----------------------------------------------------------------------------- the values run
 
 
-def _summary(x: mx.array) -> mx.array:
-    """``[min, max, sum]`` of ``x`` in float32, lazily: 3 reductions. Non-finite elements make
-    the sum non-finite (so does a sum that overflows), which sends the array to
-    ``_finite_summary``."""
-    if x.dtype == mx.complex64:
-        x = mx.abs(x)
-    wide = x if x.dtype in (mx.float32, mx.float64) else x.astype(mx.float32)
-    return mx.stack([mx.min(wide), mx.max(wide), mx.sum(wide)]).astype(mx.float32)
-
-
-def _finite_summary(x: mx.array) -> tuple[mx.array, mx.array]:
-    """``[min, max, mean]`` over the finite elements (the mean summed after scaling by the
-    largest magnitude, so a mask of -3.4e38s does not overflow to -inf), and ``[nan, inf]``."""
-    wide = x.astype(mx.float32) if x.dtype != mx.float32 else x
-    finite = mx.isfinite(wide)
-    count = mx.sum(finite)
-    lo = mx.min(mx.where(finite, wide, _INF))
-    hi = mx.max(mx.where(finite, wide, -_INF))
-    count = mx.maximum(count, 1)
-    total = mx.sum(mx.where(finite, wide, 0))
-    scale = mx.maximum(mx.maximum(mx.abs(lo), mx.abs(hi)), 1e-30)
-    scaled = mx.sum(mx.where(finite, wide / scale, 0)) / count * scale
-    mean = mx.where(mx.isfinite(total), total / count, scaled)
-    return mx.stack([lo, hi, mean]), mx.stack([mx.sum(mx.isnan(wide)), mx.sum(mx.isinf(wide))])
-
-
-def _stats_from(summary: list[float], size: int, counts: Sequence[int] | None = None) -> dict[str, Any]:
-    """``stats`` from ``[min, max, sum]`` (all finite), or from ``_finite_summary``'s ``[min, max,
-    mean]`` and its counts."""
-    nan, inf = (int(counts[0]), int(counts[1])) if counts is not None else (0, 0)
-    finite = size - nan - inf
-    if finite <= 0:
-        return {"min": None, "max": None, "mean": None, "absmax": None, "nan": nan, "inf": inf}
-    lo, hi, third = (float(v) for v in summary)
-    mean = third if counts is not None else third / finite
-    return {"min": lo, "max": hi, "mean": mean, "absmax": max(abs(lo), abs(hi)), "nan": nan, "inf": inf}
-
-
-_HOST_PIECE = 1 << 22  # elements summarised at once: a large bfloat16 array is widened a piece at a time
-
-
-def _host_pieces(x: mx.array) -> Iterator[np.ndarray]:
-    """An evaluated array as numpy sees it, flat, in pieces, without a copy where MLX's memory is
-    the host's (bfloat16, which numpy lacks, through its bits, widened a piece at a time)."""
-    bf16 = x.dtype == mx.bfloat16
-    flat = np.asarray(x.view(mx.uint16) if bf16 else x).reshape(-1)
-    if np.iscomplexobj(flat):
-        flat = np.abs(flat)
-    elif flat.dtype.kind == "b":
-        flat = flat.view(np.uint8)
-    for start in range(0, flat.size, _HOST_PIECE):
-        piece = flat[start:start + _HOST_PIECE]
-        yield (piece.astype(np.uint32) << 16).view(np.float32) if bf16 else piece
-
-
-def _host_stats(x: mx.array) -> dict[str, Any]:
-    """``stats`` of an evaluated array with numpy (summed in float64)."""
-    if not x.size:
-        return _stats_from([0.0, 0.0, 0.0], 0)
-    lo, hi, total, nan, inf = math.inf, -math.inf, 0.0, 0, 0
-    for a in _host_pieces(x):
-        if a.dtype.kind == "b":
-            a = a.view(np.uint8)
-        with np.errstate(invalid="ignore", over="ignore"):  # inf + -inf is NaN: counted below, not warned
-            piece_total = float(a.sum(dtype=np.float64))
-        if not math.isfinite(piece_total) and a.dtype.kind in "fc":
-            finite = np.isfinite(a)
-            nans = int(np.isnan(a).sum())
-            nan, inf = nan + nans, inf + a.size - nans - int(finite.sum())
-            a = a[finite]
-            if not a.size:
-                continue
-            piece_total = float(a.sum(dtype=np.float64))
-        lo, hi, total = min(lo, float(a.min())), max(hi, float(a.max())), total + piece_total
-    if not nan and not inf:
-        return _stats_from([lo, hi, total], x.size)
-    finite = x.size - nan - inf
-    return _stats_from([lo, hi, total / finite if finite else 0.0], x.size, (nan, inf))
-
-
-def array_stats(x: mx.array) -> dict[str, Any]:
-    """The ``stats`` of one array (evaluates it).
-
-    >>> array_stats(mx.array([1.0, -3.0, float("nan")]))
-    {'min': -3.0, 'max': 1.0, 'mean': -1.0, 'absmax': 3.0, 'nan': 1, 'inf': 0}
-    """
-    batch = _Batch()
-    batch.add(x, lambda stats: None)
-    return batch.flush()[0]
-
-
-def is_finite_stats(stats: dict[str, Any] | None) -> bool:
-    """No NaN and no Inf in these ``stats`` (unknown stats count as finite)."""
-    return stats is None or (stats["nan"] == 0 and stats["inf"] == 0)
-
-
-def _merge(parts: list[dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
-    """One ``stats`` for several outputs of a node."""
-    if len(parts) == 1:
-        return parts[0]
-    known = [(p, n - p["nan"] - p["inf"]) for p, n in zip(parts, sizes) if p["min"] is not None]
-    nan, inf = sum(p["nan"] for p in parts), sum(p["inf"] for p in parts)
-    if not known:
-        return {"min": None, "max": None, "mean": None, "absmax": None, "nan": nan, "inf": inf}
-    total = sum(p["mean"] * finite for p, finite in known)
-    count = sum(finite for _, finite in known)
-    return {"min": min(p["min"] for p, _ in known), "max": max(p["max"] for p, _ in known),
-            "mean": total / count if count else None,
-            "absmax": max(p["absmax"] for p, _ in known), "nan": nan, "inf": inf}
-
-
-class _Batch:
-    """Pending statistics: evaluated together, each handed to its callback.
-
-    Where MLX computes on the CPU the arrays are summarised by numpy, in place (a reduction
-    dispatched by MLX costs more than numpy's whole pass over a small array); on a GPU by
-    MLX's reductions, on the device, and only the summaries come back.
-    """
-
-    def __init__(self, host: bool | None = None) -> None:
-        self.arrays: list[mx.array] = []
-        self.summaries: list[mx.array] = []
-        self.done: list[Callable[[dict[str, Any]], None]] = []
-        self.bytes = 0
-        self.host = mx.default_device().type == mx.DeviceType.cpu if host is None else host
-
-    def add(self, x: mx.array, done: Callable[[dict[str, Any]], None]) -> None:
-        self.arrays.append(x)
-        if not self.host:
-            self.summaries.append(_summary(x) if x.size else mx.zeros((3,)))
-        self.done.append(done)
-        self.bytes += x.nbytes
-
-    def __len__(self) -> int:
-        return len(self.arrays)
-
-    def flush(self, also: Sequence[mx.array] = ()) -> list[dict[str, Any]]:
-        """Evaluate the pending statistics (and ``also``); returns them in order."""
-        if not self.arrays:
-            mx.eval(list(also))
-            return []
-        if self.host:
-            mx.eval(self.arrays, *also)
-            out = [_host_stats(x) for x in self.arrays]
-            for stats, done in zip(out, self.done):
-                done(stats)
-            self.arrays, self.done, self.bytes = [], [], 0
-            return out
-        stacked = mx.stack(self.summaries)
-        mx.eval(stacked, *also)
-        summaries: list[list[float]] = stacked.tolist()  # type: ignore[assignment]
-        counts: dict[int, list[int]] = {}
-        redo = [i for i, s in enumerate(summaries) if not all(map(math.isfinite, s))
-                and self.arrays[i].dtype in _FLOATS + (mx.complex64,)]
-        if redo:  # some NaN or Inf (or a sum that overflowed): count them, summarise the rest
-            pairs = [_finite_summary(self.arrays[i]) for i in redo]
-            finite = mx.stack([p[0] for p in pairs])
-            count = mx.stack([p[1] for p in pairs])
-            mx.eval(finite, count)
-            for i, s, c in zip(redo, finite.tolist(), count.tolist()):  # type: ignore[arg-type]
-                summaries[i], counts[i] = s, c  # type: ignore[assignment]
-        out = []
-        for i, (x, done) in enumerate(zip(self.arrays, self.done)):
-            stats = _stats_from(summaries[i], x.size, counts.get(i))
-            done(stats)
-            out.append(stats)
-        self.arrays, self.summaries, self.done, self.bytes = [], [], [], 0
-        return out
-
-
-# ----------------------------------------------------------------------------- running the graph
-
-
-class GraphRun:
-    """One run of a traced graph, node by node, in topological order, from the call's arrays
-    (its flat arguments, then its state), recording ``stats`` on the nodes. ``anchors`` give the
-    outputs of nodes the graph cannot run again (see :func:`eager_anchors`)."""
+class GraphRun(GraphInterpreter):
+    """One run of a traced graph, node by node (a :class:`GraphInterpreter`), recording
+    ``stats`` on the nodes. ``anchors`` give the outputs of nodes the graph cannot run again
+    (see :func:`eager_anchors`); ``cast_inputs`` casts the call's float arrays as they are
+    read; ``check_kernels`` runs each kernel's reference too; ``writer`` and ``keep`` stream
+    full tensors to a file."""
 
     def __init__(self, graph: Graph, wiring: Wiring, arrays: list[mx.array], *,
                  check_kernels: tuple[float, float] | None = None, keep: NodeFilter | None = None,
                  writer: Any = None, anchors: dict[str, list[mx.array]] | None = None,
                  more_anchors: Callable[[set[str]], dict[str, list[mx.array]]] | None = None,
                  cast_inputs: mx.Dtype | None = None, record: bool = True):
-        self.graph = graph
+        super().__init__(graph, wiring, arrays)
         self.cast_inputs = cast_inputs  # float inputs become this dtype as they are read
         self.record = record  # False: run the values without recording their statistics
         self.uncast: set[tuple[str, int]] = set()  # outputs holding inputs not cast yet
-        self.nodes = adjacency(graph.nx)[0]
         self.anchors = anchors or {}  # node -> its outputs from an eager run of the function
         self.more_anchors = more_anchors
         self.anchor_rounds = 0
-        self.done: set[str] = set()
-        self.wiring = wiring
-        self.arrays = arrays
         self.check_kernels = check_kernels
         self.keep = keep
         self.writer = writer
-        self.env: dict[tuple[str, int], mx.array] = {}
-        self.readers: dict[tuple[str, int], int] = {}  # reads still to come
-        self.batch = _Batch()
+        self.batch = StatsBatch()
         self.to_write: list[tuple[str, mx.array]] = []
         self.checks: list[tuple[str, mx.array]] = []
         self.partial: dict[str, list[dict[str, Any] | None]] = {}
@@ -285,84 +104,61 @@ class GraphRun:
         # statistics still wanted by views of an output (and, meanwhile, those already known)
         self.waiting: dict[tuple[str, int], list[Callable[[dict[str, Any]], None]]] = {}
         self.known: dict[tuple[str, int], dict[str, Any]] = {}
-        self.returned = dict(wiring.outputs)
-        self.input_index = {node: i for i, node in enumerate(wiring.inputs)}
 
-    def _count_readers(self, order: list[str]) -> None:
-        producer = self.wiring.producer
-        for node in order:
-            for array in self.wiring.args.get(node, ()):
-                made = producer.get(array)
-                if made is not None:
-                    self.readers[made] = self.readers.get(made, 0) + 1
-        for _, array in self.wiring.outputs:
-            made = producer.get(array)
-            if made is not None:
-                self.readers[made] = self.readers.get(made, 0) + 1
+    def run_node(self, node: str, data: dict[str, Any]) -> Outputs:
+        if data["kind"] not in (_INPUT, _CONSTANT, _OUTPUT) and data["status"] in RUNNABLE:
+            anchored = self.anchors.pop(node, None)
+            if anchored is not None:
+                return anchored
+        return super().run_node(node, data)
 
-    def _inputs(self, node: str) -> list[mx.array] | str:
-        """The arrays ``node`` reads, or why they cannot be had."""
-        values = []
-        for array in self.wiring.args.get(node, ()):
-            made = self.wiring.producer.get(array)
-            value = self.env.get(made) if made is not None else None
-            if value is None:
-                source = made[0] if made is not None else array
-                return f"its input from {source!r} was not reached"
-            values.append(value)
-        return values
+    def input(self, node: str, data: dict[str, Any]) -> Outputs:
+        value: mx.array = self.arrays[self.input_index[node]]
+        if self.cast_inputs is not None and value.dtype in FLOATS and value.dtype != self.cast_inputs:
+            self.uncast.add((node, 0))  # cast as read (see _cast_reads)
+        return [value]
 
-    def _release(self, node: str) -> None:
-        for array in self.wiring.args.get(node, ()):
-            made = self.wiring.producer.get(array)
-            if made is None:
-                continue
-            left = self.readers.get(made, 0) - 1
-            self.readers[made] = left
-            if left <= 0:
-                self.env.pop(made, None)
-
-    def _compute(self, node: str, data: dict[str, Any]) -> list[mx.array] | str:
-        kind = data["kind"]
-        if kind == _INPUT:
-            value: mx.array = self.arrays[self.input_index[node]]
-            if self.cast_inputs is not None and value.dtype in _FLOATS and value.dtype != self.cast_inputs:
-                self.uncast.add((node, 0))  # cast as read (see _cast_reads)
-            return [value]
-        if kind == _CONSTANT:
-            constant = self.wiring.constants.get(node)
-            return [constant] if constant is not None else "its value was not captured"
-        if data["status"] not in _RUNNABLE:
-            return f"the node has status {Status(data['status']).name}"
-        anchored = self.anchors.pop(node, None)
-        if anchored is not None:
-            return anchored
-        inputs = self._inputs(node)
-        if isinstance(inputs, str):
-            return inputs
+    def call(self, node: str, data: dict[str, Any], inputs: list[mx.array]) -> Outputs:
         if self.uncast:
             made = [self.wiring.producer.get(array) for array in self.wiring.args.get(node, ())]
-            if kind == _OP and data["op"] == "Matmul" and made[1] in self.uncast \
+            if data["kind"] == _OP and data["op"] == "Matmul" and made[1] in self.uncast \
                     and inputs[1].size > _CAST_BLOCK and made[0] not in self.uncast:
                 return [_matmul_cast_in_blocks(inputs[0], inputs[1], self.cast_inputs or mx.float32)]
             cast = self._cast_reads(node, data, inputs, made)
             if cast is None:
                 return self._uncast_op(node, data, inputs)
             inputs = cast
-        if kind == _KERNEL:
-            return self._kernel(node, inputs)
-        if kind == _COLLECTIVE:  # for real: every rank runs its graph at once, as the model
-            from .distributed.collectives import run_again
+        return super().call(node, data, inputs)
 
-            return run_again(data, inputs)
-        event = self.wiring.primitives.get(node)
-        if event is None:
-            return "no MLX primitive is recorded for it"
-        specs = [(tuple(shape), dt) for _, shape, dt in event["outputs"]]
+    def kernel(self, node: str, data: dict[str, Any], inputs: list[mx.array]) -> Outputs:
+        outputs = super().kernel(node, data, inputs)
+        launch = self.wiring.launches.get(node)
+        if isinstance(outputs, str) or self.check_kernels is None or launch is None \
+                or launch.kernel.reference is None:
+            return outputs
         try:
-            return replay.run(event["name"], event["arguments"], inputs, specs)
-        except replay.NotReplayable as exc:
-            return self._failed_here(node, str(exc))
+            reference = run_reference(launch, inputs)
+        except Exception as exc:
+            self.nodes[node]["reference_check"] = {"error": f"{type(exc).__name__}: {exc}"}
+        else:
+            rtol, atol = self.check_kernels
+            self.checks.append((node, _errors(outputs, reference, rtol=rtol, atol=atol)))
+        return outputs
+
+    def not_run_again(self, node: str, why: str) -> Outputs:
+        """Ask for the eager outputs that let the run go on after ``node`` (see
+        ``eager_anchors``), a few times at most; its own, if a module call returned it, or why not."""
+        if self.more_anchors is not None and self.anchor_rounds < _ANCHOR_ROUNDS:
+            self.anchor_rounds += 1
+            found = self.more_anchors({node})
+            self.anchors.update({n: v for n, v in found.items() if n not in self.done})
+        anchored = self.anchors.pop(node, None)
+        return anchored if anchored is not None else why
+
+    def computed(self, node: str, index: int, count: int, value: mx.array) -> None:
+        if self.record:
+            self._record(node, index, count, value)
+        self.sizes_of[(node, index)] = value.size
 
     def _cast_reads(self, node: str, data: dict[str, Any], inputs: list[mx.array],
                     made: list[tuple[str, int] | None]) -> list[mx.array] | None:
@@ -389,41 +185,6 @@ class GraphRun:
         self.uncast.update((node, i) for i in range(len(outputs)))
         return outputs
 
-    def _failed_here(self, node: str, why: str) -> list[mx.array] | str:
-        """A node that could not run again after all: ask for the eager outputs that let the
-        run go on after it (see ``eager_anchors``), a few times at most; its own, if a module
-        call returned it, or why not."""
-        if self.more_anchors is not None and self.anchor_rounds < _ANCHOR_ROUNDS:
-            self.anchor_rounds += 1
-            found = self.more_anchors({node})
-            self.anchors.update({n: v for n, v in found.items() if n not in self.done})
-        anchored = self.anchors.pop(node, None)
-        return anchored if anchored is not None else why
-
-    def _kernel(self, node: str, inputs: list[mx.array]) -> list[mx.array] | str:
-        launch = self.wiring.launches.get(node)
-        if launch is None:
-            return "its launch was not recorded"
-        kernel: Kernel = launch.kernel
-        if len(inputs) != len(kernel.input_names):
-            return (f"kernel {kernel.name!r} takes {len(kernel.input_names)} inputs and the trace "
-                    f"recorded {len(inputs)} arrays (Python scalars are not recorded)")
-        try:
-            with without_vjp():
-                outputs = run_launch(launch, inputs)
-        except Exception as exc:  # the launch ran in the trace; say what failed now
-            return self._failed_here(node, f"running kernel {kernel.name!r} again raised "
-                                           f"{type(exc).__name__}: {exc}")
-        if self.check_kernels is not None and kernel.reference is not None:
-            try:
-                reference = run_reference(launch, inputs)
-            except Exception as exc:
-                self.nodes[node]["reference_check"] = {"error": f"{type(exc).__name__}: {exc}"}
-            else:
-                rtol, atol = self.check_kernels
-                self.checks.append((node, _errors(outputs, reference, rtol=rtol, atol=atol)))
-        return list(outputs)
-
     def _record(self, node: str, index: int, count: int, value: mx.array) -> None:
         data = self.nodes[node]
         parts = self.partial.setdefault(node, [None] * count)
@@ -434,7 +195,7 @@ class GraphRun:
             parts[index] = stats
             if all(p is not None for p in parts):
                 full = [p for p in parts if p is not None]
-                data["stats"] = _merge(full, sizes)
+                data["stats"] = merge_stats(full, sizes)
                 if count > 1:
                     data["output_stats"] = full
                 del self.partial[node]
@@ -467,7 +228,7 @@ class GraphRun:
         output node returns its producer's array."""
         if data["kind"] == _OUTPUT:
             made = self.wiring.producer.get(self.returned.get(node, ""))
-        elif data["kind"] == _OP and data["op"] in _SAME_VALUES:
+        elif data["kind"] == _OP and data["op"] in SAME_VALUES:
             args = self.wiring.args.get(node, ())
             made = self.wiring.producer.get(args[0]) if len(args) == 1 else None
         else:
@@ -496,34 +257,6 @@ class GraphRun:
         """Enough node outputs are pending that they should be evaluated now."""
         return self.batch.bytes > _CHUNK_BYTES or len(self.batch) >= _CHUNK_NODES
 
-    def steps(self) -> Iterator[tuple[str, list[mx.array] | None]]:
-        """Run the nodes in topological order, yielding each with its outputs (None when they
-        cannot be reached); the caller calls ``flush`` when ``need_flush`` and at the end."""
-        order = run_order(self.graph)
-        nodes = self.nodes
-        self._count_readers(order)
-        returned = dict(self.wiring.outputs)
-        for node in order:
-            data = nodes[node]
-            if data["kind"] == _OUTPUT:
-                values = self._output(returned.get(node, ""))
-            else:
-                values = self._compute(node, data)
-                self._release(node)
-            self.done.add(node)
-            if isinstance(values, str):
-                data["values_note"] = values
-                yield node, None
-                continue
-            for index, value in enumerate(values):
-                if self.readers.get((node, index), 0) > 0:
-                    self.env[(node, index)] = value
-                if self.record:
-                    self._record(node, index, len(values), value)
-                self.sizes_of[(node, index)] = value.size
-            yield node, values
-        self.env.clear()
-
     def run(self, progress: Progress | None = None) -> None:
         """Run every node, evaluating in chunks; ``progress`` counts the nodes."""
         progress = progress or Progress()
@@ -533,17 +266,6 @@ class GraphRun:
                 self.flush()
             progress.advance()
         self.flush()
-
-    def _output(self, array: str) -> list[mx.array] | str:
-        """The array an output node returns (its producer's, read once)."""
-        made = self.wiring.producer.get(array)
-        value = self.env.get(made) if made is not None else None
-        if made is None or value is None:
-            return "the array it returns was not reached"
-        self.readers[made] -= 1
-        if self.readers[made] <= 0:
-            del self.env[made]
-        return [value]
 
 
 def _matmul_cast_in_blocks(x: mx.array, w: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -556,38 +278,6 @@ def _matmul_cast_in_blocks(x: mx.array, w: mx.array, dtype: mx.Dtype) -> mx.arra
         blocks.append(x @ w[..., j:j + step].astype(dtype))
         mx.eval(blocks[-1])
     return blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=-1)
-
-
-def run_order(graph: Graph) -> list[str]:
-    """A topological order that computes each node just before the first node needing it: a
-    depth-first walk back from each sink (outputs first), inputs in argument order, as an eager
-    call would go. Kahn's order (``graph.nodes()``) computes everything that is ready at once,
-    every weight's transpose first, and holds them all until they are read.
-
-    >>> import mlx.core as mx, graphkern as gk
-    >>> run_order(gk.trace(lambda x, y: mx.exp(x) + mx.sin(y), mx.ones(2), mx.ones(2)))
-    ['x', 'exp', 'y', 'sin', 'add', 'output_0']
-    """
-    g = graph.nx
-    data, pred, succ = adjacency(g)
-    sinks = [n for n in graph.nodes() if not succ[n]]
-    sinks.sort(key=lambda n: data[n]["kind"] != _OUTPUT)
-    done: set[str] = set()
-    order: list[str] = []
-    for sink in sinks:
-        stack: list[tuple[str, bool]] = [(sink, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if node in done:
-                continue
-            if expanded:
-                done.add(node)
-                order.append(node)
-                continue
-            stack.append((node, True))
-            # a node's in-edges are kept in argument order: push the first argument last
-            stack.extend((u, False) for u in reversed(pred[node]) if u not in done)
-    return order
 
 
 def _errors(outputs: Sequence[mx.array], reference: Sequence[mx.array], *, rtol: float,
@@ -686,7 +376,7 @@ class Inspector:
     run each kernel's reference on the exact inputs it received in the graph and record
     ``reference_check = {"max_abs", "max_rel"}`` on its node. ``progress``: a progress line on
     stderr naming the phase (tracing, values in which dtype) and the nodes done (``None``: when
-    stderr is a terminal; see :mod:`graphkern.progress`). ``backend``: as
+    stderr is a terminal; see :mod:`graphkern.debugging.progress`). ``backend``: as
     ``gk.compile``'s.
 
     >>> import mlx.core as mx, os, tempfile
@@ -721,7 +411,7 @@ class Inspector:
         graph, wiring, arrays = trace_for_values(traceable, flat, self.backend)
         writer = None
         if self.save is not None:
-            from .tensor_files import open_writer
+            from ..tracing.tensor_files import open_writer
 
             writer = open_writer(self.save)
         anchored: set[str] = set()

@@ -7,7 +7,7 @@ for every GPU launch (see ``launch_paths.differentiable_launch``); graphkern's i
 because ``mx.export_function`` cannot export a custom function with a vjp. To export a function with
 GPU kernels yourself, launch them inside ``without_vjp()``.
 
-This module imports only ``graphkern.nodes`` and the thread's state (``graphkern.context``).
+This module imports only ``graphkern.nodes`` and the thread's state (``graphkern.launching.context``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..nodes import KernelError, Status
 from .context import state
-from .nodes import KernelError, Status
 
 __all__ = ["differentiable", "vjp_enabled", "with_vjp", "without_vjp"]
 

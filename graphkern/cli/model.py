@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from graphkern.cli_errors import BadInput
+from graphkern.cli.errors import BadInput
 
 __all__ = ["Checkpoint", "ModelRun", "load_checkpoint", "model_and_tokens", "model_options", "prompt_tokens"]
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import click
 
-from graphkern.cli_errors import EXIT_FAILED, BadInput
-from graphkern.cli_model import check_model_options, model_and_tokens, model_options
+from graphkern.cli.errors import EXIT_FAILED, BadInput
+from graphkern.cli.model import check_model_options, model_and_tokens, model_options
 
 #: Past this many lines (diff) or nodes (show), print a summary; ``--full`` prints everything.
 SUMMARY_LINES = 60
@@ -203,7 +203,7 @@ def merge_graphs(paths: tuple[str, ...]) -> Any:
         raise BadInput(f"cannot merge {', '.join(paths)}: {e.description}") from None
 
 
-def _check_outputs(paths: dict[str, str | None]) -> None:
+def check_outputs(paths: dict[str, str | None]) -> None:
     from graphkern.nodes import KernelError
     from graphkern.viz.dot import format_for
 
@@ -258,10 +258,10 @@ def render_outputs(graph: Any, outputs: dict[str, str | None],
 
             files[path] = to_dot(graph, **dot_options).encode()  # type: ignore[arg-type]
         elif option in _IMAGES:
-            from graphkern.viz.dot import DotError, _run_dot, to_dot
+            from graphkern.viz.dot import DotError, run_dot, to_dot
 
             try:
-                files[path] = _run_dot(to_dot(graph, **dot_options), option[2:],  # type: ignore[arg-type]
+                files[path] = run_dot(to_dot(graph, **dot_options), option[2:],  # type: ignore[arg-type]
                                        progress=progress, what=path)
             except DotError as e:
                 raise BadInput(str(e)) from None
@@ -273,7 +273,7 @@ def render_outputs(graph: Any, outputs: dict[str, str | None],
 
 
 def write_files(files: dict[str, bytes]) -> None:
-    from graphkern.viz._common import atomic_write
+    from graphkern.viz.common import atomic_write
 
     for path, data in files.items():
         atomic_write(path, data)
@@ -281,7 +281,7 @@ def write_files(files: dict[str, bytes]) -> None:
 
 def brief_summary(graph: Any) -> str:
     """Name, counts by kind, kernels and status in a few lines."""
-    from graphkern.viz._common import failures, status_name
+    from graphkern.viz.common import failures, status_name
 
     g = graph.nx
     kinds: dict[str, int] = {}
@@ -305,7 +305,7 @@ def brief_summary(graph: Any) -> str:
 
 
 @contextmanager
-def _progress(enabled: bool) -> Iterator[Callable[[str], None]]:
+def progress_steps(enabled: bool) -> Iterator[Callable[[str], None]]:
     """A rich spinner with elapsed time on stderr (only on a terminal); yields ``step(text)``."""
     if not enabled:
         yield lambda text: None
@@ -398,10 +398,10 @@ def trace_cmd(target: str | None, model_path: str | None, prompt: str | None, pa
     specs = [parse_input_spec(s) for s in inputs]
     outputs = {"--json": json_path, "--html": html, "--dot": dot, "--svg": svg, "--png": png,
                "--pdf": pdf, "--model-explorer": me}
-    _check_outputs(outputs)
+    check_outputs(outputs)
     if backend:
         os.environ["GRAPHKERN_BACKEND"] = backend
-    with _progress(not quiet) as step:
+    with progress_steps(not quiet) as step:
         call = traced_call(target, model_path, prompt, patch_model, specs, seed, step, quiet)
         import graphkern as gk
 
@@ -491,9 +491,9 @@ def show_cmd(files: tuple[str, ...], html: str | None, dot: str | None, svg: str
     """
     outputs = {"--html": html, "--dot": dot, "--svg": svg, "--png": png, "--pdf": pdf,
                "--model-explorer": me}
-    _check_outputs(outputs)
+    check_outputs(outputs)
     graph = load_graph(files[0]) if len(files) == 1 else merge_graphs(files)
-    with _progress(not quiet) as step:
+    with progress_steps(not quiet) as step:
         written = render_outputs(graph, outputs, step, _drawing(depth, weights, all_blocks))
     if not quiet:
         click.echo(brief_summary(graph))
@@ -533,7 +533,7 @@ def diff_cmd(before: str, after: str, html: str | None, json_path: str | None,
 
     from graphkern.viz.graph_diff import diff
 
-    _check_outputs({"--html": html, "--json": json_path})
+    check_outputs({"--html": html, "--json": json_path})
     a, b = load_graph(before), load_graph(after)
     d = diff(a, b)
     files: dict[str, bytes] = {}
@@ -585,10 +585,10 @@ def view_cmd(file: str | None, model_path: str | None, prompt: str | None, patch
     import tempfile
     import webbrowser
 
-    from graphkern.viz._common import atomic_write
+    from graphkern.viz.common import atomic_write
     from graphkern.viz.html import to_html
 
-    _check_outputs({"--out": out})
+    check_outputs({"--out": out})
     graph = _viewed_graph(file, model_path, prompt, patch_model)
     if out is None:
         fd, out = tempfile.mkstemp(prefix="graphkern-", suffix=".html")

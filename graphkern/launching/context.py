@@ -66,7 +66,7 @@ Settings = tuple[Any, ...]
 def snapshot() -> Settings:
     """This thread's settings, to carry to another thread with :func:`adopted`.
 
-    >>> from graphkern.backends import using_backend
+    >>> from graphkern.launching.backends import using_backend
     >>> with using_backend("reference"):
     ...     settings = snapshot()
     >>> import threading; seen = []

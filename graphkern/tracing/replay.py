@@ -3,7 +3,7 @@
 MLX's export callback gives each primitive's name, its state (``arguments``) and the shapes and
 dtypes of its outputs, but Python cannot rebuild a primitive from them. Here each primitive that
 models use is mapped to the public op that makes it, so a traced graph can be run node by node
-(``graphkern.values``). A primitive with no mapping, or one whose replay does not give the shapes
+(``graphkern.debugging.values``). A primitive with no mapping, or one whose replay does not give the shapes
 and dtypes MLX reported, raises :class:`NotReplayable`: its node says so instead of guessing.
 
 >>> import mlx.core as mx

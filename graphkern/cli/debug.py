@@ -13,17 +13,17 @@ from typing import Any
 
 import click
 
-from graphkern.cli_commands import (
+from graphkern.cli.commands import (
     EXIT_FAILED,
     BadInput,
-    _check_outputs,
-    _progress,
+    check_outputs,
     parse_input_spec,
+    progress_steps,
     resolve_target,
     traced_call,
     write_files,
 )
-from graphkern.cli_model import check_model_options, model_options
+from graphkern.cli.model import check_model_options, model_options
 
 __all__ = ["debug_cmd", "register"]
 
@@ -99,7 +99,7 @@ def debug_cmd(target: str | None, model_path: str | None, prompt: str | None, pa
     """
     check_model_options(target, model_path, prompt, patch_model, inputs)
     specs = [parse_input_spec(s) for s in inputs]
-    _check_outputs({"--html": html, "--json": json_path, "--save": save})
+    check_outputs({"--html": html, "--json": json_path, "--save": save})
     if compare_stock and not (model_path and patch_model):
         raise BadInput("--compare-stock compares a patched checkpoint with its stock model: "
                        "give --model PATH --patch")
@@ -112,10 +112,10 @@ def debug_cmd(target: str | None, model_path: str | None, prompt: str | None, pa
         raise BadInput(f"--save {save}: the file must end in .npz or .safetensors")
     reference = resolve_target(other)[0] if other else None
     import graphkern as gk
-    from graphkern.comparison import compare
-    from graphkern.values import Inspector
+    from graphkern.debugging.comparison import compare
+    from graphkern.debugging.values import Inspector
 
-    with _progress(not quiet) as step:
+    with progress_steps(not quiet) as step:
         call = traced_call(target, model_path, prompt, patch_model, specs, seed, step, quiet,
                            stock_twin=compare_stock)
     fn, name, args = call.fn, call.name, call.args

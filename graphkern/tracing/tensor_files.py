@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .nodes import KernelError, Status, dtype_name
+from ..nodes import KernelError, Status, dtype_name
 
 __all__ = ["TensorWriter", "open_writer"]
 

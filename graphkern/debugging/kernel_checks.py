@@ -1,4 +1,4 @@
-"""``graphkern.kernel_checks``: a kernel against its reference on random inputs, across dtypes and shapes.
+"""``gk.check``: a kernel against its reference on random inputs, across dtypes and shapes.
 
 For each library entry, dtype, shape and layout (contiguous, and strided: every float argument a
 non-contiguous view), the same launch plan runs twice: on the active backend (the kernel's CUDA or
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from tabulate import tabulate
 
-from graphkern.backends import resolve_backend
+from graphkern.debugging.tolerance import TOLERANCES, worst_errors
 from graphkern.kernels import LIBRARY, entries_for
-from graphkern.kernels._base import FLOAT_DTYPES, Case, LibraryEntry, apply_plan
+from graphkern.kernels.base import FLOAT_DTYPES, Case, LibraryEntry, apply_plan
+from graphkern.launching.backends import resolve_backend
 from graphkern.nodes import Kernel, KernelError, dtype_name
-from graphkern.tolerance import TOLERANCES, worst_errors
 
 if TYPE_CHECKING:
     from graphkern.metal_check import MetalReport

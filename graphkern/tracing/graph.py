@@ -1,6 +1,6 @@
 """``Graph``: one traced function as a networkx MultiDiGraph, with status codes and inspection.
 
-The nodes, edges and their attributes are defined in :mod:`graphkern.schema`; ``Graph.lint()``
+The nodes, edges and their attributes are defined in :mod:`graphkern.tracing.schema`; ``Graph.lint()``
 checks a graph against it.
 """
 
@@ -13,14 +13,14 @@ from typing import Any
 
 import networkx as nx
 
-from ._fastpaths import adjacency
-from .errors import GraphFormatError
-from .nodes import KernelError, NodeKind, Status
+from ..errors import GraphFormatError
+from ..launching.fastpaths import adjacency
+from ..nodes import KernelError, NodeKind, Status
 from .schema import EDGE_FIELDS, NODE_FIELDS, ROOT_FAILURES, lint
 
 __all__ = ["Failure", "Graph", "GraphError", "SCHEMA", "SCHEMA_VERSION", "propagate_status"]
 
-SCHEMA = "graphkern.graph"
+SCHEMA = "graphkern.tracing.graph"
 SCHEMA_VERSION = 1
 MAX_JSON_BYTES = 512 * 1024 * 1024
 _LOAD = "load a graphkern graph from JSON"
@@ -286,7 +286,7 @@ class Graph:
         return out
 
     def lint(self) -> None:
-        """Check the graph against its contract (:mod:`graphkern.schema`), as ``torch.fx``'s
+        """Check the graph against its contract (:mod:`graphkern.tracing.schema`), as ``torch.fx``'s
         ``Graph.lint()`` does; raises ``KernelError`` listing every problem.
 
         >>> import mlx.core as mx, graphkern as gk
@@ -398,31 +398,31 @@ class Graph:
 
     def to_dot(self, **options: Any) -> str:
         """Graphviz DOT source: scopes as clusters, kernels styled apart, failures in red."""
-        from .viz.dot import to_dot
+        from ..viz.dot import to_dot
 
         return to_dot(self, **options)
 
     def render(self, path: str, format: str | None = None, **options: Any) -> str:
         """Render through Graphviz to ``path`` in the format its suffix names (.svg, .png,
         .pdf); returns the written path. ``options`` go to ``graphkern.viz.dot.render``."""
-        from .viz.dot import render
+        from ..viz.dot import render
 
         return render(self, path, format, **options)
 
     def to_html(self, **options: Any) -> str:
         """A self-contained interactive HTML viewer (works offline)."""
-        from .viz.html import to_html
+        from ..viz.html import to_html
 
         return to_html(self, **options)
 
     def to_model_explorer(self) -> dict[str, Any]:
         """The graph in Model Explorer's graph JSON format."""
-        from .viz.model_explorer import to_model_explorer
+        from ..viz.model_explorer import to_model_explorer
 
         return to_model_explorer(self)
 
     def _repr_html_(self) -> str:
-        from .viz.html import repr_html
+        from ..viz.html import repr_html
 
         return repr_html(self)
 

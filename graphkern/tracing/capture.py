@@ -20,8 +20,8 @@ from typing import Any, cast
 import mlx.core as mx
 import networkx as nx
 
-from ._fastpaths import adjacency, bulk_multidigraph, move_out_edges
-from .nodes import KernelError, NodeKind, dtype_name
+from ..launching.fastpaths import adjacency, bulk_multidigraph, move_out_edges
+from ..nodes import KernelError, NodeKind, dtype_name
 
 MAGIC = 0x676B7472  # "gktr"
 _INNER_KINDS = (str(NodeKind.OP), str(NodeKind.KERNEL), str(NodeKind.COLLECTIVE))
@@ -132,7 +132,7 @@ def _tag_id(value: mx.array, nonce: int) -> int | None:
 @dataclass
 class Wiring:
     """How each node of a built graph reads its inputs: what running the graph node by node needs
-    (``graphkern.values``), kept only when asked for.
+    (``graphkern.debugging.values``), kept only when asked for.
 
     ``args``: node -> the arrays it reads, in argument order (a kernel node: its launch's array
     inputs); ``producer``: array -> (node, output index); ``primitives``: op node -> MLX's event
@@ -156,7 +156,7 @@ class Wiring:
 def build_graph(log: EventLog, input_names: list[str], records: dict[int, Record],
                 nonce: int, attrs: dict[str, Any], wiring: Wiring | None = None) -> nx.MultiDiGraph:
     """Turn the captured events into graphkern's MultiDiGraph (node kinds, attributes and
-    invariants: ``graphkern.schema``); with ``wiring``, fill it in too."""
+    invariants: ``graphkern.tracing.schema``); with ``wiring``, fill it in too."""
     names = _Names()
     nodes: dict[str, dict[str, Any]] = {}
     producer: dict[str, tuple[str, int]] = {}

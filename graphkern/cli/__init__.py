@@ -1,8 +1,8 @@
 """The ``graphkern`` command line (click). ``graphkern demo`` is the main job.
 
-Other commands (trace, show, diff, view) are registered from ``graphkern.cli_commands``,
-``debug`` from ``graphkern.cli_debug``, ``bench`` from ``graphkern.cli_bench`` and ``metal-check``
-from ``graphkern.cli_metal``.
+Other commands (trace, show, diff, view) are registered from ``graphkern.cli.commands``,
+``debug`` from ``graphkern.cli.debug``, ``bench`` from ``graphkern.cli.bench`` and ``metal-check``
+from ``graphkern.cli.metal``.
 """
 
 from __future__ import annotations
@@ -24,21 +24,21 @@ def main() -> None:
 @click.option("--no-files", is_flag=True, help="Print only; write nothing.")
 def demo(out_dir: str, no_files: bool) -> None:
     """Trace, compile and break a built-in kernel-backed model, printing what happens."""
-    from .demo import run_demo
+    from ..demo import run_demo
 
     run_demo(None if no_files else out_dir, echo=click.echo)
 
 
 def _register_optional_commands() -> None:
-    """Add the commands of ``graphkern.cli_commands`` (``register(main)``) when that module exists."""
-    if importlib.util.find_spec("graphkern.cli_commands") is None:
+    """Add the commands of ``graphkern.cli.commands`` (``register(main)``) when that module exists."""
+    if importlib.util.find_spec("graphkern.cli.commands") is None:
         return
-    from . import cli_bench, cli_commands, cli_debug, cli_metal
+    from . import bench, commands, debug, metal
 
-    cli_commands.register(main)
-    cli_debug.register(main)
-    cli_bench.register(main)
-    cli_metal.register(main)
+    commands.register(main)
+    debug.register(main)
+    bench.register(main)
+    metal.register(main)
 
 
 _register_optional_commands()

@@ -18,15 +18,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import backends, mlx_kernels
-from .autodiff import without_vjp
-from .context import recording
+from ..launching import backends, mlx_kernels
+from ..launching.autodiff import without_vjp
+from ..launching.context import recording
+from ..launching.launch_cache import LaunchCache, track
+from ..launching.validation import Launch
+from ..nodes import Kernel, KernelError, Status
+from ..trace import Traceable
 from .graph import Failure, Graph, GraphError
-from .launch_cache import LaunchCache, track
-from .nodes import Kernel, KernelError, Status
 from .state import Flat, flatten_outputs, reach, unflatten_outputs
-from .trace import Traceable
-from .validation import Launch
 
 __all__ = ["CompiledGraph", "FiniteCheckedGraph", "all_finite", "compile", "non_finite_error"]
 
@@ -264,7 +264,7 @@ class CompiledGraph:
         self._traceable = Traceable(fn, state)
         self._state = self._traceable.state
         # several ranks: agreement before a new signature runs, and the watchdog (timeout=)
-        from .distributed.sync import rank_sync  # loaded on the first compile, not with graphkern
+        from ..distributed.sync import rank_sync  # loaded on the first compile, not with graphkern
 
         self._sync = rank_sync([m for _, m in self._state.modules.values()], group, timeout)
         self._watched = self._sync is not None and self._sync.job is not None
@@ -443,7 +443,7 @@ class CompiledGraph:
         key = flat.key()
         sync = self._sync
         if sync is not None:
-            from .distributed.sync import describe_call
+            from ..distributed.sync import describe_call
         try:
             graph, spec = self._entry(flat, key)
         except KernelError as exc:
@@ -481,7 +481,7 @@ class CompiledGraph:
         culprit = next((n for n in kernels if graph.node(n).get("generated_name")
                         and graph.node(n)["generated_name"] in message), None)
         if culprit is None and recorder.failed is None:
-            from .distributed.collectives import standing_in
+            from ..distributed.collectives import standing_in
 
             recorder = _PassThrough(probe=True)
             modules = [m for _, m in self._state.modules.values()]
@@ -588,7 +588,7 @@ def all_finite(tree: Any) -> bool:
 def non_finite_error(traceable: Traceable, flat: Flat, backend: str | None) -> GraphError:
     """The ``GraphError`` for a call whose outputs held NaN or Inf: the values trace of the same
     call names the node where they started."""
-    from .values import Inspector
+    from ..debugging.values import Inspector
 
     graph = Inspector(backend=backend).run(traceable, flat)
     roots = [f for f in graph.failures() if f.status == Status.NON_FINITE]

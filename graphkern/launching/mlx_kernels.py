@@ -14,10 +14,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..nodes import Kernel, KernelError, Status
 from .backends import mlx_kernel_name
 from .context import inside_inspection_trace
 from .launch_cache import track
-from .nodes import Kernel, KernelError, Status
 from .source_text import for_backend
 
 __all__ = ["KernelCache", "build_mlx_kernel", "kernel_cache", "status_of_mlx_error"]

@@ -13,8 +13,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import backends, context, launch_paths, runtime, validation
-from .nodes import Kernel, OutputSpec, TemplateLike
+from .. import runtime
+from ..nodes import Kernel, OutputSpec, TemplateLike
+from . import backends, context, launch_paths, validation
 
 __all__ = ["BoundLaunch", "bind"]
 

@@ -5,7 +5,7 @@ two calls.
 
 A cache is registered under a group name; several caches may share a group (one per library
 layer, one per thread), and their figures are summed. Per-thread caches live in the thread's
-state (``graphkern.context``) and go with their thread: they are held weakly here.
+state (``graphkern.launching.context``) and go with their thread: they are held weakly here.
 
 >>> cache = LaunchCache("example", maxsize=2, group=None)
 >>> cache.put("a", 1); cache.put("b", 2); cache.get("a")

@@ -27,21 +27,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from .capture import Wiring
-from .graph import Graph
-from .nodes import NodeKind, dtype_name
+from ..nodes import NodeKind, dtype_name
+from ..trace import Traceable
+from ..tracing.capture import Wiring
+from ..tracing.graph import Graph
+from ..tracing.state import Flat
+from .interpreter import run_order
 from .precision import ROUNDING_MARGIN, beyond_rounding, float32_state, is_half, main_float_dtype
 from .progress import Progress, progress_line
-from .state import Flat
 from .tolerance import errors
-from .trace import Traceable
-from .values import (
-    _SAME_VALUES,
-    GraphRun,
-    finish_values,
-    run_order,
-    trace_for_values,
-)
+from .values import SAME_VALUES, GraphRun, finish_values, trace_for_values
 
 __all__ = ["Comparison", "KernelCheck", "ParameterRow", "Row", "compare", "compare_parameters",
            "match_outputs"]
@@ -51,7 +46,7 @@ _INNER = (NodeKind.OP.value, NodeKind.KERNEL.value)
 _ROWS = (*_INNER, NodeKind.OUTPUT.value)  # inputs and constants are the same on both sides
 _INPUT = NodeKind.INPUT.value
 #: Ops that only lay out (some of) their input's values anew: a row of one names the kernel behind it.
-_VIEWS = _SAME_VALUES | {"AsStrided", "Slice"}
+_VIEWS = SAME_VALUES | {"AsStrided", "Slice"}
 _ERRORS_PER_FLUSH = 256
 
 
@@ -257,7 +252,7 @@ class Comparison:
 
         >>> open("compare.html", "w").write(c.to_html())     # doctest: +SKIP
         """
-        from .viz.html import to_html
+        from ..viz.html import to_html
 
         first = self.first_divergence
         doc = {
@@ -273,7 +268,7 @@ class Comparison:
         return to_html(self.b, comparison=doc, **options)
 
     def _repr_html_(self) -> str:
-        from .viz.html import srcdoc_iframe
+        from ..viz.html import srcdoc_iframe
 
         return srcdoc_iframe(self.to_html())
 
@@ -347,7 +342,7 @@ class _Side:
         data = self.nodes[out[0]]
         if data["kind"] == _INPUT:
             found = str(data["label"]) if self._input_index.get(out[0], -1) >= self.first_state else None
-        elif data["kind"] == NodeKind.OP.value and data["op"] in _SAME_VALUES and out[1] == 0:
+        elif data["kind"] == NodeKind.OP.value and data["op"] in SAME_VALUES and out[1] == 0:
             reads = self.reads(out[0])
             if len(reads) == 1 and reads[0] is not None:
                 found = self.parameter_view(reads[0])
@@ -697,7 +692,7 @@ def _counterpart(side: _Side, pairs: dict[Output, Output], out: Output) -> Outpu
 
 
 _OP = NodeKind.OP.value
-_CASTS = _SAME_VALUES | {"AsType"}
+_CASTS = SAME_VALUES | {"AsType"}
 
 
 def compare(a: Callable[..., Any], b: Callable[..., Any], *args: Any, rtol: float = 1e-4,
@@ -709,7 +704,7 @@ def compare(a: Callable[..., Any], b: Callable[..., Any], *args: Any, rtol: floa
     compare every matched node's output (see the module). ``a`` is the reference.
 
     ``rounding``: judge each node against what rounding explains there, from float32 runs of
-    both (see :mod:`graphkern.precision`; ``margin`` times it, plus ``atol + rtol * |a|``);
+    both (see :mod:`graphkern.debugging.precision`; ``margin`` times it, plus ``atol + rtol * |a|``);
     None: when both compute in float16 or bfloat16 (it doubles the work). Otherwise an element
     is beyond when ``|a - b| > atol + rtol * |a|``. ``backends`` sets each side's kernel backend
     (``(None, "reference")``: the GPU kernels against their references, all else alike);

@@ -15,11 +15,11 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..nodes import KernelError, Status
 from . import mlx_kernels
 from .autodiff import differentiable, vjp_enabled
 from .context import inside_inspection_trace, state
 from .mlx_kernels import status_of_mlx_error
-from .nodes import KernelError, Status
 from .validation import Launch
 
 __all__ = ["differentiable_launch", "eager_form", "replayed", "run_eager", "run_launch", "run_native",
@@ -92,7 +92,7 @@ def run_eager(launch: Launch, inputs: Sequence[mx.array]) -> list[mx.array]:
     built by the first such call.
 
     >>> from graphkern import Kernel, OutputSpec
-    >>> from graphkern.validation import validated_launch
+    >>> from graphkern.launching.validation import validated_launch
     >>> k = Kernel("twice", ["x"], ["out"], reference=lambda x: [x * 2])
     >>> launch = validated_launch(k, [OutputSpec((2,), mx.float32)], (2, 1, 1), (2, 1, 1))
     >>> run_eager(launch, [mx.ones((2,))])[0]

@@ -1,0 +1,2 @@
+"""Debugging values: the graph interpreter, statistics, inspect, comparison, precision, progress
+lines, tolerances, kernel checks."""

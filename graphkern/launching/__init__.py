@@ -1,0 +1,1 @@
+"""Launching kernels: backends, validation, MLX kernel objects, launch paths, caches, autodiff."""
