@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from graphkern.cli.errors import EXIT_FAILED, BadInput
+from graphkern.cli.errors import EXIT_FAILED, BadInput, failing_as
 from graphkern.cli.model import check_model_options, model_and_tokens, model_options
 
 #: Past this many lines (diff) or nodes (show), print a summary; ``--full`` prints everything.
@@ -407,7 +407,7 @@ def trace_cmd(target: str | None, model_path: str | None, prompt: str | None, pa
 
         step(f"tracing {call.name}")
         t0 = time.perf_counter()
-        try:
+        with failing_as(f"tracing {call.label}", f"tracing {call.label} failed: "):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", gk.ScopeWarning)
                 graph = gk.trace(call.fn, *call.args)
@@ -416,12 +416,6 @@ def trace_cmd(target: str | None, model_path: str | None, prompt: str | None, pa
                     click.echo(f"warning: {w.message}", err=True)
                 else:
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        except gk.KernelError as e:
-            click.echo(f"error: tracing {call.label} failed: {e}", err=True)
-            raise SystemExit(EXIT_FAILED) from None
-        except Exception as e:
-            click.echo(f"error: tracing {call.label} raised {type(e).__name__}: {e}", err=True)
-            raise SystemExit(EXIT_FAILED) from None
         elapsed = time.perf_counter() - t0
         if model_path:
             graph.nx.graph["name"] = call.name  # the checkpoint's folder, not its class

@@ -23,6 +23,7 @@ from graphkern.cli.commands import (
     traced_call,
     write_files,
 )
+from graphkern.cli.errors import failing_as
 from graphkern.cli.model import check_model_options, model_options
 
 __all__ = ["debug_cmd", "register"]
@@ -111,7 +112,6 @@ def debug_cmd(target: str | None, model_path: str | None, prompt: str | None, pa
     if save and os.path.splitext(save)[1].lower() not in (".npz", ".safetensors"):
         raise BadInput(f"--save {save}: the file must end in .npz or .safetensors")
     reference = resolve_target(other)[0] if other else None
-    import graphkern as gk
     from graphkern.debugging.comparison import compare
     from graphkern.debugging.values import Inspector
 
@@ -122,21 +122,16 @@ def debug_cmd(target: str | None, model_path: str | None, prompt: str | None, pa
     if compare_stock:
         reference, other = call.run.stock, "the stock model"
     # the long part reports its own phases (a bar on a terminal, lines otherwise) on stderr
-    try:
+    result: Any
+    with failing_as(f"running {call.label}"):
         if reference is None:
             graph = Inspector(backend=backend, save=save, progress=not quiet)(fn, *args)
-            result: Any = graph
+            result = graph
         else:
             if not quiet:
                 click.echo(f"comparing {name} with {other}", err=True)
             result = compare(reference, fn, *args, rtol=rtol, atol=atol,
                              backends=(compare_backend, backend), progress=not quiet)
-    except gk.KernelError as exc:
-        click.echo(f"error: {exc}", err=True)
-        raise SystemExit(EXIT_FAILED) from None
-    except Exception as exc:
-        click.echo(f"error: running {call.label} raised {type(exc).__name__}: {exc}", err=True)
-        raise SystemExit(EXIT_FAILED) from None
     if call.run is not None:  # name the graphs after the checkpoint, not its class
         graphs = [result] if reference is None else [result.a, result.b]
         sides = [""] if reference is None else [" stock", " patched"]

@@ -1,12 +1,16 @@
-"""The exit statuses and the bad-input error every ``graphkern`` command shares."""
+"""The exit statuses, the bad-input error and the failure report every ``graphkern`` command shares."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import click
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "BadInput"]
+from graphkern.nodes import KernelError
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "BadInput", "failing_as"]
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -19,3 +23,17 @@ class BadInput(click.ClickException):
 
     def show(self, file: Any = None) -> None:
         click.echo(f"error: {self.format_message()}", err=True)
+
+
+@contextlib.contextmanager
+def failing_as(what: str, kernel_prefix: str = "") -> Iterator[None]:
+    """Whatever ``what`` raises becomes one ``error:`` line and exit status 1: a graphkern error as
+    its message (after ``kernel_prefix``), anything else with its type."""
+    try:
+        yield
+    except KernelError as exc:
+        click.echo(f"error: {kernel_prefix}{exc}", err=True)
+        raise SystemExit(EXIT_FAILED) from None
+    except Exception as exc:
+        click.echo(f"error: {what} raised {type(exc).__name__}: {exc}", err=True)
+        raise SystemExit(EXIT_FAILED) from None
