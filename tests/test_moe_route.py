@@ -151,15 +151,45 @@ def test_bfloat16_experts_under_a_float32_router_give_the_stock_dtype(name: str)
         assert mx.array_equal(ours, theirs).item()
 
 
-def test_quantized_experts_keep_the_stock_expert_products() -> None:
-    model = random_model(TINY_CONFIGS["mixtral"])
-    nn.quantize(model, group_size=32, bits=8)
+@pytest.mark.parametrize("sort", [False, True], ids=["unsorted", "sorted"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_quantized_experts_take_the_same_routes_as_stock(name: str, bits: int, sort: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Affine-quantized experts (``QuantizedSwitchLinear``) go through the patched products, in
+    token order and sorted by expert, and equal stock's ``gather_qmm`` products."""
+    monkeypatch.setattr(layers, "SORTED_EXPERTS_BACKENDS", frozenset({active_backend()} if sort else ()))
+    routes: list[bool] = []
+    products = layers._switch_glu
+    monkeypatch.setattr(layers, "_switch_glu", lambda *a, **kw: routes.append(kw.get("sorted_indices", False))
+                        or products(*a, **kw))
+    model = random_model(CONFIGS[name])
+    nn.quantize(model, group_size=32, bits=bits)
+    model.eval()
+    stock = [model(SHORT), *_decode(model)]
+    patch(model)
+    assert all(isinstance(block, KernelSparseMoE) for block in _sparse_blocks(model))
+    for ours, theirs in zip([model(SHORT), *_decode(model)], stock):
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+    assert set(routes) == {sort}
+
+
+def test_experts_the_products_do_not_read_keep_their_stock_call() -> None:
+    """Experts in another quantization mode keep ``SwitchGLU``'s own call."""
+    model = random_model(CONFIGS["mixtral"])
+    nn.quantize(model, group_size=32, bits=8, mode="mxfp8")
     model.eval()
     stock = _decode(model)
     patch(model)
-    assert all(isinstance(block, KernelSparseMoE) for block in _sparse_blocks(model))
-    for ours, theirs in zip(_decode(model), stock):
-        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+    called: list[bool] = []
+    products = layers._switch_glu
+    layers._switch_glu = lambda *a, **kw: called.append(True) or products(*a, **kw)  # type: ignore[assignment]
+    try:
+        for ours, theirs in zip(_decode(model), stock):
+            assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+    finally:
+        layers._switch_glu = products
+    assert not called
 
 
 def test_sharded_qwen_blocks_run_stock_and_too_many_chosen_experts_are_refused(

@@ -184,7 +184,14 @@ class KernelRMSNorm(KernelLayer):
         return weight + self._gk_offset if self._gk_offset else weight
 
     def forward(self, x: mx.array) -> mx.array:
+        if self["weight"].dtype != x.dtype:
+            return self.stock(x)
         return gkk.rms_norm(x, self.scale(), self.eps)
+
+    def stock(self, x: mx.array) -> mx.array:
+        """The original layer's forward on this layer's arrays: for a weight whose dtype differs
+        from x's, where ``mx.fast.rms_norm`` promotes the output and the kernel takes one dtype."""
+        return type(self.original).__call__(self, x)  # type: ignore[no-any-return]
 
 
 class KernelAddRMSNorm(KernelRMSNorm):
@@ -196,7 +203,10 @@ class KernelAddRMSNorm(KernelRMSNorm):
 
     def forward(self, x: mx.array, residual: mx.array | None = None) -> Any:  # type: ignore[override]
         if residual is None:
-            return gkk.rms_norm(x, self.scale(), self.eps)
+            return super().forward(x)
+        if not x.dtype == residual.dtype == self["weight"].dtype:
+            h = x + residual
+            return h, self.stock(h)
         return gkk.add_rms_norm(x, residual, self.scale(), self.eps)
 
     def failed_output(self, x: mx.array, residual: mx.array | None = None) -> Any:
@@ -212,6 +222,8 @@ class KernelLayerNorm(KernelLayer):
     def forward(self, x: mx.array) -> mx.array:
         weight = self.get("weight", None)
         bias = self.get("bias", None)
+        if any(a is not None and a.dtype != x.dtype for a in (weight, bias)):  # mx.fast promotes
+            return type(self.original).__call__(self, x)  # type: ignore[no-any-return]
         return gkk.layer_norm(x, weight, bias, self.eps)
 
 
@@ -452,14 +464,26 @@ def _batch_rows(shape: tuple[int, ...]) -> mx.array:
 SORTED_EXPERTS_BACKENDS = frozenset({"cuda"})
 
 
+def _plain_experts(linear: nn.Module) -> bool:
+    """Whether ``linear`` is mlx-lm's ``SwitchLinear``, or its ``QuantizedSwitchLinear`` in affine
+    mode without a global scale, and has no bias: experts whose products :func:`_switch_glu` makes."""
+    if "bias" in linear:
+        return False
+    if is_class(type(linear), f"{_SWITCH}:SwitchLinear"):
+        return True
+    return (is_class(type(linear), f"{_SWITCH}:QuantizedSwitchLinear")
+            and getattr(linear, "mode", "affine") == "affine"
+            and getattr(linear, "global_scale", None) is None)
+
+
 def _expert_outputs(mlp: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     """``mlp(x, inds)``: each token through its chosen experts, ``(..., k, hidden)``. For mlx-lm's
-    ``SwitchGLU`` on plain expert weights and fewer than 64 pairs (its unsorted path) the products
+    ``SwitchGLU`` on plain or affine-quantized expert weights (:func:`_plain_experts`) and fewer
+    than 64 pairs (its unsorted path) the products
     take their row indices from :func:`_batch_rows`, and on :data:`SORTED_EXPERTS_BACKENDS` the
     pairs of several tokens go sorted by expert; otherwise it is the stock call."""
     if (inds.size >= 64 or not is_class(type(mlp), f"{_SWITCH}:SwitchGLU")
-            or any(not is_class(type(mlp[name]), f"{_SWITCH}:SwitchLinear") or "bias" in mlp[name]
-                   for name in ("up_proj", "gate_proj", "down_proj"))):
+            or not all(_plain_experts(mlp[name]) for name in ("up_proj", "gate_proj", "down_proj"))):
         return mlp(x, inds)  # type: ignore[no-any-return]
     k = inds.shape[-1]
     if inds.size > k and not vjp_enabled() and active_backend() in SORTED_EXPERTS_BACKENDS:
@@ -479,6 +503,10 @@ def _switch_glu(mlp: nn.Module, x: mx.array, x_rows: mx.array, hidden_rows: mx.a
     """``SwitchGLU``'s three expert products: ``down(act(up(x), gate(x)))`` with ``x``'s rows
     ``x_rows`` and the hidden rows ``hidden_rows`` taken by the experts ``inds``."""
     def product(a: mx.array, linear: nn.Module, rows: mx.array) -> mx.array:
+        if "scales" in linear:  # QuantizedSwitchLinear's product, as its own __call__ makes it
+            return mx.gather_qmm(a, linear.weight, linear.scales, linear.get("biases"), rows, inds,
+                                 transpose=True, group_size=linear.group_size, bits=linear.bits,
+                                 mode=linear.mode, sorted_indices=sorted_indices)
         return mx.gather_mm(a, linear.weight.swapaxes(-1, -2), rows, inds, sorted_indices=sorted_indices)
 
     up = product(x, mlp.up_proj, x_rows)
@@ -582,7 +610,8 @@ def _fuses(norm: nn.Module, residual: mx.array | None, x: mx.array, group_size: 
     """Whether ``norm`` (with the residual add before it) can run inside a projection kernel on x
     (a quantized one, for weights of ``group_size``)."""
     fits = projections_fit(x) if group_size is None else quantized_projections_fit(x, group_size)
-    return isinstance(norm, KernelAddRMSNorm if residual is not None else KernelRMSNorm) and fits
+    same = norm["weight"].dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+    return isinstance(norm, KernelAddRMSNorm if residual is not None else KernelRMSNorm) and same and fits
 
 
 #: The residual a block is called without: a stock call, not a link of a fused chain.
