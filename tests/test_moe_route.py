@@ -94,17 +94,24 @@ def _sparse_blocks(model: nn.Module) -> list[nn.Module]:
     return [getattr(layer, "block_sparse_moe", None) or layer.mlp for layer in model.layers]
 
 
+def _record_routes(monkeypatch: pytest.MonkeyPatch, sort: bool) -> list[bool]:
+    """Sorted expert pairs on this backend when ``sort``; the list fills with each patched expert
+    product's ``sorted_indices``."""
+    monkeypatch.setattr(layers, "SORTED_EXPERTS_BACKENDS", frozenset({active_backend()} if sort else ()))
+    routes: list[bool] = []
+    products = layers._switch_glu
+    monkeypatch.setattr(layers, "_switch_glu", lambda *a, **kw: routes.append(kw.get("sorted_indices", False))
+                        or products(*a, **kw))
+    return routes
+
+
 @pytest.mark.parametrize("sort", [False, True], ids=["unsorted", "sorted"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_patched_sparse_blocks_equal_stock_in_prompts_and_decoding(
         name: str, sort: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both routes of a few tokens' expert products: pairs in token order, and sorted by expert
     (the CUDA route) and put back."""
-    monkeypatch.setattr(layers, "SORTED_EXPERTS_BACKENDS", frozenset({active_backend()} if sort else ()))
-    routes: list[bool] = []
-    products = layers._switch_glu
-    monkeypatch.setattr(layers, "_switch_glu", lambda *a, **kw: routes.append(kw.get("sorted_indices", False))
-                        or products(*a, **kw))
+    routes = _record_routes(monkeypatch, sort)
     model = random_model(CONFIGS[name])
     model.eval()
     stock = [model(SHORT), model(LONG), *_decode(model)]
@@ -158,11 +165,7 @@ def test_quantized_experts_take_the_same_routes_as_stock(name: str, bits: int, s
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Affine-quantized experts (``QuantizedSwitchLinear``) go through the patched products, in
     token order and sorted by expert, and equal stock's ``gather_qmm`` products."""
-    monkeypatch.setattr(layers, "SORTED_EXPERTS_BACKENDS", frozenset({active_backend()} if sort else ()))
-    routes: list[bool] = []
-    products = layers._switch_glu
-    monkeypatch.setattr(layers, "_switch_glu", lambda *a, **kw: routes.append(kw.get("sorted_indices", False))
-                        or products(*a, **kw))
+    routes = _record_routes(monkeypatch, sort)
     model = random_model(CONFIGS[name])
     nn.quantize(model, group_size=32, bits=bits)
     model.eval()
