@@ -8,6 +8,8 @@ both eagerly (how mlx-lm generates) and through ``gk.wrap``, taking turns within
   decode b1 / b8   tokens per second after the first token (batch 8 counts all 8 sequences)
   ttft P           time to the first token of a P-token prompt (prefill), milliseconds: the
                    median of TTFT_REPEATS calls a round
+  peak memory      MLX's peak memory over a batch-1 generation from the longest prompt, weights
+                   included (MB); its ratio is patched over stock
 
 ``--breakdown`` adds, per decoded token at batch 1, GPU kernel launches (all of them, and
 graphkern's), GPU busy time against wall time, and wall time per launch: CUPTI's kernel records
@@ -180,6 +182,14 @@ def generate_batch(model: Any, prompt: mx.array, tokens: int, batch: int) -> tup
     return first - start, (end - first) / max(steps, 1)
 
 
+def peak_memory_mb(run: Callable[[], object]) -> float:
+    """MLX's peak memory (weights included, MB) over ``run``, from a cleared pool."""
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    run()
+    return mx.get_peak_memory() / 2**20
+
+
 # ----------------------------------------------------------------------------- the grid
 
 #: A time to first token is one prefill (milliseconds) and varies with the host from call to
@@ -208,6 +218,8 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
     for length, prompt in prompts.items():
         tasks[f"ttft {length}"] = lambda m, p=prompt: 1e3 * statistics.median(
             generate_b1(m, p, 2)[0] for _ in range(TTFT_REPEATS))
+    longest = prompts[max(args.prefill)]
+    tasks["peak memory"] = lambda m: peak_memory_mb(lambda: generate_b1(m, longest, args.tokens))
     samples: dict[tuple[str, str], list[float]] = {}
     errors: dict[tuple[str, str], str] = {}
     for round_index in range(args.rounds + 1):  # round 0 warms up: kernels compile, traces run
@@ -235,7 +247,8 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
                               if k in errors]}
             if s and p:  # per round, so drift between rounds cancels
                 pairs = [b / a for a, b in zip(s, p)]
-                ratios = pairs if task.startswith("decode") else [1 / r for r in pairs]
+                # decode: patched speed over stock; peak memory: patched over stock; ttft: stock over patched
+                ratios = pairs if task.startswith(("decode", "peak")) else [1 / r for r in pairs]
                 row["speedup"] = statistics.median(ratios)
                 row["speedup_range"] = [min(ratios), max(ratios)]
             rows.append(row)
@@ -326,12 +339,15 @@ def prefill_breakdown(model: Any, prompt: mx.array, repeats: int = TTFT_REPEATS)
 def _cell(value: float | None, task: str) -> str:
     if value is None:
         return "failed"
+    if task.startswith("peak"):
+        return f"{value:.0f} MB"
     return f"{value:.1f} tok/s" if task.startswith("decode") else f"{value:.1f} ms"
 
 
 def format_result(result: dict[str, Any]) -> str:
     lines = [f"\n## {result['model']}, {result['dtype']}, weights {result['weights']}",
-             "| task | mode | stock | patched | patched speed / stock | rounds' range |",
+             "| task | mode | stock | patched | ratio (speed: patched / stock; memory: patched / stock) "
+             "| rounds' range |",
              "|---|---|---:|---:|---:|---:|"]
     for row in result["rows"]:
         speed = f"{row['speedup']:.3f}x" if "speedup" in row else "-"
