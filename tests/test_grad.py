@@ -316,3 +316,22 @@ def test_mx_grad_through_a_wrapped_model_equals_the_stock_gradients(patched):
         got = mx.value_and_grad(loss)(model.trainable_parameters())
         assert_same_grads(expected, (got[0], dict(tree_flatten(got[1]))))
     assert wrapped.calls["compiled"] == 2 and wrapped.graph.ok
+
+
+def test_mx_grad_through_a_wrapped_patched_model_on_the_gpu_path_equals_stock(opaque_gpu):
+    """On the GPU launch path (kernels opaque to ``mx.grad``) a compiled graph's launches carry
+    their backward as eager ones do: the loss and gradients of the stock model, float32, to 1e-5,
+    on the traced call and a steady one."""
+    model = tiny_model("llama")
+    expected = value_and_grads(model)
+    patch(model)
+    wrapped = gk.wrap(model)
+
+    def loss(params):
+        model.update(params)
+        return loss_fn(wrapped, TOKENS, TARGETS)
+
+    for _ in range(2):
+        got = mx.value_and_grad(loss)(model.trainable_parameters())
+        assert_same_grads(expected, (got[0], dict(tree_flatten(got[1]))))
+    assert wrapped.calls["compiled"] == 2 and opaque_gpu

@@ -19,7 +19,6 @@ import mlx.nn as nn
 import numpy as np
 
 from ..launching import backends, mlx_kernels
-from ..launching.autodiff import without_vjp
 from ..launching.context import recording
 from ..launching.launch_cache import LaunchCache, track
 from ..launching.validation import Launch
@@ -288,10 +287,9 @@ class CompiledGraph:
         flat = call.flat
         if flat is None:  # MLX traces inside a steady call: a signature it has not run yet
             return self._run_unseen(arrays)
-        # no custom-vjp wrapper around GPU launches: a compiled graph evaluates its own outputs,
-        # so nothing differentiates through it, and each wrapper is one more primitive to run
-        with self._state.cells_from_captured(), recording(call.recorder), \
-                without_vjp():  # type: ignore[arg-type]
+        # GPU launches carry their custom vjp as eager ones do (``mx.grad`` may differentiate
+        # through a compiled graph); patched layers of an evaluating model launch plain, as eagerly
+        with self._state.cells_from_captured(), recording(call.recorder):
             return self._traceable.call_flat(flat, arrays, {})
 
     def _run_unseen(self, arrays: tuple[mx.array, ...]) -> list[mx.array]:

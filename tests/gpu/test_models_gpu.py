@@ -224,14 +224,18 @@ def test_on_cuda_a_short_prompt_runs_the_stock_layers_and_a_long_one_the_kernels
     assert mx.allclose(got, expected, atol=atol, rtol=rtol).item(), mx.abs(got - expected).max().item()
 
 
-def test_value_and_grad_through_a_wrapped_stock_model_on_device() -> None:
-    """``gk.wrap`` of a model without kernels differentiates as the model does (float32,
-    loss 1e-4, gradients 1e-4 + 1e-3 relative: TF32 matmuls on CUDA)."""
+@pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
+def test_value_and_grad_through_a_wrapped_model_on_device(patched: bool) -> None:
+    """``gk.wrap`` of a model, stock or patched (its CUDA kernels carrying their backward in the
+    compiled graph), differentiates as the stock model does (float32, loss 1e-4, gradients
+    1e-4 + 1e-3 relative: TF32 matmuls on CUDA)."""
     def loss(model: nn.Module, fn: Any) -> mx.array:
         return nn.losses.cross_entropy(fn(TOKENS[:, :-1]), TOKENS[:, 1:], reduction="mean")
 
     model = tiny_model("llama")
     stock = nn.value_and_grad(model, lambda m: loss(m, m))(model)
+    if patched:
+        patch(model)
     wrapped = wrap(model)
     through_wrap = nn.value_and_grad(model, lambda m: loss(m, wrapped))(model)
     assert_same_gradients(stock, through_wrap, loss_atol=1e-4, atol=1e-4, rtol=1e-3)
