@@ -329,7 +329,7 @@ def traced(*, failed: bool = False, kernel: bool = True) -> Any:
 def llama(layers: int = 2, *, patched: bool = True, broken: int | None = None) -> Any:
     """A real ``gk.trace`` of a random-weight mlx-lm llama with ``layers`` decoder layers (hidden
     size 64, as ``graphkern.models.tiny``), its layers ``gk.patch``ed onto library kernels, on
-    eight tokens. With ``broken``, that layer's input RMSNorm weight is float16 against float32
+    eight tokens. With ``broken``, that layer's input RMSNorm weight is one feature short of the
     activations, so its kernel layer refuses the call (MODULE_ERROR) and everything after it is
     UPSTREAM_FAILED. Cached: callers must not change the graph."""
     import mlx.core as mx
@@ -339,7 +339,7 @@ def llama(layers: int = 2, *, patched: bool = True, broken: int | None = None) -
     model = llama_model(layers, patched=patched)
     if broken is not None:
         norm = model.model.layers[broken].input_layernorm
-        norm.weight = norm.weight.astype(mx.float16)
+        norm.weight = norm.weight[:-1]
     return gk.trace(model, mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]))
 
 
