@@ -335,3 +335,22 @@ def test_mx_grad_through_a_wrapped_patched_model_on_the_gpu_path_equals_stock(op
         got = mx.value_and_grad(loss)(model.trainable_parameters())
         assert_same_grads(expected, (got[0], dict(tree_flatten(got[1]))))
     assert wrapped.calls["compiled"] == 2 and opaque_gpu
+
+
+def test_compiled_launches_carry_their_backward_unless_first_compiled_without_vjp(opaque_gpu, monkeypatch):
+    """A ``gk.compile``d function's GPU launches are differentiable (``mx.grad`` gives the
+    reference's gradient through them); a signature first compiled inside ``without_vjp()``
+    launches plain, with no custom function around its kernels."""
+    wrapped: list[str] = []
+    build = launch_paths.differentiable
+    monkeypatch.setattr(launch_paths, "differentiable",
+                        lambda forward, *a, **kw: wrapped.append("vjp") or build(forward, *a, **kw))
+    x = mx.arange(4, dtype=mx.float32)
+    compiled = gk.compile(scaling("compiled_vjp"))
+    assert mx.grad(lambda v: compiled(v).sum())(x).tolist() == [3.0] * 4
+    assert wrapped == ["vjp"]
+    plain = gk.compile(scaling("compiled_plain"))
+    with gk.without_vjp():
+        assert plain(x).tolist() == (x * 3).tolist()
+    assert plain(x + 1).tolist() == ((x + 1) * 3).tolist()  # the same signature: replayed plain
+    assert wrapped == ["vjp"]
