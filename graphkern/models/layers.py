@@ -141,6 +141,12 @@ class KernelLayer(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
+    def stock(self, *args: Any, **kwargs: Any) -> Any:
+        """The replaced layer's own forward on this layer's arrays: for calls the kernel does not
+        take (a norm weight in another dtype, which ``mx.fast`` promotes; a block sharded since
+        it was patched)."""
+        return type(self.original).__call__(self, *args, **kwargs)
+
     def select(self, kernels: frozenset[str]) -> None:
         """Told by ``patch`` which kernels were selected, for a layer that can use more than its
         own (by default it uses only ``kernel``)."""
@@ -184,14 +190,9 @@ class KernelRMSNorm(KernelLayer):
         return weight + self._gk_offset if self._gk_offset else weight
 
     def forward(self, x: mx.array) -> mx.array:
-        if self["weight"].dtype != x.dtype:
-            return self.stock(x)
+        if self["weight"].dtype != x.dtype:  # mx.fast.rms_norm promotes; the kernel takes one dtype
+            return self.stock(x)  # type: ignore[no-any-return]
         return gkk.rms_norm(x, self.scale(), self.eps)
-
-    def stock(self, x: mx.array) -> mx.array:
-        """The original layer's forward on this layer's arrays: for a weight whose dtype differs
-        from x's, where ``mx.fast.rms_norm`` promotes the output and the kernel takes one dtype."""
-        return type(self.original).__call__(self, x)  # type: ignore[no-any-return]
 
 
 class KernelAddRMSNorm(KernelRMSNorm):
@@ -223,7 +224,7 @@ class KernelLayerNorm(KernelLayer):
         weight = self.get("weight", None)
         bias = self.get("bias", None)
         if any(a is not None and a.dtype != x.dtype for a in (weight, bias)):  # mx.fast promotes
-            return type(self.original).__call__(self, x)  # type: ignore[no-any-return]
+            return self.stock(x)  # type: ignore[no-any-return]
         return gkk.layer_norm(x, weight, bias, self.eps)
 
 
@@ -464,7 +465,7 @@ def _batch_rows(shape: tuple[int, ...]) -> mx.array:
 SORTED_EXPERTS_BACKENDS = frozenset({"cuda"})
 
 
-def _plain_experts(linear: nn.Module) -> bool:
+def _switch_experts(linear: nn.Module) -> bool:
     """Whether ``linear`` is mlx-lm's ``SwitchLinear``, or its ``QuantizedSwitchLinear`` in affine
     mode without a global scale, and has no bias: experts whose products :func:`_switch_glu` makes."""
     if "bias" in linear:
@@ -478,12 +479,12 @@ def _plain_experts(linear: nn.Module) -> bool:
 
 def _expert_outputs(mlp: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     """``mlp(x, inds)``: each token through its chosen experts, ``(..., k, hidden)``. For mlx-lm's
-    ``SwitchGLU`` on plain or affine-quantized expert weights (:func:`_plain_experts`) and fewer
-    than 64 pairs (its unsorted path) the products
-    take their row indices from :func:`_batch_rows`, and on :data:`SORTED_EXPERTS_BACKENDS` the
-    pairs of several tokens go sorted by expert; otherwise it is the stock call."""
+    ``SwitchGLU`` on plain or affine-quantized expert weights (:func:`_switch_experts`) and fewer
+    than 64 pairs (its unsorted path) the products take their row indices from :func:`_batch_rows`,
+    and on :data:`SORTED_EXPERTS_BACKENDS` the pairs of several tokens go sorted by expert;
+    otherwise it is the stock call."""
     if (inds.size >= 64 or not is_class(type(mlp), f"{_SWITCH}:SwitchGLU")
-            or not all(_plain_experts(mlp[name]) for name in ("up_proj", "gate_proj", "down_proj"))):
+            or not all(_switch_experts(mlp[name]) for name in ("up_proj", "gate_proj", "down_proj"))):
         return mlp(x, inds)  # type: ignore[no-any-return]
     k = inds.shape[-1]
     if inds.size > k and not vjp_enabled() and active_backend() in SORTED_EXPERTS_BACKENDS:
@@ -539,7 +540,7 @@ class KernelSparseMoE(KernelLayer):
 
     def forward(self, x: mx.array) -> mx.array:
         if getattr(self, "sharding_group", None) is not None:  # sharded since patched (Qwen's shard())
-            return type(self.original).__call__(self, x)  # type: ignore[no-any-return]  # sums across ranks
+            return self.stock(x)  # type: ignore[no-any-return]  # sums across ranks
         top_k, softmax_first, normalize, cast = self._gk_route
         inds, scores = gkk.moe_route(self.gate(x), getattr(self, top_k), softmax_first=softmax_first,
                                      normalize=bool(normalize and getattr(self, normalize)))
@@ -609,9 +610,11 @@ def quantized_note(module: nn.Module, names: tuple[str, ...]) -> str:
 def _fuses(norm: nn.Module, residual: mx.array | None, x: mx.array, group_size: int | None = None) -> bool:
     """Whether ``norm`` (with the residual add before it) can run inside a projection kernel on x
     (a quantized one, for weights of ``group_size``)."""
-    fits = projections_fit(x) if group_size is None else quantized_projections_fit(x, group_size)
-    same = norm["weight"].dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
-    return isinstance(norm, KernelAddRMSNorm if residual is not None else KernelRMSNorm) and same and fits
+    if not isinstance(norm, KernelAddRMSNorm if residual is not None else KernelRMSNorm):
+        return False
+    if norm["weight"].dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+        return False
+    return projections_fit(x) if group_size is None else quantized_projections_fit(x, group_size)
 
 
 #: The residual a block is called without: a stock call, not a link of a fused chain.
