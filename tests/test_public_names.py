@@ -109,3 +109,24 @@ def test_import_graphkern_loads_only_the_core() -> None:
     heavy = [m for m in loaded if m.startswith(("graphkern.distributed", "graphkern.viz", "graphkern.models",
                                                 "mlx_lm"))]
     assert heavy == []
+
+
+def test_the_graph_draws_through_a_backend_it_names_never_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drawing uses the graph, not the reverse: ``graph.py`` imports nothing of ``graphkern.viz``
+    and finds its drawing module by name at the first picture, as pandas finds its plotting
+    backend; another module set there draws instead."""
+    import ast
+
+    import mlx.core as mx
+
+    tree = ast.parse((ROOT / "graphkern" / "tracing" / "graph.py").read_text())
+    imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [name for name in imported if "viz" in name]
+    graph = graphkern.trace(lambda x: mx.exp(x) * 2, mx.ones((2,)))
+    assert graph.to_dot().startswith("digraph")  # graphkern.viz, by default
+    drawing = types.ModuleType("my_drawing")
+    drawing.to_dot = lambda g, **options: f"{len(g.nx)} nodes {options}"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "my_drawing", drawing)
+    graph.drawing_backend = "my_drawing"
+    assert graph.to_dot(stats=True) == f"{len(graph.nx)} nodes {{'stats': True}}"

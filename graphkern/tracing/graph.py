@@ -6,6 +6,7 @@ checks a graph against it.
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections import deque
 from dataclasses import dataclass
@@ -394,37 +395,37 @@ class Graph:
                         if g.nodes[n]["status"] in ROOT_FAILURES]
         return graph
 
-    # ------------------------------------------------------------------ pictures (graphkern.viz)
+    # ------------------------------------------------------------------ pictures
+
+    #: The module that draws graphs, imported by name at the first picture, as pandas finds its
+    #: plotting backend: the graph does not depend on its drawing (``graphkern.viz`` uses the
+    #: graph, not the reverse). It provides ``to_dot(graph, **options)``, ``render(graph, path,
+    #: format, **options)``, ``to_html(graph, **options)``, ``to_model_explorer(graph)`` and
+    #: ``repr_html(graph)``; set this (on the class or one graph) to draw another way.
+    drawing_backend = "graphkern.viz"
+
+    def _drawing(self) -> Any:
+        return importlib.import_module(self.drawing_backend)
 
     def to_dot(self, **options: Any) -> str:
         """Graphviz DOT source: scopes as clusters, kernels styled apart, failures in red."""
-        from ..viz.dot import to_dot
-
-        return to_dot(self, **options)
+        return self._drawing().to_dot(self, **options)  # type: ignore[no-any-return]
 
     def render(self, path: str, format: str | None = None, **options: Any) -> str:
         """Render through Graphviz to ``path`` in the format its suffix names (.svg, .png,
         .pdf); returns the written path. ``options`` go to ``graphkern.viz.dot.render``."""
-        from ..viz.dot import render
-
-        return render(self, path, format, **options)
+        return self._drawing().render(self, path, format, **options)  # type: ignore[no-any-return]
 
     def to_html(self, **options: Any) -> str:
         """A self-contained interactive HTML viewer (works offline)."""
-        from ..viz.html import to_html
-
-        return to_html(self, **options)
+        return self._drawing().to_html(self, **options)  # type: ignore[no-any-return]
 
     def to_model_explorer(self) -> dict[str, Any]:
         """The graph in Model Explorer's graph JSON format."""
-        from ..viz.model_explorer import to_model_explorer
-
-        return to_model_explorer(self)
+        return self._drawing().to_model_explorer(self)  # type: ignore[no-any-return]
 
     def _repr_html_(self) -> str:
-        from ..viz.html import repr_html
-
-        return repr_html(self)
+        return self._drawing().repr_html(self)  # type: ignore[no-any-return]
 
 
 _SEVERITY = {int(Status.OK): 0, int(Status.UPSTREAM_FAILED): 1}
