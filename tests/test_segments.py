@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
@@ -145,6 +145,71 @@ def test_a_trace_leaves_the_layer_itself_untouched() -> None:
     segments = Segments(layer)
     out = segments("scaled", mx.ones((2, 4)))
     assert seen == [True] and mx.allclose(out, layer.scaled(mx.ones((2, 4)))).item()
+
+
+def test_a_segment_is_handed_only_the_subtrees_it_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    handed: dict[str, list[int]] = {}
+    compile_ = mx.compile
+
+    def counting(fn: Any) -> Any:  # the forms Segments makes: count the arrays of each call
+        compiled = compile_(fn)
+
+        def call(trees: Any, *args: Any) -> Any:
+            handed.setdefault(fn.__name__, []).append(len(tree_flatten(trees)))
+            return compiled(trees, *args)
+
+        return call
+
+    monkeypatch.setattr(segments_module.mx, "compile", counting)
+    monkeypatch.setattr(segments_module, "_traced", _named(segments_module._traced))
+    stock, patched = _pair("qwen3")
+    for ours, theirs in zip(_decode(patched, 2), _decode(stock, 2)):
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+    block = patched.model.layers[0]
+    whole = len(tree_flatten(block.parameters()))
+    attention, ffn = block.self_attn, block[block._gk_ffn]
+    assert set(handed["enter"]) == {1 + len(tree_flatten(attention.parameters()))}
+    assert set(handed["leave"]) == {len(tree_flatten(attention.o_proj.parameters())) + 1
+                                    + len(tree_flatten(ffn.parameters()))}  # o_proj, the norm, ffn
+    assert max(handed["enter"]) < whole and max(handed["leave"]) < whole
+    assert not block.segments()._whole
+    # a replaced weight inside a subtree handed over is read at the next call
+    for model in (stock, patched):
+        model.model.layers[0].self_attn.o_proj.weight = model.model.layers[0].self_attn.o_proj.weight * 2
+        model.model.layers[0].input_layernorm.weight = model.model.layers[0].input_layernorm.weight + 1
+    for ours, theirs in zip(_decode(patched, 2), _decode(stock, 2)):
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+
+
+def _named(traced: Any) -> Any:
+    def named(layer_ref: Any, name: str, paths: Any) -> Any:
+        fn = traced(layer_ref, name, paths)
+        fn.__name__ = name
+        return fn
+
+    return named
+
+
+def test_a_segment_reaching_past_the_subtrees_it_names_takes_the_whole_layer() -> None:
+    class Declares(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.b = nn.Linear(2, 2)
+
+        def segment_reads(self, name: str) -> Any:
+            return (("a",),)  # but ``both`` reads b too
+
+        def both(self, x: Any) -> Any:
+            return self.b(self.a(x))
+
+    layer = Declares()
+    segments = Segments(layer)
+    x = mx.ones((1, 2))
+    assert mx.allclose(segments("both", x), layer.both(x)).item()
+    assert segments._whole == {"both"}
+    layer.b.weight = layer.b.weight * 3  # seen: the whole layer is handed over now
+    assert mx.allclose(segments("both", x), layer.both(x)).item()
 
 
 def test_a_dropped_model_is_freed_with_its_forms() -> None:

@@ -151,6 +151,12 @@ class KernelLayer(nn.Module):
         """Told by ``patch`` which kernels were selected, for a layer that can use more than its
         own (by default it uses only ``kernel``)."""
 
+    def segment_reads(self, name: str) -> tuple[tuple[str, ...], ...] | None:
+        """The subtrees (paths of child names) segment ``name`` reads, or None for the whole
+        layer: a compiled call takes its arrays one by one, so each one it need not take saves
+        host time on every call (``graphkern.models.segments``)."""
+        return None
+
     def segments(self) -> Segments:
         """This layer's compiled segments (see ``graphkern.models.segments``), made on first use."""
         found: Segments | None = self.__dict__.get("_gk_segments")
@@ -372,6 +378,11 @@ class KernelSoftmax(KernelLayer):
         return gkk.softmax(x)
 
 
+#: What attention's output segment reads (``KernelLayer.segment_reads``); its projections read
+#: nearly all of it, so they take it whole.
+_OUTPUT = (("o_proj",),)
+
+
 class KernelAttention(KernelLayer):
     """mlx-lm's Llama-style attention (Llama, Mistral, Qwen 2/3, Mixtral...) with its prologue on one
     ``rope_qk`` kernel: queries and keys go from ``q_proj``/``k_proj`` straight to attention's
@@ -400,6 +411,9 @@ class KernelAttention(KernelLayer):
         if rotary is None:
             return None
         return (int_offset_array(offset) if offset.__class__ is int else offset), rotary
+
+    def segment_reads(self, name: str) -> tuple[tuple[str, ...], ...] | None:
+        return _OUTPUT if name == "output" else None
 
     def project(self, x: mx.array, offset: Any, rotary: Rotary) -> tuple[mx.array, mx.array, mx.array]:
         """Queries and keys (normalized per head, rotated) and values, each ``(B, heads, L, D)``."""
@@ -650,6 +664,15 @@ class KernelResidualBlock(KernelLayer):
 
     def select(self, kernels: frozenset[str]) -> None:
         self._gk_decoding = self.DECODING_KERNELS & kernels
+
+    def segment_reads(self, name: str) -> tuple[tuple[str, ...], ...] | None:
+        # few whole subtrees rather than many small ones: each is looked up at every call, and
+        # the projections of queries, keys and values are nearly all of the attention
+        if name == "enter":
+            return ("input_layernorm",), ("self_attn",)
+        if name == "leave":
+            return ("self_attn", "o_proj"), ("post_attention_layernorm",), (self._gk_ffn,)
+        return None
 
     @property
     def chains(self) -> bool:

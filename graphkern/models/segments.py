@@ -10,7 +10,10 @@ in C++ instead of running the layers' Python again. The cache update and attenti
 in the stock layer, between two segments.
 
 The layer's arrays are the first argument of each compiled call, so replacing a weight (training,
-``load_weights``, quantizing) is seen at the next call, and a changed structure traces anew. Each
+``load_weights``, quantizing) is seen at the next call, and a changed structure traces anew. MLX
+takes a call's arrays one by one, so a segment is handed only the subtrees it reads when the layer
+names them (``segment_reads(name)``: paths of child names); one that reaches past them while it
+is traced fails there and takes the whole layer from then on. Each
 thread has its own compiled forms (MLX keeps one compile cache a thread), and a layer holds its
 forms while they hold only a weak reference back, so dropping a model frees its weights.
 
@@ -81,27 +84,43 @@ class Segments:
     None, for the caller to run the layer's own forward.
     """
 
-    __slots__ = ("layer", "_forms", "usable")
+    __slots__ = ("layer", "_forms", "_whole", "usable")
 
     def __init__(self, layer: Any):
         self.layer = weakref.ref(layer)
         # (name, the thread's token) -> the compiled form: one a thread (MLX keeps a compile
         # cache a thread), a bounded LRU
         self._forms = LaunchCache("segment forms", MAX_FORMS)
+        self._whole: set[str] = set()  # segments that read past their declared subtrees
         self.usable = True
 
     def traced(self) -> list[str]:
         """The names of the segments compiled so far, on any thread."""
-        return sorted({name for name, _ in self._forms})
+        return sorted({key[0] for key in self._forms})
 
     def __call__(self, name: str, *args: Any) -> Any:
-        key = (name, state.token)
+        layer = self.layer()
+        declared = getattr(layer, "segment_reads", None)
+        paths = None if declared is None or name in self._whole else declared(name)
+        try:
+            trees = layer if paths is None else [_at(layer, path) for path in paths]
+        except (KeyError, IndexError):  # a layer without one of them: the whole layer
+            self._whole.add(name)
+            paths, trees = None, layer
+        key = (name, paths is None, state.token)  # a layer declares the same paths each call
         form = self._forms.get(key)
         if form is None:
-            form = mx.compile(_traced(self.layer, name))
+            form = mx.compile(_traced(self.layer, name, paths))
             self._forms.put(key, form)
         try:
-            return form(self.layer(), *args)
+            return form(trees, *args)
+        except (AttributeError, KeyError):
+            if paths is None:
+                raise
+            # the segment reached past the subtrees it declared (only a trace runs Python, so
+            # this is a first call): it takes the whole layer from now on
+            self._whole.add(name)
+            return self(name, *args)
         except ValueError as exc:
             if not str(exc).startswith(_NOT_A_TREE):
                 raise
@@ -109,11 +128,45 @@ class Segments:
             return None
 
 
-def _traced(layer_ref: weakref.ReferenceType[Any], name: str) -> Callable[..., Any]:
-    def traced(tree: dict[str, Any], *args: Any) -> Any:
-        return getattr(_holding(layer_ref(), tree), name)(*args)
+def _at(tree: Any, path: tuple[str, ...]) -> Any:
+    """The subtree of ``tree`` (a module tree) at ``path``."""
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _traced(layer_ref: weakref.ReferenceType[Any], name: str,
+            paths: tuple[tuple[str, ...], ...] | None) -> Callable[..., Any]:
+    def traced(trees: Any, *args: Any) -> Any:
+        live = layer_ref()
+        held = _holding(live, trees) if paths is None else _pruned(live, paths, trees)
+        return getattr(held, name)(*args)
 
     return traced
+
+
+def _pruned(live: Any, paths: tuple[tuple[str, ...], ...], trees: list[Any]) -> Any:
+    """A copy of ``live`` holding only its subtrees at ``paths``, each with the arrays of the
+    matching tree of ``trees`` (as :func:`_holding`), and the modules on the way to them: a
+    segment that reaches for anything else fails there (AttributeError or KeyError)."""
+    root = _emptied(live)
+    for path, tree in zip(paths, trees):
+        source, held = live, root
+        for key in path[:-1]:
+            source = source[key]
+            if key not in held:
+                held[key] = _emptied(source)
+            held = held[key]
+        value = source[path[-1]]
+        held[path[-1]] = _holding(value, tree) if isinstance(value, (dict, list)) else tree
+    return root
+
+
+def _emptied(module: Any) -> Any:
+    """A shallow copy of ``module`` (same class and attributes) with no items."""
+    held = copy.copy(module)
+    held.clear()
+    return held
 
 
 def _holding(live: Any, arrays: Any) -> Any:
