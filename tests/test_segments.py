@@ -37,8 +37,9 @@ def _pair(arch: str) -> tuple[nn.Module, nn.Module]:
 
 
 def _forms(model: nn.Module) -> int:
-    return sum(len(layer.segments()._forms) for layer in model.model.layers
-               if isinstance(layer, KernelResidualBlock) and "_gk_segments" in layer.__dict__)
+    """The compiled forms of the blocks' segments and of the stack's links between them."""
+    holders = [layer for layer in model.model.layers if isinstance(layer, KernelResidualBlock)]
+    return sum(len(m.segments()._forms) for m in [*holders, model.model] if "_gk_segments" in m.__dict__)
 
 
 def _decode(model: nn.Module, steps: int = 6) -> list[mx.array]:
@@ -57,7 +58,10 @@ def test_an_evaluating_patched_model_decodes_through_segments_as_stock_does(arch
     for ours, theirs in zip(_decode(patched), _decode(stock)):
         assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
     blocks = len(patched.model.layers)
-    assert _forms(patched) == 2 * blocks  # enter and leave, this thread
+    # one compiled call a block: the first block's enter, a link from each block to the next
+    # (its leave and the next one's enter), the last block's leave
+    assert _forms(patched) == blocks + 1
+    assert patched.model.segments().traced() == [("link", i) for i in range(blocks - 1)]
     generated = [t for t, _ in generate_step(PROMPT[0], patched, max_tokens=8)]
     assert generated == [t for t, _ in generate_step(PROMPT[0], stock, max_tokens=8)]
 
@@ -124,7 +128,7 @@ def test_threads_decoding_one_model_at_once_each_trace_their_own_forms(round_: i
     for got in results.values():
         for ours, theirs in zip(got, expected):
             assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
-    assert _forms(patched) == 4 * 2 * len(patched.model.layers)
+    assert _forms(patched) == 4 * (len(patched.model.layers) + 1)
 
 
 def test_a_trace_leaves_the_layer_itself_untouched() -> None:
@@ -165,14 +169,14 @@ def test_a_segment_is_handed_only_the_subtrees_it_reads(monkeypatch: pytest.Monk
     stock, patched = _pair("qwen3")
     for ours, theirs in zip(_decode(patched, 2), _decode(stock, 2)):
         assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
-    block = patched.model.layers[0]
-    whole = len(tree_flatten(block.parameters()))
-    attention, ffn = block.self_attn, block[block._gk_ffn]
-    assert set(handed["enter"]) == {1 + len(tree_flatten(attention.parameters()))}
-    assert set(handed["leave"]) == {len(tree_flatten(attention.o_proj.parameters())) + 1
-                                    + len(tree_flatten(ffn.parameters()))}  # o_proj, the norm, ffn
-    assert max(handed["enter"]) < whole and max(handed["leave"]) < whole
-    assert not block.segments()._whole
+    first, second = patched.model.layers
+    count = lambda module: len(tree_flatten(module.parameters()))  # noqa: E731
+    entering = 1 + count(second.self_attn)  # the input norm, the attention
+    leaving = count(first.self_attn.o_proj) + 1 + count(first.mlp)  # o_proj, the norm, the ffn
+    assert set(handed["enter"]) == {entering} and set(handed["leave"]) == {leaving}
+    assert set(handed["('link', 0)"]) == {leaving + entering}  # the first's leave, the second's enter
+    assert max(handed["enter"]) < count(first) and max(handed["leave"]) < count(first)
+    assert not first.segments()._whole and not patched.model.segments()._whole
     # a replaced weight inside a subtree handed over is read at the next call
     for model in (stock, patched):
         model.model.layers[0].self_attn.o_proj.weight = model.model.layers[0].self_attn.o_proj.weight * 2
@@ -184,7 +188,7 @@ def test_a_segment_is_handed_only_the_subtrees_it_reads(monkeypatch: pytest.Monk
 def _named(traced: Any) -> Any:
     def named(layer_ref: Any, name: str, paths: Any) -> Any:
         fn = traced(layer_ref, name, paths)
-        fn.__name__ = name
+        fn.__name__ = str(name)
         return fn
 
     return named
@@ -308,7 +312,9 @@ def test_a_quantized_model_decodes_through_segments_with_its_own_products(
     monkeypatch.setattr(gkk, "norm_swiglu", None)
     for ours, theirs in zip(_decode(patched, 3), _decode(stock, 3)):
         assert mx.allclose(ours, theirs, atol=1e-4, rtol=1e-4).item()
-    assert patched.model.layers[0].segments().traced() == ["enter", "leave"]
+    assert patched.model.layers[0].segments().traced() == ["enter"]
+    assert patched.model.layers[-1].segments().traced() == ["leave"]
+    assert patched.model.segments().traced() == [("link", 0)]
 
 
 def test_a_nan_from_a_decoding_kernel_is_found_by_inspect_and_check_finite(

@@ -791,6 +791,9 @@ class KernelDecoderStack(KernelLayer):
         super().__init__(original)
         self.norm = norm
         self._gk_create_mask = create_mask
+        # link index -> (the two blocks, what the link reads), found again if a block is replaced;
+        # set past Module.__setattr__, which would put a dict among the module's items
+        object.__setattr__(self, "_gk_link_reads", {})
 
     def _embed(self, inputs: mx.array, cache: Any, input_embeddings: mx.array | None) -> tuple[mx.array, Any]:
         h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
@@ -810,6 +813,10 @@ class KernelDecoderStack(KernelLayer):
                 pipelined: bool) -> mx.array:
         """The blocks, each residual add left to the next norm; ``pipelined``: each block but
         the last starts on the device as soon as it is built."""
+        if not pipelined and segments_apply(h):
+            linked = self._linked_blocks(h, cache, mask_of)
+            if linked is not None:
+                return linked
         pending = None
         last = len(self.layers) - 1
         for index, (layer, c) in enumerate(zip(self.layers, cache)):
@@ -822,6 +829,50 @@ class KernelDecoderStack(KernelLayer):
             if pipelined and index < last:  # not the last: a prefill that keeps only the cache skips it
                 pipelined = start_on_device(h, pending)
         return self.norm(h) if pending is None else self.norm(h, pending)[1]  # type: ignore[no-any-return]
+
+    def _linked_blocks(self, h: mx.array, cache: Any, mask_of: Callable[[nn.Module], Any]) -> mx.array | None:
+        """Decoding through one compiled call a block: the first block's ``enter``, then for
+        each block its attention and :meth:`link` (its ``leave`` and the next block's
+        ``enter``), the last one's ``leave``. A block's two segments, apart, cost the host
+        twice what one call costs. None (nothing run) unless every block is a chaining
+        :class:`KernelResidualBlock` whose attention rotates with a kernel at this call."""
+        layers = self.layers
+        if not all(isinstance(layer, KernelResidualBlock) and layer.chains
+                   and isinstance(layer.self_attn, KernelAttention) for layer in layers):
+            return None
+        positions = [layer.self_attn.position(h, c) for layer, c in zip(layers, cache)]
+        if any(position is None for position in positions):
+            return None
+        links = self.segments()
+        x, queries, keys, values = _compiled(layers[0].segments(), "enter", layers[0].enter,
+                                             h, None, *positions[0])
+        last = len(layers) - 1
+        for index, (layer, c) in enumerate(zip(layers, cache)):
+            attended = layer.self_attn.attend(queries, keys, values, mask_of(layer), c)
+            if index == last:
+                h, pending = _compiled(layer.segments(), "leave", layer.leave, x, attended, False)
+                return self.norm(h, pending)[1]  # type: ignore[no-any-return]
+            x, queries, keys, values = _compiled(links, ("link", index), self.link, x, attended,
+                                                 *positions[index + 1])
+        return None  # no blocks
+
+    def link(self, index: int, x: mx.array, attended: mx.array, offset: mx.array,
+             rotary: Rotary) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Block ``index``'s second segment, then block ``index + 1``'s first: ``(x + residual,
+        queries, keys, values)`` of the next block (see :meth:`KernelResidualBlock.enter`)."""
+        h, out = self.layers[index].leave(x, attended, False)
+        return self.layers[index + 1].enter(h, out, offset, rotary)  # type: ignore[no-any-return]
+
+    def segment_reads(self, name: Any) -> tuple[tuple[Any, ...], ...] | None:
+        if not (isinstance(name, tuple) and name[0] == "link"):
+            return None
+        index = name[1]
+        leaving, entering = self.layers[index], self.layers[index + 1]
+        known = self._gk_link_reads.get(index)
+        if known is None or known[0] is not leaving or known[1] is not entering:
+            known = leaving, entering, _link_reads(index, leaving, entering)
+            self._gk_link_reads[index] = known
+        return known[2]
 
     def forward(self, inputs: mx.array, cache: Any = None,
                  input_embeddings: mx.array | None = None) -> mx.array:
@@ -836,6 +887,26 @@ class KernelDecoderStack(KernelLayer):
         """Each block's attention mask, by block."""
         mask = self._gk_create_mask(h, cache[0])
         return lambda layer: mask
+
+
+def _compiled(segments: Segments, name: Any, method: Callable[..., Any], *args: Any) -> Any:
+    """``segments(name, *args)``, or the ``method`` it compiles where the segments cannot run
+    compiled: ``method(*args)``, or ``method(*constants, *args)`` for a name ``(method,
+    *constants)``."""
+    found = segments(name, *args) if segments.usable else None
+    if found is not None:
+        return found
+    return method(*args) if isinstance(name, str) else method(*name[1:], *args)
+
+
+def _link_reads(index: int, leaving: KernelResidualBlock,
+                entering: KernelResidualBlock) -> tuple[tuple[Any, ...], ...] | None:
+    """What ``KernelDecoderStack.link(index, ...)`` reads: block ``index``'s ``leave`` and the
+    next block's ``enter``, as paths from the stack."""
+    left, entered = leaving.segment_reads("leave"), entering.segment_reads("enter")
+    if left is None or entered is None:
+        return None
+    return (*(("layers", index, *path) for path in left), *(("layers", index + 1, *path) for path in entered))
 
 
 class KernelSlidingDecoderStack(KernelDecoderStack):

@@ -7,7 +7,8 @@ traces and for calls of a few tokens, a patched block runs what lies between two
 (input norm, projections and ``rope_qk``; then ``o_proj``, the fused residual norm and the
 feed-forward) as a compiled function of the layer's arrays: a call replays the recorded primitives
 in C++ instead of running the layers' Python again. The cache update and attention itself run as
-in the stock layer, between two segments.
+in the stock layer, between two segments. A decoder stack of such blocks runs one compiled call a
+block: its ``link`` is one block's second segment and the next block's first.
 
 The layer's arrays are the first argument of each compiled call, so replacing a weight (training,
 ``load_weights``, quantizing) is seen at the next call, and a changed structure traces anew. MLX
@@ -91,14 +92,16 @@ class Segments:
         # (name, the thread's token) -> the compiled form: one a thread (MLX keeps a compile
         # cache a thread), a bounded LRU
         self._forms = LaunchCache("segment forms", MAX_FORMS)
-        self._whole: set[str] = set()  # segments that read past their declared subtrees
+        self._whole: set[Any] = set()  # segments that read past their declared subtrees
         self.usable = True
 
-    def traced(self) -> list[str]:
+    def traced(self) -> list[Any]:
         """The names of the segments compiled so far, on any thread."""
-        return sorted({key[0] for key in self._forms})
+        return sorted({key[0] for key in self._forms}, key=str)
 
-    def __call__(self, name: str, *args: Any) -> Any:
+    def __call__(self, name: str | tuple[Any, ...], *args: Any) -> Any:
+        """``getattr(layer, name)(*args)``, compiled; a tuple ``name`` is ``(method, *constants)``
+        and calls ``getattr(layer, method)(*constants, *args)``, one form for each."""
         layer = self.layer()
         declared = getattr(layer, "segment_reads", None)
         paths = None if declared is None or name in self._whole else declared(name)
@@ -128,24 +131,26 @@ class Segments:
             return None
 
 
-def _at(tree: Any, path: tuple[str, ...]) -> Any:
-    """The subtree of ``tree`` (a module tree) at ``path``."""
+def _at(tree: Any, path: tuple[Any, ...]) -> Any:
+    """The subtree of ``tree`` (a module tree) at ``path`` (names, and indices into lists)."""
     for key in path:
         tree = tree[key]
     return tree
 
 
-def _traced(layer_ref: weakref.ReferenceType[Any], name: str,
-            paths: tuple[tuple[str, ...], ...] | None) -> Callable[..., Any]:
+def _traced(layer_ref: weakref.ReferenceType[Any], name: str | tuple[Any, ...],
+            paths: tuple[tuple[Any, ...], ...] | None) -> Callable[..., Any]:
+    method, constants = (name, ()) if isinstance(name, str) else (name[0], name[1:])
+
     def traced(trees: Any, *args: Any) -> Any:
         live = layer_ref()
         held = _holding(live, trees) if paths is None else _pruned(live, paths, trees)
-        return getattr(held, name)(*args)
+        return getattr(held, method)(*constants, *args)
 
     return traced
 
 
-def _pruned(live: Any, paths: tuple[tuple[str, ...], ...], trees: list[Any]) -> Any:
+def _pruned(live: Any, paths: tuple[tuple[Any, ...], ...], trees: list[Any]) -> Any:
     """A copy of ``live`` holding only its subtrees at ``paths``, each with the arrays of the
     matching tree of ``trees`` (as :func:`_holding`), and the modules on the way to them: a
     segment that reaches for anything else fails there (AttributeError or KeyError)."""
@@ -154,16 +159,20 @@ def _pruned(live: Any, paths: tuple[tuple[str, ...], ...], trees: list[Any]) -> 
         source, held = live, root
         for key in path[:-1]:
             source = source[key]
-            if key not in held:
-                held[key] = _emptied(source)
-            held = held[key]
+            child = held[key] if isinstance(held, list) else held.get(key)
+            if child is None:
+                child = held[key] = _emptied(source)
+            held = child
         value = source[path[-1]]
         held[path[-1]] = _holding(value, tree) if isinstance(value, (dict, list)) else tree
     return root
 
 
 def _emptied(module: Any) -> Any:
-    """A shallow copy of ``module`` (same class and attributes) with no items."""
+    """A shallow copy of ``module`` (same class and attributes) with no items; for a list, a list
+    of as many Nones."""
+    if isinstance(module, list):
+        return [None] * len(module)
     held = copy.copy(module)
     held.clear()
     return held
