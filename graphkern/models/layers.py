@@ -867,7 +867,8 @@ class KernelDecoderStack(KernelLayer):
         if not (isinstance(name, tuple) and name[0] == "link"):
             return None
         index = name[1]
-        leaving, entering = self.layers[index], self.layers[index + 1]
+        layers = self["layers"]  # an item: Module.__getattr__ would look in Python first
+        leaving, entering = layers[index], layers[index + 1]
         known = self._gk_link_reads.get(index)
         if known is None or known[0] is not leaving or known[1] is not entering:
             known = leaving, entering, _link_reads(index, leaving, entering)
