@@ -216,6 +216,19 @@ def test_a_segment_reaching_past_the_subtrees_it_names_takes_the_whole_layer() -
     assert mx.allclose(segments("both", x), layer.both(x)).item()
 
 
+@pytest.mark.parametrize("unlinked", ["no rope_qk", "a stock block"])
+def test_a_stack_links_its_blocks_only_when_every_block_decodes_on_segments(unlinked: str) -> None:
+    stock, patched = tiny_model("llama"), tiny_model("llama")
+    gk.patch(patched, kernels=["add_rms_norm", "swiglu"] if unlinked == "no rope_qk" else "all")
+    if unlinked == "a stock block":
+        patched.model.layers[1] = patched.model.layers[1].original
+    for model in (stock, patched):
+        model.eval()
+    for ours, theirs in zip(_decode(patched, 3), _decode(stock, 3)):
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+    assert "_gk_segments" not in patched.model.__dict__  # the blocks ran one by one
+
+
 def test_a_dropped_model_is_freed_with_its_forms() -> None:
     _, patched = _pair("llama")
     _decode(patched, 1)
