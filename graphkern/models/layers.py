@@ -407,7 +407,7 @@ class KernelAttention(KernelLayer):
         """(the offset, how to rotate) for a call on ``x`` with ``cache``, or None when the stock
         layer's RoPE runs it. An int offset comes as the int32 array the kernels take."""
         offset = cache.offset if cache is not None else 0
-        rotary = self.rope.rotary(x.shape[1], offset)
+        rotary = self["rope"].rotary(x.shape[1], offset)  # an item: see KernelDecoderStack._linked_blocks
         if rotary is None:
             return None
         return (int_offset_array(offset) if offset.__class__ is int else offset), rotary
@@ -677,7 +677,7 @@ class KernelResidualBlock(KernelLayer):
     @property
     def chains(self) -> bool:
         """Whether this block can take a residual from the block before it (its input norm is fused)."""
-        return isinstance(self.input_layernorm, KernelAddRMSNorm)
+        return isinstance(self.get("input_layernorm"), KernelAddRMSNorm)
 
     def forward(self, x: mx.array, mask: Any = None, cache: Any = None, residual: Any = _ALONE) -> Any:
         attention = self.self_attn
@@ -836,19 +836,23 @@ class KernelDecoderStack(KernelLayer):
         ``enter``), the last one's ``leave``. A block's two segments, apart, cost the host
         twice what one call costs. None (nothing run) unless every block is a chaining
         :class:`KernelResidualBlock` whose attention rotates with a kernel at this call."""
-        layers = self.layers
+        # children by item, not attribute, on this path run at every token: Module.__getattr__
+        # runs Python before it finds one, about a microsecond each
+        layers = self["layers"]
+        attentions = [layer.get("self_attn") for layer in layers]
+        pairs = zip(layers, attentions)
         if not all(isinstance(layer, KernelResidualBlock) and layer.chains
-                   and isinstance(layer.self_attn, KernelAttention) for layer in layers):
+                   and isinstance(attention, KernelAttention) for layer, attention in pairs):
             return None
-        positions = [layer.self_attn.position(h, c) for layer, c in zip(layers, cache)]
+        positions = [attention.position(h, c) for attention, c in zip(attentions, cache)]
         if any(position is None for position in positions):
             return None
         links = self.segments()
         x, queries, keys, values = _compiled(layers[0].segments(), "enter", layers[0].enter,
                                              h, None, *positions[0])
         last = len(layers) - 1
-        for index, (layer, c) in enumerate(zip(layers, cache)):
-            attended = layer.self_attn.attend(queries, keys, values, mask_of(layer), c)
+        for index, (layer, attention, c) in enumerate(zip(layers, attentions, cache)):
+            attended = attention.attend(queries, keys, values, mask_of(layer), c)
             if index == last:
                 h, pending = _compiled(layer.segments(), "leave", layer.leave, x, attended, False)
                 return self.norm(h, pending)[1]  # type: ignore[no-any-return]
