@@ -229,6 +229,28 @@ def test_a_stack_links_its_blocks_only_when_every_block_decodes_on_segments(unli
     assert "_gk_segments" not in patched.model.__dict__  # the blocks ran one by one
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_batched_generation_decodes_through_linked_blocks_as_stock_does(arch: str) -> None:
+    """mlx-lm's BatchGenerator: prompts of different lengths, left-padded, per-sequence offsets."""
+    from mlx_lm.generate import BatchGenerator
+
+    def generate(model: nn.Module) -> dict[int, list[int]]:
+        generator = BatchGenerator(model, max_tokens=6, prefill_batch_size=3, completion_batch_size=3)
+        try:
+            uids = generator.insert([[3, 17, 42, 5], [9, 1], [7, 64, 2, 8, 11, 4]], max_tokens=[6] * 3)
+            tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+            while responses := generator.next_generated():
+                for response in responses:
+                    tokens[response.uid].append(response.token)
+            return tokens
+        finally:
+            generator.close()
+
+    stock, patched = _pair(arch)
+    assert generate(patched) == generate(stock)
+    assert patched.model.segments().traced() == [("link", 0)]
+
+
 def test_a_dropped_model_is_freed_with_its_forms() -> None:
     _, patched = _pair("llama")
     _decode(patched, 1)
