@@ -378,8 +378,10 @@ class KernelSoftmax(KernelLayer):
         return gkk.softmax(x)
 
 
-#: What attention's output segment reads (``KernelLayer.segment_reads``); its projections read
-#: nearly all of it, so they take it whole.
+#: What attention's segments read (``KernelLayer.segment_reads``): the query, key and value
+#: projections (with Qwen 3's per-head norms, where there are some), and the output projection.
+_PROJECTIONS = (("q_proj",), ("k_proj",), ("v_proj",))
+_NORMED_PROJECTIONS = (*_PROJECTIONS, ("q_norm",), ("k_norm",))
 _OUTPUT = (("o_proj",),)
 
 
@@ -413,6 +415,8 @@ class KernelAttention(KernelLayer):
         return (int_offset_array(offset) if offset.__class__ is int else offset), rotary
 
     def segment_reads(self, name: str) -> tuple[tuple[str, ...], ...] | None:
+        if name == "project":
+            return _NORMED_PROJECTIONS if self._gk_norms else _PROJECTIONS
         return _OUTPUT if name == "output" else None
 
     def project(self, x: mx.array, offset: Any, rotary: Rotary) -> tuple[mx.array, mx.array, mx.array]:
@@ -666,10 +670,14 @@ class KernelResidualBlock(KernelLayer):
         self._gk_decoding = self.DECODING_KERNELS & kernels
 
     def segment_reads(self, name: str) -> tuple[tuple[str, ...], ...] | None:
-        # few whole subtrees rather than many small ones: each is looked up at every call, and
-        # the projections of queries, keys and values are nearly all of the attention
         if name == "enter":
-            return ("input_layernorm",), ("self_attn",)
+            attention = self["self_attn"]
+            projections = None
+            if isinstance(attention, KernelAttention):
+                projections = attention.segment_reads("project")
+            if projections is None:
+                return ("input_layernorm",), ("self_attn",)
+            return (("input_layernorm",), *(("self_attn", *path) for path in projections))
         if name == "leave":
             return ("self_attn", "o_proj"), ("post_attention_layernorm",), (self._gk_ffn,)
         return None
