@@ -18,6 +18,15 @@ shift
 out=${OUT:-gpu-results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# MLX keeps what NVRTC compiled under MLX_PTX_CACHE_DIR. With GRAPHKERN_PTX_ARCHIVE naming a tar.gz of
+# an earlier run's, a fresh machine starts from it instead of compiling every kernel variant again,
+# and this run's cache is written back to $out/ptx.tgz for the next machine
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/graphkern-ptx}
+mkdir -p "$MLX_PTX_CACHE_DIR"
+if [ -n "${GRAPHKERN_PTX_ARCHIVE:-}" ] && [ -f "$GRAPHKERN_PTX_ARCHIVE" ]; then
+  tar xzf "$GRAPHKERN_PTX_ARCHIVE" -C "$MLX_PTX_CACHE_DIR" || echo "could not read $GRAPHKERN_PTX_ARCHIVE" >&2
+fi
+trap 'tar czf "$out/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . 2>/dev/null || true' EXIT
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, 'cuda', mx.cuda.is_available())"
 gpu_tests() { python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short "$@" 2>&1; }
 case "$part" in
