@@ -454,13 +454,12 @@ class KernelAttention(KernelLayer):
         position = self.position(x, cache)
         if position is None:  # the stock layer's RoPE runs this call
             return self.original(x, mask, cache)  # type: ignore[no-any-return]
-        segments = self.segments()
-        if segments.usable and segments_apply(x):
-            projected = segments("project", x, *position)
-            if projected is not None:
-                queries, keys, values = projected
-                return segments("output", self.attend(queries, keys, values, mask, cache))  # type: ignore[no-any-return]
-        return self.output(self.attend(*self.project(x, *position), mask, cache))
+        if not decoding(x):
+            return self.output(self.attend(*self.project(x, *position), mask, cache))
+        segments = self.segments()  # decoding: compiled unless a trace records the launches
+        queries, keys, values = _run_segment(segments, "project", self.project, x, *position)
+        return _run_segment(segments, "output", self.output,  # type: ignore[no-any-return]
+                            self.attend(queries, keys, values, mask, cache))
 
 
 _SWITCH = "mlx_lm.models.switch_layers"
@@ -693,13 +692,10 @@ class KernelResidualBlock(KernelLayer):
         position = attention.position(x, cache) if decodes else None
         if position is not None:  # decoding: the two segments, compiled unless a trace records them
             alone, segments = residual is _ALONE, self.segments()
-            compiled = segments.usable and current_recorder() is None
-            args = (x, None if alone else residual, *position)
-            entered = segments("enter", *args) if compiled else None
-            x, queries, keys, values = entered if entered is not None else self.enter(*args)
+            x, queries, keys, values = _run_segment(segments, "enter", self.enter, x,
+                                                    None if alone else residual, *position)
             attended = attention.attend(queries, keys, values, mask, cache)
-            left = segments("leave", x, attended, alone) if compiled and segments.usable else None
-            return left if left is not None else self.leave(x, attended, alone)
+            return _run_segment(segments, "leave", self.leave, x, attended, alone)
         alone = residual is _ALONE
         x, normed = self._input_norm(x, None if alone else residual)
         return self._after_attention(x, self.self_attn(normed, mask, cache), alone)
@@ -849,24 +845,24 @@ class KernelDecoderStack(KernelLayer):
         layers = self["layers"]
         attentions = [layer.get("self_attn") for layer in layers]
         pairs = zip(layers, attentions)
-        if not all(isinstance(layer, KernelResidualBlock) and layer.chains
+        if not layers or not all(isinstance(layer, KernelResidualBlock) and layer.chains
                    and isinstance(attention, KernelAttention) for layer, attention in pairs):
             return None
         positions = [attention.position(h, c) for attention, c in zip(attentions, cache)]
         if any(position is None for position in positions):
             return None
         links = self.segments()
-        x, queries, keys, values = _compiled(layers[0].segments(), "enter", layers[0].enter,
-                                             h, None, *positions[0])
-        last = len(layers) - 1
-        for index, (layer, attention, c) in enumerate(zip(layers, attentions, cache)):
+        x, queries, keys, values = _run_segment(layers[0].segments(), "enter", layers[0].enter,
+                                                h, None, *positions[0])
+        steps = list(zip(layers, attentions, cache))
+        for index, (layer, attention, c) in enumerate(steps[:-1]):
             attended = attention.attend(queries, keys, values, mask_of(layer), c)
-            if index == last:
-                h, pending = _compiled(layer.segments(), "leave", layer.leave, x, attended, False)
-                return self.norm(h, pending)[1]  # type: ignore[no-any-return]
-            x, queries, keys, values = _compiled(links, ("link", index), self.link, x, attended,
-                                                 *positions[index + 1])
-        return None  # no blocks
+            x, queries, keys, values = _run_segment(links, ("link", index), self.link, x, attended,
+                                                    *positions[index + 1])
+        layer, attention, c = steps[-1]
+        attended = attention.attend(queries, keys, values, mask_of(layer), c)
+        h, pending = _run_segment(layer.segments(), "leave", layer.leave, x, attended, False)
+        return self.norm(h, pending)[1]  # type: ignore[no-any-return]
 
     def link(self, index: int, x: mx.array, attended: mx.array, offset: mx.array,
              rotary: Rotary) -> tuple[mx.array, mx.array, mx.array, mx.array]:
@@ -902,11 +898,12 @@ class KernelDecoderStack(KernelLayer):
         return lambda layer: mask
 
 
-def _compiled(segments: Segments, name: Any, method: Callable[..., Any], *args: Any) -> Any:
-    """``segments(name, *args)``, or the ``method`` it compiles where the segments cannot run
-    compiled: ``method(*args)``, or ``method(*constants, *args)`` for a name ``(method,
-    *constants)``."""
-    found = segments(name, *args) if segments.usable else None
+def _run_segment(segments: Segments, name: Any, method: Callable[..., Any], *args: Any) -> Any:
+    """``segments(name, *args)``: ``method`` compiled, or run as it is where it cannot be (a layer
+    that is not a tree of arrays) or while a graphkern trace records the launches (the graph then
+    shows the kernels decoding runs). ``method(*args)``, or ``method(*constants, *args)`` for a
+    name ``(method, *constants)``."""
+    found = segments(name, *args) if segments.usable and current_recorder() is None else None
     if found is not None:
         return found
     return method(*args) if isinstance(name, str) else method(*name[1:], *args)
