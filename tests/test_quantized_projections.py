@@ -23,7 +23,12 @@ from graphkern.models import MODEL_TOLERANCES  # noqa: E402
 from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
 
 PROMPT = mx.array([3, 17, 42, 5, 99, 1, 7, 64])
-KERNELS = ("norm_projections", "norm_swiglu", "quantized_norm_projections", "quantized_norm_swiglu")
+KERNELS = ("norm_projections", "norm_swiglu", "quantized_norm_projections", "quantized_norm_rope_projections",
+           "quantized_norm_swiglu")
+#: What a patched quantized block decodes with: a Llama-style attention's whole prologue in one launch,
+#: Qwen 3's (whose heads are normalized before the RoPE) projections apart from ``rope_qk``.
+DECODING = {"llama": {"quantized_norm_rope_projections", "quantized_norm_swiglu"},
+            "qwen3": {"quantized_norm_projections", "quantized_norm_swiglu"}}
 
 
 @pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 64), (8, 128)])
@@ -118,7 +123,7 @@ def test_a_patched_quantized_model_decodes_through_the_quantized_kernels_as_stoc
     calls = spy_on_kernels(monkeypatch, KERNELS)
     for ours, theirs in zip(_logits(patched), _logits(stock)):
         assert mx.array_equal(ours, theirs).item()
-    assert set(calls) == {"quantized_norm_projections", "quantized_norm_swiglu"}
+    assert set(calls) == DECODING[arch]
     assert _greedy(patched) == _greedy(stock)
 
 
@@ -146,3 +151,76 @@ def test_the_quantized_kernels_can_be_left_out(monkeypatch: pytest.MonkeyPatch) 
     calls = spy_on_kernels(monkeypatch, KERNELS)
     _logits(patched, 1)
     assert set(calls) == {"quantized_norm_swiglu"}
+
+
+#: RoPE layers of mlx-lm's Llama the fused prologue stands in for: the plain one, Llama 3's
+#: frequencies, YaRN's (input scale), the traditional (interleaved) pairs.
+ROPES = {
+    "plain": {},
+    "llama3": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+    "traditional": {"rope_traditional": True},
+}
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_a_quantized_llama_decodes_its_attention_prologue_in_one_launch(
+        rope: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logits equal stock's, every block entered through ``quantized_norm_rope_projections``, and
+    so do batched generation's tokens (mlx-lm's BatchGenerator: left-padded prompts, an offset per
+    sequence)."""
+    from mlx_lm.generate import BatchGenerator
+
+    def generate(model: nn.Module) -> dict[int, list[int]]:
+        generator = BatchGenerator(model, max_tokens=5, prefill_batch_size=3, completion_batch_size=3)
+        try:
+            uids = generator.insert([[3, 17, 42, 5], [9, 1], [7, 64, 2, 8, 11, 4]], max_tokens=[5] * 3)
+            tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+            while responses := generator.next_generated():
+                for response in responses:
+                    tokens[response.uid].append(response.token)
+            return tokens
+        finally:
+            generator.close()
+
+    config = {**TINY_CONFIGS["llama"], "hidden_size": 128, "intermediate_size": 256, **ROPES[rope]}
+    stock, patched = random_model(config, mx.float32), random_model(config, mx.float32)
+    patched.update(stock.parameters())
+    for model in (stock, patched):
+        nn.quantize(model, group_size=64, bits=4)
+        model.eval()
+    gk.patch(patched)
+    calls = spy_on_kernels(monkeypatch, [*KERNELS, "rope_qk"])
+    for ours, theirs in zip(_logits(patched), _logits(stock)):
+        assert mx.array_equal(ours, theirs).item()
+    assert set(calls) == DECODING["llama"]
+    calls.clear()
+    assert generate(patched) == generate(stock)
+    assert set(calls) == {*DECODING["llama"], "rope_qk"}  # its prefill of 18 rows is past 8: rope_qk
+
+
+def _bad_rotated(**change: Any) -> Any:
+    x = mx.ones((1, 1, 64))
+    q, kv = (random_quantized(n, 64, mx.float32, mx.random.key(n), 64, 4) for n in (64, 32))
+    args: dict[str, Any] = {"x": x, "weight": None, "projections": [q, kv, kv], "heads": 2, "kv_heads": 1,
+                            "dims": 32}
+    args.update(change)
+    return lambda: gkk.quantized_norm_rope_projections(**args)
+
+
+@pytest.mark.parametrize("call, says", [
+    (_bad_rotated(x=mx.ones((1, 64))), "x must be (B, L, K)"),
+    (_bad_rotated(heads=3), "not heads=3 heads"),
+    (_bad_rotated(kv_heads=2), "expected heads * D = 64 and kv_heads * D = 64"),
+    (_bad_rotated(dims=33), "dims must be a positive even int"),
+    (_bad_rotated(offset=mx.array([1, 2])), "offset must be an int or an integer array of 1 or 1"),
+    (_bad_rotated(projections=[]), "3 (weight, scales, biases) triples"),
+    (_bad_rotated(base=None), "exactly one of base and freqs"),
+])
+def test_the_rotating_kernel_refuses_bad_arguments_by_name(call: Any, says: str) -> None:
+    with pytest.raises(gk.KernelError) as raised:
+        call()
+    assert raised.value.operation == "quantized_norm_rope_projections" and says in str(raised.value)
+    queries, keys, values = _bad_rotated()()  # MLX still usable
+    assert (queries.shape, keys.shape, values.shape) == ((1, 2, 1, 32), (1, 1, 1, 32), (1, 1, 32))

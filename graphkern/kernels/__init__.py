@@ -30,6 +30,10 @@ from graphkern.kernels.ops.quantized_projections import (
     quantized_norm_projections,
     quantized_norm_swiglu,
 )
+from graphkern.kernels.ops.quantized_rope_projections import (
+    QUANTIZED_NORM_ROPE_PROJECTIONS,
+    quantized_norm_rope_projections,
+)
 from graphkern.kernels.ops.rms_norm import RMS_NORM, rms_norm
 from graphkern.kernels.ops.rope import ROPE, rope
 from graphkern.kernels.ops.rope_qk import ROPE_QK, rope_qk
@@ -46,6 +50,7 @@ __all__ = [
     "NORM_PROJECTIONS",
     "NORM_SWIGLU",
     "QUANTIZED_NORM_PROJECTIONS",
+    "QUANTIZED_NORM_ROPE_PROJECTIONS",
     "QUANTIZED_NORM_SWIGLU",
     "RMS_NORM",
     "ROPE",
@@ -64,6 +69,7 @@ __all__ = [
     "norm_projections",
     "norm_swiglu",
     "quantized_norm_projections",
+    "quantized_norm_rope_projections",
     "quantized_norm_swiglu",
     "rms_norm",
     "rope",

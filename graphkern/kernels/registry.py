@@ -10,6 +10,7 @@ from graphkern.kernels.ops import (
     moe_route,
     projections,
     quantized_projections,
+    quantized_rope_projections,
     rms_norm,
     rope,
     rope_qk,
@@ -39,6 +40,7 @@ LIBRARY: dict[str, LibraryEntry] = {
         projections.ENTRY_SWIGLU,
         quantized_projections.ENTRY,
         quantized_projections.ENTRY_SWIGLU,
+        quantized_rope_projections.ENTRY,
         moe_route.ENTRY,
     )
 }

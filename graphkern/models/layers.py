@@ -428,7 +428,7 @@ class KernelAttention(KernelLayer):
         """The projections ``(B, L, features)`` in attention's layout, queries and keys normalized
         per head and rotated (one ``rope_qk`` launch)."""
         B, L, _ = queries.shape
-        heads, kv_heads = getattr(self, self._gk_heads[0]), getattr(self, self._gk_heads[1])
+        heads, kv_heads = self.head_counts()
         q_weight = k_weight = None
         eps = 1e-5
         if self._gk_norms:
@@ -438,6 +438,10 @@ class KernelAttention(KernelLayer):
                                     offset=offset, freqs=rotary.freqs, input_scale=rotary.input_scale,
                                     q_weight=q_weight, k_weight=k_weight, eps=eps)
         return queries, keys, values.reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
+
+    def head_counts(self) -> tuple[int, int]:
+        """(query heads, key and value heads), read at each call."""
+        return getattr(self, self._gk_heads[0]), getattr(self, self._gk_heads[1])
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, mask: Any, cache: Any) -> mx.array:
         """The cache update and attention, as the stock layer makes them: ``(B, heads, L, D)``."""
@@ -654,7 +658,7 @@ class KernelResidualBlock(KernelLayer):
     #: The kernels a block can also decode with, when ``patch`` selects them: the plain ones for
     #: ``nn.Linear`` projections, the quantized ones for ``nn.QuantizedLinear`` ones.
     DECODING_KERNELS = frozenset({"norm_projections", "norm_swiglu", "quantized_norm_projections",
-                                  "quantized_norm_swiglu"})
+                                  "quantized_norm_rope_projections", "quantized_norm_swiglu"})
 
     def __init__(self, original: nn.Module, ffn: str, norm: KernelAddRMSNorm,
                  input_norm: KernelAddRMSNorm | None = None):
@@ -729,6 +733,8 @@ class KernelResidualBlock(KernelLayer):
         if outputs is None and "quantized_norm_projections" in self._gk_decoding:
             quantized = _quantized_weights(attention, names, x)
             if quantized is not None and _fuses(norm, residual, x, quantized.group_size):
+                if "quantized_norm_rope_projections" in self._gk_decoding and not attention._gk_norms:
+                    return self._rotated_quantized(x, residual, quantized, offset, rotary)
                 outputs = gkk.quantized_norm_projections(
                     x, norm.scale(), quantized.weights, norm.eps, residual, group_size=quantized.group_size,
                     bits=quantized.bits)
@@ -739,6 +745,22 @@ class KernelResidualBlock(KernelLayer):
             return (x, *attention.rotate(queries, keys, values, offset, rotary))
         x, normed = self._input_norm(x, residual)
         return (x, *attention.project(normed, offset, rotary))
+
+    def _rotated_quantized(self, x: mx.array, residual: mx.array | None, quantized: Quantized,
+                           offset: mx.array, rotary: Rotary) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """:meth:`enter` in one ``quantized_norm_rope_projections`` launch: the input norm, the
+        quantized query, key and value products and the RoPE (an attention without head norms)."""
+        norm = self.input_layernorm
+        heads, kv_heads = self.self_attn.head_counts()
+        outputs = gkk.quantized_norm_rope_projections(
+            x, norm.scale(), quantized.weights, heads, kv_heads, rotary.dims, norm.eps, residual,
+            group_size=quantized.group_size, bits=quantized.bits, traditional=rotary.traditional,
+            base=rotary.base, scale=rotary.scale, offset=offset, freqs=rotary.freqs,
+            input_scale=rotary.input_scale)
+        queries, keys, values = outputs[-3:]
+        B, L, _ = values.shape
+        return (outputs[0] if residual is not None else x, queries, keys,
+                values.reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3))
 
     def leave(self, x: mx.array, attended: mx.array, alone: bool) -> Any:
         """The second segment, after attention: ``o_proj``, the residual add fused into the norm,

@@ -18,6 +18,7 @@ import graphkern.kernels as gkk
 from graphkern.debugging.tolerance import worst_errors
 from graphkern.kernels import Case, apply_plan
 from graphkern.kernels.ops.quantized_projections import quantized_case, quantized_projections_fit
+from graphkern.kernels.ops.quantized_rope_projections import rotated_case
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
@@ -29,7 +30,11 @@ from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-ENTRIES = ["quantized_norm_projections", "quantized_norm_swiglu"]
+ENTRIES = ["quantized_norm_projections", "quantized_norm_swiglu", "quantized_norm_rope_projections"]
+#: What a patched quantized block decodes with: a Llama-style attention's whole prologue in one launch,
+#: Qwen 3's (whose heads are normalized before the RoPE) projections apart from ``rope_qk``.
+DECODING = {"llama": {"quantized_norm_rope_projections", "quantized_norm_swiglu"},
+            "qwen3": {"quantized_norm_projections", "quantized_norm_swiglu"}}
 #: Stock's products differ from the kernels' by their own rounding: MLX's CUDA 4-bit qmv rounds each
 #: dequantized weight to the dtype and sums 16-bit inputs in the dtype before float32.
 STOCK_TOL = {mx.float32: (1e-4, 1e-4), mx.float16: (4e-3, 2e-3), mx.bfloat16: (3e-2, 2e-2)}
@@ -37,8 +42,12 @@ STOCK_TOL = {mx.float32: (1e-4, 1e-4), mx.float16: (4e-3, 2e-3), mx.bfloat16: (3
 
 def _agree(name: str, shape: tuple[int, ...], dtype: mx.Dtype, bits: int, group_size: int) -> None:
     entry = gkk.LIBRARY[name]
-    case = quantized_case(shape, dtype, mx.random.key(bits * 1000 + group_size),
-                          gated=name.endswith("swiglu"), group_size=group_size, bits=bits)
+    key = mx.random.key(bits * 1000 + group_size)
+    if name == "quantized_norm_rope_projections":
+        case = rotated_case(shape, dtype, key, group_size=group_size, bits=bits, traditional=bits == 8)
+    else:
+        case = quantized_case(shape, dtype, key, gated=name.endswith("swiglu"), group_size=group_size,
+                              bits=bits)
     ours, stock = entry(case), entry.stock_outputs(case)
     atol, rtol = STOCK_TOL[dtype]
     max_abs, _, ok = worst_errors(ours, stock, rtol=rtol, atol=atol)
@@ -59,6 +68,8 @@ def test_one_token_agrees_with_stock_for_every_quantization(name: str, bits: int
     ((2, 1, 3072), mx.bfloat16, 8)])
 def test_several_rows_agree_with_stock(name: str, shape: tuple[int, ...], dtype: mx.Dtype, bits: int) -> None:
     """Up to 8 rows of 4096: on CUDA over 48 KB of dynamic shared memory (float32 rows)."""
+    if name == "quantized_norm_rope_projections" and len(shape) == 2:
+        shape = (1, *shape)  # rows as the tokens of one sequence
     if not quantized_projections_fit(mx.zeros(shape, dtype)) and not mx.cuda.is_available():
         pytest.skip("rows past Metal's 32 KB of threadgroup memory: CUDA's dynamic shared memory only")
     _agree(name, shape, dtype, bits, 64)
@@ -74,7 +85,10 @@ def _shifted(a: Any) -> Any:
 
 @pytest.mark.parametrize("name", ENTRIES)
 def test_misaligned_rows_and_weights_take_the_narrow_loads(name: str) -> None:
-    base = quantized_case((2, 512), mx.float16, mx.random.key(5), gated=name.endswith("swiglu"))
+    if name == "quantized_norm_rope_projections":
+        base = rotated_case((2, 1, 512), mx.float16, mx.random.key(5))
+    else:
+        base = quantized_case((2, 512), mx.float16, mx.random.key(5), gated=name.endswith("swiglu"))
     args = tuple([tuple(_shifted(a) for a in m) for m in arg] if isinstance(arg, list)
                  else tuple(_shifted(a) for a in arg) if isinstance(arg, tuple) else _shifted(arg)
                  for arg in base.args)
@@ -124,7 +138,7 @@ def test_a_patched_quantized_model_decodes_as_stock_on_device(arch: str, bits: i
     patch(patched)
     calls = spy_on_kernels(monkeypatch, ENTRIES)
     _decodes_as_stock(stock, patched, 6, dtype)
-    assert set(calls) == set(ENTRIES)
+    assert set(calls) == DECODING[arch]
     if dtype == mx.float32:
         tokens = [[int(t) for t, _ in generate_step(PROMPT, m, max_tokens=16,
                                                     prompt_cache=make_prompt_cache(m))]

@@ -580,10 +580,24 @@ def _check_weight(op: str, name: str, weight: Any, x: mx.array, group_size: int,
     return QuantizedWeight(w, scales, biases)
 
 
+class Rotation(NamedTuple):
+    """What a launch that also rotates its first two products (queries and keys) adds to
+    :func:`_plan`: the head counts and size, its RoPE template values, its offset and frequency
+    inputs."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dims: int
+    template: tuple[Any, ...]
+    inputs: tuple[mx.array, mx.array]
+
+
 def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weight: mx.array | None,
           eps: float, matrices: Sequence[Any], names: Sequence[str], gated: bool, group_size: int,
-          bits: int) -> Plan:
-    """A launch of ``kernel``: one output per matrix (``gated``: one output, gate and up together)."""
+          bits: int, rotation: Rotation | None = None) -> Plan:
+    """A launch of ``kernel``: one output per matrix (``gated``: one output, gate and up together;
+    ``rotation``: queries and keys rotated, in attention's layouts)."""
     check_dtype(op, x)
     k = x.shape[-1]
     _check_quantization(op, group_size, bits, k)
@@ -614,16 +628,41 @@ def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weigh
     inputs = (x, unused if residual is None else residual, unused if weight is None else weight,
               *(a for m in checked for a in m), *stand_in * pad)
     m = x.size // k
-    block = BLOCK if m <= 2 or gated else WIDE_BLOCK
+    # two products a warp (gated, or a rotated pair) take twice the registers: 8 warps a block
+    block = BLOCK if m <= 2 or gated or rotation is not None else WIDE_BLOCK
     template = (template_arg("T", x.dtype), template_arg("M", m), template_arg("K", k),
                 template_arg("V", vector_width(k, x.dtype)), template_arg("NT", block),
                 template_arg("RESID", residual is not None), template_arg("HAS_W", weight is not None),
                 eps_template(eps, op), template_arg("BITS", bits), template_arg("GS", group_size),
                 *(() if gated else (template_arg("NW", len(checked)),)))
-    blocks = -(-sum(out_rows) // (block // 32))
+    warps = sum(out_rows)
+    if rotation is not None:
+        specs, warps = _rotated_specs(op, x, specs, out_rows, rotation)
+        inputs += rotation.inputs
+        template += (*rotation.template, template_arg("D", rotation.head_dim), template_arg("L", x.shape[1]))
+    blocks = -(-warps // (block // 32))
     if runs_on_cuda():
         kernel = _with_shared(kernel, _cuda_row_bytes(m, k, group_size))
     return Plan(kernel, inputs, specs, (blocks * block, 1, 1), (block, 1, 1), template)
+
+
+def _rotated_specs(op: str, x: mx.array, specs: tuple[Any, ...], out_rows: list[int],
+                   rotation: Rotation) -> tuple[tuple[Any, ...], int]:
+    """The output specs of a rotating launch (queries ``(B, L, heads, D)``, keys ``(B, kv_heads,
+    L, D)``) and its warps: one a rotated pair of features, one a feature past ``dims``, one a row
+    of values."""
+    d, heads, kv_heads = rotation.head_dim, rotation.heads, rotation.kv_heads
+    if x.ndim != 3 or len(out_rows) != 3:
+        raise KernelError(op, f"x must be (B, L, K) and there must be 3 projections (queries, keys, values), "
+                          f"got x {tuple(x.shape)} and {len(out_rows)}", Status.INVALID_INPUT)
+    if out_rows[0] != heads * d or out_rows[1] != kv_heads * d:
+        raise KernelError(op, f"the query and key projections have {out_rows[0]} and {out_rows[1]} rows; "
+                          f"expected heads * D = {heads * d} and kv_heads * D = {kv_heads * d}",
+                          Status.INVALID_INPUT)
+    b, length = x.shape[:2]
+    specs = (specs[0], output_spec((b, length, heads, d), x.dtype),
+             output_spec((b, kv_heads, length, d), x.dtype), specs[3])
+    return specs, (heads + kv_heads) * (d - rotation.dims // 2) + out_rows[2]
 
 
 def plan_quantized_norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence[Any],

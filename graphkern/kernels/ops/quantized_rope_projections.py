@@ -1,0 +1,351 @@
+"""An attention block's whole decoding prologue in one launch, for affine-quantized projections:
+``rms_norm(x + residual)``, its query, key and value products (``quantized_norm_projections``),
+and the RoPE of queries and keys in attention's layouts (``rope_qk`` without head norms).
+
+Queries come out in the projections' ``(B, L, heads, D)`` order and are returned as their
+``(B, heads, L, D)`` view, keys in the KV cache's ``(B, kv_heads, L, D)`` order, values as their
+projection ``(B, L, kv_heads * D)``: what ``quantized_norm_projections`` and then ``rope_qk``
+return, with the same rounding (each product rounded to the dtype, then rotated in float32 and
+rounded once). One launch fewer a block than the two kernels apart, and decoding is host-bound:
+each launch costs the host more than the GPU spends on it.
+
+CUDA: as ``quantized_norm_projections``, but a warp takes a rotation pair of one head (features
+``i`` and ``i + dims / 2``, or ``2i`` and ``2i + 1`` for the traditional RoPE): two products, then
+lane ``m`` rotates token row ``m``. A feature past ``dims`` and a value row take a warp each.
+Metal: the same with a simdgroup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from graphkern.kernels._headers import dual_header
+from graphkern.kernels.base import (
+    Case,
+    LayerLaunches,
+    LibraryEntry,
+    Plan,
+    template_arg,
+    unused_input,
+)
+from graphkern.kernels.ops.projections import run_cached, stock_normed
+from graphkern.kernels.ops.quantized_projections import (
+    _CUDA,
+    _METAL,
+    _METAL_START,
+    QUANTIZED_NORM_PROJECTIONS,
+    Rotation,
+    _cuda_rows,
+    _plan,
+    _quantized_product,
+    _signature,
+    quantized_case,
+    quantized_norm_projections_reference,
+)
+from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA
+from graphkern.kernels.ops.rope import (
+    GPU_FORMULA_TOLERANCES,
+    ROPE_CUDA,
+    ROPE_METAL,
+    call_key,
+    offset_input,
+    rotary_template,
+)
+from graphkern.kernels.ops.rope_qk import MAX_HEAD_DIM, _stock, rope_qk_reference
+from graphkern.nodes import Kernel, KernelError, Status
+
+__all__ = ["QUANTIZED_NORM_ROPE_PROJECTIONS", "plan_quantized_norm_rope_projections",
+           "quantized_norm_rope_projections", "rotated_case"]
+
+# Warps, in order: the query heads' units, the key heads', then the value rows. A head has
+# U = D - HALF units: HALF rotation pairs, then its D - 2 * HALF features past dims, one each.
+_CUDA_ROTATED = _cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1) && gk::aligned<4>(w2)", r"""
+    constexpr int WORDS = K * BITS / 32;
+    constexpr int G = K / GS;
+    constexpr int U = D - HALF;
+    const int hq = w0_shape[0] / D;
+    const int hk = w1_shape[0] / D;
+    const int units = (hq + hk) * U;
+    const int lane = threadIdx.x & 31;
+    if (row < units) {
+      const bool is_q = row < hq * U;
+      const int u = is_q ? row : row - hq * U;
+      const int head = u / U;
+      const int j = u - head * U;
+      const uint32_t* wq = is_q ? w0 : w1;
+      const T* sc = is_q ? scales0 : scales1;
+      const T* bi = is_q ? biases0 : biases1;
+      T* out = is_q ? y0 : y1;
+      const bool pair = j < HALF;
+      const int d1 = pair ? (TRADITIONAL ? 2 * j : j) : j + HALF;
+      const int d2 = TRADITIONAL ? 2 * j + 1 : j + HALF;
+      const long long r1 = static_cast<long long>(head) * D + d1;
+      const long long r2 = static_cast<long long>(head) * D + d2;
+      float a[M];
+      float c[M];
+      gk::quantized_row_dot<T, M, K, BITS, GS, WV>(wq + r1 * WORDS, sc + r1 * G, bi + r1 * G, xs, xsum, a);
+      if (pair) {
+        gk::quantized_row_dot<T, M, K, BITS, GS, WV>(wq + r2 * WORDS, sc + r2 * G, bi + r2 * G, xs, xsum, c);
+      }
+      const float inv_freq =
+          pair ? gk::rope_inv_freq<FREQS>(freqs, j, HALF, __int_as_float(LOG2_BASE)) : 0.0f;
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        if (lane == m) {
+          const int b = m / L;
+          const int l = m - b * L;
+          // queries keep the projections' (B, L, H, D) order; keys go in (B, H, L, D) order
+          const long long at = is_q ? (static_cast<long long>(m) * hq + head) * D
+                                    : ((static_cast<long long>(b) * hk + head) * L + l) * D;
+          if (pair) {
+            const float pos = __int_as_float(SCALE) * static_cast<float>(l + offset[PER_BATCH ? b : 0]);
+            const float theta = pos * inv_freq;
+            const float cs = cosf(theta);
+            const float sn = sinf(theta);
+            const float x1 = gk::in_scaled<T, IN_SCALE>(gk::round_to<T>(a[m]));
+            const float x2 = gk::in_scaled<T, IN_SCALE>(gk::round_to<T>(c[m]));
+            out[at + d1] = static_cast<T>(x1 * cs - x2 * sn);
+            out[at + d2] = static_cast<T>(x1 * sn + x2 * cs);
+          } else {
+            out[at + d1] = static_cast<T>(a[m]);
+          }
+        }
+      }
+    } else if (row < units + w2_shape[0]) {
+      gk::quantized_project_row<T, M, K, BITS, GS, WV>(w2, scales2, biases2, y2, row - units, w2_shape[0], xs,
+                                                       xsum);
+    }""")
+
+_METAL_ROTATED = _METAL_START + r"""
+  constexpr int U = D - HALF;
+  const int hq = w0_shape[0] / D;
+  const int hk = w1_shape[0] / D;
+  const int units = (hq + hk) * U;
+  if (row < units) {
+    const bool is_q = row < hq * U;
+    const int u = is_q ? row : row - hq * U;
+    const int head = u / U;
+    const int j = u - head * U;
+    const bool pair = j < HALF;
+    const int d1 = pair ? (TRADITIONAL ? 2 * j : j) : j + HALF;
+    const int d2 = TRADITIONAL ? 2 * j + 1 : j + HALF;
+    const size_t r1 = size_t(head) * D + d1;
+    const size_t r2 = size_t(head) * D + d2;
+    float c[M];
+    if (is_q) {
+      gk::quantized_row_dot<T, M, K, BITS, GS>(w0 + r1 * WORDS, scales0 + r1 * G, biases0 + r1 * G,
+                                               xs, lane, acc);
+      if (pair) {
+        gk::quantized_row_dot<T, M, K, BITS, GS>(w0 + r2 * WORDS, scales0 + r2 * G, biases0 + r2 * G,
+                                                 xs, lane, c);
+      }
+    } else {
+      gk::quantized_row_dot<T, M, K, BITS, GS>(w1 + r1 * WORDS, scales1 + r1 * G, biases1 + r1 * G,
+                                               xs, lane, acc);
+      if (pair) {
+        gk::quantized_row_dot<T, M, K, BITS, GS>(w1 + r2 * WORDS, scales1 + r2 * G, biases1 + r2 * G,
+                                                 xs, lane, c);
+      }
+    }
+    const float inv_freq = pair ? gk::rope_inv_freq<FREQS>(freqs, j, HALF, as_type<float>(LOG2_BASE)) : 0.0f;
+    for (int m = 0; m < M; ++m) {
+      if (int(lane) == m) {
+        const int b = m / L;
+        const int l = m - b * L;
+        const size_t at = is_q ? (size_t(m) * size_t(hq) + size_t(head)) * size_t(D)
+                               : ((size_t(b) * size_t(hk) + size_t(head)) * size_t(L) + size_t(l)) * D;
+        float o1 = acc[m];
+        float o2 = 0.0f;
+        if (pair) {
+          const float pos = as_type<float>(SCALE) * float(l + offset[PER_BATCH ? b : 0]);
+          const float theta = pos * inv_freq;
+          const float cs = metal::fast::cos(theta);
+          const float sn = metal::fast::sin(theta);
+          const float x1 = gk::in_scaled<T, IN_SCALE>(gk::round_to<T>(acc[m]));
+          const float x2 = gk::in_scaled<T, IN_SCALE>(gk::round_to<T>(c[m]));
+          o1 = x1 * cs - x2 * sn;
+          o2 = x1 * sn + x2 * cs;
+        }
+        if (is_q) {
+          y0[at + d1] = static_cast<T>(o1);
+          if (pair) {
+            y0[at + d2] = static_cast<T>(o2);
+          }
+        } else {
+          y1[at + d1] = static_cast<T>(o1);
+          if (pair) {
+            y1[at + d2] = static_cast<T>(o2);
+          }
+        }
+      }
+    }
+  } else if (row < units + int(w2_shape[0])) {
+    const int r = row - units;
+    gk::quantized_row_dot<T, M, K, BITS, GS>(w2 + size_t(r) * WORDS, scales2 + size_t(r) * G,
+                                             biases2 + size_t(r) * G, xs, lane, acc);
+    if (lane == 0) {
+      for (int m = 0; m < M; ++m) {
+        y2[size_t(m) * size_t(w2_shape[0]) + size_t(r)] = static_cast<T>(acc[m]);
+      }
+    }
+  }
+"""
+
+
+def quantized_norm_rope_projections_reference(
+        x: mx.array, residual: mx.array, w: mx.array, w0: mx.array, scales0: mx.array, biases0: mx.array,
+        w1: mx.array, scales1: mx.array, biases1: mx.array, w2: mx.array, scales2: mx.array,
+        biases2: mx.array, offset: mx.array, freqs: mx.array, *, D: int, HALF: int, TRADITIONAL: bool,
+        FREQS: bool, BASE: int, SCALE: int, IN_SCALE: int, PER_BATCH: bool, **launch: Any) -> list[mx.array]:
+    """Stock MLX, in the stock layers' order: the norm and products of
+    ``quantized_norm_projections_reference``, then the RoPE of ``rope_qk_reference``."""
+    h, q, k, v = quantized_norm_projections_reference(x, residual, w, w0, scales0, biases0, w1, scales1,
+                                                      biases1, w2, scales2, biases2, **launch)
+    unused = mx.zeros((1,), x.dtype)
+    q_out, k_out = rope_qk_reference(q, k, offset, freqs, unused, unused, D=D, NORM=False, EPS=0, SCALE=SCALE,
+                                     TRADITIONAL=TRADITIONAL, HALF=HALF, FREQS=FREQS, BASE=BASE,
+                                     IN_SCALE=IN_SCALE, PER_BATCH=PER_BATCH)
+    return [h, q_out, k_out, v]
+
+
+QUANTIZED_NORM_ROPE_PROJECTIONS = Kernel(
+    "gk_quantized_norm_rope_projections",
+    input_names=[*QUANTIZED_NORM_PROJECTIONS.input_names, "offset", "freqs"],
+    output_names=["h", "y0", "y1", "y2"],
+    metal=_METAL_ROTATED,
+    cuda=_CUDA_ROTATED,
+    header=dual_header(RMS_SCALE_CUDA + ROPE_CUDA + _CUDA, ROPE_METAL + _METAL, body=_CUDA_ROTATED),
+    reference=quantized_norm_rope_projections_reference,
+)
+
+
+def _rotation(op: str, x: mx.array, projections: Any, heads: int, kv_heads: int, dims: int, *,
+              traditional: bool, base: float | None, scale: float, offset: int | mx.array,
+              freqs: mx.array | None, input_scale: float) -> Rotation:
+    """The rotation a launch adds, checked; the head size comes from the query projection's rows."""
+    if not isinstance(projections, (list, tuple)) or len(projections) != 3:
+        raise KernelError(op, f"projections must be 3 (weight, scales, biases) triples (queries, keys, "
+                          f"values), got {projections!r:.80}", Status.INVALID_INPUT)
+    if x.ndim != 3:
+        raise KernelError(op, f"x must be (B, L, K), got shape {tuple(x.shape)}", Status.INVALID_INPUT)
+    for name, value in (("heads", heads), ("kv_heads", kv_heads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise KernelError(op, f"{name} must be a positive int, got {value!r}", Status.INVALID_INPUT)
+    first = projections[0]
+    rows = first[0].shape[0] if isinstance(first, (list, tuple)) and isinstance(first[0], mx.array) else 0
+    if rows % heads or not 0 < rows // heads <= MAX_HEAD_DIM:
+        raise KernelError(op, f"the query projection's {rows} rows are not heads={heads} heads of 1 to "
+                          f"{MAX_HEAD_DIM} features", Status.INVALID_INPUT)
+    d = rows // heads
+    template, table = rotary_template(op, d, dims, traditional=traditional, base=base, freqs=freqs,
+                                      scale=scale, input_scale=input_scale)
+    off, per_batch, _ = offset_input(op, offset, x.shape[0], 0)  # never in a shape: a few rows
+    return Rotation(heads, kv_heads, d, dims, (*template, template_arg("PER_BATCH", per_batch)), (off, table))
+
+
+def plan_quantized_norm_rope_projections(
+        x: mx.array, weight: mx.array | None, projections: Sequence[Any], heads: int, kv_heads: int,
+        dims: int, eps: float = 1e-5, residual: mx.array | None = None, *, group_size: int = 64,
+        bits: int = 4, traditional: bool = False, base: float | None = 10000.0, scale: float = 1.0,
+        offset: int | mx.array = 0, freqs: mx.array | None = None, input_scale: float = 1.0) -> Plan:
+    """The launch :func:`quantized_norm_rope_projections` makes (validated)."""
+    op = "quantized_norm_rope_projections"
+    rotation = _rotation(op, x, projections, heads, kv_heads, dims, traditional=traditional, base=base,
+                         scale=scale, offset=offset, freqs=freqs, input_scale=input_scale)
+    names = ("queries", "keys", "values")
+    return _plan(op, QUANTIZED_NORM_ROPE_PROJECTIONS, x, residual, weight, eps, projections, names, False,
+                 group_size, bits, rotation)
+
+
+_LAUNCHES = LayerLaunches()
+
+
+def quantized_norm_rope_projections(
+        x: mx.array, weight: mx.array | None, projections: Sequence[Any], heads: int, kv_heads: int,
+        dims: int, eps: float = 1e-5, residual: mx.array | None = None, *, group_size: int = 64,
+        bits: int = 4, traditional: bool = False, base: float | None = 10000.0, scale: float = 1.0,
+        offset: int | mx.array = 0, freqs: mx.array | None = None,
+        input_scale: float = 1.0) -> tuple[mx.array, ...]:
+    """``n = rms_norm(x, weight, eps)`` (of ``x + residual`` when given), its products with the
+    affine-quantized query, key and value weights (``projections``, ``(weight, scales, biases)``
+    each), and the queries and keys rotated, in one launch, for up to ``MAX_ROWS`` rows of ``x``
+    (``(B, L, K)``). Returns queries ``(B, heads, L, D)`` and keys ``(B, kv_heads, L, D)`` as
+    :func:`~graphkern.kernels.rope_qk` gives them, and values ``(B, L, kv_heads * D)``, after
+    ``h = x + residual`` when a residual is given. The RoPE arguments are
+    :func:`~graphkern.kernels.rope`'s.
+
+    >>> w, s, b = mx.quantize(mx.ones((8, 64)), group_size=64, bits=4)
+    >>> q, k, v = quantized_norm_rope_projections(mx.ones((1, 1, 64)), None, [(w, s, b)] * 3, 2, 2, 4,
+    ...                                           eps=0.0, offset=0)   # position 0: no rotation
+    >>> q.shape, k.shape, v.shape, q[0, 0, 0].tolist()
+    ((1, 2, 1, 4), (1, 2, 1, 4), (1, 1, 8), [64.0, 64.0, 64.0, 64.0])
+    """
+    def plan() -> Plan:
+        return plan_quantized_norm_rope_projections(
+            x, weight, projections, heads, kv_heads, dims, eps, residual, group_size=group_size, bits=bits,
+            traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs,
+            input_scale=input_scale)
+
+    key = _signature(x, weight, residual, eps, projections, group_size, bits)
+    arrays = tuple(a for a in (x, residual, weight) if a is not None)
+    if key is not None:
+        try:
+            rope_key, rope_arrays, _, _ = call_key(x, offset, freqs, (heads, kv_heads, dims, traditional,
+                                                                      base is None),
+                                                   (1.0 if base is None else base, scale, input_scale))
+        except (AttributeError, TypeError):  # not arrays and numbers: the plan says what is wrong
+            key = None
+        else:
+            key = (key, rope_key)
+            if freqs is None:
+                rope_arrays = (*rope_arrays, _unused_freqs())
+            arrays += (*(a for m in projections for a in m), *rope_arrays)
+    h, q, k, v = run_cached(_LAUNCHES, key, arrays, plan)
+    found = (q.transpose(0, 2, 1, 3), k, v)
+    return (h, *found) if residual is not None else found
+
+
+def _unused_freqs() -> mx.array:
+    return unused_input(mx.float32)
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+def rotated_case(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, *, group_size: int = 64, bits: int = 4,
+                 traditional: bool = False) -> Case:
+    """Arguments for one call: ``quantized_case``'s rows and weights as queries (3 heads of 32),
+    keys and values (1 head each), an offset of 7, half of each head rotated, an input scale."""
+    case = quantized_case(shape, dtype, key, gated=False, group_size=group_size, bits=bits)
+    kwargs = {**case.kwargs, "offset": 7, "base": 1e6, "traditional": traditional, "input_scale": 1.25}
+    x, w, mats = case.args
+    return Case((x, w, mats, 3, 1, 16), kwargs)
+
+
+def _stock_rotated(x: mx.array, weight: mx.array | None, projections: Sequence[Any], heads: int,
+                   kv_heads: int, dims: int, eps: float = 1e-5, residual: mx.array | None = None, *,
+                   group_size: int = 64, bits: int = 4, **rope: Any) -> tuple[mx.array, ...]:
+    """The stock layers: ``mx.fast.rms_norm``, ``mx.quantized_matmul`` products, ``mx.fast.rope``."""
+    h, normed = stock_normed(x, weight, eps, residual)
+    q, k, v = (_quantized_product(normed, m, group_size, bits) for m in projections)
+    queries, keys = _stock(q, k, heads, kv_heads, dims, **rope)
+    return (queries, keys, v) if residual is None else (h, queries, keys, v)
+
+
+ENTRY = LibraryEntry(
+    name="quantized_norm_rope_projections",
+    kernel=QUANTIZED_NORM_ROPE_PROJECTIONS,
+    fn=quantized_norm_rope_projections,
+    plan=plan_quantized_norm_rope_projections,
+    make_inputs=rotated_case,
+    stock=_stock_rotated,
+    shapes=((1, 1, 64), (2, 1, 128), (1, 4, 256), (1, 1, 2048)),
+    min_ndim=3,
+    last_dim_multiple=64,
+    description="residual add + RMSNorm + affine-quantized q/k/v projections + RoPE of q and k (4-bit, "
+                "group 64), for up to 8 rows (decoding)",
+    tolerances=GPU_FORMULA_TOLERANCES,
+)
