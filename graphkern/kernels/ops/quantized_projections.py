@@ -649,8 +649,8 @@ def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weigh
 def _rotated_specs(op: str, x: mx.array, specs: tuple[Any, ...], out_rows: list[int],
                    rotation: Rotation) -> tuple[tuple[Any, ...], int]:
     """The output specs of a rotating launch (queries ``(B, L, heads, D)``, keys ``(B, kv_heads,
-    L, D)``) and its warps: one a rotated pair of features, one a feature past ``dims``, one a row
-    of values."""
+    L, D)``) and its warps: one for two features (a rotated pair, two features past ``dims``, two
+    rows of values)."""
     d, heads, kv_heads = rotation.head_dim, rotation.heads, rotation.kv_heads
     if x.ndim != 3 or len(out_rows) != 3:
         raise KernelError(op, f"x must be (B, L, K) and there must be 3 projections (queries, keys, values), "
@@ -662,7 +662,7 @@ def _rotated_specs(op: str, x: mx.array, specs: tuple[Any, ...], out_rows: list[
     b, length = x.shape[:2]
     specs = (specs[0], output_spec((b, length, heads, d), x.dtype),
              output_spec((b, kv_heads, length, d), x.dtype), specs[3])
-    return specs, (heads + kv_heads) * (d - rotation.dims // 2) + out_rows[2]
+    return specs, ((heads + kv_heads) * d + out_rows[2]) // 2
 
 
 def plan_quantized_norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence[Any],

@@ -60,136 +60,128 @@ from graphkern.nodes import Kernel, KernelError, Status
 __all__ = ["QUANTIZED_NORM_ROPE_PROJECTIONS", "plan_quantized_norm_rope_projections",
            "quantized_norm_rope_projections", "rotated_case"]
 
-# Warps, in order: the query heads' units, the key heads', then the value rows. A head has
-# U = D - HALF units: HALF rotation pairs, then its D - 2 * HALF features past dims, one each.
+# A warp a unit of two features: the query heads' units, the key heads', then the values'. A head
+# has D / 2 units: its HALF rotation pairs, then its features past dims two by two (copied); the
+# values go two rows at a time. Every warp runs the same two products: NVRTC given a branch with a
+# third copy of them spills registers from 4 rows on.
 _CUDA_ROTATED = _cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1) && gk::aligned<4>(w2)", r"""
     constexpr int WORDS = K * BITS / 32;
     constexpr int G = K / GS;
-    constexpr int U = D - HALF;
     const int hq = w0_shape[0] / D;
     const int hk = w1_shape[0] / D;
-    const int units = (hq + hk) * U;
+    const int qk_units = (hq + hk) * (D / 2);
     const int lane = threadIdx.x & 31;
-    if (row < units) {
-      const bool is_q = row < hq * U;
-      const int u = is_q ? row : row - hq * U;
-      const int head = u / U;
-      const int j = u - head * U;
-      const uint32_t* wq = is_q ? w0 : w1;
-      const T* sc = is_q ? scales0 : scales1;
-      const T* bi = is_q ? biases0 : biases1;
-      T* out = is_q ? y0 : y1;
-      const bool pair = j < HALF;
-      const int d1 = pair ? (TRADITIONAL ? 2 * j : j) : j + HALF;
-      const int d2 = TRADITIONAL ? 2 * j + 1 : j + HALF;
+    if (row < qk_units + w2_shape[0] / 2) {
+      const int kind = row < hq * (D / 2) ? 0 : row < qk_units ? 1 : 2;  // queries, keys, values
+      const int u = kind == 0 ? row : kind == 1 ? row - hq * (D / 2) : row - qk_units;
+      const int head = kind == 2 ? 0 : u / (D / 2);
+      const int j = kind == 2 ? u : u - head * (D / 2);
+      const bool pair = kind != 2 && j < HALF;
+      const int d1 = pair ? (TRADITIONAL ? 2 * j : j) : 2 * j;
+      const int d2 = pair ? (TRADITIONAL ? 2 * j + 1 : j + HALF) : 2 * j + 1;
+      const uint32_t* wq = kind == 0 ? w0 : kind == 1 ? w1 : w2;
+      const T* sc = kind == 0 ? scales0 : kind == 1 ? scales1 : scales2;
+      const T* bi = kind == 0 ? biases0 : kind == 1 ? biases1 : biases2;
+      T* out = kind == 0 ? y0 : kind == 1 ? y1 : y2;
       const long long r1 = static_cast<long long>(head) * D + d1;
       const long long r2 = static_cast<long long>(head) * D + d2;
       float a[M];
       float c[M];
       gk::quantized_row_dot<T, M, K, BITS, GS, WV>(wq + r1 * WORDS, sc + r1 * G, bi + r1 * G, xs, xsum, a);
-      if (pair) {
-        gk::quantized_row_dot<T, M, K, BITS, GS, WV>(wq + r2 * WORDS, sc + r2 * G, bi + r2 * G, xs, xsum, c);
-      }
-      const float inv_freq =
-          pair ? gk::rope_inv_freq<FREQS>(freqs, j, HALF, __int_as_float(LOG2_BASE)) : 0.0f;
+      gk::quantized_row_dot<T, M, K, BITS, GS, WV>(wq + r2 * WORDS, sc + r2 * G, bi + r2 * G, xs, xsum, c);
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         if (lane == m) {
           const int b = m / L;
           const int l = m - b * L;
-          // queries keep the projections' (B, L, H, D) order; keys go in (B, H, L, D) order
-          const long long at = is_q ? (static_cast<long long>(m) * hq + head) * D
-                                    : ((static_cast<long long>(b) * hk + head) * L + l) * D;
+          // queries and values keep the projections' (B, L, H, D) order; keys go in (B, H, L, D) order
+          const long long at = kind == 0 ? (static_cast<long long>(m) * hq + head) * D
+                               : kind == 1 ? ((static_cast<long long>(b) * hk + head) * L + l) * D
+                                           : static_cast<long long>(m) * w2_shape[0];
+          float o1 = a[m];
+          float o2 = c[m];
           if (pair) {
+            const float inv_freq = gk::rope_inv_freq<FREQS>(freqs, j, HALF, __int_as_float(LOG2_BASE));
             const float pos = __int_as_float(SCALE) * static_cast<float>(l + offset[PER_BATCH ? b : 0]);
             const float theta = pos * inv_freq;
             const float cs = cosf(theta);
             const float sn = sinf(theta);
-            const float x1 = gk::in_scaled<T, IN_SCALE>(gk::round_to<T>(a[m]));
-            const float x2 = gk::in_scaled<T, IN_SCALE>(gk::round_to<T>(c[m]));
-            out[at + d1] = static_cast<T>(x1 * cs - x2 * sn);
-            out[at + d2] = static_cast<T>(x1 * sn + x2 * cs);
-          } else {
-            out[at + d1] = static_cast<T>(a[m]);
+            const float x1 = gk::in_scaled<T, IN_SCALE>(gk::round_to<T>(o1));
+            const float x2 = gk::in_scaled<T, IN_SCALE>(gk::round_to<T>(o2));
+            o1 = x1 * cs - x2 * sn;
+            o2 = x1 * sn + x2 * cs;
           }
+          out[at + d1] = static_cast<T>(o1);
+          out[at + d2] = static_cast<T>(o2);
         }
       }
-    } else if (row < units + w2_shape[0]) {
-      gk::quantized_project_row<T, M, K, BITS, GS, WV>(w2, scales2, biases2, y2, row - units, w2_shape[0], xs,
-                                                       xsum);
     }""")
 
 _METAL_ROTATED = _METAL_START + r"""
-  constexpr int U = D - HALF;
   const int hq = w0_shape[0] / D;
   const int hk = w1_shape[0] / D;
-  const int units = (hq + hk) * U;
-  if (row < units) {
-    const bool is_q = row < hq * U;
-    const int u = is_q ? row : row - hq * U;
-    const int head = u / U;
-    const int j = u - head * U;
-    const bool pair = j < HALF;
-    const int d1 = pair ? (TRADITIONAL ? 2 * j : j) : j + HALF;
-    const int d2 = TRADITIONAL ? 2 * j + 1 : j + HALF;
-    const size_t r1 = size_t(head) * D + d1;
-    const size_t r2 = size_t(head) * D + d2;
-    float c[M];
-    if (is_q) {
-      gk::quantized_row_dot<T, M, K, BITS, GS>(w0 + r1 * WORDS, scales0 + r1 * G, biases0 + r1 * G,
-                                               xs, lane, acc);
-      if (pair) {
-        gk::quantized_row_dot<T, M, K, BITS, GS>(w0 + r2 * WORDS, scales0 + r2 * G, biases0 + r2 * G,
-                                                 xs, lane, c);
-      }
+  const int qk_units = (hq + hk) * (D / 2);
+  if (row >= qk_units + int(w2_shape[0]) / 2) {
+    return;
+  }
+  const int kind = row < hq * (D / 2) ? 0 : row < qk_units ? 1 : 2;  // queries, keys, values
+  const int u = kind == 0 ? row : kind == 1 ? row - hq * (D / 2) : row - qk_units;
+  const int head = kind == 2 ? 0 : u / (D / 2);
+  const int j = kind == 2 ? u : u - head * (D / 2);
+  const bool pair = kind != 2 && j < HALF;
+  const int d1 = pair ? (TRADITIONAL ? 2 * j : j) : 2 * j;
+  const int d2 = pair ? (TRADITIONAL ? 2 * j + 1 : j + HALF) : 2 * j + 1;
+  const size_t r1 = size_t(head) * D + d1;
+  const size_t r2 = size_t(head) * D + d2;
+  float c[M];
+  if (kind == 0) {
+    gk::quantized_row_dot<T, M, K, BITS, GS>(w0 + r1 * WORDS, scales0 + r1 * G, biases0 + r1 * G,
+                                             xs, lane, acc);
+    gk::quantized_row_dot<T, M, K, BITS, GS>(w0 + r2 * WORDS, scales0 + r2 * G, biases0 + r2 * G,
+                                             xs, lane, c);
+  } else if (kind == 1) {
+    gk::quantized_row_dot<T, M, K, BITS, GS>(w1 + r1 * WORDS, scales1 + r1 * G, biases1 + r1 * G,
+                                             xs, lane, acc);
+    gk::quantized_row_dot<T, M, K, BITS, GS>(w1 + r2 * WORDS, scales1 + r2 * G, biases1 + r2 * G,
+                                             xs, lane, c);
+  } else {
+    gk::quantized_row_dot<T, M, K, BITS, GS>(w2 + r1 * WORDS, scales2 + r1 * G, biases2 + r1 * G,
+                                             xs, lane, acc);
+    gk::quantized_row_dot<T, M, K, BITS, GS>(w2 + r2 * WORDS, scales2 + r2 * G, biases2 + r2 * G,
+                                             xs, lane, c);
+  }
+  for (int m = 0; m < M; ++m) {
+    if (int(lane) != m) {
+      continue;
+    }
+    const int b = m / L;
+    const int l = m - b * L;
+    // queries and values keep the projections' (B, L, H, D) order; keys go in (B, H, L, D) order
+    const size_t at = kind == 0 ? (size_t(m) * size_t(hq) + size_t(head)) * size_t(D)
+                      : kind == 1 ? ((size_t(b) * size_t(hk) + size_t(head)) * size_t(L) + size_t(l)) * D
+                                  : size_t(m) * size_t(w2_shape[0]);
+    float o1 = acc[m];
+    float o2 = c[m];
+    if (pair) {
+      const float inv_freq = gk::rope_inv_freq<FREQS>(freqs, j, HALF, as_type<float>(LOG2_BASE));
+      const float pos = as_type<float>(SCALE) * float(l + offset[PER_BATCH ? b : 0]);
+      const float theta = pos * inv_freq;
+      const float cs = metal::fast::cos(theta);
+      const float sn = metal::fast::sin(theta);
+      const float x1 = gk::in_scaled<T, IN_SCALE>(gk::round_to<T>(o1));
+      const float x2 = gk::in_scaled<T, IN_SCALE>(gk::round_to<T>(o2));
+      o1 = x1 * cs - x2 * sn;
+      o2 = x1 * sn + x2 * cs;
+    }
+    if (kind == 0) {
+      y0[at + d1] = static_cast<T>(o1);
+      y0[at + d2] = static_cast<T>(o2);
+    } else if (kind == 1) {
+      y1[at + d1] = static_cast<T>(o1);
+      y1[at + d2] = static_cast<T>(o2);
     } else {
-      gk::quantized_row_dot<T, M, K, BITS, GS>(w1 + r1 * WORDS, scales1 + r1 * G, biases1 + r1 * G,
-                                               xs, lane, acc);
-      if (pair) {
-        gk::quantized_row_dot<T, M, K, BITS, GS>(w1 + r2 * WORDS, scales1 + r2 * G, biases1 + r2 * G,
-                                                 xs, lane, c);
-      }
-    }
-    const float inv_freq = pair ? gk::rope_inv_freq<FREQS>(freqs, j, HALF, as_type<float>(LOG2_BASE)) : 0.0f;
-    for (int m = 0; m < M; ++m) {
-      if (int(lane) == m) {
-        const int b = m / L;
-        const int l = m - b * L;
-        const size_t at = is_q ? (size_t(m) * size_t(hq) + size_t(head)) * size_t(D)
-                               : ((size_t(b) * size_t(hk) + size_t(head)) * size_t(L) + size_t(l)) * D;
-        float o1 = acc[m];
-        float o2 = 0.0f;
-        if (pair) {
-          const float pos = as_type<float>(SCALE) * float(l + offset[PER_BATCH ? b : 0]);
-          const float theta = pos * inv_freq;
-          const float cs = metal::fast::cos(theta);
-          const float sn = metal::fast::sin(theta);
-          const float x1 = gk::in_scaled<T, IN_SCALE>(gk::round_to<T>(acc[m]));
-          const float x2 = gk::in_scaled<T, IN_SCALE>(gk::round_to<T>(c[m]));
-          o1 = x1 * cs - x2 * sn;
-          o2 = x1 * sn + x2 * cs;
-        }
-        if (is_q) {
-          y0[at + d1] = static_cast<T>(o1);
-          if (pair) {
-            y0[at + d2] = static_cast<T>(o2);
-          }
-        } else {
-          y1[at + d1] = static_cast<T>(o1);
-          if (pair) {
-            y1[at + d2] = static_cast<T>(o2);
-          }
-        }
-      }
-    }
-  } else if (row < units + int(w2_shape[0])) {
-    const int r = row - units;
-    gk::quantized_row_dot<T, M, K, BITS, GS>(w2 + size_t(r) * WORDS, scales2 + size_t(r) * G,
-                                             biases2 + size_t(r) * G, xs, lane, acc);
-    if (lane == 0) {
-      for (int m = 0; m < M; ++m) {
-        y2[size_t(m) * size_t(w2_shape[0]) + size_t(r)] = static_cast<T>(acc[m]);
-      }
+      y2[at + d1] = static_cast<T>(o1);
+      y2[at + d2] = static_cast<T>(o2);
     }
   }
 """
@@ -236,9 +228,9 @@ def _rotation(op: str, x: mx.array, projections: Any, heads: int, kv_heads: int,
             raise KernelError(op, f"{name} must be a positive int, got {value!r}", Status.INVALID_INPUT)
     first = projections[0]
     rows = first[0].shape[0] if isinstance(first, (list, tuple)) and isinstance(first[0], mx.array) else 0
-    if rows % heads or not 0 < rows // heads <= MAX_HEAD_DIM:
-        raise KernelError(op, f"the query projection's {rows} rows are not heads={heads} heads of 1 to "
-                          f"{MAX_HEAD_DIM} features", Status.INVALID_INPUT)
+    if rows % heads or (rows // heads) % 2 or not 0 < rows // heads <= MAX_HEAD_DIM:
+        raise KernelError(op, f"the query projection's {rows} rows are not heads={heads} heads of an even "
+                          f"number of features up to {MAX_HEAD_DIM}", Status.INVALID_INPUT)
     d = rows // heads
     template, table = rotary_template(op, d, dims, traditional=traditional, base=base, freqs=freqs,
                                       scale=scale, input_scale=input_scale)
