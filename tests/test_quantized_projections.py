@@ -19,15 +19,19 @@ from model_comparisons import spy_on_kernels  # noqa: E402
 import graphkern as gk  # noqa: E402
 import graphkern.kernels as gkk  # noqa: E402
 from graphkern.kernels.ops.quantized_projections import quantized_case, random_quantized  # noqa: E402
+from graphkern.kernels.ops.quantized_rope_projections import rotated_case  # noqa: E402
 from graphkern.models import MODEL_TOLERANCES  # noqa: E402
 from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
 
 PROMPT = mx.array([3, 17, 42, 5, 99, 1, 7, 64])
 KERNELS = ("norm_projections", "norm_swiglu", "quantized_norm_projections", "quantized_norm_rope_projections",
            "quantized_norm_swiglu")
-#: What a patched quantized block decodes with: a Llama-style attention's whole prologue in one launch,
-#: Qwen 3's (whose heads are normalized before the RoPE) projections apart from ``rope_qk``.
-DECODING = {"llama": {"quantized_norm_rope_projections", "quantized_norm_swiglu"},
+#: What a patched quantized block runs an 8-token prompt and then single tokens with: a Llama-style
+#: attention's whole prologue in one launch for a token (up to ``ROTATED_MAX_ROWS`` rows), its
+#: projections apart from ``rope_qk`` for the prompt; Qwen 3's (whose heads are normalized before
+#: the RoPE) always apart.
+DECODING = {"llama": {"quantized_norm_projections", "quantized_norm_rope_projections",
+                      "quantized_norm_swiglu"},
             "qwen3": {"quantized_norm_projections", "quantized_norm_swiglu"}}
 
 
@@ -169,13 +173,13 @@ def test_a_quantized_llama_decodes_its_attention_prologue_in_one_launch(
         rope: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Logits equal stock's, every block entered through ``quantized_norm_rope_projections``, and
     so do batched generation's tokens (mlx-lm's BatchGenerator: left-padded prompts, an offset per
-    sequence)."""
+    sequence; two sequences, two rows a step)."""
     from mlx_lm.generate import BatchGenerator
 
     def generate(model: nn.Module) -> dict[int, list[int]]:
-        generator = BatchGenerator(model, max_tokens=5, prefill_batch_size=3, completion_batch_size=3)
+        generator = BatchGenerator(model, max_tokens=5, prefill_batch_size=2, completion_batch_size=2)
         try:
-            uids = generator.insert([[3, 17, 42, 5], [9, 1], [7, 64, 2, 8, 11, 4]], max_tokens=[5] * 3)
+            uids = generator.insert([[3, 17, 42, 5, 8, 21], [7, 64, 2, 8, 11, 4, 9, 1]], max_tokens=[5] * 2)
             tokens: dict[int, list[int]] = {uid: [] for uid in uids}
             while responses := generator.next_generated():
                 for response in responses:
@@ -194,10 +198,39 @@ def test_a_quantized_llama_decodes_its_attention_prologue_in_one_launch(
     calls = spy_on_kernels(monkeypatch, [*KERNELS, "rope_qk"])
     for ours, theirs in zip(_logits(patched), _logits(stock)):
         assert mx.array_equal(ours, theirs).item()
-    assert set(calls) == DECODING["llama"]
+    assert set(calls) == {*DECODING["llama"], "rope_qk"}
     calls.clear()
     assert generate(patched) == generate(stock)
-    assert set(calls) == {*DECODING["llama"], "rope_qk"}  # its prefill of 18 rows is past 8: rope_qk
+    # its prefill of 16 rows, past MAX_ROWS, takes rope_qk; each step of 2 rows the fused kernels
+    assert set(calls) == {"rope_qk", "quantized_norm_rope_projections", "quantized_norm_swiglu"}
+
+
+def test_rows_past_two_decode_through_the_projections_and_rope_qk_apart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of 4 tokens (4 rows): the two kernels apart, each with its full warps a row."""
+    stock, patched = (_quantized_model("llama", 4, 64) for _ in range(2))
+    patched.update(stock.parameters())
+    gk.patch(patched)
+    calls = spy_on_kernels(monkeypatch, [*KERNELS, "rope_qk"])
+    prompt = mx.broadcast_to(PROMPT[None], (4, PROMPT.size))
+    caches = [make_prompt_cache(m) for m in (patched, stock)]
+    for m, c in zip((patched, stock), caches):
+        m(prompt, cache=c)
+    calls.clear()
+    token = mx.array([[5]] * 4)
+    ours, theirs = patched(token, cache=caches[0]), stock(token, cache=caches[1])
+    assert mx.array_equal(ours, theirs).item()
+    assert set(calls) == {"quantized_norm_projections", "rope_qk", "quantized_norm_swiglu"}
+
+
+def test_the_rotating_kernel_takes_an_offset_per_sequence() -> None:
+    entry = gkk.LIBRARY["quantized_norm_rope_projections"]
+    case = rotated_case((2, 1, 128), mx.float32, mx.random.key(3))
+    case.kwargs["offset"] = mx.array([5, 40])
+    ours, stock = entry(case), entry.stock_outputs(case)
+    assert all(mx.allclose(o, s, atol=1e-5, rtol=1e-5).item() for o, s in zip(ours, stock))
+    case.kwargs["offset"] = 5  # the same with the first offset for both: the second differs
+    assert not mx.allclose(entry(case)[2][1], ours[2][1]).item()
 
 
 def _bad_rotated(**change: Any) -> Any:

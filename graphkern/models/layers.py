@@ -34,6 +34,7 @@ from graphkern.kernels.ops.quantized_projections import (
     QuantizedWeight,
     quantized_projections_fit,
 )
+from graphkern.kernels.ops.quantized_rope_projections import ROTATED_MAX_ROWS
 from graphkern.kernels.ops.rope import int_offset_array
 from graphkern.launching.autodiff import vjp_enabled, without_vjp
 from graphkern.launching.backends import active_backend
@@ -733,7 +734,8 @@ class KernelResidualBlock(KernelLayer):
         if outputs is None and "quantized_norm_projections" in self._gk_decoding:
             quantized = _quantized_weights(attention, names, x)
             if quantized is not None and _fuses(norm, residual, x, quantized.group_size):
-                if "quantized_norm_rope_projections" in self._gk_decoding and not attention._gk_norms:
+                if ("quantized_norm_rope_projections" in self._gk_decoding and not attention._gk_norms
+                        and x.size // x.shape[-1] <= ROTATED_MAX_ROWS):
                     return self._rotated_quantized(x, residual, quantized, offset, rotary)
                 outputs = gkk.quantized_norm_projections(
                     x, norm.scale(), quantized.weights, norm.eps, residual, group_size=quantized.group_size,

@@ -31,9 +31,12 @@ from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 ENTRIES = ["quantized_norm_projections", "quantized_norm_swiglu", "quantized_norm_rope_projections"]
-#: What a patched quantized block decodes with: a Llama-style attention's whole prologue in one launch,
-#: Qwen 3's (whose heads are normalized before the RoPE) projections apart from ``rope_qk``.
-DECODING = {"llama": {"quantized_norm_rope_projections", "quantized_norm_swiglu"},
+#: What a patched quantized block runs an 8-token prompt and then single tokens with: a Llama-style
+#: attention's whole prologue in one launch for a token (up to ``ROTATED_MAX_ROWS`` rows), its
+#: projections apart from ``rope_qk`` for the prompt; Qwen 3's (whose heads are normalized before
+#: the RoPE) always apart.
+DECODING = {"llama": {"quantized_norm_projections", "quantized_norm_rope_projections",
+                      "quantized_norm_swiglu"},
             "qwen3": {"quantized_norm_projections", "quantized_norm_swiglu"}}
 #: Stock's products differ from the kernels' by their own rounding: MLX's CUDA 4-bit qmv rounds each
 #: dequantized weight to the dtype and sums 16-bit inputs in the dtype before float32.

@@ -57,8 +57,16 @@ from graphkern.kernels.ops.rope import (
 from graphkern.kernels.ops.rope_qk import MAX_HEAD_DIM, _stock, rope_qk_reference
 from graphkern.nodes import Kernel, KernelError, Status
 
-__all__ = ["QUANTIZED_NORM_ROPE_PROJECTIONS", "plan_quantized_norm_rope_projections",
+__all__ = ["QUANTIZED_NORM_ROPE_PROJECTIONS", "ROTATED_MAX_ROWS", "plan_quantized_norm_rope_projections",
            "quantized_norm_rope_projections", "rotated_case"]
+
+#: Rows up to which a patched block decodes through this kernel rather than
+#: ``quantized_norm_projections`` and ``rope_qk``. A warp makes two products here, so a launch has
+#: half the warps, and at 8 rows (170 registers a thread, one block an SM) a batch of 8 decoded
+#: about 7% slower on an H200 than through the two kernels, where one token decoded faster (one
+#: launch fewer a block, on a host-bound step). At 2 rows its registers and occupancy are the
+#: unfused kernel's.
+ROTATED_MAX_ROWS = 2
 
 # A warp a unit of two features: the query heads' units, the key heads', then the values'. A head
 # has D / 2 units: its HALF rotation pairs, then its features past dims two by two (copied); the
