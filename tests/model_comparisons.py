@@ -77,3 +77,21 @@ def spy_on_kernels(monkeypatch: pytest.MonkeyPatch, names: Any) -> list[str]:
 
         monkeypatch.setattr(gkk, name, spy)
     return calls
+
+
+def batch_generate(model: Any, prompts: list[list[int]], max_tokens: int) -> dict[int, list[int]]:
+    """The greedy tokens mlx-lm's ``BatchGenerator`` gives each of ``prompts`` decoded together
+    (left-padded, an offset per sequence), by the generator's id for it."""
+    from mlx_lm.generate import BatchGenerator
+
+    generator = BatchGenerator(model, max_tokens=max_tokens, prefill_batch_size=len(prompts),
+                               completion_batch_size=len(prompts))
+    try:
+        uids = generator.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+        tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+        while responses := generator.next_generated():
+            for response in responses:
+                tokens[response.uid].append(response.token)
+        return tokens
+    finally:
+        generator.close()

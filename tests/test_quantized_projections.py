@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from model_comparisons import spy_on_kernels  # noqa: E402
+from model_comparisons import batch_generate, spy_on_kernels  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 import graphkern.kernels as gkk  # noqa: E402
@@ -174,20 +174,7 @@ def test_a_quantized_llama_decodes_its_attention_prologue_in_one_launch(
     """Logits equal stock's, every block entered through ``quantized_norm_rope_projections``, and
     so do batched generation's tokens (mlx-lm's BatchGenerator: left-padded prompts, an offset per
     sequence; two sequences, two rows a step)."""
-    from mlx_lm.generate import BatchGenerator
-
-    def generate(model: nn.Module) -> dict[int, list[int]]:
-        generator = BatchGenerator(model, max_tokens=5, prefill_batch_size=2, completion_batch_size=2)
-        try:
-            uids = generator.insert([[3, 17, 42, 5, 8, 21], [7, 64, 2, 8, 11, 4, 9, 1]], max_tokens=[5] * 2)
-            tokens: dict[int, list[int]] = {uid: [] for uid in uids}
-            while responses := generator.next_generated():
-                for response in responses:
-                    tokens[response.uid].append(response.token)
-            return tokens
-        finally:
-            generator.close()
-
+    prompts = [[3, 17, 42, 5, 8, 21], [7, 64, 2, 8, 11, 4, 9, 1]]
     config = {**TINY_CONFIGS["llama"], "hidden_size": 128, "intermediate_size": 256, **ROPES[rope]}
     stock, patched = random_model(config, mx.float32), random_model(config, mx.float32)
     patched.update(stock.parameters())
@@ -200,7 +187,7 @@ def test_a_quantized_llama_decodes_its_attention_prologue_in_one_launch(
         assert mx.array_equal(ours, theirs).item()
     assert set(calls) == {*DECODING["llama"], "rope_qk"}
     calls.clear()
-    assert generate(patched) == generate(stock)
+    assert batch_generate(patched, prompts, 5) == batch_generate(stock, prompts, 5)
     # its prefill of 16 rows, past MAX_ROWS, takes rope_qk; each step of 2 rows the fused kernels
     assert set(calls) == {"rope_qk", "quantized_norm_rope_projections", "quantized_norm_swiglu"}
 

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten, tree_map
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from model_comparisons import ATOL, RTOL  # noqa: E402
+from model_comparisons import ATOL, RTOL, batch_generate  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 from graphkern.models import segments as segments_module  # noqa: E402
@@ -233,22 +233,9 @@ def test_a_stack_links_its_blocks_only_when_every_block_decodes_on_segments(unli
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_batched_generation_decodes_through_linked_blocks_as_stock_does(arch: str) -> None:
     """mlx-lm's BatchGenerator: prompts of different lengths, left-padded, per-sequence offsets."""
-    from mlx_lm.generate import BatchGenerator
-
-    def generate(model: nn.Module) -> dict[int, list[int]]:
-        generator = BatchGenerator(model, max_tokens=6, prefill_batch_size=3, completion_batch_size=3)
-        try:
-            uids = generator.insert([[3, 17, 42, 5], [9, 1], [7, 64, 2, 8, 11, 4]], max_tokens=[6] * 3)
-            tokens: dict[int, list[int]] = {uid: [] for uid in uids}
-            while responses := generator.next_generated():
-                for response in responses:
-                    tokens[response.uid].append(response.token)
-            return tokens
-        finally:
-            generator.close()
-
+    prompts = [[3, 17, 42, 5], [9, 1], [7, 64, 2, 8, 11, 4]]
     stock, patched = _pair(arch)
-    assert generate(patched) == generate(stock)
+    assert batch_generate(patched, prompts, 6) == batch_generate(stock, prompts, 6)
     assert patched.model.segments().traced() == [("link", 0)]
 
 

@@ -70,8 +70,38 @@ ROTATED_MAX_ROWS = 2
 
 # A warp a unit of two features: the query heads' units, the key heads', then the values'. A head
 # has D / 2 units: its HALF rotation pairs, then its features past dims two by two (copied); the
-# values go two rows at a time. Every warp runs the same two products: NVRTC given a branch with a
-# third copy of them spills registers from 4 rows on.
+# values go two rows at a time. One text for both backends (QUALIFIER: CUDA's or Metal's).
+_UNIT = r"""
+namespace gk {
+
+struct RotatedUnit {
+  int kind;  // 0 queries, 1 keys, 2 values
+  int head;
+  int j;     // the unit within its head (or among the values)
+  bool pair; // a rotation pair: features d1 and d2 rotated together
+  int d1;
+  int d2;
+};
+
+template <int D, int HALF, bool TRADITIONAL>
+QUALIFIER RotatedUnit rotated_unit(int row, int hq, int hk) {
+  const int qk_units = (hq + hk) * (D / 2);
+  RotatedUnit u;
+  u.kind = row < hq * (D / 2) ? 0 : row < qk_units ? 1 : 2;
+  const int v = u.kind == 0 ? row : u.kind == 1 ? row - hq * (D / 2) : row - qk_units;
+  u.head = u.kind == 2 ? 0 : v / (D / 2);
+  u.j = u.kind == 2 ? v : v - u.head * (D / 2);
+  u.pair = u.kind != 2 && u.j < HALF;
+  u.d1 = u.pair ? (TRADITIONAL ? 2 * u.j : u.j) : 2 * u.j;
+  u.d2 = u.pair ? (TRADITIONAL ? 2 * u.j + 1 : u.j + HALF) : 2 * u.j + 1;
+  return u;
+}
+
+}  // namespace gk
+"""
+
+# Every warp runs the same two products: NVRTC given a branch with a third copy of them spills
+# registers from 4 rows on.
 _CUDA_ROTATED = _cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1) && gk::aligned<4>(w2)", r"""
     constexpr int WORDS = K * BITS / 32;
     constexpr int G = K / GS;
@@ -80,13 +110,13 @@ _CUDA_ROTATED = _cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1) && gk::alig
     const int qk_units = (hq + hk) * (D / 2);
     const int lane = threadIdx.x & 31;
     if (row < qk_units + w2_shape[0] / 2) {
-      const int kind = row < hq * (D / 2) ? 0 : row < qk_units ? 1 : 2;  // queries, keys, values
-      const int u = kind == 0 ? row : kind == 1 ? row - hq * (D / 2) : row - qk_units;
-      const int head = kind == 2 ? 0 : u / (D / 2);
-      const int j = kind == 2 ? u : u - head * (D / 2);
-      const bool pair = kind != 2 && j < HALF;
-      const int d1 = pair ? (TRADITIONAL ? 2 * j : j) : 2 * j;
-      const int d2 = pair ? (TRADITIONAL ? 2 * j + 1 : j + HALF) : 2 * j + 1;
+      const gk::RotatedUnit unit = gk::rotated_unit<D, HALF, TRADITIONAL>(row, hq, hk);
+      const int kind = unit.kind;
+      const int head = unit.head;
+      const int j = unit.j;
+      const bool pair = unit.pair;
+      const int d1 = unit.d1;
+      const int d2 = unit.d2;
       const uint32_t* wq = kind == 0 ? w0 : kind == 1 ? w1 : w2;
       const T* sc = kind == 0 ? scales0 : kind == 1 ? scales1 : scales2;
       const T* bi = kind == 0 ? biases0 : kind == 1 ? biases1 : biases2;
@@ -132,13 +162,13 @@ _METAL_ROTATED = _METAL_START + r"""
   if (row >= qk_units + int(w2_shape[0]) / 2) {
     return;
   }
-  const int kind = row < hq * (D / 2) ? 0 : row < qk_units ? 1 : 2;  // queries, keys, values
-  const int u = kind == 0 ? row : kind == 1 ? row - hq * (D / 2) : row - qk_units;
-  const int head = kind == 2 ? 0 : u / (D / 2);
-  const int j = kind == 2 ? u : u - head * (D / 2);
-  const bool pair = kind != 2 && j < HALF;
-  const int d1 = pair ? (TRADITIONAL ? 2 * j : j) : 2 * j;
-  const int d2 = pair ? (TRADITIONAL ? 2 * j + 1 : j + HALF) : 2 * j + 1;
+  const gk::RotatedUnit unit = gk::rotated_unit<D, HALF, TRADITIONAL>(row, hq, hk);
+  const int kind = unit.kind;
+  const int head = unit.head;
+  const int j = unit.j;
+  const bool pair = unit.pair;
+  const int d1 = unit.d1;
+  const int d2 = unit.d2;
   const size_t r1 = size_t(head) * D + d1;
   const size_t r2 = size_t(head) * D + d2;
   float c[M];
@@ -217,7 +247,8 @@ QUANTIZED_NORM_ROPE_PROJECTIONS = Kernel(
     output_names=["h", "y0", "y1", "y2"],
     metal=_METAL_ROTATED,
     cuda=_CUDA_ROTATED,
-    header=dual_header(RMS_SCALE_CUDA + ROPE_CUDA + _CUDA, ROPE_METAL + _METAL, body=_CUDA_ROTATED),
+    header=dual_header(RMS_SCALE_CUDA + ROPE_CUDA + _CUDA + _UNIT.replace("QUALIFIER", "__device__ inline"),
+                       ROPE_METAL + _METAL + _UNIT.replace("QUALIFIER", "inline"), body=_CUDA_ROTATED),
     reference=quantized_norm_rope_projections_reference,
 )
 
