@@ -9,10 +9,10 @@ return, with the same rounding (each product rounded to the dtype, then rotated 
 rounded once). One launch fewer a block than the two kernels apart, and decoding is host-bound:
 each launch costs the host more than the GPU spends on it.
 
-CUDA: as ``quantized_norm_projections``, but a warp takes a rotation pair of one head (features
-``i`` and ``i + dims / 2``, or ``2i`` and ``2i + 1`` for the traditional RoPE): two products, then
-lane ``m`` rotates token row ``m``. A feature past ``dims`` and a value row take a warp each.
-Metal: the same with a simdgroup.
+CUDA: as ``quantized_norm_projections``, but every warp takes two features: a rotation pair of
+one head (features ``i`` and ``i + dims / 2``, or ``2i`` and ``2i + 1`` for the traditional RoPE),
+two features past ``dims``, or two rows of values. It makes their two products, then lane ``m``
+rotates (or copies) token row ``m``. Metal: the same with a simdgroup.
 """
 
 from __future__ import annotations
@@ -62,10 +62,9 @@ __all__ = ["QUANTIZED_NORM_ROPE_PROJECTIONS", "ROTATED_MAX_ROWS", "plan_quantize
 
 #: Rows up to which a patched block decodes through this kernel rather than
 #: ``quantized_norm_projections`` and ``rope_qk``. A warp makes two products here, so a launch has
-#: half the warps, and at 8 rows (170 registers a thread, one block an SM) a batch of 8 decoded
-#: about 7% slower on an H200 than through the two kernels, where one token decoded faster (one
-#: launch fewer a block, on a host-bound step). At 2 rows its registers and occupancy are the
-#: unfused kernel's.
+#: half the warps; at 8 rows (one block an SM) a batch of 8 decoded slower through it on an H200
+#: than through the two kernels, while one token decoded faster (one launch fewer a block, on a
+#: step the host bounds). At 2 rows its registers and occupancy are about the unfused kernel's.
 ROTATED_MAX_ROWS = 2
 
 # A warp a unit of two features: the query heads' units, the key heads', then the values'. A head
