@@ -244,3 +244,15 @@ def test_the_rotating_kernel_refuses_bad_arguments_by_name(call: Any, says: str)
     assert raised.value.operation == "quantized_norm_rope_projections" and says in str(raised.value)
     queries, keys, values = _bad_rotated()()  # MLX still usable
     assert (queries.shape, keys.shape, values.shape) == ((1, 2, 1, 32), (1, 1, 1, 32), (1, 1, 32))
+
+
+def test_the_fused_prologue_saves_one_launch_a_block() -> None:
+    from graphkern.models import decode_launches, kernel_names
+
+    counts = {}
+    for fused in (True, False):
+        model = _quantized_model("llama", 4, 64)
+        names = [n for n in kernel_names() if fused or n != "quantized_norm_rope_projections"]
+        gk.patch(model, kernels=names)
+        counts[fused] = decode_launches(model).total
+    assert counts[False] - counts[True] == len(model.model.layers)
