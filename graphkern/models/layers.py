@@ -428,7 +428,6 @@ class KernelAttention(KernelLayer):
                rotary: Rotary) -> tuple[mx.array, mx.array, mx.array]:
         """The projections ``(B, L, features)`` in attention's layout, queries and keys normalized
         per head and rotated (one ``rope_qk`` launch)."""
-        B, L, _ = queries.shape
         heads, kv_heads = self.head_counts()
         q_weight = k_weight = None
         eps = 1e-5
@@ -438,11 +437,16 @@ class KernelAttention(KernelLayer):
                                     traditional=rotary.traditional, base=rotary.base, scale=rotary.scale,
                                     offset=offset, freqs=rotary.freqs, input_scale=rotary.input_scale,
                                     q_weight=q_weight, k_weight=k_weight, eps=eps)
-        return queries, keys, values.reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
+        return queries, keys, self.value_heads(values)
 
     def head_counts(self) -> tuple[int, int]:
         """(query heads, key and value heads), read at each call."""
         return getattr(self, self._gk_heads[0]), getattr(self, self._gk_heads[1])
+
+    def value_heads(self, values: mx.array) -> mx.array:
+        """The value projection ``(B, L, kv_heads * D)`` in attention's ``(B, kv_heads, L, D)`` layout."""
+        B, L, _ = values.shape
+        return values.reshape(B, L, self.head_counts()[1], -1).transpose(0, 2, 1, 3)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, mask: Any, cache: Any) -> mx.array:
         """The cache update and attention, as the stock layer makes them: ``(B, heads, L, D)``."""
@@ -760,9 +764,7 @@ class KernelResidualBlock(KernelLayer):
             base=rotary.base, scale=rotary.scale, offset=offset, freqs=rotary.freqs,
             input_scale=rotary.input_scale)
         queries, keys, values = outputs[-3:]
-        B, L, _ = values.shape
-        return (outputs[0] if residual is not None else x, queries, keys,
-                values.reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3))
+        return (outputs[0] if residual is not None else x, queries, keys, self.self_attn.value_heads(values))
 
     def leave(self, x: mx.array, attended: mx.array, alone: bool) -> Any:
         """The second segment, after attention: ``o_proj``, the residual add fused into the norm,

@@ -652,10 +652,7 @@ def _rotated_specs(op: str, x: mx.array, specs: tuple[Any, ...], out_rows: list[
     L, D)``) and its warps: one for two features (a rotated pair, two features past ``dims``, two
     rows of values)."""
     d, heads, kv_heads = rotation.head_dim, rotation.heads, rotation.kv_heads
-    if x.ndim != 3 or len(out_rows) != 3:
-        raise KernelError(op, f"x must be (B, L, K) and there must be 3 projections (queries, keys, values), "
-                          f"got x {tuple(x.shape)} and {len(out_rows)}", Status.INVALID_INPUT)
-    if out_rows[0] != heads * d or out_rows[1] != kv_heads * d:
+    if out_rows[1] != kv_heads * d:  # x's rank, the three projections and heads * D: checked with rotation
         raise KernelError(op, f"the query and key projections have {out_rows[0]} and {out_rows[1]} rows; "
                           f"expected heads * D = {heads * d} and kv_heads * D = {kv_heads * d}",
                           Status.INVALID_INPUT)

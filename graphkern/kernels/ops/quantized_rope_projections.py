@@ -29,7 +29,6 @@ from graphkern.kernels.base import (
     LibraryEntry,
     Plan,
     template_arg,
-    unused_input,
 )
 from graphkern.kernels.ops.projections import run_cached, stock_normed
 from graphkern.kernels.ops.quantized_projections import (
@@ -54,7 +53,7 @@ from graphkern.kernels.ops.rope import (
     offset_input,
     rotary_template,
 )
-from graphkern.kernels.ops.rope_qk import MAX_HEAD_DIM, _stock, rope_qk_reference
+from graphkern.kernels.ops.rope_qk import MAX_HEAD_DIM, _stock, check_head_counts, rope_qk_reference
 from graphkern.nodes import Kernel, KernelError, Status
 
 __all__ = ["QUANTIZED_NORM_ROPE_PROJECTIONS", "ROTATED_MAX_ROWS", "plan_quantized_norm_rope_projections",
@@ -261,9 +260,7 @@ def _rotation(op: str, x: mx.array, projections: Any, heads: int, kv_heads: int,
                           f"values), got {projections!r:.80}", Status.INVALID_INPUT)
     if x.ndim != 3:
         raise KernelError(op, f"x must be (B, L, K), got shape {tuple(x.shape)}", Status.INVALID_INPUT)
-    for name, value in (("heads", heads), ("kv_heads", kv_heads)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise KernelError(op, f"{name} must be a positive int, got {value!r}", Status.INVALID_INPUT)
+    check_head_counts(op, heads, kv_heads)
     first = projections[0]
     rows = first[0].shape[0] if isinstance(first, (list, tuple)) and isinstance(first[0], mx.array) else 0
     if rows % heads or (rows // heads) % 2 or not 0 < rows // heads <= MAX_HEAD_DIM:
@@ -330,16 +327,10 @@ def quantized_norm_rope_projections(
             key = None
         else:
             key = (key, rope_key)
-            if freqs is None:
-                rope_arrays = (*rope_arrays, _unused_freqs())
             arrays += (*(a for m in projections for a in m), *rope_arrays)
     h, q, k, v = run_cached(_LAUNCHES, key, arrays, plan)
     found = (q.transpose(0, 2, 1, 3), k, v)
     return (h, *found) if residual is not None else found
-
-
-def _unused_freqs() -> mx.array:
-    return unused_input(mx.float32)
 
 
 # ----------------------------------------------------------------------------- registry

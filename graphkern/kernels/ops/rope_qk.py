@@ -316,13 +316,18 @@ ROPE_QK = Kernel(
 )
 
 
+def check_head_counts(op: str, heads: Any, kv_heads: Any) -> None:
+    """Raise KernelError unless both head counts are positive ints."""
+    for name, value in (("heads", heads), ("kv_heads", kv_heads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise KernelError(op, f"{name} must be a positive int, got {value!r}", Status.INVALID_INPUT)
+
+
 def _check_pair(op: str, q: mx.array, k: mx.array, heads: int, kv_heads: int) -> int:
     """The head dimension D, after checking the projections' shapes against the head counts."""
     check_dtype(op, q, "q")
     check_dtype(op, k, "k")
-    for name, value in (("heads", heads), ("kv_heads", kv_heads)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise KernelError(op, f"{name} must be a positive int, got {value!r}", Status.INVALID_INPUT)
+    check_head_counts(op, heads, kv_heads)
     if q.ndim != 3 or k.ndim != 3 or q.shape[:2] != k.shape[:2]:
         raise KernelError(op, f"q and k must be (B, L, heads * D) and (B, L, kv_heads * D), got "
                           f"{tuple(q.shape)} and {tuple(k.shape)}", Status.INVALID_INPUT)
