@@ -18,7 +18,6 @@ from model_comparisons import ATOL, RTOL, count_layer_launches  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 from graphkern.launching.backends import active_backend  # noqa: E402
-from graphkern.models import layers as layers_module  # noqa: E402
 from graphkern.models import prefill  # noqa: E402
 from graphkern.models.prefill import PIPELINE_TOKENS, SPARSE_PIPELINE_TOKENS, start_on_device  # noqa: E402
 from graphkern.models.tiny import tiny_model  # noqa: E402
@@ -43,8 +42,47 @@ def starts(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
         seen.append(start_on_device(*arrays))
         return seen[-1]
 
-    monkeypatch.setattr(layers_module, "start_on_device", counted)
+    monkeypatch.setattr(prefill, "start_on_device", counted)
     return seen
+
+
+def test_the_host_runs_at_most_one_block_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting block i waits for block i - 1 (MLX's allocator gives an encoded block its buffers
+    at once, so a host further ahead would hold several blocks' intermediates)."""
+    events: list[tuple[str, list[int]]] = []
+    ids: dict[int, int] = {}
+
+    class Spy:  # mx as the pipeline sees it: each start and each wait, by block
+        def __getattr__(self, name: str) -> Any:
+            return getattr(mx, name)
+
+        def async_eval(self, arrays: list[mx.array]) -> None:
+            events.append(("start", [ids.setdefault(id(a), len(ids)) for a in arrays]))
+            mx.async_eval(arrays)
+
+        def eval(self, arrays: list[mx.array]) -> None:
+            events.append(("wait", [ids[id(a)] for a in arrays]))
+            mx.eval(arrays)
+
+    monkeypatch.setattr(prefill, "mx", Spy())
+    pipeline = prefill.BlockPipeline()
+    blocks = [mx.ones(4) * i for i in range(4)]
+    assert all(pipeline.start(block, None) for block in blocks)
+    assert events == [("start", [0]), ("start", [1]), ("wait", [0]), ("start", [2]), ("wait", [1]),
+                      ("start", [3]), ("wait", [2])]
+
+
+def test_after_a_refusal_the_pipeline_starts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def refused(*arrays: Any) -> bool:
+        calls.append(len(arrays))
+        return False
+
+    monkeypatch.setattr(prefill, "start_on_device", refused)
+    pipeline = prefill.BlockPipeline()
+    assert (pipeline.start(mx.ones(2)), pipeline.start(mx.ones(2))) == (False, False)
+    assert calls == [1] and not pipeline.running
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral"])

@@ -41,7 +41,7 @@ from graphkern.launching.backends import active_backend
 from graphkern.launching.context import current_recorder
 from graphkern.launching.launch_cache import track_function
 from graphkern.models.patterns import is_class
-from graphkern.models.prefill import prompt_mode, start_on_device, stock_layers, stock_layers_run
+from graphkern.models.prefill import BlockPipeline, prompt_mode, stock_layers, stock_layers_run
 from graphkern.models.segments import Segments, decoding, segments_apply
 
 __all__ = [
@@ -849,6 +849,7 @@ class KernelDecoderStack(KernelLayer):
                 return linked
         pending = None
         last = len(self.layers) - 1
+        pipeline = BlockPipeline() if pipelined else None
         for index, (layer, c) in enumerate(zip(self.layers, cache)):
             if isinstance(layer, KernelResidualBlock) and layer.chains:
                 h, pending = layer(h, mask_of(layer), c, residual=pending)
@@ -856,8 +857,9 @@ class KernelDecoderStack(KernelLayer):
                 if pending is not None:
                     h, pending = h + pending, None
                 h = layer(h, mask_of(layer), c)
-            if pipelined and index < last:  # not the last: a prefill that keeps only the cache skips it
-                pipelined = start_on_device(h, pending)
+            # not the last block: a prefill that keeps only the cache never evaluates it
+            if pipeline is not None and index < last:
+                pipeline.start(h, pending)
         return self.norm(h) if pending is None else self.norm(h, pending)[1]  # type: ignore[no-any-return]
 
     def _linked_blocks(self, h: mx.array, cache: Any, mask_of: Callable[[nn.Module], Any]) -> mx.array | None:
