@@ -4,8 +4,9 @@
 #   bash scripts/gpu_check.sh rope     # the RoPE kernels' gpu tests (every mlx-lm RoPE layer), values
 #   bash scripts/gpu_check.sh core     # conformance, NVRTC failures, precompiled kernels; gpu_core.py
 #   bash scripts/gpu_check.sh models   # patched mlx-lm models: gpu tests, then benchmarks/models.py
-#   bash scripts/gpu_check.sh quantized  # the quantized projection kernels and patched quantized models,
-#                                        # then the checkpoint-folder CLI on the GPU
+#   bash scripts/gpu_check.sh quantized  # the quantized projection kernels against stock MLX
+#   bash scripts/gpu_check.sh quantized-models  # patched quantized models against stock, then the
+#                                               # checkpoint-folder CLI on the GPU
 #   bash scripts/gpu_check.sh model-comparisons  # the CPU suite's patched-vs-stock model tests, run on the GPU
 #   bash scripts/gpu_check.sh generate # mlx-lm generation, stock against patched (the large models, both
 #                                      # 16-bit dtypes, eager), then the host time a launch costs
@@ -13,9 +14,10 @@
 #                                      # to it: bench --kernels swiglu,gelu --dtypes float32
 #   bash scripts/gpu_check.sh tune     # launch-shape sweep of the row kernels (benchmarks/gpu_row_configs.py);
 #                                      # arguments after it go to the sweep: tune --kernels softmax --dtypes float32
-# Logs and results go to the folder $OUT names, else ./gpu-results.
+# Logs and results go to the folder $OUT names, else ./gpu-results. Each part's tests stop after
+# GPU_PART_SECONDS (default 540, inside a 10-minute device call) and then list the tests that never ran.
 set -uo pipefail
-part=${1:?usage: gpu_check.sh kernels|rope|core|models|quantized|model-comparisons|generate|bench|tune [benchmark arguments]}
+part=${1:?usage: gpu_check.sh kernels|rope|core|models|quantized|quantized-models|model-comparisons|generate|bench|tune [benchmark arguments]}
 shift
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -30,8 +32,20 @@ if [ -n "${GRAPHKERN_PTX_ARCHIVE:-}" ] && [ -f "$GRAPHKERN_PTX_ARCHIVE" ]; then
 fi
 trap 'tar czf "$out/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . 2>/dev/null || true' EXIT
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, 'cuda', mx.cuda.is_available())"
-# -v: one line a test as it ends, so a run the device call's time limit cuts still says what passed
-gpu_tests() { python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short "$@" 2>&1; }
+# -v: one line a test as it ends, so a run the time limit cuts still says what passed; after it, the
+# tests that were collected but never reported
+gpu_tests() {
+  local collected ran
+  collected=$(mktemp) ran=$(mktemp)
+  python3 -m pytest -m gpu -q --collect-only -p no:cacheprovider "$@" 2>/dev/null | grep '::' | sort > "$collected"
+  timeout "${GPU_PART_SECONDS:-540}" python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short "$@" 2>&1 \
+    | tee "$ran"
+  grep -oE '^[^ ]+::[^ ]+' "$ran" | sort -u | comm -23 "$collected" - > "$ran.missing"
+  if [ -s "$ran.missing" ]; then
+    echo "NEVER RAN ($(wc -l < "$ran.missing") of $(wc -l < "$collected") tests; the time limit cut the part):"
+    cat "$ran.missing"
+  fi
+}
 case "$part" in
   kernels)
     gpu_tests tests/gpu/test_kernels_gpu.py -k "not rope" | tee "$out/pytest_kernels.txt" | tail -15
@@ -48,8 +62,10 @@ case "$part" in
     gpu_tests tests/gpu/test_models_gpu.py | tee "$out/pytest_models.txt" | tail -15
     python3 benchmarks/models.py --sizes tiny,medium --length 128 --rounds 9 2>&1 | tee "$out/models.txt" ;;
   quantized)
-    gpu_tests tests/gpu/test_quantized_gpu.py tests/gpu/test_cli_model_gpu.py \
-      | tee "$out/pytest_quantized.txt" | tail -15 ;;
+    gpu_tests tests/gpu/test_quantized_gpu.py -k "not patched" | tee "$out/pytest_quantized.txt" | tail -15 ;;
+  quantized-models)
+    gpu_tests tests/gpu/test_quantized_gpu.py tests/gpu/test_cli_model_gpu.py -k "patched or model_commands" \
+      | tee "$out/pytest_quantized_models.txt" | tail -15 ;;
   model-comparisons)  # written for the CPU; on a GPU they hold to the model tolerances (tests/model_comparisons.py).
     # MLX multiplies float32 matrices in TF32 on CUDA unless told not to: the stock side of a float32
     # comparison then rounds to about 1e-3, past those tolerances, while the kernels accumulate in float32
@@ -64,5 +80,5 @@ case "$part" in
     python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels_full.json" "$@" 2>&1 | tee "$out/gpu_kernels_full.txt" ;;
   tune)
     python3 benchmarks/gpu_row_configs.py --dtypes bfloat16,float32 "$@" 2>&1 | tee "$out/row_configs.txt" ;;
-  *) echo "unknown part '$part': use kernels, rope, core, models, quantized, model-comparisons, generate, bench or tune" >&2; exit 2 ;;
+  *) echo "unknown part '$part': use kernels, rope, core, models, quantized, quantized-models, model-comparisons, generate, bench or tune" >&2; exit 2 ;;
 esac

@@ -18,6 +18,7 @@ from model_comparisons import batch_generate, spy_on_kernels  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 import graphkern.kernels as gkk  # noqa: E402
+from graphkern.debugging.tolerance import TOLERANCES, worst_errors  # noqa: E402
 from graphkern.kernels.ops.quantized_projections import quantized_case, random_quantized  # noqa: E402
 from graphkern.kernels.ops.quantized_rope_projections import rotated_case  # noqa: E402
 from graphkern.models import MODEL_TOLERANCES  # noqa: E402
@@ -44,6 +45,29 @@ def test_the_kernels_give_stock_mlx_products(bits: int, group_size: int, dtype: 
         ours, stock = entry(case), entry.stock_outputs(case)
         assert [o.shape for o in ours] == [s.shape for s in stock]
         assert all(mx.array_equal(o, s).item() for o, s in zip(ours, stock)), entry.name
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_rows_of_one_group_give_stock_mlx_products(group_size: int, bits: int, dtype: mx.Dtype) -> None:
+    """Rows exactly one quantization group long, one and several of them: an edge where a product
+    loop over groups runs once. The rotating kernel's RoPE rounds apart from stock's: it agrees
+    within the entry's tolerance, the others exactly."""
+    for entry in (gkk.LIBRARY[name] for name in KERNELS if name.startswith("quantized")):
+        for rows in (1, 8):
+            if entry.name == "quantized_norm_rope_projections":
+                case = rotated_case((1, rows, group_size), dtype, mx.random.key(rows), group_size=group_size,
+                                    bits=bits)
+            else:
+                case = quantized_case((rows, group_size), dtype, mx.random.key(rows),
+                                      gated=entry.name.endswith("swiglu"), group_size=group_size, bits=bits)
+            ours, stock = entry(case), entry.stock_outputs(case)
+            if entry.name == "quantized_norm_rope_projections":
+                atol, rtol = entry.tolerances.get(dtype, TOLERANCES[dtype])
+                assert worst_errors(ours, stock, rtol=rtol, atol=atol)[2], (entry.name, rows)
+            else:
+                assert all(mx.array_equal(o, s).item() for o, s in zip(ours, stock)), (entry.name, rows)
 
 
 def test_without_residual_or_weight_the_products_come_alone() -> None:
