@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 
 _LAZY = {  # heavier parts, imported on first use so `import graphkern` stays light
     "wrap": "graphkern.models", "patch": "graphkern.models", "unpatch": "graphkern.models",
+    "set_route": "graphkern.models",
     "check_model": "graphkern.models", "check": "graphkern.debugging.kernel_checks",
     "diff": "graphkern.viz.graph_diff", "kernels": "graphkern.kernels",
     "inspect": "graphkern.debugging.values", "Inspector": "graphkern.debugging.values",
@@ -80,6 +81,7 @@ __all__ = [
     "kernels",
     "launch",
     "patch",
+    "set_route",
     "unpatch",
     "without_vjp",
     "wrap",

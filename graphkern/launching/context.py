@@ -42,6 +42,9 @@ class _ThreadState(threading.local):
     kernels_only: bool = False
     #: this thread is a trace's deep-stack thread (not a setting: never carried)
     deep_stack: bool = False
+    #: nesting depth of compiled segments being traced on this thread (``models.segments``;
+    #: not a setting: a trace runs on the thread that calls it)
+    segment_depth: int = 0
 
     def __init__(self) -> None:  # runs once in each thread that reads the state
         # the thread's compiled forms: MLX keeps one compile cache a thread, so a compiled

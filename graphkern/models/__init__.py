@@ -15,11 +15,22 @@ from __future__ import annotations
 from graphkern.models.launch_count import Launches, decode_launches
 from graphkern.models.layers import KernelLayer
 from graphkern.models.model_checks import MODEL_TOLERANCES, check_model
-from graphkern.models.patching import RULES, Patched, Rule, kernel_names, patch, patched_layers, unpatch
+from graphkern.models.patching import (
+    RULES,
+    Patched,
+    Rule,
+    kernel_names,
+    patch,
+    patched_layers,
+    set_route,
+    unpatch,
+)
 from graphkern.models.patterns import Forward
+from graphkern.models.routes import ROUTES
 from graphkern.models.wrapping import WrappedModel, wrap
 
 __all__ = [
+    "ROUTES",
     "RULES",
     "Forward",
     "KernelLayer",
@@ -33,6 +44,7 @@ __all__ = [
     "kernel_names",
     "patch",
     "patched_layers",
+    "set_route",
     "unpatch",
     "wrap",
 ]

@@ -42,6 +42,7 @@ from graphkern.launching.context import current_recorder
 from graphkern.launching.launch_cache import track_function
 from graphkern.models.patterns import is_class
 from graphkern.models.prefill import BlockPipeline, prompt_mode, stock_layers, stock_layers_run
+from graphkern.models.routes import takes_stock
 from graphkern.models.segments import Segments, decoding, segments_apply
 
 __all__ = [
@@ -88,6 +89,11 @@ class KernelLayer(nn.Module):
     """
 
     kernel: ClassVar[str] = ""
+    #: Whether the kernel stands alone in this layer, fusing nothing that pays for its launch plan:
+    #: such a layer takes the stock forward where its route says so (``graphkern.models.routes``).
+    standalone: ClassVar[bool] = False
+    #: This layer's route (``patch(route=...)``, ``set_route``): set per layer, past the module's items.
+    _gk_call_route: str = "auto"
 
     def __init__(self, original: nn.Module):
         super().__init__()
@@ -131,9 +137,12 @@ class KernelLayer(nn.Module):
         a model) its launches carry no custom vjp, as inside ``gk.without_vjp()``: an evaluating
         model is not differentiated, and the wrapper costs every launch host time. In training
         mode (``model.train()``) they are differentiable. Inside a forward that runs the stock
-        layers (a short prompt: ``graphkern.models.prefill``) it is the layer it replaced."""
+        layers (a short prompt: ``graphkern.models.prefill``) it is the layer it replaced. A
+        :attr:`standalone` layer whose route takes this call stock runs :meth:`stock_call`."""
         if stock_layers_run():
             return self.original(*args, **kwargs)
+        if self.standalone and takes_stock(self._gk_call_route):
+            return self.stock_call(*args, **kwargs)
         if self._training or not vjp_enabled():  # a layer inside an evaluating one: already plain
             return self.forward(*args, **kwargs)
         with without_vjp():
@@ -147,6 +156,11 @@ class KernelLayer(nn.Module):
         take (a norm weight in another dtype, which ``mx.fast`` promotes; a block sharded since
         it was patched)."""
         return type(self.original).__call__(self, *args, **kwargs)
+
+    def stock_call(self, *args: Any, **kwargs: Any) -> Any:
+        """A call as the stock layers make it, for this layer's own call signature (a fused
+        layer's takes more than the replaced one's): by default :meth:`stock`."""
+        return self.stock(*args, **kwargs)
 
     def select(self, kernels: frozenset[str]) -> None:
         """Told by ``patch`` which kernels were selected, for a layer that can use more than its
@@ -187,6 +201,7 @@ class KernelRMSNorm(KernelLayer):
     """``nn.RMSNorm`` (``offset=1``: Gemma's ``rms_norm(x, 1 + weight)``) on the ``rms_norm`` kernel."""
 
     kernel = "rms_norm"
+    standalone = True
 
     def __init__(self, original: nn.Module, offset: float = 0.0):
         super().__init__(original)
@@ -217,6 +232,12 @@ class KernelAddRMSNorm(KernelRMSNorm):
             return h, self.stock(h)
         return gkk.add_rms_norm(x, residual, self.scale(), self.eps)
 
+    def stock_call(self, x: mx.array, residual: mx.array | None = None) -> Any:  # type: ignore[override]
+        if residual is None:
+            return self.stock(x)
+        h = x + residual
+        return h, self.stock(h)
+
     def failed_output(self, x: mx.array, residual: mx.array | None = None) -> Any:
         """What a trace puts in place of a failed call (graphkern.trace): zeros of its outputs."""
         return mx.zeros_like(x) if residual is None else (mx.zeros_like(x), mx.zeros_like(x))
@@ -226,6 +247,7 @@ class KernelLayerNorm(KernelLayer):
     """``nn.LayerNorm`` (with or without weight and bias) on the ``layer_norm`` kernel."""
 
     kernel = "layer_norm"
+    standalone = True
 
     def forward(self, x: mx.array) -> mx.array:
         weight = self.get("weight", None)
@@ -254,6 +276,7 @@ class KernelRoPE(KernelLayer):
     """
 
     kernel = "rope"
+    standalone = True
 
     def rotary(self, length: int, offset: int | mx.array) -> Rotary | None:
         return Rotary(self.dims, self.traditional, self.base, None, self.scale)
@@ -324,6 +347,7 @@ class KernelSwiGLU(KernelLayer):
     """mlx-lm's ``SwiGLU`` activation module, ``(x, gate) -> silu(gate) * x``, on ``swiglu``."""
 
     kernel = "swiglu"
+    standalone = True
 
     def forward(self, x: mx.array, gate: mx.array) -> mx.array:
         return gkk.swiglu(gate, x)
@@ -333,6 +357,7 @@ class KernelSwiGLUMLP(KernelLayer):
     """A Llama-style MLP, ``down(silu(gate(x)) * up(x))``, with the gate on the ``swiglu`` kernel."""
 
     kernel = "swiglu"
+    standalone = True
 
     def forward(self, x: mx.array) -> mx.array:
         return self.down_proj(gkk.swiglu(self.gate_proj(x), self.up_proj(x)))
@@ -342,6 +367,7 @@ class KernelGateUpMLP(KernelLayer):
     """A Phi-3-style MLP with one fused ``gate_up_proj``: ``down(silu(gate) * up)`` on ``swiglu``."""
 
     kernel = "swiglu"
+    standalone = True
 
     def forward(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
@@ -352,6 +378,7 @@ class KernelGeGLUMLP(KernelLayer):
     """A Gemma-style MLP, ``down(gelu(gate(x)) * up(x))``, with the GELU on the ``gelu`` kernel."""
 
     kernel = "gelu"
+    standalone = True
 
     def __init__(self, original: nn.Module, approx: bool = False):
         super().__init__(original)
@@ -365,6 +392,7 @@ class KernelGELU(KernelLayer):
     """``nn.GELU`` (exact, or ``approx="precise"``/``"tanh"``) on the ``gelu`` kernel."""
 
     kernel = "gelu"
+    standalone = True
 
     def forward(self, x: mx.array) -> mx.array:
         return gkk.gelu(x, approx=self._approx in ("precise", "tanh"))
@@ -374,6 +402,7 @@ class KernelSoftmax(KernelLayer):
     """``nn.Softmax`` (over the last axis) on the ``softmax`` kernel."""
 
     kernel = "softmax"
+    standalone = True
 
     def forward(self, x: mx.array) -> mx.array:
         return gkk.softmax(x)

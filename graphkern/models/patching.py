@@ -55,10 +55,11 @@ from graphkern.models.layers import (
     KernelYarnRoPE,
 )
 from graphkern.models.patterns import Forward, is_class, module_global
+from graphkern.models.routes import check_route
 from graphkern.nodes import KernelError, Status, dtype_name
 
 __all__ = ["ROPE_RULES", "RULES", "PatchReport", "Patched", "Rule", "Unmatched", "kernel_names", "patch",
-           "patched_layers", "unpatch"]
+           "patched_layers", "set_route", "unpatch"]
 
 PATCH = "patch a model with graphkern kernels"
 _SWIGLU = "mlx_lm.models.activations:swiglu"
@@ -640,7 +641,7 @@ def _warn_unmatched(unmatched: list[Unmatched]) -> None:
         "forward a newer mlx-lm changed; the report's .unmatched lists them"), stacklevel=3)
 
 
-def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> PatchReport:
+def patch(model: nn.Module, kernels: str | Sequence[str] = "all", route: str = "auto") -> PatchReport:
     """Replace every layer of ``model`` that a rule of the selected ``kernels`` matches.
 
     The replacements share the originals' parameters (same arrays, same names). Nothing changes
@@ -649,11 +650,22 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> PatchReport
     like a target of the selected kernels (a norm, RoPE, MLP, attention or MoE block) but that no
     rule matched is listed in the report's ``unmatched``, and one ``gk.PatchWarning`` names them all.
 
+    Args:
+        model: the model, patched in place.
+        kernels: ``"all"`` or the names of the library kernels to patch onto.
+        route: how the new layers run each call (``graphkern.models.routes``): ``"auto"`` takes
+            the stock op where a standalone kernel cannot pay for itself, ``"kernel"`` always
+            the kernel, ``"stock"`` always the stock op.
+
+    Raises:
+        KernelError: a matched layer's parameters do not fit its kernel, or an argument is wrong.
+
     >>> import mlx.nn as nn
     >>> model = nn.Sequential(nn.LayerNorm(4), nn.RMSNorm(4))
     >>> [p.path for p in patch(model, kernels=["rms_norm"])]
     ['layers.1']
     """
+    check_route(PATCH, route)
     selected = frozenset(_select(kernels))
     rules = [rule for rule in RULES if rule.kernel in selected]
     installs: list[tuple[Any, Any, KernelLayer]] = []
@@ -671,6 +683,7 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> PatchReport
             if rule is not None:
                 child = rule.build(child, child_path)
                 child.select(selected)
+                _route_layer(child, route)
                 # the mode of the model around it: a module can be shared between models (mlx-lm's
                 # SwitchGLU takes one default SwiGLU instance), and another model's eval() set its own
                 child._training = module._training
@@ -685,6 +698,33 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> PatchReport
     if unmatched:
         _warn_unmatched(unmatched)
     return PatchReport(report, unmatched)
+
+
+def _route_layer(layer: KernelLayer, route: str) -> None:
+    """``layer`` and the kernel layers it built inside itself (a block's norms) take ``route``."""
+    for _, module in layer.named_modules():
+        if isinstance(module, KernelLayer):
+            object.__setattr__(module, "_gk_call_route", route)
+
+
+def set_route(model: nn.Module, route: str) -> int:
+    """Give every patched layer in ``model`` the route ``route`` (``graphkern.models.routes``);
+    returns how many layers there are.
+
+    Raises:
+        ModelError: ``route`` is not one of ``"auto"``, ``"kernel"``, ``"stock"``.
+
+    >>> import mlx.nn as nn
+    >>> model = nn.Sequential(nn.RMSNorm(8))
+    >>> _ = patch(model)
+    >>> set_route(model, "kernel")
+    1
+    """
+    check_route("set the route of patched layers", route)
+    layers = [m for _, m in model.named_modules() if isinstance(m, KernelLayer)]
+    for layer in layers:
+        object.__setattr__(layer, "_gk_call_route", route)
+    return len(layers)
 
 
 def _sync(layer: KernelLayer) -> None:

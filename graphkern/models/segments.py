@@ -145,7 +145,11 @@ def _traced(layer_ref: weakref.ReferenceType[Any], name: str | tuple[Any, ...],
     def traced(trees: Any, *args: Any) -> Any:
         live = layer_ref()
         held = _holding(live, trees) if paths is None else _pruned(live, paths, trees)
-        return getattr(held, method)(*constants, *args)
+        state.segment_depth += 1  # the layers it calls run their kernels: here they fuse
+        try:
+            return getattr(held, method)(*constants, *args)
+        finally:
+            state.segment_depth -= 1
 
     return traced
 

@@ -1,0 +1,49 @@
+"""Which way a patched layer runs a call: through its library kernel, or as the stock layer it
+replaced.
+
+A kernel pays where it removes launches: inside a fused block's compiled segments, one launch does
+a norm and three projections. A layer on its own (a norm, a RoPE, an activation or an MLP whose
+kernel fuses nothing the stock op does not) launches once either way, and its launch plan costs
+the host more than ``mx.fast``'s. So each patched layer has a route:
+
+- ``"auto"`` (the default): on a GPU backend, a standalone layer runs the stock forward unless a
+  graphkern trace is recording (so graphs and pictures still show its kernel) or a compiled
+  segment is being traced (where the kernels fuse); fused blocks, attention prologues, stacks and
+  mixture-of-experts routers always run their kernels. On the CPU (``reference`` backend) the
+  kernels run their pure-MLX references, and every layer runs them.
+- ``"kernel"``: always the kernel, as a benchmark of the kernel or a test of it wants.
+- ``"stock"``: always the stock forward, on the patched layer's own arrays.
+
+``patch(model, route=...)`` sets it for every layer it builds, ``set_route(model, route)`` later.
+
+>>> takes_stock("stock"), takes_stock("kernel")
+(True, False)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphkern.errors import ModelError
+from graphkern.launching.backends import active_backend
+from graphkern.launching.context import state
+from graphkern.nodes import Status
+
+__all__ = ["ROUTES", "check_route", "takes_stock"]
+
+#: The routes a patched layer can take (see the module's docstring).
+ROUTES = ("auto", "kernel", "stock")
+
+
+def check_route(operation: str, route: Any) -> str:
+    """``route`` if it is one of :data:`ROUTES`, else ``ModelError`` naming ``operation``."""
+    if route not in ROUTES:
+        raise ModelError(operation, f"route is {route!r}; choose one of {list(ROUTES)}", Status.INVALID_INPUT)
+    return route  # type: ignore[no-any-return]
+
+
+def takes_stock(route: str) -> bool:
+    """Whether a standalone layer with ``route`` runs this call as the stock layer."""
+    if route == "auto":
+        return state.recorder is None and not state.segment_depth and active_backend() != "reference"
+    return route == "stock"

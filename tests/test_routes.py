@@ -1,0 +1,125 @@
+"""Routes of patched layers (graphkern.models.routes): on a GPU backend a standalone layer runs the
+stock op unless a trace records or a compiled segment fuses it; ``route=`` forces either way.
+
+The GPU decision is simulated by telling the route module the backend is CUDA while the kernels
+themselves run their references on the CPU, so every comparison here is exact in float32."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+pytest.importorskip("mlx_lm")
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from model_comparisons import spy_on_kernels  # noqa: E402
+
+import graphkern as gk  # noqa: E402
+import graphkern.models.routes as routes  # noqa: E402
+from graphkern.models.tiny import tiny_model  # noqa: E402
+
+STANDALONE = ("rms_norm", "add_rms_norm", "rope", "swiglu", "gelu", "layer_norm", "softmax")
+FUSED = ("norm_projections", "norm_swiglu", "rope_qk")
+PROMPT = mx.array([[3, 17, 42, 5, 99, 1, 7, 64]])
+
+
+@pytest.fixture
+def gpu_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Routes decide as on CUDA; the kernels still run their references."""
+    monkeypatch.setattr(routes, "active_backend", lambda: "cuda")
+
+
+def _twins(arch: str, **options: Any) -> tuple[nn.Module, nn.Module]:
+    stock, patched = tiny_model(arch), tiny_model(arch)
+    stock.eval()
+    patched.eval()
+    gk.patch(patched, **options)
+    return stock, patched
+
+
+def _decode(model: nn.Module, steps: int = 3) -> list[mx.array]:
+    cache = make_prompt_cache(model)
+    logits = [model(PROMPT, cache=cache)]
+    for _ in range(steps):
+        logits.append(model(mx.argmax(logits[-1][:, -1:], axis=-1), cache=cache))
+    mx.eval(logits)
+    return logits
+
+
+def _same(a: list[mx.array], b: list[mx.array]) -> bool:
+    return all(mx.array_equal(x, y).item() for x, y in zip(a, b))
+
+
+def _spy_in_segments(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> list[tuple[str, bool]]:
+    """Each call of the kernel functions ``names``: (name, whether a compiled segment was tracing)."""
+    import graphkern.kernels as gkk
+    from graphkern.launching.context import state
+
+    calls: list[tuple[str, bool]] = []
+    for name in names:
+        real = getattr(gkk, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            calls.append((_name, state.segment_depth > 0))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(gkk, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2"])
+def test_standalone_layers_run_stock_on_a_gpu(arch: str, gpu_decision: None,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    stock, patched = _twins(arch)
+    calls = spy_on_kernels(monkeypatch, STANDALONE)
+    assert _same(_decode(patched), _decode(stock))
+    assert calls == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "mixtral"])
+def test_kernels_run_only_where_a_segment_fuses_them(arch: str, gpu_decision: None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks decode through compiled segments, where their norms still run as kernels (traced
+    once); outside them (a stack's final norm) a standalone layer is stock's ops."""
+    stock, patched = _twins(arch)
+    calls = _spy_in_segments(monkeypatch, STANDALONE + FUSED)
+    assert _same(_decode(patched), _decode(stock))
+    assert calls and all(inside for _, inside in calls)
+
+
+def test_a_trace_records_a_kernel_node_for_every_patched_layer(gpu_decision: None) -> None:
+    _, patched = _twins("phi3")
+    graph = gk.trace(lambda tokens: patched(tokens), PROMPT)
+    kernels = {graph.node(k)["kernel"] for k in graph.kernels()}
+    assert {"gk_rms_norm", "gk_add_rms_norm", "gk_rope", "gk_swiglu"} <= kernels
+
+
+@pytest.mark.parametrize("route, kernels_run", [("kernel", True), ("stock", False)])
+def test_a_route_forces_one_way(route: str, kernels_run: bool, gpu_decision: None,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    stock, patched = _twins("phi3", route=route)
+    calls = spy_on_kernels(monkeypatch, STANDALONE)
+    assert _same(_decode(patched, 1), _decode(stock, 1))
+    assert bool(calls) is kernels_run
+
+
+def test_set_route_changes_every_patched_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU (reference backend) auto runs the kernels; "stock" then turns them off."""
+    _, patched = _twins("phi3")
+    calls = spy_on_kernels(monkeypatch, STANDALONE)
+    _decode(patched, 1)
+    assert calls
+    assert gk.set_route(patched, "stock") == len(gk.models.patched_layers(patched))
+    calls.clear()
+    _decode(patched, 1)
+    assert calls == []
+
+
+@pytest.mark.parametrize("call", [lambda m: gk.patch(m, route="fast"), lambda m: gk.set_route(m, None)])
+def test_an_unknown_route_is_refused_by_name(call: Any) -> None:
+    model = nn.Sequential(nn.RMSNorm(8))
+    with pytest.raises(gk.KernelError, match="route is .*auto.*kernel.*stock"):
+        call(model)
+    assert type(model.layers[0]) is nn.RMSNorm
