@@ -169,6 +169,26 @@ def test_trace_bad_input_spec_exits_2(work: Path, spec: str, message: str) -> No
     assert files(work) == {"mymodel.py"}
 
 
+def test_a_dimension_past_mlx_shapes_exits_2(work: Path) -> None:
+    r = CliRunner().invoke(main, ["trace", "mymodel:forward", "-i", "2147483648,64:float32", "-i", "8"])
+    assert r.exit_code == 2 and r.stderr == ("error: bad --input '2147483648,64:float32': dimension "
+                                             "2147483648 is larger than MLX takes (at most 2147483647)\n")
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+@pytest.mark.parametrize("command", ["trace", "debug"])
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_a_seed_mlx_cannot_take_exits_2(work: Path, command: str, seed: str) -> None:
+    r = CliRunner().invoke(main, [command, "mymodel:forward", "-i", "8", "-i", "8", "--seed", seed])
+    assert r.exit_code == 2, r.output
+    assert r.stderr == f"error: --seed {seed}: give a whole number from 0 to {2**64 - 1}\n"
+
+
+def test_the_largest_seed_is_taken(work: Path) -> None:
+    r = run("trace", "mymodel:forward", "-i", "8", "-i", "8", "--seed", str(2**64 - 1), "-q")
+    assert r.exit_code == 0, r.output
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "complex64", "int32", "uint8", "bool"])
 def test_random_inputs_have_the_declared_shape_dtype_and_range(dtype: str) -> None:
     import mlx.core as mx

@@ -206,6 +206,23 @@ def test_an_unreachable_hub_id_says_so() -> None:
                                   "downloaded from the Hugging Face Hub (")
 
 
+NOT_UTF8 = "error: --prompt: not UTF-8 text (byte 0xff at character 3); give the text in UTF-8\n"
+
+
+def test_a_prompt_that_is_not_utf8_exits_2(folders: dict[str, str]) -> None:
+    """The shell hands Python the bytes of an argument that is not UTF-8 as lone surrogates."""
+    proc = subprocess.run([sys.executable, "-m", "graphkern", "debug", "--model", folders["float"],
+                           "--prompt", b"hi \xff there"], capture_output=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.decode() == NOT_UTF8
+
+
+@pytest.mark.parametrize("command", ["trace", "debug", "view", "bench"])
+def test_every_command_with_a_prompt_refuses_one_that_is_not_utf8(folders: dict[str, str],
+                                                                  command: str) -> None:
+    result = CliRunner().invoke(main, [command, "--model", folders["float"], "--prompt", "hi \udcff there"])
+    assert result.exit_code == 2 and result.stderr == NOT_UTF8, result.output
+
+
 @pytest.mark.parametrize("args, message", [
     (["trace"], "give MODULE:CALLABLE (a .py file or module and a callable in it, with -i"),
     (["view"], "give FILE.json (a graph written by --json) or --model PATH"),

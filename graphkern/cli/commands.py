@@ -35,6 +35,23 @@ SUMMARY_LINES = 60
 
 _DIM_SPLIT = re.compile(r"[,x×\s]+")
 
+#: MLX's shapes are 32-bit signed integers.
+MAX_DIMENSION = 2**31 - 1
+
+#: ``mx.random.key`` takes an unsigned 64-bit seed.
+MAX_SEED = 2**64 - 1
+
+
+def check_seed(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    """``--seed``'s callback: a seed ``mx.random.key`` takes."""
+    if not 0 <= value <= MAX_SEED:
+        raise BadInput(f"--seed {value}: give a whole number from 0 to {MAX_SEED}")
+    return value
+
+
+SEED_OPTION = click.option("--seed", default=0, show_default=True, type=int, callback=check_seed,
+                           help="Random seed for the inputs (0 to 2**64-1).")
+
 
 def parse_input_spec(spec: str) -> tuple[tuple[int, ...], str]:
     """``"4,8:float32"`` -> ``((4, 8), "float32")``.
@@ -65,6 +82,9 @@ def parse_input_spec(spec: str) -> tuple[tuple[int, ...], str]:
         if not part.isdigit():
             raise BadInput(f"bad --input {spec!r}: dimension {part!r} is not a non-negative "
                            "integer (expected SHAPE:DTYPE such as 4,8:float32)")
+        if int(part) > MAX_DIMENSION:
+            raise BadInput(f"bad --input {spec!r}: dimension {part} is larger than MLX takes "
+                           f"(at most {MAX_DIMENSION})")
         dims.append(int(part))
     return tuple(dims), dtype
 
@@ -347,7 +367,7 @@ def _finish(graph: Any, files: dict[str, bytes], quiet: bool) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the graph as JSON.")
 @_with_outputs
 @writes_files("target", "model_path")
-@click.option("--seed", default=0, show_default=True, help="Random seed for the inputs.")
+@SEED_OPTION
 @click.option("--backend", type=click.Choice(["metal", "cuda", "reference"]),
               help="Trace for this backend (default: the active one; sets GRAPHKERN_BACKEND).")
 @click.option("--table", is_flag=True, help="Print the per-node table, not just the summary.")

@@ -15,6 +15,7 @@ import click
 
 from graphkern.cli.commands import (
     EXIT_FAILED,
+    SEED_OPTION,
     BadInput,
     check_outputs,
     parse_input_spec,
@@ -79,7 +80,7 @@ def _summary(graph: Any) -> str:
 @click.option("--save", type=click.Path(dir_okay=False),
               help="Write every op and kernel node's full output to a .npz or .safetensors file.")
 @writes_files("target", "model_path", "other")
-@click.option("--seed", default=0, show_default=True, help="Random seed for the inputs.")
+@SEED_OPTION
 @click.option("--quiet", "-q", is_flag=True, help="Print only the verdict.")
 def debug_cmd(target: str | None, model_path: str | None, prompt: str | None, patch_model: bool,
               inputs: tuple[str, ...], other: str | None, compare_stock: bool, backend: str | None,

@@ -133,7 +133,7 @@ def prompt_tokens(tokenizer: Any, prompt: str | None) -> Any:
     the chat template when the tokenizer has one, else encoded with its special tokens."""
     import mlx.core as mx
 
-    text = DEFAULT_PROMPT if prompt is None else prompt
+    text = DEFAULT_PROMPT if prompt is None else utf8_text("--prompt", prompt)
     chat = bool(getattr(tokenizer, "has_chat_template", False))
     if chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -142,6 +142,19 @@ def prompt_tokens(tokenizer: Any, prompt: str | None) -> Any:
     if not ids:
         raise BadInput(f"--prompt {prompt!r} gives no tokens")
     return mx.array([ids], dtype=mx.int32)
+
+
+def utf8_text(option: str, text: str) -> str:
+    """``text`` when it is UTF-8; an argument that is not reaches Python with its bytes as lone
+    surrogates (``surrogateescape``), which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(text[exc.start])
+        what = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"character U+{char:04X}"
+        raise BadInput(f"{option}: not UTF-8 text ({what} at character {exc.start}); give the "
+                       "text in UTF-8") from None
+    return text
 
 
 _WHAT = {"MODULE:CALLABLE": "a .py file or module and a callable in it, with -i SHAPE:DTYPE for each "
