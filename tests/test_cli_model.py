@@ -206,6 +206,43 @@ def test_an_unreachable_hub_id_says_so() -> None:
                                   "downloaded from the Hugging Face Hub (")
 
 
+@pytest.fixture(scope="module")
+def mismatched(folders: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The float checkpoint with a tokenizer that knows a word whose id is far past the model's
+    128 embedding rows."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("mismatched") / "tiny-llama"
+    shutil.copytree(folders["float"], folder)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"]["zebra"] = 2_000_000_000
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return str(folder)
+
+
+@pytest.mark.parametrize("command", ["debug", "bench", "trace"])
+def test_a_token_id_past_the_embedding_exits_2_before_the_model_runs(mismatched: str, command: str) -> None:
+    """MLX's gather does not check its indices: the process died of SIGSEGV (in a subprocess here
+    so that a crash fails the test, not the test run)."""
+    proc = subprocess.run([sys.executable, "-m", "graphkern", command, "--model", mismatched,
+                           "--prompt", "hi zebra"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == (f"error: --prompt 'hi zebra' with --model {mismatched}: token id 2000000000 is "
+                           "past the 128 rows of the model's token embedding (does the tokenizer belong "
+                           "to these weights?)\n")
+
+
+def test_measure_generation_checks_the_prompt_against_the_embedding(folders: dict[str, str]) -> None:
+    from graphkern.errors import ModelError
+    from graphkern.models.generation_bench import measure_generation
+
+    ckpt = load_checkpoint(folders["float"])
+    with pytest.raises(ModelError, match="token id 128 is past the 128 rows of the model's token embedding"):
+        measure_generation(ckpt.model, ckpt.model, ckpt.tokenizer, [1, 128], max_tokens=2, rounds=1)
+    with pytest.raises(ModelError, match="token id -1 is negative"):
+        measure_generation(ckpt.model, ckpt.model, ckpt.tokenizer, [-1, 5], max_tokens=2, rounds=1)
+
+
 NOT_UTF8 = "error: --prompt: not UTF-8 text (byte 0xff at character 3); give the text in UTF-8\n"
 
 

@@ -84,6 +84,20 @@ class Checkpoint:
         other.eval()
         return other
 
+    def tokens_for(self, prompt: str | None) -> Any:
+        """:func:`prompt_tokens` for this checkpoint, each id checked against the model's token
+        embedding first (MLX's gather does not check: an id past it crashes the process)."""
+        from graphkern.models.tokens import check_token_ids
+        from graphkern.nodes import KernelError
+
+        tokens = prompt_tokens(self.tokenizer, prompt)
+        try:
+            check_token_ids(self.model, tokens, "run a prompt")
+        except KernelError as exc:
+            text = DEFAULT_PROMPT if prompt is None else prompt
+            raise BadInput(f"--prompt {text!r} with --model {self.path}: {exc.description}") from None
+        return tokens
+
     def local_path(self) -> str:
         from mlx_lm.utils import _download
 
@@ -199,7 +213,7 @@ def model_and_tokens(model_path: str, prompt: str | None, patch_model: bool,
     keeps an unpatched model object on the same weights."""
     step(f"loading {model_path}")
     ckpt = load_checkpoint(model_path)
-    run = ModelRun(ckpt, prompt_tokens(ckpt.tokenizer, prompt), [])
+    run = ModelRun(ckpt, ckpt.tokens_for(prompt), [])
     if stock_twin:
         run.stock = ckpt.twin()
     if patch_model:
