@@ -197,6 +197,71 @@ def test_a_folder_without_config_is_a_clear_error(tmp_path: Path) -> None:
     assert code == 2 and "no config.json in the folder" in err
 
 
+def test_a_symlink_loop_says_so(tmp_path: Path) -> None:
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    code, _, err = run("trace", "--model", str(tmp_path / "a"))
+    assert code == 2
+    assert err == (f"error: --model {tmp_path / 'a'}: a symlink loop (its links lead back to themselves, "
+                   "never to a folder)\n")
+
+
+def deny_reading(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    """``os.access`` says this user may not read ``path`` (the tests run as root, who reads anything)."""
+    real_access = os.access
+
+    def access(target: str, mode: int, **kw: object) -> bool:
+        if os.fspath(target) == str(path) and mode & os.R_OK:
+            return False
+        return real_access(target, mode, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "access", access)
+
+
+def test_a_folder_that_cannot_be_read_says_so(folders: dict[str, str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    deny_reading(monkeypatch, Path(folders["float"]))
+    code, _, err = run("debug", "--model", folders["float"])
+    assert code == 2
+    assert err == f"error: --model {folders['float']}: the folder cannot be read: permission denied\n"
+
+
+def test_a_config_that_cannot_be_read_says_so(folders: dict[str, str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    deny_reading(monkeypatch, Path(folders["float"], "config.json"))
+    code, _, err = run("bench", "--model", folders["float"])
+    assert code == 2
+    assert err == f"error: --model {folders['float']}: its config.json cannot be read: permission denied\n"
+
+
+def test_a_folder_behind_one_that_cannot_be_searched_says_so(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    hidden, real_stat = tmp_path / "theirs" / "ck", os.stat
+
+    def stat(path: str, *args: object, **kw: object) -> os.stat_result:
+        if os.fspath(path) == str(hidden):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_stat(path, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", stat)
+    code, _, err = run("trace", "--model", str(hidden))
+    assert code == 2 and err == f"error: --model {hidden}: cannot be read: permission denied\n"
+
+
+@pytest.mark.parametrize("function", ["patch", "unpatch", "patched_layers"])
+def test_patching_what_is_not_a_module_is_a_model_error(function: str) -> None:
+    import graphkern as gk
+    from graphkern.models import patched_layers
+
+    call = patched_layers if function == "patched_layers" else getattr(gk, function)
+    with pytest.raises(gk.ModelError, match=f"{function} takes an mlx.nn.Module and got None"):
+        call(None)
+    with pytest.raises(gk.ModelError, match=f"{function} takes an mlx.nn.Module and got a dict"):
+        call({"layer": 1})
+
+
 def test_an_unreachable_hub_id_says_so() -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "graphkern", "bench", "--model", "nobody/no-such-model"],

@@ -7,6 +7,7 @@ An mlx-lm checkpoint (a folder, or a Hugging Face Hub id where the hub is reacha
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,6 +111,34 @@ def _looks_like_path(text: str) -> bool:
             or os.sep != "/" and os.sep in text)
 
 
+def _check_folder(path: str, expanded: str) -> None:
+    """What is wrong with ``--model path`` as a local checkpoint folder, said before mlx_lm.load
+    says it less clearly (a hub id that is no local path passes)."""
+    try:
+        os.stat(expanded)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BadInput(f"--model {path}: a symlink loop (its links lead back to themselves, never "
+                           "to a folder)") from None
+        if exc.errno == errno.EACCES:
+            raise BadInput(f"--model {path}: cannot be read: permission denied") from None
+        if _looks_like_path(path) or os.path.islink(expanded):
+            raise BadInput(f"--model {path}: no such folder (give an mlx-lm checkpoint folder, or a "
+                           "Hugging Face Hub id such as mlx-community/Llama-3.2-1B-Instruct-4bit)") from None
+        return
+    if not os.path.isdir(expanded):
+        raise BadInput(f"--model {path}: not a folder (give the checkpoint's folder, which holds "
+                       "config.json and *.safetensors)")
+    if not os.access(expanded, os.R_OK | os.X_OK):
+        raise BadInput(f"--model {path}: the folder cannot be read: permission denied")
+    config = os.path.join(expanded, "config.json")
+    if not os.path.isfile(config):
+        raise BadInput(f"--model {path}: no config.json in the folder; is it an mlx-lm checkpoint "
+                       "(config.json, *.safetensors, tokenizer files)?")
+    if not os.access(config, os.R_OK):
+        raise BadInput(f"--model {path}: its config.json cannot be read: permission denied")
+
+
 def load_checkpoint(path: str) -> Checkpoint:
     """``mlx_lm.load(path)`` with errors that say what to fix (exit status 2 on the command line).
 
@@ -122,15 +151,7 @@ def load_checkpoint(path: str) -> Checkpoint:
     except ImportError:
         raise BadInput("--model needs mlx-lm: pip install 'graphkern[models]'") from None
     expanded = os.path.expanduser(path)
-    if not os.path.exists(expanded) and _looks_like_path(path):
-        raise BadInput(f"--model {path}: no such folder (give an mlx-lm checkpoint folder, or a "
-                       "Hugging Face Hub id such as mlx-community/Llama-3.2-1B-Instruct-4bit)")
-    if os.path.exists(expanded) and not os.path.isdir(expanded):
-        raise BadInput(f"--model {path}: not a folder (give the checkpoint's folder, which holds "
-                       "config.json and *.safetensors)")
-    if os.path.isdir(expanded) and not os.path.isfile(os.path.join(expanded, "config.json")):
-        raise BadInput(f"--model {path}: no config.json in the folder; is it an mlx-lm checkpoint "
-                       "(config.json, *.safetensors, tokenizer files)?")
+    _check_folder(path, expanded)
     try:
         model, tokenizer, config = mlx_lm.load(expanded, return_config=True)  # type: ignore[misc]
     except Exception as exc:

@@ -654,6 +654,7 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> PatchReport
     >>> [p.path for p in patch(model, kernels=["rms_norm"])]
     ['layers.1']
     """
+    _require_module(model, "patch")
     selected = frozenset(_select(kernels))
     rules = [rule for rule in RULES if rule.kernel in selected]
     installs: list[tuple[Any, Any, KernelLayer]] = []
@@ -687,6 +688,13 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all") -> PatchReport
     return PatchReport(report, unmatched)
 
 
+def _require_module(model: Any, function: str) -> None:
+    """``ModelError`` for what is not an ``nn.Module`` (walking it would fail with a bare TypeError)."""
+    if not isinstance(model, nn.Module):
+        got = "None" if model is None else f"a {type(model).__name__}"
+        raise ModelError(PATCH, f"{function} takes an mlx.nn.Module and got {got}", Status.INVALID_INPUT)
+
+
 def _sync(layer: KernelLayer) -> None:
     """Carry parameters replaced while patched (training, ``update``) back to the originals, and
     child modules replaced while patched (``nn.quantize``'s quantized projections, adapters). Only
@@ -710,6 +718,7 @@ def unpatch(model: nn.Module) -> list[str]:
     and child modules put in place of stock ones (``nn.quantize(model)`` after ``patch`` leaves the
     stock layers with the quantized projections).
     """
+    _require_module(model, "unpatch")
     restored: list[str] = []
 
     def visit(module: nn.Module, path: str) -> None:
@@ -727,6 +736,7 @@ def unpatch(model: nn.Module) -> list[str]:
 
 def patched_layers(model: nn.Module) -> dict[str, str]:
     """``{path: kernel}`` for every kernel-backed layer in ``model``."""
+    _require_module(model, "patched_layers")
     found: dict[str, str] = {}
 
     def visit(module: nn.Module, path: str) -> None:
