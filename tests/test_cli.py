@@ -409,6 +409,49 @@ def test_written_files_have_normal_permissions(work: Path) -> None:
     assert (work / "g.json").stat().st_mode & 0o777 == 0o666 & ~mask
 
 
+# ----------------------------------------------------------------------------- Ctrl-C
+
+INTERRUPTS = textwrap.dedent('''
+    import os
+    import signal
+
+    def forward(x):
+        os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C does, while the command runs
+        return x + 1
+''')
+
+
+@pytest.mark.parametrize("command", ["trace", "debug"])
+def test_ctrl_c_exits_130_with_one_line(tmp_path: Path, command: str) -> None:
+    (tmp_path / "interrupts.py").write_text(INTERRUPTS)
+    r = subprocess.run([sys.executable, "-m", "graphkern", command, "interrupts.py:forward", "-i", "4"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.splitlines()[-1] == "interrupted (Ctrl-C)" and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("command, module, name", [
+    (["show", "g.json"], "graphkern.cli.commands", "load_graph"),
+    (["diff", "g.json", "g.json"], "graphkern.cli.commands", "load_graph"),
+    (["view", "g.json", "--no-browser"], "graphkern.cli.commands", "load_graph"),
+    (["bench", "--model", "m"], "graphkern.cli.bench", "load_checkpoint"),
+    (["demo", "--no-files"], "graphkern.demo", "run_demo"),
+    (["metal-check", "rope"], "graphkern.metal_check", "check_library_metal"),
+])
+def test_ctrl_c_in_any_command_exits_130(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         command: list[str], module: str, name: str) -> None:
+    import importlib
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(module), name, interrupted)
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, command)
+    assert r.exit_code == 130 and r.stderr == "interrupted (Ctrl-C)\n", r.output
+
+
 def test_import_graphkern_stays_light() -> None:
     code = ("import sys, graphkern, graphkern.cli; "
             "print(sorted(m for m in ('graphkern.viz', 'graphkern.viz.html', 'graphviz', "

@@ -9,19 +9,34 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 import click
 
+from .errors import Interrupted
 from .files import writes_files
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """The ``graphkern`` group: Ctrl-C in any command is exit status 130 with one line."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted() from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="graphkern")
 def main() -> None:
     """graphkern: custom GPU kernels as first-class nodes of MLX compiled graphs.
 
     Commands that write files replace one that exists only with --force, and never one of their
     own inputs (a file given, a file inside the --model folder) or a read-only file.
+
+    Exit status: 0 all is well, 1 the command found a problem or its run raised (each command's
+    help says which), 2 bad input, 130 interrupted (Ctrl-C).
     """
 
 
