@@ -20,7 +20,7 @@ from .trace import trace
 from .tracing.compiled import compile
 from .tracing.graph import Graph, GraphError
 
-__all__ = ["DemoModel", "DemoResult", "demo_inputs", "run_demo"]
+__all__ = ["DEMO_FILES", "DemoModel", "DemoResult", "demo_inputs", "run_demo"]
 
 
 class DemoBlock(nn.Module):
@@ -87,8 +87,20 @@ class DemoResult:
     written: list[str]
 
 
-def run_demo(out_dir: str | None = None, echo: Callable[[str], Any] = print) -> DemoResult:
-    """Run the demo; with ``out_dir``, also write the graphs as JSON, DOT and HTML there."""
+#: The files ``run_demo`` writes into its folder.
+DEMO_FILES = [f"{name}.{suffix}" for name in ("graph", "broken") for suffix in ("json", "dot", "html")]
+
+
+def _write_plainly(files: dict[str, str]) -> None:
+    for path, text in files.items():
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+
+
+def run_demo(out_dir: str | None = None, echo: Callable[[str], Any] = print,
+             write: Callable[[dict[str, str]], None] = _write_plainly) -> DemoResult:
+    """Run the demo; with ``out_dir``, also write the graphs as JSON, DOT and HTML there (the files
+    of :data:`DEMO_FILES`, ``{path: text}``, given to ``write``)."""
     mx.random.seed(0)
     model = DemoModel()
     tokens = demo_inputs()
@@ -120,24 +132,24 @@ def run_demo(out_dir: str | None = None, echo: Callable[[str], Any] = print) -> 
     model.layers[1].broken = False
     echo(f"MLX still works: {mx.sum(compiled(tokens)).item():.4f}")
 
-    written = _write(out_dir, {"graph": graph, "broken": broken}, echo) if out_dir else []
+    written = _write(out_dir, {"graph": graph, "broken": broken}, echo, write) if out_dir else []
     return DemoResult(graph, broken, error, graph_error, written)
 
 
-def _write(out_dir: str, graphs: dict[str, Graph], echo: Callable[[str], Any]) -> list[str]:
+def _write(out_dir: str, graphs: dict[str, Graph], echo: Callable[[str], Any],
+           write: Callable[[dict[str, str]], None]) -> list[str]:
+    """Render ``graphs`` as :data:`DEMO_FILES` into ``out_dir`` (made when missing) with ``write``."""
     os.makedirs(out_dir, exist_ok=True)
-    written = []
-    for name, graph in graphs.items():
-        for suffix, render in (("json", lambda g: g.to_json(indent=1)), ("dot", Graph.to_dot),
-                               ("html", Graph.to_html)):
-            path = os.path.join(out_dir, f"{name}.{suffix}")
-            try:
-                text = render(graph)
-            except ImportError as exc:  # an optional part is not installed
-                echo(f"skipped {path}: {exc}")
-                continue
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(text)
-            written.append(path)
-    echo("\nwrote " + ", ".join(written))
-    return written
+    renders: dict[str, Callable[[Graph], str]] = {"json": lambda g: g.to_json(indent=1),
+                                                  "dot": Graph.to_dot, "html": Graph.to_html}
+    files: dict[str, str] = {}
+    for name in DEMO_FILES:
+        stem, suffix = name.split(".")
+        path = os.path.join(out_dir, name)
+        try:
+            files[path] = renders[suffix](graphs[stem])
+        except ImportError as exc:  # an optional part is not installed
+            echo(f"skipped {path}: {exc}")
+    write(files)
+    echo("\nwrote " + ", ".join(files))
+    return list(files)

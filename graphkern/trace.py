@@ -14,6 +14,7 @@ import os
 import queue
 import random
 import re
+import signal
 import sys
 import threading
 import warnings
@@ -551,6 +552,28 @@ def _trace_threads() -> _DaemonPool:
     return _pool[1]
 
 
+@contextlib.contextmanager
+def _ctrl_c_when_done() -> Iterator[None]:
+    """Ctrl-C (SIGINT) while the block runs is raised as ``KeyboardInterrupt`` once it has ended.
+
+    A trace's thread cannot be stopped, and an interpreter that exits while that thread is inside
+    MLX dies of SIGSEGV: so the main thread, where Python raises it, waits for the trace first.
+    Only where SIGINT has Python's own handler (another one is left alone).
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    caught: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if caught:
+            raise KeyboardInterrupt
+
+
 def _on_deep_stack(work: Callable[[], None]) -> None:
     """Run ``work`` on a thread with a 1 GiB stack (address space; pages are touched on use).
 
@@ -577,13 +600,14 @@ def _on_deep_stack(work: Callable[[], None]) -> None:
         finally:
             state.deep_stack = False
 
-    with _stack_lock:  # the pool starts its threads inside submit(): give them the big stack
-        previous = threading.stack_size(_STACK_BYTES)
-        try:
-            future = _trace_threads().submit(run)
-        finally:
-            threading.stack_size(previous)
-    error = future.exception()
+    with _ctrl_c_when_done():
+        with _stack_lock:  # the pool starts its threads inside submit(): give them the big stack
+            previous = threading.stack_size(_STACK_BYTES)
+            try:
+                future = _trace_threads().submit(run)
+            finally:
+                threading.stack_size(previous)
+        error = future.exception()
     del future
     if error is not None:
         # no reference cycle (this frame -> error -> traceback -> this frame) keeps the failed

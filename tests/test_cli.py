@@ -169,6 +169,26 @@ def test_trace_bad_input_spec_exits_2(work: Path, spec: str, message: str) -> No
     assert files(work) == {"mymodel.py"}
 
 
+def test_a_dimension_past_mlx_shapes_exits_2(work: Path) -> None:
+    r = CliRunner().invoke(main, ["trace", "mymodel:forward", "-i", "2147483648,64:float32", "-i", "8"])
+    assert r.exit_code == 2 and r.stderr == ("error: bad --input '2147483648,64:float32': dimension "
+                                             "2147483648 is larger than MLX takes (at most 2147483647)\n")
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+@pytest.mark.parametrize("command", ["trace", "debug"])
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_a_seed_mlx_cannot_take_exits_2(work: Path, command: str, seed: str) -> None:
+    r = CliRunner().invoke(main, [command, "mymodel:forward", "-i", "8", "-i", "8", "--seed", seed])
+    assert r.exit_code == 2, r.output
+    assert r.stderr == f"error: --seed {seed}: give a whole number from 0 to {2**64 - 1}\n"
+
+
+def test_the_largest_seed_is_taken(work: Path) -> None:
+    r = run("trace", "mymodel:forward", "-i", "8", "-i", "8", "--seed", str(2**64 - 1), "-q")
+    assert r.exit_code == 0, r.output
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "complex64", "int32", "uint8", "bool"])
 def test_random_inputs_have_the_declared_shape_dtype_and_range(dtype: str) -> None:
     import mlx.core as mx
@@ -387,6 +407,49 @@ def test_written_files_have_normal_permissions(work: Path) -> None:
     mask = os.umask(0)
     os.umask(mask)
     assert (work / "g.json").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+INTERRUPTS = textwrap.dedent('''
+    import os
+    import signal
+
+    def forward(x):
+        os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C does, while the command runs
+        return x + 1
+''')
+
+
+@pytest.mark.parametrize("command", ["trace", "debug"])
+def test_ctrl_c_exits_130_with_one_line(tmp_path: Path, command: str) -> None:
+    (tmp_path / "interrupts.py").write_text(INTERRUPTS)
+    r = subprocess.run([sys.executable, "-m", "graphkern", command, "interrupts.py:forward", "-i", "4"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.splitlines()[-1] == "interrupted (Ctrl-C)" and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("command, module, name", [
+    (["show", "g.json"], "graphkern.cli.commands", "load_graph"),
+    (["diff", "g.json", "g.json"], "graphkern.cli.commands", "load_graph"),
+    (["view", "g.json", "--no-browser"], "graphkern.cli.commands", "load_graph"),
+    (["bench", "--model", "m"], "graphkern.cli.bench", "load_checkpoint"),
+    (["demo", "--no-files"], "graphkern.demo", "run_demo"),
+    (["metal-check", "rope"], "graphkern.metal_check", "check_library_metal"),
+])
+def test_ctrl_c_in_any_command_exits_130(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         command: list[str], module: str, name: str) -> None:
+    import importlib
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(module), name, interrupted)
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, command)
+    assert r.exit_code == 130 and r.stderr == "interrupted (Ctrl-C)\n", r.output
 
 
 def test_import_graphkern_stays_light() -> None:

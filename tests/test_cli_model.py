@@ -197,6 +197,71 @@ def test_a_folder_without_config_is_a_clear_error(tmp_path: Path) -> None:
     assert code == 2 and "no config.json in the folder" in err
 
 
+def test_a_symlink_loop_says_so(tmp_path: Path) -> None:
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    code, _, err = run("trace", "--model", str(tmp_path / "a"))
+    assert code == 2
+    assert err == (f"error: --model {tmp_path / 'a'}: a symlink loop (its links lead back to themselves, "
+                   "never to a folder)\n")
+
+
+def deny_reading(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    """``os.access`` says this user may not read ``path`` (the tests run as root, who reads anything)."""
+    real_access = os.access
+
+    def access(target: str, mode: int, **kw: object) -> bool:
+        if os.fspath(target) == str(path) and mode & os.R_OK:
+            return False
+        return real_access(target, mode, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "access", access)
+
+
+def test_a_folder_that_cannot_be_read_says_so(folders: dict[str, str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    deny_reading(monkeypatch, Path(folders["float"]))
+    code, _, err = run("debug", "--model", folders["float"])
+    assert code == 2
+    assert err == f"error: --model {folders['float']}: the folder cannot be read: permission denied\n"
+
+
+def test_a_config_that_cannot_be_read_says_so(folders: dict[str, str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    deny_reading(monkeypatch, Path(folders["float"], "config.json"))
+    code, _, err = run("bench", "--model", folders["float"])
+    assert code == 2
+    assert err == f"error: --model {folders['float']}: its config.json cannot be read: permission denied\n"
+
+
+def test_a_folder_behind_one_that_cannot_be_searched_says_so(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    hidden, real_stat = tmp_path / "theirs" / "ck", os.stat
+
+    def stat(path: str, *args: object, **kw: object) -> os.stat_result:
+        if os.fspath(path) == str(hidden):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_stat(path, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", stat)
+    code, _, err = run("trace", "--model", str(hidden))
+    assert code == 2 and err == f"error: --model {hidden}: cannot be read: permission denied\n"
+
+
+@pytest.mark.parametrize("function", ["patch", "unpatch", "patched_layers"])
+def test_patching_what_is_not_a_module_is_a_model_error(function: str) -> None:
+    import graphkern as gk
+    from graphkern.models import patched_layers
+
+    call = patched_layers if function == "patched_layers" else getattr(gk, function)
+    with pytest.raises(gk.ModelError, match=f"{function} takes an mlx.nn.Module and got None"):
+        call(None)
+    with pytest.raises(gk.ModelError, match=f"{function} takes an mlx.nn.Module and got a dict"):
+        call({"layer": 1})
+
+
 def test_an_unreachable_hub_id_says_so() -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "graphkern", "bench", "--model", "nobody/no-such-model"],
@@ -204,6 +269,60 @@ def test_an_unreachable_hub_id_says_so() -> None:
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: --model nobody/no-such-model: no such folder, and it could not be "
                                   "downloaded from the Hugging Face Hub (")
+
+
+@pytest.fixture(scope="module")
+def mismatched(folders: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The float checkpoint with a tokenizer that knows a word whose id is far past the model's
+    128 embedding rows."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("mismatched") / "tiny-llama"
+    shutil.copytree(folders["float"], folder)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"]["zebra"] = 2_000_000_000
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return str(folder)
+
+
+@pytest.mark.parametrize("command", ["debug", "bench", "trace"])
+def test_a_token_id_past_the_embedding_exits_2_before_the_model_runs(mismatched: str, command: str) -> None:
+    """MLX's gather does not check its indices: the process died of SIGSEGV (in a subprocess here
+    so that a crash fails the test, not the test run)."""
+    proc = subprocess.run([sys.executable, "-m", "graphkern", command, "--model", mismatched,
+                           "--prompt", "hi zebra"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == (f"error: --prompt 'hi zebra' with --model {mismatched}: token id 2000000000 is "
+                           "past the 128 rows of the model's token embedding (does the tokenizer belong "
+                           "to these weights?)\n")
+
+
+def test_measure_generation_checks_the_prompt_against_the_embedding(folders: dict[str, str]) -> None:
+    from graphkern.errors import ModelError
+    from graphkern.models.generation_bench import measure_generation
+
+    ckpt = load_checkpoint(folders["float"])
+    with pytest.raises(ModelError, match="token id 128 is past the 128 rows of the model's token embedding"):
+        measure_generation(ckpt.model, ckpt.model, ckpt.tokenizer, [1, 128], max_tokens=2, rounds=1)
+    with pytest.raises(ModelError, match="token id -1 is negative"):
+        measure_generation(ckpt.model, ckpt.model, ckpt.tokenizer, [-1, 5], max_tokens=2, rounds=1)
+
+
+NOT_UTF8 = "error: --prompt: not UTF-8 text (byte 0xff at character 3); give the text in UTF-8\n"
+
+
+def test_a_prompt_that_is_not_utf8_exits_2(folders: dict[str, str]) -> None:
+    """The shell hands Python the bytes of an argument that is not UTF-8 as lone surrogates."""
+    proc = subprocess.run([sys.executable, "-m", "graphkern", "debug", "--model", folders["float"],
+                           "--prompt", b"hi \xff there"], capture_output=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.decode() == NOT_UTF8
+
+
+@pytest.mark.parametrize("command", ["trace", "debug", "view", "bench"])
+def test_every_command_with_a_prompt_refuses_one_that_is_not_utf8(folders: dict[str, str],
+                                                                  command: str) -> None:
+    result = CliRunner().invoke(main, [command, "--model", folders["float"], "--prompt", "hi \udcff there"])
+    assert result.exit_code == 2 and result.stderr == NOT_UTF8, result.output
 
 
 @pytest.mark.parametrize("args, message", [

@@ -8,25 +8,53 @@ from ``graphkern.cli.metal``.
 from __future__ import annotations
 
 import importlib.util
+import os
+from typing import Any
 
 import click
 
+from .errors import Interrupted
+from .files import writes_files
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class _Group(click.Group):
+    """The ``graphkern`` group: Ctrl-C in any command is exit status 130 with one line."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted() from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="graphkern")
 def main() -> None:
-    """graphkern: custom GPU kernels as first-class nodes of MLX compiled graphs."""
+    """graphkern: custom GPU kernels as first-class nodes of MLX compiled graphs.
+
+    Commands that write files replace one that exists only with --force, and never one of their
+    own inputs (a file given, a file inside the --model folder) or a read-only file.
+
+    Exit status: 0 all is well, 1 the command found a problem or its run raised (each command's
+    help says which), 2 bad input, 130 interrupted (Ctrl-C).
+    """
 
 
 @main.command()
 @click.option("--out", "out_dir", default="graphkern-demo", show_default=True,
               type=click.Path(file_okay=False), help="Folder for graph.{json,dot,html} and broken.*.")
 @click.option("--no-files", is_flag=True, help="Print only; write nothing.")
+@writes_files()
 def demo(out_dir: str, no_files: bool) -> None:
     """Trace, compile and break a built-in kernel-backed model, printing what happens."""
-    from ..demo import run_demo
+    from ..demo import DEMO_FILES, run_demo
+    from .files import check_outputs, make_folder, write_files
 
-    run_demo(None if no_files else out_dir, echo=click.echo)
+    if not no_files:
+        make_folder("--out", out_dir)
+        check_outputs([("--out", os.path.join(out_dir, name)) for name in DEMO_FILES])
+    run_demo(None if no_files else out_dir, echo=click.echo,
+             write=lambda files: write_files({path: text.encode() for path, text in files.items()}))
 
 
 def _register_optional_commands() -> None:

@@ -7,7 +7,7 @@ import click
 
 from graphkern.cli.commands import progress_steps
 from graphkern.cli.errors import BadInput
-from graphkern.cli.model import DEFAULT_PROMPT, load_checkpoint, patched_line, prompt_tokens
+from graphkern.cli.model import DEFAULT_PROMPT, load_checkpoint, patched_line
 
 __all__ = ["bench_cmd", "register"]
 
@@ -43,7 +43,7 @@ def bench_cmd(model_path: str, prompt: str | None, max_tokens: int, rounds: int,
     with progress_steps(not quiet) as step:
         step(f"loading {model_path}")
         ckpt = load_checkpoint(model_path)
-        tokens = prompt_tokens(ckpt.tokenizer, prompt)[0].tolist()
+        tokens = ckpt.tokens_for(prompt)[0].tolist()
         patched = ckpt.twin()
         try:
             records = patch(patched)

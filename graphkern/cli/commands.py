@@ -4,8 +4,10 @@
 0 when all is well, 1 when the graph has a failed node (``trace``, ``show``), when tracing raised,
 or when ``diff`` found differences; 2 for bad input — a corrupt, truncated or unknown-version JSON
 file, a module or callable that cannot be found, a bad ``--input`` spec, an output folder that
-does not exist, a missing optional tool. Output files are all computed first and then each
-written to a temporary file and renamed, so a failure never leaves half a file behind.
+does not exist or is read-only, a missing optional tool, an output file that exists (without
+``--force``) or that is an input of the command. Output files are all computed first and then each
+written to a temporary file and renamed, so a failure never leaves half a file behind
+(``graphkern.cli.files``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import click
 
 from graphkern.cli.errors import EXIT_FAILED, BadInput, failing_as
+from graphkern.cli.files import IMAGE_OPTIONS, check_outputs, write_files, writes_files
 from graphkern.cli.model import check_model_options, model_and_tokens, model_options
 
 #: Past this many lines (diff) or nodes (show), print a summary; ``--full`` prints everything.
@@ -31,6 +34,23 @@ SUMMARY_LINES = 60
 # ----------------------------------------------------------------------------- input specs
 
 _DIM_SPLIT = re.compile(r"[,x×\s]+")
+
+#: MLX's shapes are 32-bit signed integers.
+MAX_DIMENSION = 2**31 - 1
+
+#: ``mx.random.key`` takes an unsigned 64-bit seed.
+MAX_SEED = 2**64 - 1
+
+
+def check_seed(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    """``--seed``'s callback: a seed ``mx.random.key`` takes."""
+    if not 0 <= value <= MAX_SEED:
+        raise BadInput(f"--seed {value}: give a whole number from 0 to {MAX_SEED}")
+    return value
+
+
+SEED_OPTION = click.option("--seed", default=0, show_default=True, type=int, callback=check_seed,
+                           help="Random seed for the inputs (0 to 2**64-1).")
 
 
 def parse_input_spec(spec: str) -> tuple[tuple[int, ...], str]:
@@ -62,6 +82,9 @@ def parse_input_spec(spec: str) -> tuple[tuple[int, ...], str]:
         if not part.isdigit():
             raise BadInput(f"bad --input {spec!r}: dimension {part!r} is not a non-negative "
                            "integer (expected SHAPE:DTYPE such as 4,8:float32)")
+        if int(part) > MAX_DIMENSION:
+            raise BadInput(f"bad --input {spec!r}: dimension {part} is larger than MLX takes "
+                           f"(at most {MAX_DIMENSION})")
         dims.append(int(part))
     return tuple(dims), dtype
 
@@ -189,9 +212,6 @@ def load_graph(path: str) -> Any:
         raise BadInput(f"cannot load {path}: {type(e).__name__}: {e}") from None
 
 
-_IMAGES = ("--svg", "--png", "--pdf")
-
-
 def merge_graphs(paths: tuple[str, ...]) -> Any:
     """The graphs of a job's ranks, one file each, as one graph (``graphkern.distributed.merge``)."""
     from graphkern import KernelError
@@ -201,25 +221,6 @@ def merge_graphs(paths: tuple[str, ...]) -> Any:
         return merge([load_graph(path) for path in paths])
     except KernelError as e:
         raise BadInput(f"cannot merge {', '.join(paths)}: {e.description}") from None
-
-
-def check_outputs(paths: dict[str, str | None]) -> None:
-    from graphkern.nodes import KernelError
-    from graphkern.viz.dot import format_for
-
-    for option, path in paths.items():
-        if not path:
-            continue
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise BadInput(f"{option} {path}: folder {folder} does not exist")
-        if os.path.isdir(path):
-            raise BadInput(f"{option} {path} is a folder")
-        if option in _IMAGES:  # --svg out.gif would write SVG into a .gif
-            try:
-                format_for(path, option[2:])
-            except KernelError as e:
-                raise BadInput(f"{option} {path}: {e.description}") from None
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,7 @@ def render_outputs(graph: Any, outputs: dict[str, str | None],
             from graphkern.viz.dot import to_dot
 
             files[path] = to_dot(graph, **dot_options).encode()  # type: ignore[arg-type]
-        elif option in _IMAGES:
+        elif option in IMAGE_OPTIONS:
             from graphkern.viz.dot import DotError, run_dot, to_dot
 
             try:
@@ -270,13 +271,6 @@ def render_outputs(graph: Any, outputs: dict[str, str | None],
 
             files[path] = json.dumps(to_model_explorer(graph), separators=(",", ":")).encode()
     return files
-
-
-def write_files(files: dict[str, bytes]) -> None:
-    from graphkern.viz.common import atomic_write
-
-    for path, data in files.items():
-        atomic_write(path, data)
 
 
 def brief_summary(graph: Any) -> str:
@@ -372,7 +366,8 @@ def _finish(graph: Any, files: dict[str, bytes], quiet: bool) -> None:
                    "integers are drawn from [0, 16), floats from a normal distribution).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the graph as JSON.")
 @_with_outputs
-@click.option("--seed", default=0, show_default=True, help="Random seed for the inputs.")
+@writes_files("target", "model_path")
+@SEED_OPTION
 @click.option("--backend", type=click.Choice(["metal", "cuda", "reference"]),
               help="Trace for this backend (default: the active one; sets GRAPHKERN_BACKEND).")
 @click.option("--table", is_flag=True, help="Print the per-node table, not just the summary.")
@@ -463,6 +458,7 @@ def traced_call(target: str | None, model_path: str | None, prompt: str | None, 
 @click.argument("files", metavar="FILE.json...", nargs=-1, required=True,
                 type=click.Path(dir_okay=False))
 @_with_outputs
+@writes_files("files")
 @click.option("--brief", is_flag=True, help="Print the summary lines only, not the per-node table.")
 @click.option("--full", is_flag=True,
               help=f"Print the per-node table whatever its size (by default up to {SUMMARY_LINES} nodes).")
@@ -506,6 +502,7 @@ def show_cmd(files: tuple[str, ...], html: str | None, dot: str | None, svg: str
               help="Write B in the HTML viewer with the differences marked.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Write the differences as JSON.")
+@writes_files("before", "after")
 @click.option("--depth", type=click.IntRange(min=-1), default=None,
               help="Open modules to this depth in the HTML page (-1: all).")
 @click.option("--weights", is_flag=True, help="Draw weights and constants as nodes in the HTML page.")
@@ -549,7 +546,8 @@ def diff_cmd(before: str, after: str, html: str | None, json_path: str | None,
 @click.option("--model-explorer", "model_explorer", is_flag=True,
               help="Open in Google's Model Explorer (pip install 'graphkern[model-explorer]').")
 @click.option("--out", type=click.Path(dir_okay=False),
-              help="Where to write the HTML page (default: a temporary file).")
+              help="Where to write the HTML page (default: a new temporary folder).")
+@writes_files("file", "model_path")
 @click.option("--no-browser", is_flag=True, help="Write the page (or start the server) but open no browser.")
 @click.option("--port", default=8080, show_default=True, help="Model Explorer's port.")
 def view_cmd(file: str | None, model_path: str | None, prompt: str | None, patch_model: bool,
@@ -579,15 +577,13 @@ def view_cmd(file: str | None, model_path: str | None, prompt: str | None, patch
     import tempfile
     import webbrowser
 
-    from graphkern.viz.common import atomic_write
     from graphkern.viz.html import to_html
 
     check_outputs({"--out": out})
     graph = _viewed_graph(file, model_path, prompt, patch_model)
     if out is None:
-        fd, out = tempfile.mkstemp(prefix="graphkern-", suffix=".html")
-        os.close(fd)
-    atomic_write(out, to_html(graph))
+        out = os.path.join(tempfile.mkdtemp(prefix="graphkern-"), "graph.html")
+    write_files({out: to_html(graph).encode()})
     click.echo(f"wrote {out}")
     if not no_browser:
         webbrowser.open("file://" + os.path.abspath(out))

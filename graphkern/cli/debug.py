@@ -15,6 +15,7 @@ import click
 
 from graphkern.cli.commands import (
     EXIT_FAILED,
+    SEED_OPTION,
     BadInput,
     check_outputs,
     parse_input_spec,
@@ -24,6 +25,7 @@ from graphkern.cli.commands import (
     write_files,
 )
 from graphkern.cli.errors import failing_as
+from graphkern.cli.files import staged_output, writes_files
 from graphkern.cli.model import check_model_options, model_options
 
 __all__ = ["debug_cmd", "register"]
@@ -77,7 +79,8 @@ def _summary(graph: Any) -> str:
               help="Write the values graph (or, with --compare, the comparison) as JSON.")
 @click.option("--save", type=click.Path(dir_okay=False),
               help="Write every op and kernel node's full output to a .npz or .safetensors file.")
-@click.option("--seed", default=0, show_default=True, help="Random seed for the inputs.")
+@writes_files("target", "model_path", "other")
+@SEED_OPTION
 @click.option("--quiet", "-q", is_flag=True, help="Print only the verdict.")
 def debug_cmd(target: str | None, model_path: str | None, prompt: str | None, patch_model: bool,
               inputs: tuple[str, ...], other: str | None, compare_stock: bool, backend: str | None,
@@ -123,9 +126,9 @@ def debug_cmd(target: str | None, model_path: str | None, prompt: str | None, pa
         reference, other = call.run.stock, "the stock model"
     # the long part reports its own phases (a bar on a terminal, lines otherwise) on stderr
     result: Any
-    with failing_as(f"running {call.label}"):
+    with staged_output(save) as save_to, failing_as(f"running {call.label}"):
         if reference is None:
-            graph = Inspector(backend=backend, save=save, progress=not quiet)(fn, *args)
+            graph = Inspector(backend=backend, save=save_to, progress=not quiet)(fn, *args)
             result = graph
         else:
             if not quiet:

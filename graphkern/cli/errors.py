@@ -10,10 +10,12 @@ import click
 
 from graphkern.nodes import KernelError
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "BadInput", "failing_as"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INTERRUPTED", "BadInput", "Interrupted", "failing_as"]
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+#: What a shell reports for a process ended by SIGINT (128 + 2), as Ctrl-C ends a command.
+EXIT_INTERRUPTED = 130
 
 
 class BadInput(click.ClickException):
@@ -23,6 +25,19 @@ class BadInput(click.ClickException):
 
     def show(self, file: Any = None) -> None:
         click.echo(f"error: {self.format_message()}", err=True)
+
+
+class Interrupted(click.ClickException):
+    """Ctrl-C: one line and exit status 130 (click's own ``Aborted!`` exits 1, which ``debug``
+    uses for a divergence found)."""
+
+    exit_code = EXIT_INTERRUPTED
+
+    def __init__(self) -> None:
+        super().__init__("interrupted")
+
+    def show(self, file: Any = None) -> None:
+        click.echo("interrupted (Ctrl-C)", err=True)
 
 
 @contextlib.contextmanager

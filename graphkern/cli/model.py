@@ -7,6 +7,7 @@ An mlx-lm checkpoint (a folder, or a Hugging Face Hub id where the hub is reacha
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +85,20 @@ class Checkpoint:
         other.eval()
         return other
 
+    def tokens_for(self, prompt: str | None) -> Any:
+        """:func:`prompt_tokens` for this checkpoint, each id checked against the model's token
+        embedding first (MLX's gather does not check: an id past it crashes the process)."""
+        from graphkern.models.tokens import check_token_ids
+        from graphkern.nodes import KernelError
+
+        tokens = prompt_tokens(self.tokenizer, prompt)
+        try:
+            check_token_ids(self.model, tokens, "run a prompt")
+        except KernelError as exc:
+            text = DEFAULT_PROMPT if prompt is None else prompt
+            raise BadInput(f"--prompt {text!r} with --model {self.path}: {exc.description}") from None
+        return tokens
+
     def local_path(self) -> str:
         from mlx_lm.utils import _download
 
@@ -94,6 +109,34 @@ def _looks_like_path(text: str) -> bool:
     """A hub id is ``owner/name``: anything else (absolute, ``./``, ``~``, more parts) is a folder."""
     return (os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") != 1
             or os.sep != "/" and os.sep in text)
+
+
+def _check_folder(path: str, expanded: str) -> None:
+    """What is wrong with ``--model path`` as a local checkpoint folder, said before mlx_lm.load
+    says it less clearly (a hub id that is no local path passes)."""
+    try:
+        os.stat(expanded)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BadInput(f"--model {path}: a symlink loop (its links lead back to themselves, never "
+                           "to a folder)") from None
+        if exc.errno == errno.EACCES:
+            raise BadInput(f"--model {path}: cannot be read: permission denied") from None
+        if _looks_like_path(path) or os.path.islink(expanded):
+            raise BadInput(f"--model {path}: no such folder (give an mlx-lm checkpoint folder, or a "
+                           "Hugging Face Hub id such as mlx-community/Llama-3.2-1B-Instruct-4bit)") from None
+        return
+    if not os.path.isdir(expanded):
+        raise BadInput(f"--model {path}: not a folder (give the checkpoint's folder, which holds "
+                       "config.json and *.safetensors)")
+    if not os.access(expanded, os.R_OK | os.X_OK):
+        raise BadInput(f"--model {path}: the folder cannot be read: permission denied")
+    config = os.path.join(expanded, "config.json")
+    if not os.path.isfile(config):
+        raise BadInput(f"--model {path}: no config.json in the folder; is it an mlx-lm checkpoint "
+                       "(config.json, *.safetensors, tokenizer files)?")
+    if not os.access(config, os.R_OK):
+        raise BadInput(f"--model {path}: its config.json cannot be read: permission denied")
 
 
 def load_checkpoint(path: str) -> Checkpoint:
@@ -108,15 +151,7 @@ def load_checkpoint(path: str) -> Checkpoint:
     except ImportError:
         raise BadInput("--model needs mlx-lm: pip install 'graphkern[models]'") from None
     expanded = os.path.expanduser(path)
-    if not os.path.exists(expanded) and _looks_like_path(path):
-        raise BadInput(f"--model {path}: no such folder (give an mlx-lm checkpoint folder, or a "
-                       "Hugging Face Hub id such as mlx-community/Llama-3.2-1B-Instruct-4bit)")
-    if os.path.exists(expanded) and not os.path.isdir(expanded):
-        raise BadInput(f"--model {path}: not a folder (give the checkpoint's folder, which holds "
-                       "config.json and *.safetensors)")
-    if os.path.isdir(expanded) and not os.path.isfile(os.path.join(expanded, "config.json")):
-        raise BadInput(f"--model {path}: no config.json in the folder; is it an mlx-lm checkpoint "
-                       "(config.json, *.safetensors, tokenizer files)?")
+    _check_folder(path, expanded)
     try:
         model, tokenizer, config = mlx_lm.load(expanded, return_config=True)  # type: ignore[misc]
     except Exception as exc:
@@ -133,7 +168,7 @@ def prompt_tokens(tokenizer: Any, prompt: str | None) -> Any:
     the chat template when the tokenizer has one, else encoded with its special tokens."""
     import mlx.core as mx
 
-    text = DEFAULT_PROMPT if prompt is None else prompt
+    text = DEFAULT_PROMPT if prompt is None else utf8_text("--prompt", prompt)
     chat = bool(getattr(tokenizer, "has_chat_template", False))
     if chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -142,6 +177,19 @@ def prompt_tokens(tokenizer: Any, prompt: str | None) -> Any:
     if not ids:
         raise BadInput(f"--prompt {prompt!r} gives no tokens")
     return mx.array([ids], dtype=mx.int32)
+
+
+def utf8_text(option: str, text: str) -> str:
+    """``text`` when it is UTF-8; an argument that is not reaches Python with its bytes as lone
+    surrogates (``surrogateescape``), which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(text[exc.start])
+        what = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"character U+{char:04X}"
+        raise BadInput(f"{option}: not UTF-8 text ({what} at character {exc.start}); give the "
+                       "text in UTF-8") from None
+    return text
 
 
 _WHAT = {"MODULE:CALLABLE": "a .py file or module and a callable in it, with -i SHAPE:DTYPE for each "
@@ -186,7 +234,7 @@ def model_and_tokens(model_path: str, prompt: str | None, patch_model: bool,
     keeps an unpatched model object on the same weights."""
     step(f"loading {model_path}")
     ckpt = load_checkpoint(model_path)
-    run = ModelRun(ckpt, prompt_tokens(ckpt.tokenizer, prompt), [])
+    run = ModelRun(ckpt, ckpt.tokens_for(prompt), [])
     if stock_twin:
         run.stock = ckpt.twin()
     if patch_model:

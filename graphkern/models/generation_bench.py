@@ -20,6 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from graphkern.models.tokens import check_token_ids
 from graphkern.nodes import KernelError, Status
 
 __all__ = ["GenerationResult", "GenerationRun", "measure_generation"]
@@ -92,6 +93,8 @@ def measure_generation(stock: Any, patched: Any, tokenizer: Any, prompt: Sequenc
     if rounds < 1 or max_tokens < 1 or not prompt:
         raise KernelError(_MEASURE, f"need rounds >= 1, max_tokens >= 1 and a prompt; got rounds={rounds}, "
                           f"max_tokens={max_tokens}, {len(prompt)} prompt tokens", Status.INVALID_INPUT)
+    for model in (stock, patched):  # before MLX's unchecked gather reads past the embedding
+        check_token_ids(model, prompt, _MEASURE)
     eos = set(tokenizer.eos_token_ids)
     tokenizer.eos_token_ids = set()  # every run makes max_tokens, as mlx_lm.benchmark does
     try:

@@ -665,6 +665,7 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all", route: str = "
     >>> [p.path for p in patch(model, kernels=["rms_norm"])]
     ['layers.1']
     """
+    _require_module(model, "patch")
     check_route(PATCH, route)
     selected = frozenset(_select(kernels))
     rules = [rule for rule in RULES if rule.kernel in selected]
@@ -720,11 +721,19 @@ def set_route(model: nn.Module, route: str) -> int:
     >>> set_route(model, "kernel")
     1
     """
+    _require_module(model, "set_route")
     check_route("set the route of patched layers", route)
     layers = [m for _, m in model.named_modules() if isinstance(m, KernelLayer)]
     for layer in layers:
         object.__setattr__(layer, "_gk_call_route", route)
     return len(layers)
+
+
+def _require_module(model: Any, function: str) -> None:
+    """``ModelError`` for what is not an ``nn.Module`` (walking it would fail with a bare TypeError)."""
+    if not isinstance(model, nn.Module):
+        got = "None" if model is None else f"a {type(model).__name__}"
+        raise ModelError(PATCH, f"{function} takes an mlx.nn.Module and got {got}", Status.INVALID_INPUT)
 
 
 def _sync(layer: KernelLayer) -> None:
@@ -750,6 +759,7 @@ def unpatch(model: nn.Module) -> list[str]:
     and child modules put in place of stock ones (``nn.quantize(model)`` after ``patch`` leaves the
     stock layers with the quantized projections).
     """
+    _require_module(model, "unpatch")
     restored: list[str] = []
 
     def visit(module: nn.Module, path: str) -> None:
@@ -767,6 +777,7 @@ def unpatch(model: nn.Module) -> list[str]:
 
 def patched_layers(model: nn.Module) -> dict[str, str]:
     """``{path: kernel}`` for every kernel-backed layer in ``model``."""
+    _require_module(model, "patched_layers")
     found: dict[str, str] = {}
 
     def visit(module: nn.Module, path: str) -> None:
