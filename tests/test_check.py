@@ -1,5 +1,5 @@
 """gk.check on CPU: report contents, tolerances, failure detection and the no-GPU note; NaN and Inf
-outputs fail gk.check and check_model."""
+outputs fail gk.check and check_model, and gk.compare names them."""
 
 from __future__ import annotations
 
@@ -182,3 +182,12 @@ def test_a_kernel_agreeing_with_its_reference_on_nan_fails_the_check(monkeypatch
     assert case.error == ("non-finite values: reference output 0: 16 NaN and 0 Inf of 16 values; "
                           "kernel output 0: 16 NaN and 0 Inf of 16 values")
 
+
+def test_compare_names_outputs_that_are_nan_on_both_sides() -> None:
+    """NaN in both is no divergence of b from a (``ok``), but the report names the outputs."""
+    c = gk.compare(lambda x: mx.log(x - 5), lambda x: mx.log(x - 5) * 1.0, mx.ones((4,)))
+    assert c.ok and c.first_divergence is None
+    assert c.non_finite_outputs == ["a output_0: 4 NaN and 0 Inf", "b output_0: 4 NaN and 0 Inf"]
+    assert "non-finite outputs: a output_0: 4 NaN and 0 Inf; b output_0: 4 NaN and 0 Inf" in str(c)
+    assert c.to_dict()["non_finite_outputs"] == c.non_finite_outputs
+    assert gk.compare(lambda x: x * 2, lambda x: x + x, mx.ones((4,))).non_finite_outputs == []
