@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 import tempfile
 import threading
@@ -326,6 +327,39 @@ def test_the_flight_folder_goes_only_when_every_rank_ended_cleanly(tmp_path: Pat
     rank0.end()
     rank1.end()
     assert Path(rank0.folder.path).exists()  # type: ignore[union-attr]
+
+
+_FLIGHT_RANK = """import os, sys
+rank = int(os.environ["MLX_RANK"])
+job = os.path.join(os.environ["GRAPHKERN_FLIGHT_DIR"], "graphkern-flight-00000000000000ab")
+os.makedirs(job, exist_ok=True)
+open(os.path.join(job, f"rank{rank}.json"), "w").write("[]")
+print(os.environ["GRAPHKERN_FLIGHT_KEEP"])
+sys.exit(int(sys.argv[1]) if rank == 1 else 0)
+"""
+
+
+def test_run_ranks_keeps_the_flight_folder_of_a_job_that_did_not_end_well(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GRAPHKERN_FLIGHT_DIR", raising=False)
+    failed = run_ranks([sys.executable, "-c", _FLIGHT_RANK, "3"], 2, timeout=60)
+    assert [r.returncode for r in failed] == [0, 3] and {r.output.strip() for r in failed} == {"1"}
+    kept = failed[0].flight
+    assert kept is not None and all(r.flight == kept for r in failed)
+    job = Path(kept) / "graphkern-flight-00000000000000ab"
+    assert sorted(p.name for p in job.iterdir()) == ["rank0.json", "rank1.json"]
+    shutil.rmtree(Path(kept).parent)
+    ok = run_ranks([sys.executable, "-c", _FLIGHT_RANK, "0"], 2, timeout=60)
+    assert [r.flight for r in ok] == [None, None]
+    # a flight directory of the caller's: what this job made goes after a clean end, the rest stays
+    (tmp_path / "graphkern-flight-earlier").mkdir()
+    ok = run_ranks([sys.executable, "-c", _FLIGHT_RANK, "0"], 2, timeout=60,
+                   env={"GRAPHKERN_FLIGHT_DIR": str(tmp_path)})
+    assert [r.flight for r in ok] == [None, None]
+    assert [p.name for p in tmp_path.iterdir()] == ["graphkern-flight-earlier"]
+    failed = run_ranks([sys.executable, "-c", _FLIGHT_RANK, "1"], 2, timeout=60,
+                       env={"GRAPHKERN_FLIGHT_DIR": str(tmp_path)})
+    assert failed[0].flight == str(tmp_path) and (tmp_path / "graphkern-flight-00000000000000ab").is_dir()
 
 
 def test_run_ranks_leaves_no_flight_folder(monkeypatch: pytest.MonkeyPatch) -> None:
