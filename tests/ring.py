@@ -28,7 +28,8 @@ class RankFailed(AssertionError):
 def run_scenario(scenario: str, folder: Path, *, size: int = 2,
                  timeout: float = 150.0) -> list[dict[str, Any]]:
     """Run ``scenario`` on ``size`` ranks; every rank's result dict, in rank order. A rank the
-    watchdog ended (a call stuck inside MLX after an abort) gives ``{"ended_by_watchdog": report}``."""
+    watchdog ended (a call stuck inside MLX after an abort) gives ``{"ended_by_watchdog": report}``,
+    one killed by a signal ``{"killed_by": signal}``."""
     folder.mkdir(parents=True, exist_ok=True)
     env = {"GRAPHKERN_FLIGHT_DIR": str(folder / "flight"),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -45,6 +46,9 @@ def run_scenario(scenario: str, folder: Path, *, size: int = 2,
         if not path.exists() and run.returncode == 1 and "graphkern watchdog: " in run.output:
             report = run.output[run.output.index("graphkern watchdog: "):]
             results.append({"rank": run.rank, "ended_by_watchdog": report})
+            continue
+        if not path.exists() and run.returncode < 0:
+            results.append({"rank": run.rank, "killed_by": -run.returncode})
             continue
         if not path.exists():
             raise RankFailed(f"{scenario}: rank {run.rank} wrote no result\n{logs}")

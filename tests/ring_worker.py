@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import os
 import signal
 import sys
 import time
@@ -214,7 +215,23 @@ def runtime(group: Any, out: Path) -> dict[str, Any]:
     return seen
 
 
-SCENARIOS = {"models": models, "refusals": refusals, "runtime": runtime}
+def killed(group: Any, out: Path) -> dict[str, Any]:
+    """Rank 1 is killed (SIGKILL) between two watched calls; rank 0's next call loses its ring
+    connection and aborts the job."""
+    rank, seen = group.rank(), {}
+    double_sum = gk.compile(lambda x: mx.distributed.all_sum(x, group=group) * 2, group=group, timeout=30)
+    seen["first"] = double_sum(mx.ones((4,))).tolist()
+    mx.eval(mx.distributed.all_sum(mx.ones(1), group=group))  # both ranks are past the first call
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    started = time.time()
+    seen["second"] = attempt(lambda: double_sum(mx.ones((4,))))
+    seen["second_started"], seen["second_ended"] = started, time.time()
+    return seen
+
+
+SCENARIOS = {"models": models, "refusals": refusals, "runtime": runtime, "killed": killed}
 
 
 def main() -> None:

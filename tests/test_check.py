@@ -1,8 +1,12 @@
-"""gk.check on CPU: report contents, tolerances, failure detection and the no-GPU note."""
+"""gk.check on CPU: report contents, tolerances, failure detection and the no-GPU note; NaN and Inf
+outputs fail gk.check and check_model, and gk.compare names them."""
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,6 +16,7 @@ from graphkern.debugging.kernel_checks import TOLERANCES, CheckReport, check, st
 from graphkern.debugging.tolerance import within, worst_errors
 from graphkern.kernels import LIBRARY, RMS_NORM, Case
 from graphkern.launching.backends import active_backend
+from graphkern.models import check_model
 from graphkern.nodes import KernelError
 
 
@@ -123,3 +128,66 @@ def test_check_is_deterministic_for_a_seed(seed: int, n: int) -> None:
     b = entry.make_inputs((2, n), mx.float32, mx.random.key(seed))
     assert all(mx.array_equal(x, y).item() for x, y in zip(a.args, b.args) if isinstance(x, mx.array))
     assert isinstance(a, Case)
+
+
+# ----------------------------------------------------------------------------- NaN and Inf fail checks
+
+
+def _nan_model() -> nn.Module:
+    """A model whose every logit is NaN (a poisoned weight), stock and patched alike."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8))
+    model.layers[0].weight = model.layers[0].weight * float("nan")
+    return model
+
+
+def test_check_model_fails_a_model_whose_logits_are_nan() -> None:
+    """NaN logits equal NaN logits under the tolerance rule; a check of a model still fails them,
+    naming which outputs hold how many non-finite values."""
+    report = check_model(_nan_model(), mx.ones((2, 8)), dtypes=[mx.float32])
+    assert not report.ok and len(report.failures) == 2
+    for case in report.cases:
+        assert case.error == ("non-finite values: stock output 0: 16 NaN and 0 Inf of 16 values; "
+                              "patched output 0: 16 NaN and 0 Inf of 16 values")
+        assert math.isnan(case.max_abs_err) and math.isnan(case.max_rel_err)
+    text = str(report)
+    assert "0/2 cases passed" in text and "0.00e+00" not in text and "stock output 0: 16 NaN" in text
+
+
+def test_checked_errors_fail_any_non_finite_output_and_name_it() -> None:
+    from graphkern.debugging.tolerance import checked_errors, non_finite
+
+    finite = mx.ones((2, 3))
+    assert checked_errors([finite], [finite], rtol=0.0, atol=0.0) == (0.0, 0.0, True, None)
+    inf = mx.array([[1.0, float("inf"), 1.0], [1.0, 1.0, 1.0]])
+    max_abs, _, passed, why = checked_errors([finite, inf], [finite, inf], rtol=1.0, atol=1.0,
+                                             sides=("patched", "stock"))
+    assert not passed and math.isnan(max_abs)
+    assert why == ("non-finite values: stock output 1: 0 NaN and 1 Inf of 6 values; "
+                   "patched output 1: 0 NaN and 1 Inf of 6 values")
+    assert non_finite([mx.array([1, 2])], "stock") == []  # integers are always finite
+
+
+def test_a_kernel_agreeing_with_its_reference_on_nan_fails_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphkern.debugging.kernel_checks as check_module
+
+    real_apply = check_module.apply_plan
+
+    def both_nan(plan, backend=None):  # type: ignore[no-untyped-def]
+        return [o * float("nan") for o in real_apply(plan, "reference")]
+
+    monkeypatch.setattr(check_module, "apply_plan", both_nan)
+    report = check("rms_norm", shapes=[(2, 8)], dtypes=[mx.float32], strided_inputs=False)
+    [case] = report.cases
+    assert not report.ok and not case.passed and math.isnan(case.max_abs_err)
+    assert case.error == ("non-finite values: reference output 0: 16 NaN and 0 Inf of 16 values; "
+                          "kernel output 0: 16 NaN and 0 Inf of 16 values")
+
+
+def test_compare_names_outputs_that_are_nan_on_both_sides() -> None:
+    """NaN in both is no divergence of b from a (``ok``), but the report names the outputs."""
+    c = gk.compare(lambda x: mx.log(x - 5), lambda x: mx.log(x - 5) * 1.0, mx.ones((4,)))
+    assert c.ok and c.first_divergence is None
+    assert c.non_finite_outputs == ["a output_0: 4 NaN and 0 Inf", "b output_0: 4 NaN and 0 Inf"]
+    assert "non-finite outputs: a output_0: 4 NaN and 0 Inf; b output_0: 4 NaN and 0 Inf" in str(c)
+    assert c.to_dict()["non_finite_outputs"] == c.non_finite_outputs
+    assert gk.compare(lambda x: x * 2, lambda x: x + x, mx.ones((4,))).non_finite_outputs == []

@@ -9,6 +9,8 @@ timeout that kills the ranks' process groups, and several tests read what its ra
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import sys
 import tempfile
 import threading
@@ -26,7 +28,7 @@ from ring import run_scenario
 
 import graphkern as gk
 from graphkern.cli import main
-from graphkern.distributed import CollectiveTimeout, GroupError, JobAborted, merge
+from graphkern.distributed import CollectiveTimeout, GroupError, JobAborted, merge, watchdog
 from graphkern.distributed.collectives import REAL
 from graphkern.distributed.launcher import run_ranks
 from graphkern.distributed.watchdog import Job
@@ -240,10 +242,124 @@ def test_an_earlier_jobs_abort_stops_no_later_job(tmp_path: Path, monkeypatch: p
         time.sleep(0.3)
     assert later.reason is None and later.error(None) is None
     Path(later.folder.abort_path).unlink()
+    peer = Job(1, 2)  # the later job's other rank
+    peer.join(later.token)  # type: ignore[arg-type]
     later.end()
-    assert not Path(later.folder.path).exists()  # ended cleanly: nothing left behind
+    assert Path(later.folder.path).exists()  # rank 1 has not ended yet
+    peer.end()
+    assert not Path(later.folder.path).exists()  # every rank ended cleanly: nothing left behind
     earlier.end()
     assert Path(earlier.folder.abort_path).exists()  # aborted: kept for the post-mortem
+
+
+def _joined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, token: int = 0x1234) -> tuple[Job, Job]:
+    """Both ranks of a job of two, in this process, sharing a flight folder in ``tmp_path``."""
+    monkeypatch.setenv("GRAPHKERN_FLIGHT_DIR", str(tmp_path))
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)  # no ring connections to shut
+    monkeypatch.delenv("GRAPHKERN_FLIGHT_KEEP", raising=False)
+    ranks = Job(0, 2), Job(1, 2)
+    for job in ranks:
+        job.join(token)
+    return ranks
+
+
+def test_a_lost_connection_aborts_the_job_and_names_the_rank_that_died(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer killed mid-job: the call that loses its ring connection aborts the job, the error
+    says which rank died and when, and the flight folder stays for the post-mortem."""
+    monkeypatch.setattr(watchdog, "_GRACE", 0.2)  # rank 1 never writes its record
+    job, _ = _joined(tmp_path, monkeypatch)
+    with job.watch(30.0, "f(float32[2])", ()):
+        pass
+    with pytest.raises(JobAborted) as info, job.watch(30.0, "f(float32[2])", ("all_sum(sum) float32[2]",)):
+        raise RuntimeError("[ring] Socket 3 was closed by the peer")
+    message = str(info.value)
+    assert type(info.value) is JobAborted and info.value.rank is None
+    assert "rank 1 died (killed or crashed: it left no flight record); rank 0 lost its ring connection at " \
+           in message
+    assert " s into call #1 f(float32[2]); the job is aborted" in message
+    assert "rank 0: #1 f(float32[2]) failed at the abort" in message
+    assert "rank 1: no flight record (its process ended or hung before writing one)" in message
+    assert re.search(r"(?<![\w\]])-\d", message) is None  # no negative durations
+    folder = Path(job.folder.path)  # type: ignore[union-attr]
+    assert json.loads((folder / "abort.json").read_text())["kind"] == "lost"
+    job.end()
+    assert (folder / "abort.json").exists() and (folder / "rank0.json").exists()  # kept
+
+
+def test_times_in_a_report_are_never_negative() -> None:
+    """A rank whose call failed just after the abort (its own abort, or a peer's) is 'after'."""
+    now = 1_000_000.0
+    reason = {"kind": "timeout", "rank": 0, "seq": 3, "call": "f(float32[2])", "timeout": 1.0, "time": now}
+    records = {0: [{"seq": 3, "call": "f(float32[2])", "collectives": [], "count": 0, "state": "failed",
+                    "entered": now - 1.2, "finished": now + 0.25}],
+               1: [{"seq": 2, "call": "f(float32[2])", "collectives": [], "count": 0, "state": "completed",
+                    "entered": now - 0.6, "finished": now - 0.5}]}
+    message = str(watchdog._aborted(reason, records, 2))
+    assert "rank 0: #3 f(float32[2]) failed 0.25 s after the abort" in message
+    assert "rank 1: #2 f(float32[2]) completed 0.50 s before the abort" in message
+    records[0][0]["finished"] = now - 0.0001
+    assert "failed at the abort" in str(watchdog._aborted(reason, records, 2))
+    assert "-0.00" not in str(watchdog._aborted(reason, records, 2))
+
+
+def test_the_flight_folder_goes_only_when_every_rank_ended_cleanly(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    rank0, rank1 = _joined(tmp_path, monkeypatch, 0x1)
+    folder = Path(rank0.folder.path)  # type: ignore[union-attr]
+    rank0.end()
+    assert sorted(p.name for p in folder.iterdir()) == ["ended0"]  # rank 1 may still fail
+    rank0.end()  # once only (it is also registered at exit)
+    rank1.end()
+    assert not folder.exists()
+    # rank 0's last watched call failed (not a lost connection, no abort): its end is not clean
+    rank0, rank1 = _joined(tmp_path, monkeypatch, 0x2)
+    folder = Path(rank0.folder.path)  # type: ignore[union-attr]
+    with pytest.raises(ValueError), rank0.watch(30.0, "f(float32[2])", ()):
+        raise ValueError("a bug in the caller")
+    rank0.end()
+    rank1.end()
+    assert sorted(p.name for p in folder.iterdir()) == ["ended1", "rank0.json"]
+    assert json.loads((folder / "rank0.json").read_text())[-1]["state"] == "failed"
+    # under a launcher that sees the exit statuses (run_ranks), the launcher decides
+    rank0, rank1 = _joined(tmp_path, monkeypatch, 0x3)
+    monkeypatch.setenv("GRAPHKERN_FLIGHT_KEEP", "1")
+    rank0.end()
+    rank1.end()
+    assert Path(rank0.folder.path).exists()  # type: ignore[union-attr]
+
+
+_FLIGHT_RANK = """import os, sys
+rank = int(os.environ["MLX_RANK"])
+job = os.path.join(os.environ["GRAPHKERN_FLIGHT_DIR"], "graphkern-flight-00000000000000ab")
+os.makedirs(job, exist_ok=True)
+open(os.path.join(job, f"rank{rank}.json"), "w").write("[]")
+print(os.environ["GRAPHKERN_FLIGHT_KEEP"])
+sys.exit(int(sys.argv[1]) if rank == 1 else 0)
+"""
+
+
+def test_run_ranks_keeps_the_flight_folder_of_a_job_that_did_not_end_well(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GRAPHKERN_FLIGHT_DIR", raising=False)
+    failed = run_ranks([sys.executable, "-c", _FLIGHT_RANK, "3"], 2, timeout=60)
+    assert [r.returncode for r in failed] == [0, 3] and {r.output.strip() for r in failed} == {"1"}
+    kept = failed[0].flight
+    assert kept is not None and all(r.flight == kept for r in failed)
+    job = Path(kept) / "graphkern-flight-00000000000000ab"
+    assert sorted(p.name for p in job.iterdir()) == ["rank0.json", "rank1.json"]
+    shutil.rmtree(Path(kept).parent)
+    ok = run_ranks([sys.executable, "-c", _FLIGHT_RANK, "0"], 2, timeout=60)
+    assert [r.flight for r in ok] == [None, None]
+    # a flight directory of the caller's: what this job made goes after a clean end, the rest stays
+    (tmp_path / "graphkern-flight-earlier").mkdir()
+    ok = run_ranks([sys.executable, "-c", _FLIGHT_RANK, "0"], 2, timeout=60,
+                   env={"GRAPHKERN_FLIGHT_DIR": str(tmp_path)})
+    assert [r.flight for r in ok] == [None, None]
+    assert [p.name for p in tmp_path.iterdir()] == ["graphkern-flight-earlier"]
+    failed = run_ranks([sys.executable, "-c", _FLIGHT_RANK, "1"], 2, timeout=60,
+                       env={"GRAPHKERN_FLIGHT_DIR": str(tmp_path)})
+    assert failed[0].flight == str(tmp_path) and (tmp_path / "graphkern-flight-00000000000000ab").is_dir()
 
 
 def test_run_ranks_leaves_no_flight_folder(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -274,6 +390,12 @@ def refusals_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[d
 def runtime_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     folder = tmp_path_factory.mktemp("runtime")
     return folder, run_scenario("runtime", folder)
+
+
+@pytest.fixture(scope="module")
+def killed_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    folder = tmp_path_factory.mktemp("killed")
+    return folder, run_scenario("killed", folder, timeout=90)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
@@ -450,6 +572,23 @@ def test_a_run_failure_is_attributed_on_its_rank_alone(runtime_job: Any) -> None
     second = rank0["second"]
     assert second["type"] == "JobAborted" and second["rank"] == 1 and second["node"] == first["node"]
     assert "rank 1 failed while running" in second["message"]
+
+
+def test_a_killed_rank_is_named_and_its_jobs_flight_folder_stays(killed_job: Any) -> None:
+    folder, (rank0, rank1) = killed_job
+    assert rank1 == {"rank": 1, "killed_by": 9}
+    assert rank0["first"] == [4.0] * 4
+    second = rank0["second"]
+    assert second["type"] == "JobAborted" and second["rank"] is None
+    message = second["message"]
+    assert "rank 1 died (killed or crashed: it left no flight record); rank 0 lost its ring connection at" \
+           in message
+    assert "rank 0: #2 <lambda>(float32[4]) failed at the abort" in message
+    assert re.search(r"(?<![\w\]])-\d", message) is None  # no negative durations
+    assert rank0["second_ended"] - rank0["second_started"] < 20  # the loss, not the 30 s timeout
+    [job] = list((folder / "flight").iterdir())  # kept: the job did not end well
+    assert json.loads((job / "abort.json").read_text())["kind"] == "lost"
+    assert json.loads((job / "rank0.json").read_text())[-1]["state"] == "failed"
 
 
 def test_errors_pickle() -> None:

@@ -2,7 +2,8 @@
 
 Loading executes nothing (an audit hook watches for exec, compile, imports, pickle, processes);
 truncated, corrupted, oversized and wrong-version documents give a ``KernelError`` naming the
-load and what is wrong, never another exception; whatever loads is a usable graph; and for
+load and what is wrong, never another exception; whatever loads is a usable graph that passes
+lint and draws in every format (``tests/test_graph_files.py`` mutates each field); and for
 random DAG functions of MLX ops, kernels (failing ones too) and module scopes,
 ``Graph.from_json(g.to_json()) == g``.
 """
@@ -28,6 +29,7 @@ from hypothesis import strategies as st
 
 import graphkern as gk
 from graphkern.tracing import graph as graph_module
+from graphkern.viz.graph_diff import diff
 
 S = gk.Status
 LOAD_OP = "load a graphkern graph from JSON"
@@ -176,12 +178,18 @@ def load_fails(text: str | bytes, fragment: str = "") -> gk.KernelError:
 
 
 def assert_usable(g: gk.Graph) -> None:
-    """A loaded graph answers every inspection call and writes itself back identically."""
+    """A loaded graph passes lint, answers every inspection call, draws in every format and
+    writes itself back identically."""
+    g.lint()
     g.summary()
     g.failures()
     g.affected_outputs()
     g.collapse(1)
     assert isinstance(g.status, gk.Status) and g.ok == (g.status == S.OK)
+    g.to_html()
+    g.to_dot(stats=True)
+    g.to_model_explorer()
+    diff(SAMPLE, g).to_html()
     assert gk.Graph.from_json(g.to_json()) == g
 
 

@@ -196,7 +196,9 @@ def check_arity(fn: Callable[..., Any], target: str, given: int) -> None:
 
 
 def load_graph(path: str) -> Any:
-    """A ``gk.Graph`` from a JSON file written by ``Graph.to_json``; bad files exit with 2."""
+    """A ``gk.Graph`` from a JSON file written by ``Graph.to_json``, linted as it loads (every field
+    and the graph's structure, ``Graph.from_json``); a file that cannot be read or loaded is one
+    ``error:`` line and exit status 2."""
     from graphkern import Graph, KernelError
 
     try:

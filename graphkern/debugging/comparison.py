@@ -156,8 +156,15 @@ class Comparison:
     @property
     def ok(self) -> bool:
         """Every row within tolerance, every parameter and kernel check too, and no NaN/Inf
-        started in ``b`` that ``a`` did not have."""
+        started in ``b`` that ``a`` did not have (NaN/Inf in both is no divergence of ``b`` from
+        ``a``; ``non_finite_outputs`` names them, and so does the report)."""
         return not self.diverged and not self.parameters_differing and all(k.ok for k in self.kernel_checks)
+
+    @property
+    def non_finite_outputs(self) -> list[str]:
+        """Each output of ``a`` or ``b`` holding NaN or Inf values, how many: ``b output_0: 8 NaN
+        and 0 Inf``. A divergence only where ``a`` is finite, but never outputs to trust."""
+        return _non_finite_outputs(self.a, "a") + _non_finite_outputs(self.b, "b")
 
     def to_dict(self) -> dict[str, Any]:
         first = self.first_divergence
@@ -167,6 +174,7 @@ class Comparison:
                 "parameters": [asdict(p) for p in self.parameters],
                 "rows": [asdict(r) for r in self.rows],
                 "kernel_checks": [asdict(k) for k in self.kernel_checks],
+                "non_finite_outputs": self.non_finite_outputs,
                 "unmatched": {"a": self.unmatched_a, "b": self.unmatched_b},
                 "parameters_unmatched": {"a": self.parameters_only_a, "b": self.parameters_only_b}}
 
@@ -206,6 +214,9 @@ class Comparison:
                          f"{first.mismatched} elements beyond {within}"
                          + (f" (up to {_num(first.excess)}x what is allowed)" if first.excess else "")
                          + (f" ({first.note})" if first.note else ""))
+        non_finite = self.non_finite_outputs
+        if non_finite:
+            lines.append(f"non-finite outputs: {'; '.join(non_finite)}")
         bad = [k for k in self.kernel_checks if not k.ok]
         if self.kernel_checks:
             lines.append(f"kernels against their references in place: {len(self.kernel_checks) - len(bad)} "
@@ -271,6 +282,16 @@ class Comparison:
         from ..viz.html import srcdoc_iframe
 
         return srcdoc_iframe(self.to_html())
+
+
+def _non_finite_outputs(graph: Graph, side: str) -> list[str]:
+    """``side output_0: 8 NaN and 0 Inf`` for each output node of ``graph`` whose values hold any."""
+    found = []
+    for node in graph.nodes(NodeKind.OUTPUT):
+        stats = graph.nx.nodes[node].get("stats")
+        if isinstance(stats, dict) and (stats.get("nan") or stats.get("inf")):
+            found.append(f"{side} {node}: {stats['nan']} NaN and {stats['inf']} Inf")
+    return found
 
 
 def _num(value: float | None) -> str:

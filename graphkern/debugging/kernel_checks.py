@@ -3,7 +3,8 @@
 For each library entry, dtype, shape and layout (contiguous, and strided: every float argument a
 non-contiguous view), the same launch plan runs twice: on the active backend (the kernel's CUDA or
 Metal source) and on the reference backend. The report gives the worst error of each case against
-per-dtype tolerances. Where no GPU backend exists the "kernel" run is the reference itself; the
+per-dtype tolerances; a NaN or Inf in the kernel's or the reference's outputs fails the case,
+naming the output. Where no GPU backend exists the "kernel" run is the reference itself; the
 report says so (backend ``reference``) instead of pretending a GPU comparison happened.
 
 ``check()`` dispatches on what it is given; kernels go to :func:`check_kernel` (models can get
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from tabulate import tabulate
 
-from graphkern.debugging.tolerance import TOLERANCES, worst_errors
+from graphkern.debugging.tolerance import TOLERANCES, checked_errors
 from graphkern.kernels import LIBRARY, entries_for
 from graphkern.kernels.base import FLOAT_DTYPES, Case, LibraryEntry, apply_plan
 from graphkern.launching.backends import resolve_backend
@@ -134,8 +135,7 @@ def _run_case(entry: LibraryEntry, case: Case, backend: str, atol: float,
     except KernelError as exc:
         first_line = (exc.description.splitlines() or [""])[0][:120]
         return float("nan"), float("nan"), False, f"{exc.status.name}: {first_line}"
-    max_abs, max_rel, passed = worst_errors(out, ref, rtol=rtol, atol=atol)
-    return max_abs, max_rel, passed, None
+    return checked_errors(out, ref, rtol=rtol, atol=atol, sides=("kernel", "reference"))
 
 
 def check_kernel(kernel_or_name: Kernel | str | LibraryEntry | None = None,

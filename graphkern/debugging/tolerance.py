@@ -6,6 +6,10 @@ with NaN and an Inf with the same Inf, while NaN against a number or an Inf agai
 is beyond. The relative error divides by ``max(|expected|, atol)``, so values near zero do not blow
 it up. ``gk.check``, ``check_model``, ``gk.compare`` and ``gk.inspect``'s kernel checks all use it.
 
+A check of outputs against expected outputs (``gk.check``, ``check_model``: ``checked_errors``)
+asks more: a NaN or Inf on either side fails it, even where both sides agree on it (all-NaN
+logits equal all-NaN logits, and are still broken), and the failure names the outputs.
+
 The per-dtype defaults are ``(atol, rtol)`` pairs: ``TOLERANCES`` for a kernel against its
 reference, ``MODEL_TOLERANCES`` for a patched model's logits against the stock model's.
 
@@ -23,7 +27,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["MODEL_TOLERANCES", "TOLERANCES", "errors", "within", "worst_errors"]
+__all__ = ["MODEL_TOLERANCES", "TOLERANCES", "checked_errors", "errors", "non_finite", "within",
+           "worst_errors"]
 
 #: (atol, rtol) per dtype for a kernel against its reference. Kernel and reference both compute in
 #: float32 and round once, so they differ by at most an ulp of the dtype (float16: 2**-10,
@@ -82,3 +87,38 @@ def worst_errors(actual: Sequence[mx.array], expected: Sequence[mx.array], *, rt
     worst = mx.concatenate([mx.max(rows[:, :2], axis=0), mx.sum(rows[:, 2:])[None]])
     max_abs, max_rel, beyond = (float(v) for v in np.asarray(worst))
     return max_abs, max_rel, beyond == 0
+
+
+def non_finite(outputs: Sequence[mx.array], side: str) -> list[str]:
+    """One line for each output holding NaN or Inf values, naming it, empty when all are finite.
+
+    >>> non_finite([mx.array([1.0, float("nan"), float("inf")]), mx.ones(2)], "patched")
+    ['patched output 0: 1 NaN and 1 Inf of 3 values']
+    """
+    floating = [(i, o) for i, o in enumerate(outputs) if mx.issubdtype(o.dtype, mx.floating) and o.size]
+    if not floating:
+        return []
+    counts = np.asarray(mx.stack([mx.stack([mx.isnan(o).sum(), mx.isinf(o).sum()]) for _, o in floating]))
+    return [f"{side} output {i}: {int(nan)} NaN and {int(inf)} Inf of {o.size} values"
+            for (i, o), (nan, inf) in zip(floating, counts) if nan or inf]
+
+
+def checked_errors(actual: Sequence[mx.array], expected: Sequence[mx.array], *, rtol: float, atol: float,
+                   sides: tuple[str, str] = ("actual", "expected")) -> tuple[float, float, bool, str | None]:
+    """``worst_errors`` and why the check failed beyond tolerance: a NaN or Inf in any output of
+    either side (named by ``sides``) fails it, with NaN errors and the outputs that hold them.
+
+    >>> nan = mx.array([float("nan")])
+    >>> max_abs, _, passed, why = checked_errors([nan], [nan], rtol=0.0, atol=0.0, sides=("patched", "stock"))
+    >>> max_abs, passed
+    (nan, False)
+    >>> for part in why.split("; "):
+    ...     print(part)
+    non-finite values: stock output 0: 1 NaN and 0 Inf of 1 values
+    patched output 0: 1 NaN and 0 Inf of 1 values
+    """
+    found = non_finite(expected, sides[1]) + non_finite(actual, sides[0])
+    if found:
+        return float("nan"), float("nan"), False, "non-finite values: " + "; ".join(found)
+    max_abs, max_rel, passed = worst_errors(actual, expected, rtol=rtol, atol=atol)
+    return max_abs, max_rel, passed, None

@@ -11,14 +11,22 @@ and a watchdog thread checks its deadline. When a call overruns, the watchdog ab
    (else the temporary directory), where ``<token>`` is a random number rank 0 drew and sent
    with the job's first agreement: every rank of the job shares it and no other job does (a
    stale abort of an earlier job on the same hostfile is never read), and an abort record older
-   than this process's job is ignored all the same. A job that ends without an abort removes its
-   folder; an aborted job's stays for the post-mortem;
+   than this process's job is ignored all the same. The folder is removed only when every rank
+   of the job ended cleanly (no abort, its last watched call completed; each clean rank leaves
+   an ``ended<rank>`` mark, the last one removes the folder); after any other end (an abort, a
+   rank killed or crashed, a lost connection) it stays for the post-mortem. Under a launcher
+   that sets ``GRAPHKERN_FLIGHT_KEEP`` (``run_ranks`` does: it alone sees every rank's exit
+   status) no rank removes it;
 2. it shuts down this process's ring sockets (those on the hostfile's ports), as NCCL's
    ``ncclCommAbort`` does: the stuck evaluation raises, and so do the peers' collectives;
 3. every rank's watchdog sees the reason within a poll, writes its own record and aborts too; a
    call in progress raises :class:`CollectiveTimeout` (or :class:`JobAborted` when a rank failed
    while running), and so does every later watched call, naming the rank and the last calls each
    rank entered.
+
+A rank whose call fails because a ring connection dropped (a peer killed or crashed) aborts the
+job the same way; the ranks that write no flight record within the grace period are the ones
+that died, and the error names them and when the connection was lost.
 
 After an abort the group cannot communicate again (as after ``ncclCommAbort``): end the job. MLX's
 ring fails the transfers pending when a connection drops, so a call waiting in a collective
@@ -47,7 +55,7 @@ from typing import Any
 from ..nodes import Status
 from .agreement import GroupError
 
-__all__ = ["CollectiveTimeout", "FlightRecorder", "Job", "JobAborted", "ring_connections"]
+__all__ = ["KEEP_ENV", "CollectiveTimeout", "FlightRecorder", "Job", "JobAborted", "ring_connections"]
 
 _POLL = 0.05  # seconds between the watchdog's looks at deadlines and at the flight folder
 _GRACE = 2.0  # seconds a raising rank waits for the others' flight records
@@ -55,6 +63,8 @@ _RELEASE = _GRACE + 4.0  # seconds after an abort that a call may still be insid
 _RECORDS = 64  # calls kept in a flight record
 _SHOWN = 4  # collectives kept per call in a written record
 _OPERATION = "run a graphkern compiled graph across ranks"
+#: set (to anything but "" or "0") by a launcher that removes the flight folder itself
+KEEP_ENV = "GRAPHKERN_FLIGHT_KEEP"
 
 
 class JobAborted(GroupError):
@@ -123,6 +133,11 @@ class FlightRecorder:
 # ----------------------------------------------------------------------------- the flight folder
 
 
+def _launcher_keeps() -> bool:
+    """A launcher that sees every rank's exit status removes the flight folder itself."""
+    return os.environ.get(KEEP_ENV, "") not in ("", "0")
+
+
 def _hostfile_text() -> str | None:
     path = os.environ.get("MLX_HOSTFILE")
     if not path:
@@ -185,6 +200,16 @@ class _Folder:
     def write_record(self, rank: int, entries: list[dict[str, Any]]) -> None:
         with contextlib.suppress(OSError):
             os.replace(self._write("record", entries), os.path.join(self.path, f"rank{rank}.json"))
+
+    def mark_ended(self, rank: int) -> None:
+        """Leave the mark of a rank that ended cleanly (in the folder as it is: never made anew)."""
+        with contextlib.suppress(OSError), open(os.path.join(self.path, f"ended{rank}"), "w") as f:
+            f.write(f"{time.time()}\n")
+
+    def all_ended(self, size: int) -> bool:
+        """Every rank of ``size`` ended cleanly and none aborted."""
+        return not os.path.exists(self.abort_path) and all(
+            os.path.exists(os.path.join(self.path, f"ended{rank}")) for rank in range(size))
 
     def records(self, size: int, wait: float) -> dict[int, list[dict[str, Any]]]:
         """Every rank's record that arrives within ``wait`` seconds."""
@@ -316,6 +341,7 @@ class Job:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stuck_after = 0.0  # when a call still inside MLX after an abort ends the process
+        self._ended = False
 
     def join(self, token: int) -> None:
         """Take ``token`` (rank 0's proposal, from the job's first agreement) as the job's: its
@@ -327,11 +353,28 @@ class Job:
         atexit.register(self.end)
 
     def end(self) -> None:
-        """The job ends here: remove its flight folder unless it was aborted (then the folder keeps
-        the reason and the ranks' records)."""
+        """The job ends here for this rank (at exit, once): a clean end leaves its mark and the
+        last rank to end cleanly removes the flight folder; any other end writes this rank's
+        record there, so the folder stays with the reason and the records for the post-mortem."""
         folder = self.folder
-        if folder is not None and self.reason is None and not os.path.exists(folder.abort_path):
-            shutil.rmtree(folder.path, ignore_errors=True)
+        if folder is None or self._ended:
+            return
+        self._ended = True
+        if not self.clean():
+            folder.write_record(self.rank, self.flight.snapshot())
+        elif not _launcher_keeps():
+            folder.mark_ended(self.rank)
+            if folder.all_ended(self.size):
+                shutil.rmtree(folder.path, ignore_errors=True)
+
+    def clean(self) -> bool:
+        """This rank's part ended cleanly: no abort (its own or in the folder) and its last watched
+        call completed. (An exit status is the launcher's to see: ``run_ranks`` keeps the folder
+        of a job whose ranks did not all exit 0.)"""
+        entries = list(self.flight.entries)
+        folder = self.folder
+        aborted = self.reason is not None or (folder is not None and os.path.exists(folder.abort_path))
+        return not aborted and (not entries or entries[-1]["state"] == "completed")
 
     @classmethod
     def of(cls, group: Any) -> Job:
@@ -357,7 +400,7 @@ class Job:
             yield
         except BaseException as exc:
             self.flight.finish(entry, "failed")
-            error = self.error(exc) if isinstance(exc, Exception) else None
+            error = self.error(exc, entry) if isinstance(exc, Exception) else None
             if error is not None:
                 raise error from exc
             raise
@@ -374,14 +417,18 @@ class Job:
                      "status": int(getattr(rank_error, "status", Status.RUNTIME_ERROR)),
                      "message": str(rank_error), "time": time.time()})
 
-    def error(self, cause: BaseException | None) -> JobAborted | None:
+    def error(self, cause: BaseException | None, entry: dict[str, Any] | None = None) -> JobAborted | None:
         """The error of an aborted job (None when it was not, and ``cause`` is not a lost
-        connection), with every rank's record that arrives in time."""
+        connection), with every rank's record that arrives in time. A lost connection (``cause``
+        from MLX's ring, in the watched call ``entry``) aborts the job here, so the other ranks
+        stop too and the folder keeps the reason."""
         reason = self.reason or self._peer_reason()
         if reason is None:
             if cause is None or "[ring]" not in str(cause):
                 return None
-            reason = {"kind": "lost", "rank": None, "message": str(cause), "time": time.time()}
+            self._abort(_lost(self.rank, cause, entry))
+            reason = self.reason
+            assert reason is not None
         records = (self.folder.records(self.size, _GRACE) if self.folder is not None
                    else {self.rank: self.flight.snapshot()})
         records.setdefault(self.rank, self.flight.snapshot())
@@ -457,8 +504,55 @@ class Job:
 # ----------------------------------------------------------------------------- reports
 
 
+def _lost(rank: int, cause: BaseException, entry: dict[str, Any] | None) -> dict[str, Any]:
+    """The reason of a job whose ring connection this rank lost in the watched call ``entry``."""
+    reason: dict[str, Any] = {"kind": "lost", "rank": None, "by": rank, "message": str(cause),
+                              "time": time.time()}
+    if entry is not None:
+        reason.update(seq=entry["seq"], call=entry["call"], entered=entry["entered"])
+    return reason
+
+
 def _ago(then: Any, now: float) -> str:
-    return f"{now - then:.2f} s before the abort" if isinstance(then, (int, float)) else "at an unknown time"
+    """When ``then`` was, against the abort at ``now``: never a negative number of seconds.
+
+    >>> _ago(9.5, 10.0), _ago(10.25, 10.0), _ago(10.001, 10.0), _ago(None, 10.0)
+    ('0.50 s before the abort', '0.25 s after the abort', 'at the abort', 'at an unknown time')
+    """
+    if not isinstance(then, (int, float)):
+        return "at an unknown time"
+    seconds = now - then
+    if abs(seconds) < 0.005:
+        return "at the abort"
+    return f"{abs(seconds):.2f} s {'before' if seconds > 0 else 'after'} the abort"
+
+
+def _clock(then: Any) -> str:
+    """``14:03:07.25``: a time of day on this machine's clock."""
+    if not isinstance(then, (int, float)):
+        return "an unknown time"
+    return time.strftime("%H:%M:%S", time.localtime(then)) + f".{int(then * 100) % 100:02d}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 1``, ``ranks 1 and 3``, ``ranks 0, 1 and 3``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+
+
+def _lost_head(reason: dict[str, Any], records: dict[int, list[dict[str, Any]]], size: int) -> str:
+    """Which ranks died (those that left no flight record) and when the connection was lost."""
+    when = f"rank {reason.get('by')} lost its ring connection at {_clock(reason.get('time'))}"
+    entered, now = reason.get("entered"), reason.get("time")
+    if isinstance(entered, (int, float)) and isinstance(now, (int, float)):
+        when += f", {max(0.0, now - entered):.2f} s into call #{reason.get('seq')} {reason.get('call')}"
+    gone = [rank for rank in range(size) if rank not in records]
+    if not gone:
+        return f"a connection between ranks was lost ({reason.get('message')}): {when}; the job is aborted"
+    they = "it" if len(gone) == 1 else "they"
+    return (f"{_ranks(gone)} died (killed or crashed: {they} left no flight record); {when}; "
+            f"the job is aborted")
 
 
 def _describe(rank: int, entries: list[dict[str, Any]], reason: dict[str, Any]) -> str:
@@ -495,9 +589,9 @@ def _aborted(reason: dict[str, Any], records: dict[int, list[dict[str, Any]]], s
         head = f"rank {who} failed while running and aborted the job: {reason.get('message')}"
         status, cls = Status(reason.get("status") or Status.RUNTIME_ERROR), JobAborted
     else:
-        head = f"a connection between ranks was lost ({reason.get('message')}); the job is aborted"
+        head = _lost_head(reason, records, size)
         status, cls = Status.RUNTIME_ERROR, JobAborted
-    lines = [_describe(r, records[r], reason) if r in records else f"rank {r}: no flight record"
-             for r in range(size)]
+    lines = [_describe(r, records[r], reason) if r in records else f"rank {r}: no flight record (its "
+             f"process ended or hung before writing one)" for r in range(size)]
     return cls(f"{head}. The last call each rank entered: " + "; ".join(lines), status,
                rank=who if isinstance(who, int) else None, reason=reason, records=records)

@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 from graphkern.debugging.kernel_checks import CheckCase, CheckReport
 from graphkern.debugging.precision import main_float_dtype
 from graphkern.debugging.progress import Progress, progress_line
-from graphkern.debugging.tolerance import MODEL_TOLERANCES, worst_errors
+from graphkern.debugging.tolerance import MODEL_TOLERANCES, checked_errors
 from graphkern.errors import ModelError
 from graphkern.kernels.base import FLOAT_DTYPES
 from graphkern.launching.backends import active_backend
@@ -81,8 +81,9 @@ def check_model(model: nn.Module, inputs: Any = None, *, kernels: str | Sequence
     quantized model's scales'); others by name (each is a full forward, stock and patched; MLX's
     float16/bfloat16 forward of a quantized model is slow on the CPU). ``compiled`` adds a case
     running the patched model through ``wrap``. A dtype where no layer gets patched, or where a
-    run fails, is a failed case with the reason. ``progress``: a line on stderr naming the dtype
-    and run in progress (None: when stderr is a terminal).
+    run fails, is a failed case with the reason; so is one where the stock or the patched model's
+    outputs hold a NaN or an Inf (named: which output, how many values). ``progress``: a line on
+    stderr naming the dtype and run in progress (None: when stderr is a terminal).
 
     >>> import mlx.core as mx, mlx.nn as nn
     >>> model = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8), nn.GELU())
@@ -126,9 +127,10 @@ def _check(model: nn.Module, inputs: Any, kernels: str | Sequence[str], dtypes: 
                     line.phase(f"{dtype_name(dtype)}: patched model, {mode}")
                     with kernels_only():  # the kernels at every length, where a model may run stock layers
                         out = _call(model if mode == "eager" else wrap(model), x)
-                    max_abs, max_rel, passed = worst_errors(out, stock, rtol=rtol, atol=atol)
+                    max_abs, max_rel, passed, why = checked_errors(out, stock, rtol=rtol, atol=atol,
+                                                                   sides=("patched", "stock"))
                     report.cases.append(CheckCase(name, shape, dtype_name(dtype), mode, active_backend(),
-                                                  max_abs, max_rel, atol, rtol, passed))
+                                                  max_abs, max_rel, atol, rtol, passed, why))
             except Exception as exc:  # a failing run is a failed case, reported with its reason
                 message = (str(exc).splitlines() or [""])[0][:160]
                 for mode in modes[len([c for c in report.cases if c.dtype == dtype_name(dtype)]):]:

@@ -17,7 +17,8 @@ import networkx as nx
 from ..errors import GraphFormatError
 from ..launching.fastpaths import adjacency
 from ..nodes import KernelError, NodeKind, Status
-from .schema import EDGE_FIELDS, NODE_FIELDS, ROOT_FAILURES, lint
+from .fields import TEXT, Spec
+from .schema import EDGE_FIELDS, ROOT_FAILURES, lint
 
 __all__ = ["Failure", "Graph", "GraphError", "SCHEMA", "SCHEMA_VERSION", "propagate_status"]
 
@@ -295,9 +296,7 @@ class Graph:
         """
         problems = lint(self.nx)
         if problems:
-            more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
-            shown = "; ".join(problems[:10]) + more
-            raise GraphFormatError("lint a graphkern graph", shown, Status.INVALID_INPUT)
+            raise GraphFormatError("lint a graphkern graph", _listed(problems), Status.INVALID_INPUT)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Graph):
@@ -329,8 +328,11 @@ class Graph:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Graph:
-        """Load a graph written by ``to_json`` (plain JSON, never pickle); raises ``KernelError``
-        naming what is wrong with a corrupt, truncated, oversized or wrong-version document."""
+        """Load a graph written by ``to_json`` (plain JSON, never pickle); raises ``GraphFormatError``
+        naming what is wrong with a corrupt, truncated, oversized or wrong-version document, and
+        with one whose graph breaks the contract of :mod:`graphkern.tracing.schema` (every field,
+        down to the items of its lists and objects: ``node 'k': template_floats['EPS'] must be a
+        number, got str``). What loads passes ``lint``, so every drawing can be made of it."""
         if isinstance(text, (bytes, bytearray)):
             if len(text) > MAX_JSON_BYTES:
                 raise _load_error(f"document is {len(text)} bytes, over {MAX_JSON_BYTES}")
@@ -351,6 +353,7 @@ class Graph:
 
     @classmethod
     def from_dict(cls, doc: Any) -> Graph:
+        """The graph of a parsed document (see ``from_json``)."""
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
             raise _load_error(f"not a graphkern graph (expected schema {SCHEMA!r})")
         version = doc.get("version")
@@ -364,31 +367,24 @@ class Graph:
         g = nx.MultiDiGraph()
         g.graph.update(doc["graph"])
         for item in nodes:
-            _require(item, _NODE_FIELDS, "node")
+            _require(item, _NODE_KEYS, "node")
             name = item["id"]
             if name in g:
                 raise _load_error(f"node {name!r} appears twice")
-            if item["kind"] not in _KINDS:
-                raise _load_error(f"node {name!r} has unknown kind {item['kind']!r}")
-            if type(item["status"]) is not int or item["status"] not in _STATUSES:
-                raise _load_error(f"node {name!r} has unknown status {item['status']!r}")
             g.add_node(name, **{k: v for k, v in item.items() if k != "id"})
         for item in edges:
-            _require(item, _EDGE_FIELDS, "edge")
+            _require(item, _EDGE_KEYS, "edge")
             source, target, key = item["source"], item["target"], item["key"]
             if source not in g or target not in g:
                 raise _load_error(f"edge {source!r} -> {target!r} names a missing node")
-            shape = item["shape"]
-            if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-                raise _load_error(f"edge {source!r} -> {target!r}: shape must be a list of "
-                                  f"non-negative ints, got {shape!r}")
             if g.has_edge(source, target, key=key):
                 raise _load_error(f"edge {source!r} -> {target!r} ({key!r}) appears twice")
             data = {k: v for k, v in item.items() if k not in ("source", "target", "key")}
-            data["shape"] = tuple(shape)
+            data["shape"] = tuple(item["shape"])
             g.add_edge(source, target, key=key, **data)
-        if not nx.is_directed_acyclic_graph(g):
-            raise _load_error("the edges form a cycle")
+        problems = lint(g)  # every field, down to the items of lists and objects, and the structure
+        if problems:
+            raise _load_error(_listed(problems))
         graph = cls.__new__(cls)
         graph.nx = g
         graph._roots = [n for n in sorted(g.nodes, key=lambda n: g.nodes[n]["order"])
@@ -439,24 +435,27 @@ def _load_error(description: str) -> GraphFormatError:
     return GraphFormatError(_LOAD, description, Status.INVALID_INPUT)
 
 
-_KINDS = frozenset(k.value for k in NodeKind)
-_STATUSES = frozenset(int(s) for s in Status)
-#: what every node and edge of a document must have, and of which JSON type (ints exclude bools)
-_NODE_FIELDS = {"id": str, **{name: types[0] for name, (types, _) in NODE_FIELDS.items()}}
-_EDGE_FIELDS = {"source": str, "target": str, "key": str, "shape": list,
-                **{name: types[0] for name, (types, _) in EDGE_FIELDS.items() if name != "shape"}}
+def _listed(problems: list[str], shown: int = 10) -> str:
+    """The first ``shown`` problems in one line, and how many more there are."""
+    more = f"; and {len(problems) - shown} more" if len(problems) > shown else ""
+    return "; ".join(problems[:shown]) + more
 
 
-def _require(item: Any, fields: dict[str, type], what: str) -> None:
-    """``item`` is an object with every field of ``fields``, each of its JSON type."""
+#: what a document's node and edge must hold before the graph can be built (lint checks the rest)
+_NODE_KEYS: dict[str, Spec] = {"id": TEXT}
+_EDGE_KEYS: dict[str, Spec] = {"source": TEXT, "target": TEXT, "key": TEXT,
+                               "shape": EDGE_FIELDS["shape"][0]}
+
+
+def _require(item: Any, fields: dict[str, Spec], what: str) -> None:
+    """``item`` is an object holding every field of ``fields``, each a value its spec accepts."""
     if not isinstance(item, dict):
         raise _load_error(f"each {what} must be an object, got {type(item).__name__}")
     name = item.get("id", item.get("source", "?"))
     missing = [k for k in fields if k not in item]
     if missing:
         raise _load_error(f"{what} {name!r} lacks {missing}")
-    for key, kind in fields.items():
-        value = item[key]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise _load_error(f"{what} {name!r}: {key!r} must be {kind.__name__}, "
-                              f"got {type(value).__name__}")
+    for key, spec in fields.items():
+        found = spec.problem(item[key], key)
+        if found is not None:
+            raise _load_error(f"{what} {name!r}: {found}")
