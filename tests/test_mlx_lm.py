@@ -22,7 +22,7 @@ EXPECTED_PER_LAYER = {
     "llama": LLAMA_LAYER,
     "mistral": LLAMA_LAYER,
     "qwen2": LLAMA_LAYER,
-    "phi3": {**{k: v for k, v in LLAMA_LAYER.items() if k != "self_attn"}, "self_attn.rope": ROPE},
+    "phi3": LLAMA_LAYER,
     "qwen3": LLAMA_LAYER,  # q_norm and k_norm run inside rope_qk
     "gemma": {**LLAMA_LAYER, "mlp": GELU},
     "gemma2": {"input_layernorm": RMS, "post_attention_layernorm": RMS, "pre_feedforward_layernorm": RMS,
@@ -31,7 +31,7 @@ EXPECTED_PER_LAYER = {
                 "block_sparse_moe": "gk_moe_route", "block_sparse_moe.switch_mlp.activation": SWIGLU},
 }
 #: Architectures whose decoder loop is fused: each residual add into the next RMSNorm.
-STACKS = {"llama", "mistral", "qwen3", "mixtral"}
+STACKS = {"llama", "mistral", "qwen3", "mixtral", "phi3"}
 
 
 def close(a, b, dtype=mx.float32):

@@ -48,8 +48,9 @@ def _decode(model: nn.Module, steps: int = 3) -> list[mx.array]:
     return logits
 
 
-def _same(a: list[mx.array], b: list[mx.array]) -> bool:
-    return all(mx.array_equal(x, y).item() for x, y in zip(a, b))
+def _same(a: list[mx.array], b: list[mx.array], atol: float = 0.0) -> bool:
+    """Equal, or within ``atol`` (float32: Gemma 2's tanh GELU kernel rounds apart from stock's)."""
+    return all(mx.allclose(x, y, atol=atol, rtol=0.0).item() for x, y in zip(a, b))
 
 
 def _spy_in_segments(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> list[tuple[str, bool]]:
@@ -69,7 +70,7 @@ def _spy_in_segments(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) ->
     return calls
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gemma2"])
+@pytest.mark.parametrize("arch", ["gemma2"])
 def test_standalone_layers_run_stock_on_a_gpu(arch: str, gpu_decision: None,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     stock, patched = _twins(arch)
@@ -78,7 +79,7 @@ def test_standalone_layers_run_stock_on_a_gpu(arch: str, gpu_decision: None,
     assert calls == []
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "mixtral", "phi3"])
 def test_kernels_run_only_where_a_segment_fuses_them(arch: str, gpu_decision: None,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks decode through compiled segments, where their norms still run as kernels (traced
@@ -90,24 +91,24 @@ def test_kernels_run_only_where_a_segment_fuses_them(arch: str, gpu_decision: No
 
 
 def test_a_trace_records_a_kernel_node_for_every_patched_layer(gpu_decision: None) -> None:
-    _, patched = _twins("phi3")
+    _, patched = _twins("gemma2")
     graph = gk.trace(lambda tokens: patched(tokens), PROMPT)
     kernels = {graph.node(k)["kernel"] for k in graph.kernels()}
-    assert {"gk_rms_norm", "gk_add_rms_norm", "gk_rope", "gk_swiglu"} <= kernels
+    assert {"gk_rms_norm", "gk_rope", "gk_gelu"} <= kernels
 
 
 @pytest.mark.parametrize("route, kernels_run", [("kernel", True), ("stock", False)])
 def test_a_route_forces_one_way(route: str, kernels_run: bool, gpu_decision: None,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    stock, patched = _twins("phi3", route=route)
+    stock, patched = _twins("gemma2", route=route)
     calls = spy_on_kernels(monkeypatch, STANDALONE)
-    assert _same(_decode(patched, 1), _decode(stock, 1))
+    assert _same(_decode(patched, 1), _decode(stock, 1), atol=1e-5 if kernels_run else 0.0)
     assert bool(calls) is kernels_run
 
 
 def test_set_route_changes_every_patched_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU (reference backend) auto runs the kernels; "stock" then turns them off."""
-    _, patched = _twins("phi3")
+    _, patched = _twins("gemma2")
     calls = spy_on_kernels(monkeypatch, STANDALONE)
     _decode(patched, 1)
     assert calls

@@ -408,10 +408,11 @@ class KernelSoftmax(KernelLayer):
         return gkk.softmax(x)
 
 
-#: What attention's segments read (``KernelLayer.segment_reads``): the query, key and value
-#: projections (with Qwen 3's per-head norms, where there are some), and the output projection.
-_PROJECTIONS = (("q_proj",), ("k_proj",), ("v_proj",))
-_NORMED_PROJECTIONS = (*_PROJECTIONS, ("q_norm",), ("k_norm",))
+#: An attention's query, key and value projections: three children, or one fused child whose
+#: output holds the queries, then the keys, then the values (Phi-3's ``qkv_proj``).
+SEPARATE_QKV = ("q_proj", "k_proj", "v_proj")
+FUSED_QKV = ("qkv_proj",)
+#: What attention's output segment reads (``KernelLayer.segment_reads``).
 _OUTPUT = (("o_proj",),)
 
 
@@ -422,15 +423,18 @@ class KernelAttention(KernelLayer):
     rest of the forward is the stock one. ``heads`` and ``kv_heads`` name the head-count attributes
     (``n_heads`` or ``num_heads``...), read at each call; ``rope`` (a :class:`KernelRoPE` in this
     layer only) says how the stock RoPE rotates; ``sdpa`` is the model file's
-    ``scaled_dot_product_attention``.
+    ``scaled_dot_product_attention``; ``projections`` names the query, key and value children
+    (:data:`SEPARATE_QKV`, or :data:`FUSED_QKV` for one product split in three).
     """
 
     kernel = "rope_qk"
 
     def __init__(self, original: nn.Module, heads: str, kv_heads: str, rope: KernelRoPE, norms: bool,
-                 sdpa: Callable[..., mx.array]):
+                 sdpa: Callable[..., mx.array], projections: tuple[str, ...] = SEPARATE_QKV):
         super().__init__(original)
-        object.__setattr__(self, "_gk_heads", (heads, kv_heads))  # a tuple would go in the module's dict
+        # tuples would go in the module's dict
+        object.__setattr__(self, "_gk_heads", (heads, kv_heads))
+        object.__setattr__(self, "projections", projections)
         self.rope = rope
         self._gk_norms = norms
         self._gk_sdpa = sdpa
@@ -446,12 +450,25 @@ class KernelAttention(KernelLayer):
 
     def segment_reads(self, name: str) -> tuple[tuple[str, ...], ...] | None:
         if name == "project":
-            return _NORMED_PROJECTIONS if self._gk_norms else _PROJECTIONS
+            norms = ("q_norm", "k_norm") if self._gk_norms else ()
+            return tuple((child,) for child in (*self.projections, *norms))
         return _OUTPUT if name == "output" else None
 
     def project(self, x: mx.array, offset: Any, rotary: Rotary) -> tuple[mx.array, mx.array, mx.array]:
         """Queries and keys (normalized per head, rotated) and values, each ``(B, heads, L, D)``."""
-        return self.rotate(self.q_proj(x), self.k_proj(x), self.v_proj(x), offset, rotary)
+        products = [self[name](x) for name in self.projections]
+        return self.rotate(*self.split(products), offset, rotary)
+
+    def split(self, products: list[mx.array]) -> tuple[mx.array, mx.array, mx.array]:
+        """The projections' outputs as ``(queries, keys, values)``, each ``(B, L, features)``: a
+        fused product is split where the heads say."""
+        if len(products) == 3:
+            return products[0], products[1], products[2]
+        heads, kv_heads = self.head_counts()
+        fused = products[0]
+        d = fused.shape[-1] // (heads + 2 * kv_heads)
+        queries, keys, values = mx.split(fused, [heads * d, (heads + kv_heads) * d], axis=-1)
+        return queries, keys, values
 
     def rotate(self, queries: mx.array, keys: mx.array, values: mx.array, offset: Any,
                rotary: Rotary) -> tuple[mx.array, mx.array, mx.array]:
@@ -672,6 +689,18 @@ def _fuses(norm: nn.Module, residual: mx.array | None, x: mx.array, group_size: 
     return projections_fit(x) if group_size is None else quantized_projections_fit(x, group_size)
 
 
+def _halves(weight: mx.array) -> tuple[mx.array, mx.array]:
+    """A fused ``gate_up_proj`` weight's gate rows and up rows (views: contiguous row ranges)."""
+    rows = weight.shape[0] // 2
+    return weight[:rows], weight[rows:]
+
+
+def _quantized_halves(fused: QuantizedWeight) -> tuple[QuantizedWeight, QuantizedWeight]:
+    """:func:`_halves` of a quantized weight: its packed rows, scales and biases alike."""
+    gates, ups = zip(*(_halves(part) for part in fused))
+    return QuantizedWeight(*gates), QuantizedWeight(*ups)
+
+
 #: The residual a block is called without: a stock call, not a link of a fused chain.
 _ALONE: Any = object()
 
@@ -758,7 +787,7 @@ class KernelResidualBlock(KernelLayer):
         rows, norm and plain projections are one ``norm_projections`` launch."""
         attention = self.self_attn
         norm = self.input_layernorm
-        names = ("q_proj", "k_proj", "v_proj")
+        names = attention.projections
         outputs = None
         if "norm_projections" in self._gk_decoding:
             weights = _plain_weights(attention, names, x)
@@ -768,7 +797,7 @@ class KernelResidualBlock(KernelLayer):
             quantized = _quantized_weights(attention, names, x)
             if quantized is not None and _fuses(norm, residual, x, quantized.group_size):
                 if ("quantized_norm_rope_projections" in self._gk_decoding and not attention._gk_norms
-                        and x.size // x.shape[-1] <= ROTATED_MAX_ROWS):
+                        and names == SEPARATE_QKV and x.size // x.shape[-1] <= ROTATED_MAX_ROWS):
                     return self._rotated_quantized(x, residual, quantized, offset, rotary)
                 outputs = gkk.quantized_norm_projections(
                     x, norm.scale(), quantized.weights, norm.eps, residual, group_size=quantized.group_size,
@@ -776,7 +805,7 @@ class KernelResidualBlock(KernelLayer):
         if outputs is not None:
             if residual is not None:
                 x = outputs[0]
-            queries, keys, values = outputs[-3:]
+            queries, keys, values = attention.split(list(outputs[-len(names):]))
             return (x, *attention.rotate(queries, keys, values, offset, rotary))
         x, normed = self._input_norm(x, residual)
         return (x, *attention.project(normed, offset, rotary))
@@ -802,18 +831,22 @@ class KernelResidualBlock(KernelLayer):
         r = self.self_attn.output(attended)
         ffn = self[self._gk_ffn]
         norm = self.post_attention_layernorm
-        names = ("gate_proj", "up_proj")
+        fused = isinstance(ffn, KernelGateUpMLP)
+        names = ("gate_up_proj",) if fused else ("gate_proj", "up_proj")
+        swiglu = fused or isinstance(ffn, KernelSwiGLUMLP)
         found = None
-        if isinstance(ffn, KernelSwiGLUMLP) and "norm_swiglu" in self._gk_decoding:
+        if swiglu and "norm_swiglu" in self._gk_decoding:
             weights = _plain_weights(ffn, names, x)
             if weights is not None and _fuses(norm, r, x):
-                found = gkk.norm_swiglu(x, norm.scale(), weights[0], weights[1], norm.eps, residual=r)
-        swiglu = isinstance(ffn, KernelSwiGLUMLP)
+                gate, up = _halves(weights[0]) if fused else weights
+                found = gkk.norm_swiglu(x, norm.scale(), gate, up, norm.eps, residual=r)
         if found is None and swiglu and "quantized_norm_swiglu" in self._gk_decoding:
             quantized = _quantized_weights(ffn, names, x)
+            if fused and quantized is not None:
+                quantized = quantized._replace(weights=list(_quantized_halves(quantized.weights[0])))
             if quantized is not None and _fuses(norm, r, x, quantized.group_size):
-                gate, up = quantized.weights
-                found = gkk.quantized_norm_swiglu(x, norm.scale(), gate, up, norm.eps, residual=r,
+                gate_q, up_q = quantized.weights
+                found = gkk.quantized_norm_swiglu(x, norm.scale(), gate_q, up_q, norm.eps, residual=r,
                                                   group_size=quantized.group_size, bits=quantized.bits)
         if found is None:
             return self._after_attention(x, r, alone)
@@ -824,8 +857,8 @@ class KernelResidualBlock(KernelLayer):
     def note(self) -> str:
         """What ``patch`` reports of this block: quantized projections whose quantization the
         fused decoding kernels do not read, which keep their stock products."""
-        notes = [quantized_note(self.self_attn, ("q_proj", "k_proj", "v_proj")),
-                 quantized_note(self[self._gk_ffn], ("gate_proj", "up_proj"))]
+        notes = [quantized_note(self.self_attn, getattr(self.self_attn, "projections", SEPARATE_QKV)),
+                 quantized_note(self[self._gk_ffn], ("gate_proj", "up_proj", "gate_up_proj"))]
         return "; ".join(n for n in notes if n)
 
     def failed_output(self, x: mx.array, mask: Any = None, cache: Any = None, residual: Any = _ALONE) -> Any:
@@ -945,6 +978,8 @@ class KernelDecoderStack(KernelLayer):
         mode = prompt_mode(inputs if input_embeddings is None else input_embeddings, self.sparse)
         if mode == "stock":  # every patched layer in the stock forward runs the layer it replaced
             with stock_layers():
+                if input_embeddings is None:  # Phi-3's model takes no input_embeddings
+                    return self.original(inputs, cache)  # type: ignore[no-any-return]
                 return self.original(inputs, cache, input_embeddings)  # type: ignore[no-any-return]
         h, cache = self._embed(inputs, cache, input_embeddings)
         return self._blocks(h, cache, self._masks(h, cache), mode == "pipelined")

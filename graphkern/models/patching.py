@@ -33,6 +33,8 @@ from graphkern.kernels.base import FLOAT_DTYPES
 from graphkern.kernels.ops.moe_route import MAX_EXPERTS, MAX_TOP_K
 from graphkern.kernels.ops.rope_qk import MAX_HEAD_DIM
 from graphkern.models.layers import (
+    FUSED_QKV,
+    SEPARATE_QKV,
     KernelAddRMSNorm,
     KernelAttention,
     KernelDecoderStack,
@@ -246,7 +248,32 @@ def _rotary(module: nn.Module, path: str) -> KernelRoPE | None:
     return rule.build(module, path) if rule is not None else None  # type: ignore[return-value]
 
 
-def _attention(heads: str, kv_heads: str, norms: bool) -> Callable[[nn.Module, str], KernelLayer]:
+def _head_dim(module: nn.Module, path: str, counts: list[int], heads: str, kv_heads: str,
+              projections: tuple[str, ...]) -> tuple[int, mx.Dtype | None]:
+    """(head dimension, output dtype) of an attention's query, key and value projections: three
+    children, or one fused child giving ``heads + 2 * kv_heads`` heads' features."""
+    if projections == FUSED_QKV:
+        _, out, dtype = _linear(module, "qkv_proj", path)
+        total = counts[0] + 2 * counts[1]
+        if out % total:
+            raise _refuse(path, f"qkv_proj gives {out} features, not a multiple of {heads} + 2 x {kv_heads}"
+                          f" = {total} heads")
+        _float_dtype(dtype, "qkv_proj's output", path)
+        return out // total, dtype
+    _, q_out, q_dtype = _linear(module, "q_proj", path)
+    _, k_out, k_dtype = _linear(module, "k_proj", path)
+    _linear(module, "v_proj", path)
+    _same(path, "dtype", ("q_proj", q_dtype), ("k_proj", k_dtype))
+    _float_dtype(q_dtype, "q_proj's output", path)
+    if q_out % counts[0]:
+        raise _refuse(path, f"q_proj gives {q_out} features, not a multiple of {heads}={counts[0]}")
+    d = q_out // counts[0]
+    _same(path, "key features", ("k_proj", k_out), (f"{kv_heads} x head dim", counts[1] * d))
+    return d, q_dtype
+
+
+def _attention(heads: str, kv_heads: str, norms: bool,
+               projections: tuple[str, ...] = SEPARATE_QKV) -> Callable[[nn.Module, str], KernelLayer]:
     """An attention whose prologue (per-head norms, RoPE, layout) goes on ``rope_qk``."""
 
     def build(module: nn.Module, path: str) -> KernelLayer:
@@ -256,15 +283,7 @@ def _attention(heads: str, kv_heads: str, norms: bool) -> Callable[[nn.Module, s
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise _refuse(path, f"{key} must be a positive int, got {value!r}")
             counts.append(value)
-        _, q_out, q_dtype = _linear(module, "q_proj", path)
-        _, k_out, k_dtype = _linear(module, "k_proj", path)
-        _linear(module, "v_proj", path)
-        _same(path, "dtype", ("q_proj", q_dtype), ("k_proj", k_dtype))
-        _float_dtype(q_dtype, "q_proj's output", path)
-        if q_out % counts[0]:
-            raise _refuse(path, f"q_proj gives {q_out} features, not a multiple of {heads}={counts[0]}")
-        d = q_out // counts[0]
-        _same(path, "key features", ("k_proj", k_out), (f"{kv_heads} x head dim", counts[1] * d))
+        d, q_dtype = _head_dim(module, path, counts, heads, kv_heads, projections)
         if d > MAX_HEAD_DIM:
             raise _refuse(path, f"head dimension {d} is over the rope_qk kernel's {MAX_HEAD_DIM}")
         rotary = _rotary(_child(module, "rope", path), f"{path}.rope")
@@ -282,7 +301,7 @@ def _attention(heads: str, kv_heads: str, norms: bool) -> Callable[[nn.Module, s
                 eps.append(norm.eps)
             _same(path, "eps", ("q_norm", eps[0]), ("k_norm", eps[1]))
         sdpa = module_global(type(module), "scaled_dot_product_attention")
-        return KernelAttention(module, heads, kv_heads, rotary, norms, sdpa)
+        return KernelAttention(module, heads, kv_heads, rotary, norms, sdpa, projections)
 
     return build
 
@@ -466,6 +485,30 @@ def _attention_forward(heads: str, kv_heads: str, norms: bool) -> Forward:
         {"scaled_dot_product_attention": f"{_BASE}:scaled_dot_product_attention"})
 
 
+#: mlx-lm's Phi-3 attention: one fused ``qkv_proj`` split into queries, keys and values.
+_FUSED_ATTENTION = Forward(
+    "def __call__(self, x, mask=None, cache=None):\n"
+    "    B, L, D = x.shape\n"
+    "    qkv = self.qkv_proj(x)\n"
+    "    query_pos = self.n_heads * self.head_dim\n"
+    "    queries, keys, values = mx.split(qkv, [query_pos, query_pos + self.n_kv_heads * self.head_dim], "
+    "axis=-1)\n"
+    "    queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)\n"
+    "    keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)\n"
+    "    values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)\n"
+    "    if cache is not None:\n"
+    "        queries = self.rope(queries, offset=cache.offset)\n"
+    "        keys = self.rope(keys, offset=cache.offset)\n"
+    "        keys, values = cache.update_and_fetch(keys, values)\n"
+    "    else:\n"
+    "        queries = self.rope(queries)\n"
+    "        keys = self.rope(keys)\n"
+    "    output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, "
+    "mask=mask)\n"
+    "    output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)\n"
+    "    return self.o_proj(output)\n",
+    {**_MX, "scaled_dot_product_attention": f"{_BASE}:scaled_dot_product_attention"})
+
 _EMBED = ("def __call__(self, inputs, cache=None, input_embeddings=None):\n"
           "    if input_embeddings is not None:\n"
           "        h = input_embeddings\n"
@@ -479,6 +522,15 @@ _STACK = Forward(_EMBED + "    mask = create_attention_mask(h, cache[0])\n"
                  "    for layer, c in zip(self.layers, cache):\n"
                  "        h = layer(h, mask, c)\n"
                  "    return self.norm(h)\n", _MASK)
+#: mlx-lm's Phi3Model: as Qwen3Model's, without input embeddings.
+_PLAIN_STACK = Forward("def __call__(self, inputs, cache=None):\n"
+                       "    h = self.embed_tokens(inputs)\n"
+                       "    if cache is None:\n"
+                       "        cache = [None] * len(self.layers)\n"
+                       "    mask = create_attention_mask(h, cache[0])\n"
+                       "    for layer, c in zip(self.layers, cache):\n"
+                       "        h = layer(h, mask, c)\n"
+                       "    return self.norm(h)\n", _MASK)
 #: mlx-lm's LlamaModel: a full-attention mask, and a sliding-window one where its config gives
 #: sliding-window layers.
 _SLIDING_STACK = Forward(
@@ -523,12 +575,19 @@ def _attention_rule(name: str, heads: str, kv_heads: str, norms: bool) -> Rule:
                 forwards=(_attention_forward(heads, kv_heads, norms),), when=_knows_rope_and_norms(norms))
 
 
+FUSED_ATTENTION = Rule("attention prologue (Phi-3): one qkv_proj split, RoPE of q and k, laid out", "rope_qk",
+                       _attention("n_heads", "n_kv_heads", False, FUSED_QKV), forwards=(_FUSED_ATTENTION,),
+                       when=_knows_rope_and_norms(False))
+
+
 #: Every rule, in the order they are tried (a block before the layers inside it).
 RULES: list[Rule] = [
     _stack_rule("decoder stack (Qwen 3, Mixtral): each residual add fused into the next RMSNorm",
                 KernelDecoderStack, _STACK),
     _stack_rule("decoder stack (Llama): each residual add fused into the next RMSNorm",
                 KernelSlidingDecoderStack, _SLIDING_STACK),
+    _stack_rule("decoder stack (Phi-3): each residual add fused into the next RMSNorm",
+                KernelDecoderStack, _PLAIN_STACK),
     *(Rule(f"pre-norm block (residual add + RMSNorm before {ffn})", "add_rms_norm", _residual_block(ffn),
            forwards=(_block(ffn),),
            when=lambda m: _rms_norm_offset(m.get("post_attention_layernorm")) is not None)
@@ -539,6 +598,7 @@ RULES: list[Rule] = [
                     True),
     _attention_rule("attention prologue (Mixtral): RoPE of q and k, laid out", "num_heads",
                     "num_key_value_heads", False),
+    FUSED_ATTENTION,
     RMS_NORM,
     OFFSET_RMS_NORM,
     Rule("LayerNorm", "layer_norm", _layer_norm, classes=(nn.LayerNorm,)),
