@@ -25,13 +25,13 @@ EXPECTED_PER_LAYER = {
     "phi3": LLAMA_LAYER,
     "qwen3": LLAMA_LAYER,  # q_norm and k_norm run inside rope_qk
     "gemma": {**LLAMA_LAYER, "mlp": GELU},
-    "gemma2": {"input_layernorm": RMS, "post_attention_layernorm": RMS, "pre_feedforward_layernorm": RMS,
-               "post_feedforward_layernorm": RMS, "self_attn.rope": ROPE, "mlp": GELU},
+    "gemma2": {"input_layernorm": RMS, "post_attention_layernorm": RMS, "pre_feedforward_layernorm": ADD_RMS,
+               "post_feedforward_layernorm": RMS, "self_attn": ROPE_QK, "mlp": GELU},
     "mixtral": {"input_layernorm": RMS, "post_attention_layernorm": ADD_RMS, "self_attn": ROPE_QK,
                 "block_sparse_moe": "gk_moe_route", "block_sparse_moe.switch_mlp.activation": SWIGLU},
 }
 #: Architectures whose decoder loop is fused: each residual add into the next RMSNorm.
-STACKS = {"llama", "mistral", "qwen3", "mixtral", "phi3"}
+STACKS = {"llama", "mistral", "qwen3", "mixtral", "phi3", "gemma2"}
 
 
 def close(a, b, dtype=mx.float32):

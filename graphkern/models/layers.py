@@ -66,6 +66,7 @@ __all__ = [
     "KernelSwiGLU",
     "KernelSwiGLUMLP",
     "KernelYarnRoPE",
+    "BlockLayout",
     "Rotary",
 ]
 
@@ -92,6 +93,8 @@ class KernelLayer(nn.Module):
     #: Whether the kernel stands alone in this layer, fusing nothing that pays for its launch plan:
     #: such a layer takes the stock forward where its route says so (``graphkern.models.routes``).
     standalone: ClassVar[bool] = False
+    #: Whether its kernel is elementwise (an activation), which ``mx.compile`` fuses from stock ops.
+    elementwise: ClassVar[bool] = False
     #: This layer's route (``patch(route=...)``, ``set_route``): set per layer, past the module's items.
     _gk_call_route: str = "auto"
 
@@ -141,7 +144,7 @@ class KernelLayer(nn.Module):
         :attr:`standalone` layer whose route takes this call stock runs :meth:`stock_call`."""
         if stock_layers_run():
             return self.original(*args, **kwargs)
-        if self.standalone and takes_stock(self._gk_call_route):
+        if self.standalone and takes_stock(self._gk_call_route, self.elementwise):
             return self.stock_call(*args, **kwargs)
         if self._training or not vjp_enabled():  # a layer inside an evaluating one: already plain
             return self.forward(*args, **kwargs)
@@ -348,6 +351,7 @@ class KernelSwiGLU(KernelLayer):
 
     kernel = "swiglu"
     standalone = True
+    elementwise = True
 
     def forward(self, x: mx.array, gate: mx.array) -> mx.array:
         return gkk.swiglu(gate, x)
@@ -358,6 +362,7 @@ class KernelSwiGLUMLP(KernelLayer):
 
     kernel = "swiglu"
     standalone = True
+    elementwise = True
 
     def forward(self, x: mx.array) -> mx.array:
         return self.down_proj(gkk.swiglu(self.gate_proj(x), self.up_proj(x)))
@@ -368,6 +373,7 @@ class KernelGateUpMLP(KernelLayer):
 
     kernel = "swiglu"
     standalone = True
+    elementwise = True
 
     def forward(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
@@ -379,6 +385,7 @@ class KernelGeGLUMLP(KernelLayer):
 
     kernel = "gelu"
     standalone = True
+    elementwise = True
 
     def __init__(self, original: nn.Module, approx: bool = False):
         super().__init__(original)
@@ -393,6 +400,7 @@ class KernelGELU(KernelLayer):
 
     kernel = "gelu"
     standalone = True
+    elementwise = True
 
     def forward(self, x: mx.array) -> mx.array:
         return gkk.gelu(x, approx=self._approx in ("precise", "tanh"))
@@ -705,16 +713,32 @@ def _quantized_halves(fused: QuantizedWeight) -> tuple[QuantizedWeight, Quantize
 _ALONE: Any = object()
 
 
+class BlockLayout(NamedTuple):
+    """Which children of a pre-norm block play which part, by mlx-lm's names: the feed-forward, the
+    norm before it, and the norms some families put on the attention's and the feed-forward's
+    outputs before their residual adds (Gemma 2's; None: no such norm)."""
+
+    ffn: str = "mlp"
+    pre_ffn_norm: str = "post_attention_layernorm"
+    post_attention_norm: str | None = None
+    post_ffn_norm: str | None = None
+
+
+#: Llama's block layout (Mistral, Qwen 2/3, Phi-3 and most others share it).
+LLAMA_BLOCK = BlockLayout()
+
+
 class KernelResidualBlock(KernelLayer):
     """A pre-norm transformer block whose residual adds run fused with the RMSNorm after them.
 
-    Replaces ``h = x + attn(norm1(x)); out = h + ffn(norm2(h))``. ``norm2`` becomes a
+    Replaces ``h = x + post1(attn(norm1(x))); out = h + post2(ffn(norm2(h)))`` (``post1`` and
+    ``post2`` where the :class:`BlockLayout` names them, else nothing). ``norm2`` becomes a
     :class:`KernelAddRMSNorm` (in this block only; the original block keeps its norms) that gives
     ``(h, norm2(h))`` from one kernel, and so does ``norm1`` when ``input_norm`` is given. Called as
     the stock block, it returns ``out``. Called by a :class:`KernelDecoderStack` with
     ``residual=`` (the previous block's feed-forward output, not yet added; None for the first
-    block), it adds that residual inside ``norm1``'s kernel and returns ``(h, ffn(norm2(h)))``,
-    leaving its own last add to the next norm. ``ffn`` is the name of the feed-forward child.
+    block), it adds that residual inside ``norm1``'s kernel and returns ``(h, post2(ffn(norm2(h))))``,
+    leaving its own last add to the next norm.
     """
 
     kernel = "add_rms_norm"
@@ -723,14 +747,19 @@ class KernelResidualBlock(KernelLayer):
     DECODING_KERNELS = frozenset({"norm_projections", "norm_swiglu", "quantized_norm_projections",
                                   "quantized_norm_rope_projections", "quantized_norm_swiglu"})
 
-    def __init__(self, original: nn.Module, ffn: str, norm: KernelAddRMSNorm,
+    def __init__(self, original: nn.Module, layout: BlockLayout, norm: KernelAddRMSNorm,
                  input_norm: KernelAddRMSNorm | None = None):
         super().__init__(original)
-        self._gk_ffn = ffn
+        object.__setattr__(self, "layout", layout)  # a tuple would go in the module's dict
+        self._gk_ffn = layout.ffn
         self._gk_decoding = self.DECODING_KERNELS
-        self.post_attention_layernorm = norm
+        self[layout.pre_ffn_norm] = norm
         if input_norm is not None:
             self.input_layernorm = input_norm
+
+    def _post_norm(self, name: str | None, x: mx.array) -> mx.array:
+        """``x`` through the block's norm ``name`` (a layout's post-norm), or as it is for None."""
+        return x if name is None else self[name](x)  # type: ignore[no-any-return]
 
     def select(self, kernels: frozenset[str]) -> None:
         self._gk_decoding = self.DECODING_KERNELS & kernels
@@ -745,7 +774,9 @@ class KernelResidualBlock(KernelLayer):
                 return ("input_layernorm",), ("self_attn",)
             return (("input_layernorm",), *(("self_attn", *path) for path in projections))
         if name == "leave":
-            return ("self_attn", "o_proj"), ("post_attention_layernorm",), (self._gk_ffn,)
+            layout = self.layout
+            norms = (layout.pre_ffn_norm, layout.post_attention_norm, layout.post_ffn_norm)
+            return (("self_attn", "o_proj"), *((n,) for n in norms if n is not None), (self._gk_ffn,))
         return None
 
     @property
@@ -776,8 +807,9 @@ class KernelResidualBlock(KernelLayer):
     def _after_attention(self, x: mx.array, r: mx.array, alone: bool) -> Any:
         """The residual add fused into the second norm, the feed-forward, and the block's last add
         when called ``alone`` (else left to the next norm)."""
-        h, normed = self.post_attention_layernorm(x, r)
-        out = self[self._gk_ffn](normed)
+        layout = self.layout
+        h, normed = self[layout.pre_ffn_norm](x, self._post_norm(layout.post_attention_norm, r))
+        out = self._post_norm(layout.post_ffn_norm, self[self._gk_ffn](normed))
         return h + out if alone else (h, out)
 
     def enter(self, x: mx.array, residual: mx.array | None, offset: mx.array,
@@ -830,7 +862,9 @@ class KernelResidualBlock(KernelLayer):
         For a few rows, a SwiGLU feed-forward's norm, gate and up are one ``norm_swiglu`` launch."""
         r = self.self_attn.output(attended)
         ffn = self[self._gk_ffn]
-        norm = self.post_attention_layernorm
+        if self.layout != LLAMA_BLOCK:  # post-norms: the fused feed-forward kernels have none
+            return self._after_attention(x, r, alone)
+        norm = self[self.layout.pre_ffn_norm]
         fused = isinstance(ffn, KernelGateUpMLP)
         names = ("gate_up_proj",) if fused else ("gate_proj", "up_proj")
         swiglu = fused or isinstance(ffn, KernelSwiGLUMLP)

@@ -32,9 +32,12 @@ from graphkern.errors import ModelError, PatchWarning
 from graphkern.kernels.base import FLOAT_DTYPES
 from graphkern.kernels.ops.moe_route import MAX_EXPERTS, MAX_TOP_K
 from graphkern.kernels.ops.rope_qk import MAX_HEAD_DIM
+from graphkern.models.families import gemma
 from graphkern.models.layers import (
     FUSED_QKV,
+    LLAMA_BLOCK,
     SEPARATE_QKV,
+    BlockLayout,
     KernelAddRMSNorm,
     KernelAttention,
     KernelDecoderStack,
@@ -272,9 +275,9 @@ def _head_dim(module: nn.Module, path: str, counts: list[int], heads: str, kv_he
     return d, q_dtype
 
 
-def _attention(heads: str, kv_heads: str, norms: bool,
-               projections: tuple[str, ...] = SEPARATE_QKV) -> Callable[[nn.Module, str], KernelLayer]:
-    """An attention whose prologue (per-head norms, RoPE, layout) goes on ``rope_qk``."""
+def _attention(heads: str, kv_heads: str, norms: bool, projections: tuple[str, ...] = SEPARATE_QKV,
+               kind: type[KernelAttention] = KernelAttention) -> Callable[[nn.Module, str], KernelLayer]:
+    """An attention whose prologue (per-head norms, RoPE, layout) goes on ``rope_qk``, as a ``kind``."""
 
     def build(module: nn.Module, path: str) -> KernelLayer:
         counts = []
@@ -301,7 +304,7 @@ def _attention(heads: str, kv_heads: str, norms: bool,
                 eps.append(norm.eps)
             _same(path, "eps", ("q_norm", eps[0]), ("k_norm", eps[1]))
         sdpa = module_global(type(module), "scaled_dot_product_attention")
-        return KernelAttention(module, heads, kv_heads, rotary, norms, sdpa, projections)
+        return kind(module, heads, kv_heads, rotary, norms, sdpa, projections)
 
     return build
 
@@ -366,12 +369,15 @@ def _add_norm(block: nn.Module, key: str, path: str) -> KernelAddRMSNorm | None:
     return KernelAddRMSNorm(original, offset)
 
 
-def _residual_block(ffn: str) -> Callable[[nn.Module, str], KernelLayer]:
+def _residual_block(layout: BlockLayout) -> Callable[[nn.Module, str], KernelLayer]:
     def build(module: nn.Module, path: str) -> KernelLayer:
-        norm = _add_norm(module, "post_attention_layernorm", path)
+        norm = _add_norm(module, layout.pre_ffn_norm, path)
         assert norm is not None  # the rule's `when` checked it
-        _child(module, ffn, path)
-        return KernelResidualBlock(module, ffn, norm, _add_norm(module, "input_layernorm", path))
+        _child(module, layout.ffn, path)
+        for post in (layout.post_attention_norm, layout.post_ffn_norm):
+            if post is not None:
+                _child(module, post, path)
+        return KernelResidualBlock(module, layout, norm, _add_norm(module, "input_layernorm", path))
 
     return build
 
@@ -575,6 +581,10 @@ def _attention_rule(name: str, heads: str, kv_heads: str, norms: bool) -> Rule:
                 forwards=(_attention_forward(heads, kv_heads, norms),), when=_knows_rope_and_norms(norms))
 
 
+GEMMA2_ATTENTION = Rule(
+    "attention prologue (Gemma 2): RoPE of q and k, laid out; soft-capped scores", "rope_qk",
+    _attention("n_heads", "n_kv_heads", False, kind=gemma.KernelSoftcapAttention),
+    forwards=(gemma.ATTENTION,), when=_knows_rope_and_norms(False))
 FUSED_ATTENTION = Rule("attention prologue (Phi-3): one qkv_proj split, RoPE of q and k, laid out", "rope_qk",
                        _attention("n_heads", "n_kv_heads", False, FUSED_QKV), forwards=(_FUSED_ATTENTION,),
                        when=_knows_rope_and_norms(False))
@@ -588,8 +598,13 @@ RULES: list[Rule] = [
                 KernelSlidingDecoderStack, _SLIDING_STACK),
     _stack_rule("decoder stack (Phi-3): each residual add fused into the next RMSNorm",
                 KernelDecoderStack, _PLAIN_STACK),
-    *(Rule(f"pre-norm block (residual add + RMSNorm before {ffn})", "add_rms_norm", _residual_block(ffn),
-           forwards=(_block(ffn),),
+    _stack_rule("decoder stack (Gemma 2): each residual add fused into the next RMSNorm",
+                gemma.KernelScaledDecoderStack, gemma.MODEL),
+    Rule("pre-norm block with post-norms (Gemma 2): residual adds fused into the next RMSNorm",
+         "add_rms_norm", _residual_block(gemma.GEMMA2_BLOCK), forwards=(gemma.BLOCK,),
+         when=lambda m: _rms_norm_offset(m.get("pre_feedforward_layernorm")) is not None),
+    *(Rule(f"pre-norm block (residual add + RMSNorm before {ffn})", "add_rms_norm",
+           _residual_block(LLAMA_BLOCK._replace(ffn=ffn)), forwards=(_block(ffn),),
            when=lambda m: _rms_norm_offset(m.get("post_attention_layernorm")) is not None)
       for ffn in ("mlp", "block_sparse_moe")),
     _attention_rule("attention prologue (Llama): RoPE of q and k, laid out", "n_heads", "n_kv_heads",
@@ -599,6 +614,7 @@ RULES: list[Rule] = [
     _attention_rule("attention prologue (Mixtral): RoPE of q and k, laid out", "num_heads",
                     "num_key_value_heads", False),
     FUSED_ATTENTION,
+    GEMMA2_ATTENTION,
     RMS_NORM,
     OFFSET_RMS_NORM,
     Rule("LayerNorm", "layer_norm", _layer_norm, classes=(nn.LayerNorm,)),

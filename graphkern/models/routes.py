@@ -8,8 +8,9 @@ the host more than ``mx.fast``'s. So each patched layer has a route:
 
 - ``"auto"`` (the default): on a GPU backend, a standalone layer runs the stock forward unless a
   graphkern trace is recording (so graphs and pictures still show its kernel) or a compiled
-  segment is being traced (where the kernels fuse); fused blocks, attention prologues, stacks and
-  mixture-of-experts routers always run their kernels. On the CPU (``reference`` backend) the
+  segment is being traced (where a norm's kernel takes the residual add before it; an activation
+  still runs stock there, which ``mx.compile`` fuses); fused blocks, attention prologues, stacks
+  and mixture-of-experts routers always run their kernels. On the CPU (``reference`` backend) the
   kernels run their pure-MLX references, and every layer runs them.
 - ``"kernel"``: always the kernel, as a benchmark of the kernel or a test of it wants.
 - ``"stock"``: always the stock forward, on the patched layer's own arrays.
@@ -42,8 +43,12 @@ def check_route(operation: str, route: Any) -> str:
     return route  # type: ignore[no-any-return]
 
 
-def takes_stock(route: str) -> bool:
-    """Whether a standalone layer with ``route`` runs this call as the stock layer."""
+def takes_stock(route: str, elementwise: bool = False) -> bool:
+    """Whether a standalone layer with ``route`` runs this call as the stock layer; an
+    ``elementwise`` one (an activation) does inside a compiled segment too, where ``mx.compile``
+    fuses the stock ops into one launch and a kernel would be a launch of its own."""
     if route == "auto":
-        return state.recorder is None and not state.segment_depth and active_backend() != "reference"
+        if state.recorder is not None or active_backend() == "reference":
+            return False
+        return elementwise or not state.segment_depth
     return route == "stock"

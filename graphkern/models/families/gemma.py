@@ -1,0 +1,118 @@
+"""Gemma 2: four norms a block (after the attention and the feed-forward too), soft-capped attention
+scores, and an embedding scaled by the square root of the hidden size.
+
+Its blocks decode as Llama's do, one compiled call a block: the residual add after the attention's
+post-norm runs inside the feed-forward's norm, and the one after the feed-forward's post-norm inside
+the next block's input norm (``add_rms_norm``); its norms' ``1 + weight`` is the kernels' scale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from graphkern.models.layers import BlockLayout, KernelAttention, KernelDecoderStack
+from graphkern.models.patterns import Forward
+
+__all__ = ["ATTENTION", "BLOCK", "GEMMA2_BLOCK", "MODEL", "KernelScaledDecoderStack",
+           "KernelSoftcapAttention"]
+
+_MX = {"mx": "mlx.core"}
+
+#: Gemma 2's block: post-norms on the attention's and the feed-forward's outputs.
+GEMMA2_BLOCK = BlockLayout(ffn="mlp", pre_ffn_norm="pre_feedforward_layernorm",
+                           post_attention_norm="post_attention_layernorm",
+                           post_ffn_norm="post_feedforward_layernorm")
+
+BLOCK = Forward(
+    "def __call__(self, x, mask=None, cache=None):\n"
+    "    r = self.self_attn(self.input_layernorm(x), mask, cache)\n"
+    "    h = x + self.post_attention_layernorm(r)\n"
+    "    r = self.mlp(self.pre_feedforward_layernorm(h))\n"
+    "    out = h + self.post_feedforward_layernorm(r)\n"
+    "    return out\n")
+
+ATTENTION = Forward(
+    "def __call__(self, x, mask=None, cache=None):\n"
+    "    B, L, D = x.shape\n"
+    "    queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)\n"
+    "    queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)\n"
+    "    keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)\n"
+    "    values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)\n"
+    "    if cache is not None:\n"
+    "        queries = self.rope(queries, offset=cache.offset)\n"
+    "        keys = self.rope(keys, offset=cache.offset)\n"
+    "        keys, values = cache.update_and_fetch(keys, values)\n"
+    "    else:\n"
+    "        queries = self.rope(queries)\n"
+    "        keys = self.rope(keys)\n"
+    "    queries = queries * self.scale\n"
+    "    if self.repeats > 1:\n"
+    "        queries = queries.reshape(B, self.n_kv_heads, self.repeats, L, self.head_dim)\n"
+    "        keys = mx.expand_dims(keys, 2)\n"
+    "        values = mx.expand_dims(values, 2)\n"
+    "    scores = queries @ keys.swapaxes(-1, -2)\n"
+    "    scores = mx.tanh(scores / self.attn_logit_softcapping)\n"
+    "    scores *= self.attn_logit_softcapping\n"
+    "    if mask is not None:\n"
+    "        if mask.dtype == mx.bool_:\n"
+    "            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))\n"
+    "        else:\n"
+    "            scores = scores + mask\n"
+    "    scores = mx.softmax(scores, precise=True, axis=-1)\n"
+    "    output = scores @ values\n"
+    "    if self.repeats > 1:\n"
+    "        output = output.reshape(B, self.n_heads, L, self.head_dim)\n"
+    "    output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)\n"
+    "    return self.o_proj(output)\n", _MX)
+
+MODEL = Forward(
+    "def __call__(self, inputs, cache=None):\n"
+    "    h = self.embed_tokens(inputs)\n"
+    "    h = h * (self.args.hidden_size**0.5)\n"
+    "    if cache is None:\n"
+    "        cache = [None] * len(self.layers)\n"
+    "    mask = create_attention_mask(h, cache[0], return_array=True)\n"
+    "    for layer, c in zip(self.layers, cache):\n"
+    "        h = layer(h, mask, c)\n"
+    "    return self.norm(h)\n", {"create_attention_mask": "mlx_lm.models.base:create_attention_mask"})
+
+
+class KernelSoftcapAttention(KernelAttention):
+    """Gemma 2's attention: its prologue on ``rope_qk`` as Llama's; its scores soft-capped,
+    ``cap * tanh(scores / cap)``, before the mask and a float32 softmax, as the stock layer makes
+    them (``attn_logit_softcapping`` read at each call)."""
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, mask: Any, cache: Any) -> mx.array:
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        B, heads, L, D = queries.shape
+        kv_heads = keys.shape[1]
+        repeats = heads // kv_heads
+        queries = queries * self.scale
+        if repeats > 1:
+            queries = queries.reshape(B, kv_heads, repeats, L, D)
+            keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
+        cap = self.attn_logit_softcapping
+        scores = mx.tanh((queries @ keys.swapaxes(-1, -2)) / cap) * cap
+        if mask is not None:
+            if mask.dtype == mx.bool_:
+                scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+            else:
+                scores = scores + mask
+        output = mx.softmax(scores, precise=True, axis=-1) @ values
+        return output.reshape(B, heads, L, D) if repeats > 1 else output
+
+
+class KernelScaledDecoderStack(KernelDecoderStack):
+    """Gemma 2's ``GemmaModel``: a :class:`KernelDecoderStack` whose embedding is scaled by
+    ``sqrt(hidden_size)`` (in the embedding's dtype, as stock) and whose masks are arrays."""
+
+    def _embed(self, inputs: mx.array, cache: Any, input_embeddings: mx.array | None) -> tuple[mx.array, Any]:
+        h, cache = super()._embed(inputs, cache, input_embeddings)
+        return h * (self.args.hidden_size**0.5), cache
+
+    def _masks(self, h: mx.array, cache: Any) -> Any:
+        mask = self._gk_create_mask(h, cache[0], return_array=True)
+        return lambda layer: mask
