@@ -17,16 +17,20 @@ through ``torch.profiler``, as ``gpu_kernels.py`` reads them; and, for the longe
 to the first token taken apart (building the prefill's graph, evaluating it, mlx-lm's
 ``mx.clear_cache()``, the first step) with the prefill's peak memory.
 
-``--preset`` takes models at the dimensions of real checkpoints instead (Llama 3.2 1B, Llama 3.1 8B,
-Qwen3 0.6B, Qwen3 30B-A3B, Mixtral 8x7B; ``--layers N`` keeps the first N blocks where memory or time
-demands, said in the output), and ``--quantize 4|8 --group-size N`` quantizes the random-weight
-model as mlx-lm's converter does (``nn.quantize``: embeddings and output layer included).
+``--preset`` takes models at the dimensions of real checkpoints instead (``PRESETS``: Llama 3.2 1B and
+3.1 8B, Mistral 7B, Qwen 2.5 1.5B, Qwen3 0.6B and 30B-A3B, Phi-3 mini, Gemma 2 2B, Gemma 3 1B, Mixtral
+8x7B; ``--layers N`` keeps the first N blocks where memory or time demands, said in the output);
+``--sweep`` runs every one of them (``SWEEP``), 16-bit and 4-bit, and ends on a table of ratios and
+token agreement. ``--quantize 4|8 --group-size N`` quantizes the random-weight model as mlx-lm's
+converter does (``nn.quantize``: embeddings and output layer included).
 
     python benchmarks/generate.py                                   # the default grid
     python benchmarks/generate.py --models llama --sizes large --dtypes bfloat16 --breakdown
     python benchmarks/generate.py --preset llama-3.2-1b --quantize 4 --dtypes bfloat16
     python benchmarks/generate.py --sizes tiny --rounds 1           # a CPU smoke run
     python benchmarks/generate.py --preset qwen3-30b-a3b --quantize 4 --quick   # a preset's CPU smoke run
+    python benchmarks/generate.py --sweep --rounds 3 --tokens 32 --prefill 128   # every architecture
+    python benchmarks/generate.py --sweep --quick --batches 1                    # the sweep's CPU smoke run
 """
 
 from __future__ import annotations
@@ -94,6 +98,35 @@ PRESETS: dict[str, dict[str, Any]] = {
                      "num_key_value_heads": 8, "vocab_size": 32000, "num_local_experts": 8,
                      "num_experts_per_tok": 2},
 }
+PRESETS |= {
+    "mistral-7b": {"model_type": "mistral", "rms_norm_eps": 1e-5, "rope_theta": 1e6, "hidden_size": 4096,
+                   "num_hidden_layers": 32, "intermediate_size": 14336, "num_attention_heads": 32,
+                   "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32768,
+                   "tie_word_embeddings": False},
+    "qwen2.5-1.5b": {"model_type": "qwen2", "rms_norm_eps": 1e-6, "rope_theta": 1e6, "hidden_size": 1536,
+                     "num_hidden_layers": 28, "intermediate_size": 8960, "num_attention_heads": 12,
+                     "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
+    "phi-3-mini": {"model_type": "phi3", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_size": 3072,
+                   "num_hidden_layers": 32, "intermediate_size": 8192, "num_attention_heads": 32,
+                   "num_key_value_heads": 32, "vocab_size": 32064, "max_position_embeddings": 4096,
+                   "original_max_position_embeddings": 4096, "tie_word_embeddings": False},
+    "gemma-2-2b": {"model_type": "gemma2", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_size": 2304,
+                   "num_hidden_layers": 26, "intermediate_size": 9216, "num_attention_heads": 8,
+                   "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 256000,
+                   "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+                   "final_logit_softcapping": 30.0},
+    "gemma-3-1b": {"model_type": "gemma3_text", "rms_norm_eps": 1e-6, "hidden_size": 1152,
+                   "num_hidden_layers": 26, "intermediate_size": 6912, "num_attention_heads": 4,
+                   "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144,
+                   "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6,
+                   "rope_theta": 1e6, "rope_local_base_freq": 10000.0},
+}
+#: ``--sweep``: every mlx-lm architecture ``gk.patch`` touches, at a published checkpoint's
+#: dimensions, with the blocks kept (None: all) where memory and one device call's time demand.
+SWEEP: dict[str, int | None] = {
+    "llama-3.2-1b": None, "llama-3.1-8b": 8, "mistral-7b": 8, "qwen2.5-1.5b": None, "qwen3-0.6b": None,
+    "phi-3-mini": 16, "gemma-2-2b": None, "gemma-3-1b": None, "mixtral-8x7b": 4, "qwen3-30b-a3b": 8,
+}
 #: ``--quick``: a preset's architecture and options at a size a CPU runs in seconds.
 QUICK = {"hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512, "moe_intermediate_size": 128,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}
@@ -112,6 +145,8 @@ def preset_config(name: str, layers: int | None, quick: bool) -> tuple[dict[str,
     cfg = dict(PRESETS[name])
     if quick:
         cfg |= {k: v for k, v in QUICK.items() if k in cfg or k != "moe_intermediate_size"}
+        # Gemma 3's model reads the cache of its first global layer: keep one
+        cfg["num_hidden_layers"] = max(QUICK["num_hidden_layers"], cfg.get("sliding_window_pattern", 0))
     total = cfg["num_hidden_layers"]
     if layers is not None:
         cfg["num_hidden_layers"] = min(layers, total)
@@ -254,6 +289,8 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
             rows.append(row)
     weights = f"{args.quantize}-bit, group {args.group_size}" if args.quantize else dtype_name
     result = {"model": label, "dtype": dtype_name, "weights": weights, "rows": rows}
+    if args.agreement:
+        result["agreement"] = token_agreement(stock, patched, short, args.agreement)
     if args.breakdown:
         twins = (("stock", stock), ("patched", patched))
         result["breakdown"] = {name: breakdown(model, short, args.tokens) for name, model in twins}
@@ -261,6 +298,16 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
         result["prefill_breakdown"] = {f"{name}, {longest} tokens": prefill_breakdown(model, prompts[longest])
                                        for name, model in twins}
     return result
+
+
+def token_agreement(stock: Any, patched: Any, prompt: mx.array, tokens: int) -> float:
+    """The share of ``tokens`` greedy tokens (``generate_step``) the patched model gives as stock
+    does, position by position."""
+    from mlx_lm.generate import generate_step
+
+    runs = [[int(t) for t, _ in generate_step(prompt, m, max_tokens=tokens, prompt_cache=_cache_for(m))]
+            for m in (stock, patched)]
+    return sum(a == b for a, b in zip(*runs)) / max(len(runs[0]), 1)
 
 
 # ----------------------------------------------------------------------------- per-token breakdown
@@ -364,6 +411,26 @@ def format_result(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def sweep_table(results: list[dict[str, Any]]) -> str:
+    """One line a model and weights: each task's median ratio (patched over stock: above 1 is
+    faster), its lowest round, and the greedy token agreement."""
+    tasks = [row["task"] for row in results[0]["rows"]] if results else []
+    lines = ["\n## sweep: ratio (lowest round)",
+             "| model | weights | " + " | ".join(tasks) + " | tokens agree |",
+             "|---|---|" + "---:|" * (len(tasks) + 1)]
+    for result in results:
+        cells = []
+        for row in result["rows"]:
+            if "speedup" in row:
+                cells.append(f"{row['speedup']:.3f}x ({row['speedup_range'][0]:.2f})")
+            else:
+                cells.append("failed")
+        agree = result.get("agreement")
+        lines.append(f"| {result['model']} | {result['weights']} | " + " | ".join(cells)
+                     + f" | {'-' if agree is None else f'{agree:.0%}'} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="llama,qwen3,mixtral")
@@ -382,16 +449,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     parser.add_argument("--quick", action="store_true",
                         help="a preset at a CPU's size: 2 blocks of 256, one round of 8 tokens, batch 1")
+    parser.add_argument("--sweep", action="store_true",
+                        help="every architecture gk.patch touches at a checkpoint's dimensions (SWEEP), "
+                        "16-bit and --sweep-bits: decode b1 and b8, ttft, token agreement")
+    parser.add_argument("--sweep-bits", default="4", help="the quantized runs of the sweep (comma list; "
+                        "empty: none)")
+    parser.add_argument("--agreement", type=int, default=0,
+                        help="also compare this many greedy tokens of stock and patched")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     unknown = sorted(set((args.preset or "").split(",")) - set(PRESETS) - {""})
     if unknown:
         parser.error(f"unknown presets {unknown}; known: {', '.join(PRESETS)}")
     if args.quick:
-        args.rounds, args.tokens, args.batches, args.prefill = 1, 8, "1", "32"
+        args.rounds, args.tokens, args.prefill = 1, 8, "32"
+        args.batches = args.batches if args.sweep else "1"
     args.modes = args.modes.split(",")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.prefill = [int(p) for p in args.prefill.split(",")]
+    if args.sweep:
+        return run_sweep(args)
     print(header("mlx-lm generation: stock vs patched onto graphkern kernels"), flush=True)
     print(f"# rounds {args.rounds}, {args.tokens} tokens a decode run; speed ratio = patched "
           "tokens/s over stock (decode) or stock time over patched (ttft), median over rounds, "
@@ -408,6 +485,36 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             print(format_result(result), flush=True)
             mx.clear_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    """``--sweep``: each SWEEP preset (``--preset`` narrows it), in the first of ``--dtypes`` and
+    quantized to each of ``--sweep-bits``, stock and patched taking turns within each round."""
+    names = args.preset.split(",") if args.preset else list(SWEEP)
+    args.modes, args.breakdown = ["eager"], False
+    args.agreement = args.agreement or 32
+    dtype_name = args.dtypes.split(",")[0]
+    bits = [None, *(int(b) for b in args.sweep_bits.split(",") if b)]
+    print(header("mlx-lm generation sweep: stock vs patched onto graphkern kernels"), flush=True)
+    print(f"# rounds {args.rounds}, {args.tokens} tokens a decode run, prompts {args.prefill}, "
+          f"{args.agreement} greedy tokens compared; ratio = patched speed over stock, median over rounds")
+    results = []
+    for name in names:
+        cfg, label = preset_config(name, args.layers or SWEEP.get(name), args.quick)
+        for quantize in bits:
+            args.quantize = quantize
+            try:
+                result = measure(label, cfg, dtype_name, args)
+            except Exception as exc:  # one architecture that cannot run is reported, the rest go on
+                print(f"\n## {label}: failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+                continue
+            results.append(result)
+            print(format_result(result), f"\n- greedy tokens agree: {result['agreement']:.0%}", flush=True)
+            mx.clear_cache()
+    print(sweep_table(results), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
