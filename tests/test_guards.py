@@ -5,6 +5,7 @@ trace again instead of running the value baked into the old trace."""
 from __future__ import annotations
 
 import timeit
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,6 +15,7 @@ import graphkern as gk
 from graphkern.tracing import guards
 
 pytest.importorskip("mlx_lm")
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from model_comparisons import ATOL, RTOL  # noqa: E402
 
 from graphkern.models.tiny import tiny_model  # noqa: E402
@@ -104,6 +106,32 @@ def test_a_wrapped_models_attribute_changed_after_the_trace_is_seen() -> None:
     model.model.norm.eps = 10.0
     assert _close(wrapped(PROMPT), model(PROMPT))
     assert wrapped.calls == {"compiled": 2, "eager": 0}
+
+
+# ----------------------------------------------------------------------------- segments
+
+
+def _decode(model: nn.Module, cache: Any, tokens: list[int]) -> list[mx.array]:
+    return [model(mx.array([[t]]), cache=cache) for t in tokens]
+
+
+@pytest.mark.parametrize("where", ["layers.0.input_layernorm", "layers.1.post_attention_layernorm"])
+def test_a_patched_layers_attribute_changed_after_it_decoded_is_seen(where: str) -> None:
+    stock, patched = tiny_model("llama"), tiny_model("llama")
+    gk.patch(patched)
+    stock.eval()
+    patched.eval()
+    caches = make_prompt_cache(stock), make_prompt_cache(patched)
+    assert _close(patched(PROMPT, cache=caches[1]), stock(PROMPT, cache=caches[0]))
+    for ours, theirs in zip(_decode(patched, caches[1], [4, 9]), _decode(stock, caches[0], [4, 9])):
+        assert _close(ours, theirs)
+    for model in (stock, patched):
+        module = model.model
+        for key in where.split("."):
+            module = module[int(key)] if key.isdigit() else module[key]
+        module.eps = 10.0
+    for ours, theirs in zip(_decode(patched, caches[1], [11, 2]), _decode(stock, caches[0], [11, 2])):
+        assert _close(ours, theirs)
 
 
 # ----------------------------------------------------------------------------- cost
