@@ -115,7 +115,8 @@ def _decode(model: nn.Module, cache: Any, tokens: list[int]) -> list[mx.array]:
     return [model(mx.array([[t]]), cache=cache) for t in tokens]
 
 
-@pytest.mark.parametrize("where", ["layers.0.input_layernorm", "layers.1.post_attention_layernorm"])
+@pytest.mark.parametrize("where", ["layers.0.input_layernorm", "layers.1.input_layernorm",
+                                   "layers.1.post_attention_layernorm"])
 def test_a_patched_layers_attribute_changed_after_it_decoded_is_seen(where: str) -> None:
     stock, patched = tiny_model("llama"), tiny_model("llama")
     gk.patch(patched)
