@@ -506,7 +506,9 @@ class _DaemonPool:
     frees its MLX state (its compile cache, which holds Python objects once a model's
     ``mx.compile``d function ran on it, as after a failed trace) while the interpreter finalizes,
     and taking the GIL there aborts the process ("terminate called without an active
-    exception"). A daemon thread waiting on the queue is simply gone at exit.
+    exception"). A daemon thread waiting on the queue is simply gone at exit. Each thread reads
+    graphkern's thread state, so one that ended would release its MLX streams
+    (``context.release_streams``), as every thread that used graphkern does.
     """
 
     def __init__(self, size: int, name: str):
