@@ -12,8 +12,9 @@ block: its ``link`` is one block's second segment and the next block's first.
 
 The layer's arrays are the first argument of each compiled call, so replacing a weight (training,
 ``load_weights``, quantizing) is seen at the next call, and a changed structure traces anew. A
-plain attribute of the layer or a module under it (a norm's ``eps``) is baked into the forms: one
-changed since they were traced (``graphkern.tracing.guards``) makes every form trace again. MLX
+plain attribute of the layer or a module under it (a norm's ``eps``) is baked into the forms, and
+so is each module's class: one changed since they were traced (a module swapped, an attribute set:
+``graphkern.tracing.guards``) makes every form trace again. MLX
 takes a call's arrays one by one, so a segment is handed only the subtrees it reads when the layer
 names them (``segment_reads(name)``: paths of child names); one that reaches past them while it
 is traced fails there and takes the whole layer from then on. Each
@@ -42,6 +43,7 @@ itself, so other threads calling the layer meanwhile see its own arrays.
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +53,7 @@ import mlx.core as mx
 from graphkern.launching.autodiff import vjp_enabled
 from graphkern.launching.context import state
 from graphkern.launching.launch_cache import LaunchCache
-from graphkern.tracing.guards import AttributeGuard
+from graphkern.tracing.guards import AttributeGuard, modules_under
 
 __all__ = ["MAX_SEGMENT_TOKENS", "Segments", "decoding", "segments_apply"]
 
@@ -143,7 +145,13 @@ class Segments:
         """Forget every form (an attribute they baked in changed) and guard the layer's
         attributes as they are now."""
         self._forms.clear()
-        self._guard = AttributeGuard([module for _, module in layer.named_modules()], [])
+        self._guard = AttributeGuard(functools.partial(_modules_of, self.layer), [])
+
+
+def _modules_of(layer_ref: weakref.ReferenceType[Any]) -> list[Any]:
+    """The modules of the layer (none once it is gone)."""
+    layer = layer_ref()
+    return modules_under([layer]) if layer is not None else []
 
 
 def _at(tree: Any, path: tuple[Any, ...]) -> Any:

@@ -8,6 +8,7 @@ updates are seen; run failures are attributed to their kernel node.
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 import threading
 from collections.abc import Callable, Iterator
@@ -25,7 +26,7 @@ from ..launching.validation import Launch
 from ..nodes import Kernel, KernelError, Status
 from ..trace import Traceable
 from .graph import Failure, Graph, GraphError
-from .guards import AttributeGuard, reached_places
+from .guards import AttributeGuard, modules_under, reached_places
 from .state import Flat, flatten_outputs, reach, unflatten_outputs
 
 __all__ = ["CompiledGraph", "FiniteCheckedGraph", "all_finite", "compile", "non_finite_error"]
@@ -341,10 +342,10 @@ class CompiledGraph:
             self.clear()
 
     def _new_guard(self) -> AttributeGuard:
-        """A guard on what the traces can read now: the plain attributes of the modules found in
-        ``fn``'s state, and the plain values ``fn``'s code reaches by name."""
-        modules = [module for _, module in self._state.modules.values()]
-        return AttributeGuard(modules, reached_places(reach(self.fn).found))
+        """A guard on what the traces can read now: the classes and plain attributes of the
+        modules in ``fn``'s state, and the plain values ``fn``'s code reaches by name."""
+        find = functools.partial(modules_under, self._state.roots)
+        return AttributeGuard(find, reached_places(reach(self.fn).found))
 
     def _entry(self, flat: Flat, key: Any = None) -> tuple[Graph, Any]:
         key = flat.key() if key is None else key

@@ -1,10 +1,13 @@
 """Guards on the Python values a trace read besides its arrays, as torch.compile guards attributes.
 
 A trace bakes in every Python value it reads: a norm's ``eps``, a head count, a module's training
-mode, a scalar the function closes over. :class:`AttributeGuard` records them when a trace is made
-(the plain attributes of the modules the trace could read, the plain values at the places its
-function reaches by name) and tells, at each call, whether one changed since: the owner then traces
-again. Plain values are ints, floats, bools, strings, None and tuples of them.
+mode, a scalar the function closes over, and the code of each module's class. :class:`AttributeGuard`
+records them when a trace is made (the class and plain attributes of each module the trace could
+read, the plain values at the places its function reaches by name) and tells, at each call, whether
+one changed since: the owner then traces again. Plain values are ints, floats, bools, strings, None
+and tuples of them. A module swapped for another is seen too: the modules are found again from
+their roots, so a new one whose class or attributes differ is a change (one equal in both is the
+same module to a trace, whose arrays come in as state).
 
 The check must cost a host-bound decode step almost nothing, so it never walks a model: module
 attributes are set through ``nn.Module.__setattr__`` (and removed through ``__delattr__``), which
@@ -14,11 +17,11 @@ values a function reaches by name (closure cells, globals) have no such hook: a 
 few again at each call.
 
 >>> import mlx.nn as nn
->>> norm = nn.RMSNorm(4)
->>> guard = AttributeGuard([norm], [])
+>>> model = nn.Sequential(nn.RMSNorm(4))
+>>> guard = AttributeGuard(lambda: modules_under([model]), [])
 >>> guard.changed()
 False
->>> norm.eps = 0.5
+>>> model.layers[0].eps = 0.5
 >>> guard.changed()
 True
 """
@@ -33,7 +36,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["AttributeGuard", "Place", "plain", "plain_attributes", "reached_places", "writes"]
+__all__ = ["AttributeGuard", "Place", "modules_under", "plain", "plain_attributes", "reached_places",
+           "writes"]
 
 #: A place a function reads by name: ``read(argument)`` gives what is there now.
 Place = tuple[Callable[[Any], Any], Any]
@@ -68,6 +72,33 @@ def plain_attributes(module: nn.Module) -> dict[str, Any]:
         if value.__class__ is not mx.array and isinstance(value, tuple) and plain(value):
             found[key] = value
     return found
+
+
+def modules_under(roots: Iterable[Any]) -> list[nn.Module]:
+    """Every module in the trees ``roots`` (modules, dicts, lists, tuples), each once, in an order
+    that is the same for the same trees.
+
+    >>> [type(m).__name__ for m in modules_under([nn.Sequential(nn.Linear(2, 2), nn.ReLU())])]
+    ['Sequential', 'Linear', 'ReLU']
+    """
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = list(reversed(list(roots)))
+    while stack:
+        tree = stack.pop()
+        if id(tree) in seen:
+            continue
+        seen.add(id(tree))
+        if isinstance(tree, nn.Module):
+            found.append(tree)
+        values = list(tree.values() if isinstance(tree, dict) else tree)
+        stack.extend(v for v in reversed(values) if isinstance(v, (dict, list, tuple)))
+    return found
+
+
+def _record(modules: Iterable[nn.Module]) -> list[tuple[type, dict[str, Any]]]:
+    """Each module's class and plain attributes: what a trace of it bakes in besides arrays."""
+    return [(type(module), plain_attributes(module)) for module in modules]
 
 
 class _Writes:
@@ -123,17 +154,18 @@ def reached_places(found: Iterable[Any]) -> list[Place]:
 
 
 class AttributeGuard:
-    """The plain values a trace read: the attributes of ``modules`` (see :func:`plain_attributes`)
-    and what sits at ``places``, as they were when the guard was made. :meth:`changed` tells
-    whether one differs now."""
+    """The plain values a trace read: the class and attributes (see :func:`plain_attributes`) of
+    each module ``find()`` gives, and what sits at ``places``, as they were when the guard was
+    made. :meth:`changed` tells whether one differs now. The guard holds no module: ``find`` is
+    asked again (a layer's own guard must not keep it alive)."""
 
-    __slots__ = ("modules", "_attributes", "_places", "_values", "_seen")
+    __slots__ = ("_find", "_modules", "_places", "_values", "_seen")
 
-    def __init__(self, modules: Iterable[nn.Module], places: list[Place]):
+    def __init__(self, find: Callable[[], Iterable[nn.Module]], places: list[Place]):
         _install()
         self._seen = _writes.count  # before the record: a write racing with it is looked at later
-        self.modules = list(modules)
-        self._attributes = list(map(plain_attributes, self.modules))
+        self._find = find
+        self._modules = _record(find())
         self._places = places
         self._values = [read(argument) for read, argument in places]
 
@@ -145,7 +177,7 @@ class AttributeGuard:
         if _writes.count == self._seen:
             return False
         seen = _writes.count
-        if list(map(plain_attributes, self.modules)) != self._attributes:
+        if _record(self._find()) != self._modules:
             return True
         self._seen = seen  # written, but to the same values or to other modules
         return False
