@@ -17,8 +17,11 @@ read this state releases them (:func:`release_streams`) when it ends and Python 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -32,16 +35,43 @@ __all__ = ["Recorder", "Settings", "adopted", "current_recorder", "inside_inspec
 THREAD_FORMS = 1024
 
 
+_CLEAR_STREAMS = "_ZN3mlx4core13clear_streamsEv"  # mlx::core::clear_streams()
+
+
+@functools.lru_cache(maxsize=1)
+def _clear_streams_holding_gil() -> Callable[[], Any] | None:
+    """MLX's C++ ``clear_streams``, called with the GIL held (``ctypes.PyDLL``); None where the
+    library or the function cannot be found.
+
+    Besides the streams it clears the thread's compile cache, whose entries hold Python objects.
+    ``mx.clear_streams`` lets the GIL go first, so the clearing thread holds the cache's lock while
+    it waits for the GIL to free them, while another thread holding the GIL frees a compiled
+    function last called on the clearing thread (a garbage collection) and waits for that lock: a
+    deadlock, seen about once in ten runs of eight threads. With the GIL held the two take turns."""
+    folder = Path(mx.__file__).parent / "lib"
+    for name in ("libmlx.so", "libmlx.dylib"):
+        try:
+            function = ctypes.PyDLL(str(folder / name))[_CLEAR_STREAMS]
+        except (OSError, AttributeError):
+            continue
+        function.restype, function.argtypes = None, []
+        return function  # type: ignore[no-any-return]
+    return None
+
+
 def release_streams() -> None:
-    """Wait for this thread's MLX work, then destroy its MLX streams (``mx.clear_streams``): the
-    last MLX call of a thread, which can run none after it. Nothing on the main thread, whose
-    streams the rest of the program uses."""
+    """Wait for this thread's MLX work, then destroy its MLX streams and what it keeps with them
+    (its random key, its compile cache): ``mx.clear_streams``, the last MLX call of a thread, which
+    can run none after it. Nothing on the main thread, whose streams the rest of the program uses."""
     if threading.current_thread() is threading.main_thread():
         return
     try:
         mx.synchronize()
     finally:
-        mx.clear_streams()
+        holding_gil = _clear_streams_holding_gil()
+        if holding_gil is not None:
+            holding_gil()  # the compile cache first, safely (see there)
+        mx.clear_streams()  # the thread's random key (a Python object), and what is left
 
 
 @contextlib.contextmanager
