@@ -140,7 +140,6 @@ class Segments:
             self.usable = False
             return None
 
-
     def _retrace(self, layer: Any) -> None:
         """Forget every form (an attribute they baked in changed) and guard the layer's
         attributes as they are now."""
