@@ -11,6 +11,7 @@ from .errors import BackendError, DrawingError, GraphFormatError, GraphkernError
 from .launching.autodiff import without_vjp
 from .launching.backends import active_backend
 from .launching.bound import BoundLaunch, bind
+from .launching.context import mlx_thread
 from .launching.launch_cache import cache_stats, clear_caches
 from .launching.mlx_kernels import kernel_cache
 from .nodes import Kernel, KernelError, KernelResult, NodeKind, OutputSpec, Status, TemplateArg
@@ -80,6 +81,7 @@ __all__ = [
     "kernel_cache",
     "kernels",
     "launch",
+    "mlx_thread",
     "patch",
     "set_route",
     "unpatch",

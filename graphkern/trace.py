@@ -24,7 +24,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from .launching import backends
 from .launching.context import adopted, current_recorder, recording, snapshot, state
@@ -68,8 +67,8 @@ class TraceRecorder:
 
     def path_of(self, module: nn.Module) -> str | None:
         """The path of a call of ``module``: its path in the model, or, for one module object held
-        by several parents (mlx-lm's MoE layers share one activation), its name under the module
-        calling it."""
+        by several parents (mlx-lm's MoE layers share one activation; tied layers), its name under
+        the module calling it."""
         path = self.modules.get(id(module))
         if path is None or not self.stack:
             return path
@@ -80,9 +79,10 @@ class TraceRecorder:
         placed = self._placed.get(key)
         if placed is None:
             parent = self.objects.get(top_id)
-            children: list[tuple[str, Any]] = tree_flatten(  # type: ignore[assignment]
-                parent.children(), is_leaf=lambda v: isinstance(v, nn.Module)) if parent is not None else []
-            placed = next((f"{top}.{name}" for name, child in children if child is module), path)
+            # anywhere under the caller: a block's experts may call the activation of its
+            # switch layer (``block.switch_mlp.activation``) without calling the switch layer
+            inside = parent.named_modules() if parent is not None else []
+            placed = next((f"{top}.{name}" for name, child in inside if child is module and name), path)
             self._placed[key] = placed
         return placed
 
@@ -506,7 +506,9 @@ class _DaemonPool:
     frees its MLX state (its compile cache, which holds Python objects once a model's
     ``mx.compile``d function ran on it, as after a failed trace) while the interpreter finalizes,
     and taking the GIL there aborts the process ("terminate called without an active
-    exception"). A daemon thread waiting on the queue is simply gone at exit.
+    exception"). A daemon thread waiting on the queue is simply gone at exit. Each thread reads
+    graphkern's thread state, so one that ended would release its MLX streams
+    (``context.release_streams``), as every thread that used graphkern does.
     """
 
     def __init__(self, size: int, name: str):

@@ -218,3 +218,62 @@ def test_forward_patterns_match_by_computation_not_by_name():
     assert stock_mlp.matches(MLP) and not stock_mlp.matches(AlmostMLP)
     wrong_global = Forward(stock_mlp.source, {"nn": "mlx.core"})  # `nn` must be mlx.nn
     assert not wrong_global.matches(MLP)
+
+
+def test_a_module_at_two_places_gets_one_replacement_and_unpatch_puts_back_the_one_original():
+    norm = nn.RMSNorm(8)
+    model = nn.Sequential(norm, MLP(), norm)
+    assert [p.path for p in patch(model)] == ["layers.0", "layers.1", "layers.2"]
+    assert isinstance(model.layers[0], KernelLayer) and model.layers[0] is model.layers[2]
+    model.layers[0].weight = mx.full((8,), 2.0)  # through one place: the other sees it
+    assert model.layers[2].weight.tolist() == [2.0] * 8
+    assert unpatch(model) == ["layers.0", "layers.1", "layers.2"]
+    assert model.layers[0] is norm and model.layers[2] is norm
+    assert norm.weight.tolist() == [2.0] * 8
+
+
+def test_tied_layers_stay_tied_when_patched():
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from graphkern.models.tiny import tiny_model
+
+    stock, patched = tiny_model("llama"), tiny_model("llama")
+    for model in (stock, patched):
+        model.model.layers[1] = model.model.layers[0]  # one block at two places
+        model.eval()
+    patch(patched)
+    block = patched.model.layers[0]
+    assert patched.model.layers[1] is block and isinstance(block, KernelLayer)
+    assert block.self_attn is patched.model.layers[1].self_attn
+    weight = mx.random.normal((64,), key=mx.random.key(1))
+    for model in (stock, patched):  # assigned through the first place: the second sees it
+        model.model.layers[0].input_layernorm.weight = weight
+        model.model.layers[0].mlp.down_proj.weight = model.model.layers[0].mlp.down_proj.weight * 2
+    prompt, token = mx.array([[3, 17, 42, 5, 99, 1, 7, 64]]), mx.array([[5]])
+    caches = make_prompt_cache(stock), make_prompt_cache(patched)
+    assert mx.allclose(patched(prompt, cache=caches[1]), stock(prompt, cache=caches[0]), atol=1e-5).item()
+    assert mx.allclose(patched(token, cache=caches[1]), stock(token, cache=caches[0]), atol=1e-5).item()
+    unpatch(patched)
+    assert patched.model.layers[0] is patched.model.layers[1]
+    assert not isinstance(patched.model.layers[0], KernelLayer)
+    assert mx.allclose(patched(prompt), stock(prompt), atol=1e-5).item()
+
+
+def test_a_norm_shared_by_two_blocks_gets_one_fused_replacement():
+    pytest.importorskip("mlx_lm")
+    from graphkern.models.tiny import tiny_model
+
+    stock, patched = tiny_model("llama"), tiny_model("llama")
+    for model in (stock, patched):
+        layers = model.model.layers
+        layers[1].post_attention_layernorm = layers[0].post_attention_layernorm
+        model.eval()
+    patch(patched)
+    layers = patched.model.layers
+    assert layers[0].post_attention_layernorm is layers[1].post_attention_layernorm
+    weight = mx.random.normal((64,), key=mx.random.key(2))
+    for model in (stock, patched):
+        model.model.layers[1].post_attention_layernorm.weight = weight
+    prompt = mx.array([[3, 17, 42, 5, 99, 1, 7, 64]])
+    assert mx.allclose(patched(prompt), stock(prompt), atol=1e-5).item()

@@ -7,24 +7,109 @@ the thread's compiled launch forms. Every launch reads this state, so it lives i
 of its own (a deep stack: see ``trace``): :func:`snapshot` and :func:`adopted` carry the
 settings there and back as one piece. (What one object keeps per thread stays with that object:
 a compiled graph's call in progress, ``compiled._CallState``, goes with its graph.)
+
+A thread's end: MLX 0.32 keeps streams per thread, and a process whose threads ended with theirs
+still there could abort at exit ("terminate called without an active exception"). A thread that
+read this state releases them (:func:`release_streams`) when it ends and Python drops its state;
+:func:`mlx_thread` does it for a thread that ran MLX without graphkern.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import mlx.core as mx
 
 from .launch_cache import LaunchCache
 
-__all__ = ["Recorder", "Settings", "adopted", "current_recorder", "inside_inspection_trace",
-           "recording", "snapshot", "state"]
+__all__ = ["Recorder", "Settings", "adopted", "current_recorder", "inside_inspection_trace", "mlx_thread",
+           "recording", "release_streams", "snapshot", "state"]
 
 #: The most compiled launch forms a thread keeps (each holds an ``mx.compile``d function).
 THREAD_FORMS = 1024
+
+
+_CLEAR_STREAMS = "_ZN3mlx4core13clear_streamsEv"  # mlx::core::clear_streams()
+
+
+@functools.lru_cache(maxsize=1)
+def _clear_streams_holding_gil() -> Callable[[], Any] | None:
+    """MLX's C++ ``clear_streams``, called with the GIL held (``ctypes.PyDLL``); None where the
+    library or the function cannot be found.
+
+    Besides the streams it clears the thread's compile cache, whose entries hold Python objects.
+    ``mx.clear_streams`` lets the GIL go first, so the clearing thread holds the cache's lock while
+    it waits for the GIL to free them, while another thread holding the GIL frees a compiled
+    function last called on the clearing thread (a garbage collection) and waits for that lock: a
+    deadlock, seen about once in ten runs of eight threads. With the GIL held the two take turns."""
+    folder = Path(mx.__file__).parent / "lib"
+    for name in ("libmlx.so", "libmlx.dylib"):
+        try:
+            function = ctypes.PyDLL(str(folder / name))[_CLEAR_STREAMS]
+        except (OSError, AttributeError):
+            continue
+        function.restype, function.argtypes = None, []
+        return function  # type: ignore[no-any-return]
+    return None
+
+
+def release_streams() -> None:
+    """Wait for this thread's MLX work, then destroy its MLX streams and what it keeps with them
+    (its random key, its compile cache): ``mx.clear_streams``, the last MLX call of a thread, which
+    can run none after it. Nothing on the main thread, whose streams the rest of the program uses."""
+    if threading.current_thread() is threading.main_thread():
+        return
+    try:
+        mx.synchronize()
+    finally:
+        holding_gil = _clear_streams_holding_gil()
+        if holding_gil is not None:
+            holding_gil()  # the compile cache first, safely (see there)
+        mx.clear_streams()  # the thread's random key (a Python object), and what is left
+
+
+@contextlib.contextmanager
+def mlx_thread() -> Iterator[None]:
+    """Run a thread's whole body inside it (``with``, or as a decorator of the thread's target):
+    its MLX streams are released at the end (:func:`release_streams`), so the process exits
+    cleanly after threads that ran MLX. A thread that used graphkern does this by itself when it
+    ends; this is for threads that ran only MLX, or that must not wait for Python to drop them.
+
+    >>> import threading, mlx.core as mx
+    >>> @mlx_thread()
+    ... def work():
+    ...     mx.eval(mx.ones((2,)) * 2)
+    >>> t = threading.Thread(target=work); t.start(); t.join()
+    """
+    try:
+        yield
+    finally:
+        release_streams()
+
+
+class _ThreadEnd:
+    """Kept in a thread's state: when the thread ends, Python drops the state on that thread, and
+    this releases the thread's MLX streams (:func:`release_streams`). Only for threads Python's
+    ``threading`` started: a foreign thread's state may be dropped after each call into Python,
+    while the thread goes on running MLX."""
+
+    __slots__ = ("ident",)
+
+    def __init__(self) -> None:
+        thread = threading.current_thread()
+        ordinary = thread is not threading.main_thread() and not isinstance(thread, threading._DummyThread)
+        self.ident = thread.ident if ordinary else None
+
+    def __del__(self) -> None:
+        if self.ident is not None and self.ident == threading.get_ident():
+            with contextlib.suppress(Exception):  # nothing may raise from a thread's end
+                release_streams()
 
 
 class _ThreadState(threading.local):
@@ -57,6 +142,7 @@ class _ThreadState(threading.local):
         #: thread id is once its thread ends
         self.token = object()
         self.plain_forms = LaunchCache("thread plain launch forms", THREAD_FORMS)
+        self.end = _ThreadEnd()  # releases the thread's MLX streams when it ends
 
 
 state = _ThreadState()

@@ -18,6 +18,8 @@ model is left as it was.
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import math
 import re
 import warnings
@@ -248,7 +250,9 @@ def _rotary(module: nn.Module, path: str) -> KernelRoPE | None:
     if isinstance(module, KernelRoPE):
         return module
     rule = next((r for r in ROPE_RULES if r.matches(module)), None)
-    return rule.build(module, path) if rule is not None else None  # type: ignore[return-value]
+    if rule is None:
+        return None
+    return _one_per_module(module, KernelRoPE, lambda: rule.build(module, path))  # type: ignore[return-value]
 
 
 def _head_dim(module: nn.Module, path: str, counts: list[int], heads: str, kv_heads: str,
@@ -366,7 +370,8 @@ def _add_norm(block: nn.Module, key: str, path: str) -> KernelAddRMSNorm | None:
     original = norm.original if isinstance(norm, KernelRMSNorm) else norm
     _vector(original, "weight", f"{path}.{key}")
     _eps(original, f"{path}.{key}")
-    return KernelAddRMSNorm(original, offset)
+    return _one_per_module(original, KernelAddRMSNorm,  # type: ignore[return-value]
+                           lambda: KernelAddRMSNorm(original, offset))
 
 
 def _residual_block(layout: BlockLayout) -> Callable[[nn.Module, str], KernelLayer]:
@@ -651,6 +656,26 @@ def kernel_names() -> list[str]:
 # ----------------------------------------------------------------------------- walking
 
 
+#: The replacements the ``patch`` call in progress built, by the id of the module each replaces.
+_built: contextvars.ContextVar[dict[int, KernelLayer] | None] = contextvars.ContextVar(
+    "graphkern_patch_built", default=None)
+
+
+def _one_per_module(original: nn.Module, kind: type[KernelLayer],
+                    build: Callable[[], KernelLayer]) -> KernelLayer:
+    """The replacement of ``kind`` this ``patch`` call already built for ``original``, else
+    ``build()``'s, remembered: a module held at several places (tied layers, one activation
+    shared by several blocks) gets one replacement, put at every place, so it stays shared."""
+    built = _built.get()
+    found = built.get(id(original)) if built is not None else None
+    if isinstance(found, kind):
+        return found
+    made = build()
+    if built is not None:
+        built[id(original)] = made
+    return made
+
+
 Slot = tuple[Any, Any, nn.Module, str]  # (container, key, child, path)
 
 
@@ -722,7 +747,9 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all", route: str = "
 
     The replacements share the originals' parameters (same arrays, same names). Nothing changes
     unless every match passes its checks: otherwise ``KernelError`` names the layer and the problem.
-    Layers already patched stay as they are; patching twice is harmless. A layer whose class looks
+    Layers already patched stay as they are; patching twice is harmless. A module held at several
+    places (tied layers, one norm shared by two blocks) gets one replacement, put at every place,
+    so what is assigned through one place still reaches the others. A layer whose class looks
     like a target of the selected kernels (a norm, RoPE, MLP, attention or MoE block) but that no
     rule matched is listed in the report's ``unmatched``, and one ``gk.PatchWarning`` names them all.
 
@@ -758,7 +785,7 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all", route: str = "
                 if missed is not None:
                     unmatched.append(missed)
             if rule is not None:
-                child = rule.build(child, child_path)
+                child = _one_per_module(child, KernelLayer, functools.partial(rule.build, child, child_path))
                 child.select(selected)
                 _route_layer(child, route)
                 # the mode of the model around it: a module can be shared between models (mlx-lm's
@@ -769,7 +796,11 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all", route: str = "
                                       type(child.original).__qualname__, child.note()))
             visit(child, child_path)
 
-    visit(model, "")
+    token = _built.set({})
+    try:
+        visit(model, "")
+    finally:
+        _built.reset(token)
     for container, key, replacement in installs:
         container[key] = replacement
     if unmatched:
@@ -830,6 +861,7 @@ def _sync(layer: KernelLayer) -> None:
 
 def unpatch(model: nn.Module) -> list[str]:
     """Put back every layer ``patch`` replaced (the very same module objects); returns their paths.
+    A replacement held at several places puts its one original back at each.
 
     What was done to the model while patched is carried over to the originals: updated parameters,
     and child modules put in place of stock ones (``nn.quantize(model)`` after ``patch`` leaves the

@@ -11,7 +11,10 @@ in the stock layer, between two segments. A decoder stack of such blocks runs on
 block: its ``link`` is one block's second segment and the next block's first.
 
 The layer's arrays are the first argument of each compiled call, so replacing a weight (training,
-``load_weights``, quantizing) is seen at the next call, and a changed structure traces anew. MLX
+``load_weights``, quantizing) is seen at the next call, and a changed structure traces anew. A
+plain attribute of the layer or a module under it (a norm's ``eps``) is baked into the forms, and
+so is each module's class: one changed since they were traced (a module swapped, an attribute set:
+``graphkern.tracing.guards``) makes every form trace again. MLX
 takes a call's arrays one by one, so a segment is handed only the subtrees it reads when the layer
 names them (``segment_reads(name)``: paths of child names); one that reaches past them while it
 is traced fails there and takes the whole layer from then on. Each
@@ -40,6 +43,7 @@ itself, so other threads calling the layer meanwhile see its own arrays.
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +53,7 @@ import mlx.core as mx
 from graphkern.launching.autodiff import vjp_enabled
 from graphkern.launching.context import state
 from graphkern.launching.launch_cache import LaunchCache
+from graphkern.tracing.guards import AttributeGuard, modules_under
 
 __all__ = ["MAX_SEGMENT_TOKENS", "Segments", "decoding", "segments_apply"]
 
@@ -85,7 +90,7 @@ class Segments:
     None, for the caller to run the layer's own forward.
     """
 
-    __slots__ = ("layer", "_forms", "_whole", "usable")
+    __slots__ = ("layer", "_forms", "_whole", "usable", "_guard")
 
     def __init__(self, layer: Any):
         self.layer = weakref.ref(layer)
@@ -94,6 +99,8 @@ class Segments:
         self._forms = LaunchCache("segment forms", MAX_FORMS)
         self._whole: set[Any] = set()  # segments that read past their declared subtrees
         self.usable = True
+        # the plain attributes of the layer's modules the forms were traced with
+        self._guard: AttributeGuard | None = None
 
     def traced(self) -> list[Any]:
         """The names of the segments compiled so far, on any thread."""
@@ -103,6 +110,9 @@ class Segments:
         """``getattr(layer, name)(*args)``, compiled; a tuple ``name`` is ``(method, *constants)``
         and calls ``getattr(layer, method)(*constants, *args)``, one form for each."""
         layer = self.layer()
+        guard = self._guard
+        if guard is None or guard.changed():
+            self._retrace(layer)
         declared = getattr(layer, "segment_reads", None)
         paths = None if declared is None or name in self._whole else declared(name)
         try:
@@ -129,6 +139,18 @@ class Segments:
                 raise
             self.usable = False
             return None
+
+    def _retrace(self, layer: Any) -> None:
+        """Forget every form (an attribute they baked in changed) and guard the layer's
+        attributes as they are now."""
+        self._forms.clear()
+        self._guard = AttributeGuard(functools.partial(_modules_of, self.layer), [])
+
+
+def _modules_of(layer_ref: weakref.ReferenceType[Any]) -> list[Any]:
+    """The modules of the layer (none once it is gone)."""
+    layer = layer_ref()
+    return modules_under([layer]) if layer is not None else []
 
 
 def _at(tree: Any, path: tuple[Any, ...]) -> Any:

@@ -8,6 +8,7 @@ updates are seen; run failures are attributed to their kernel node.
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 import threading
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ from ..launching.validation import Launch
 from ..nodes import Kernel, KernelError, Status
 from ..trace import Traceable
 from .graph import Failure, Graph, GraphError
+from .guards import AttributeGuard, modules_under, reached_places
 from .state import Flat, flatten_outputs, reach, unflatten_outputs
 
 __all__ = ["CompiledGraph", "FiniteCheckedGraph", "all_finite", "compile", "non_finite_error"]
@@ -228,7 +230,9 @@ class CompiledGraph:
     raises ``GraphError`` and nothing runs. Otherwise the ``mx.compile``d function runs, with no
     tags and the state (module parameters, closure arrays) passed as inputs, so weight updates
     are always seen. A kernel replaced where ``fn`` finds it (a registry entry, a module
-    attribute: see ``_KernelSlots``) makes the next call trace again, so the new source runs.
+    attribute: see ``_KernelSlots``) makes the next call trace again, so the new source runs,
+    and so does a Python value the trace read that changed since (a module's ``eps`` or training
+    mode, a scalar ``fn`` closes over or names as a global: see ``guards.AttributeGuard``).
     Evaluation failures (a kernel that does not compile) are attributed to their kernel node.
     While a single signature has run, a call is MLX's compiled call plus the kernel check: MLX's
     own cache lookup stands for graphkern's, and a new signature makes MLX trace first, which
@@ -270,6 +274,8 @@ class CompiledGraph:
         # signature -> (graph, output spec); least recently used first (``forget_oldest_trace``)
         self._graphs = LaunchCache("compiled graph traces", None, group=None)
         self._slots: dict[Any, _KernelSlots] = {}
+        # the Python values the traces read (module attributes, closure and global scalars)
+        self._guard: AttributeGuard | None = None
         self._last: Graph | None = None
         self._call_state = _CallState()
         # one mx.compile per static structure: MLX keys its cache on array shapes only, so a
@@ -325,7 +331,21 @@ class CompiledGraph:
 
     def trace(self, *args: Any, **kwargs: Any) -> Graph:
         """The graph for these arguments (traced on first sight of their signature)."""
+        self._check_guard()
         return self._entry(Flat.of(args, kwargs, self._traceable.arg_names))[0]
+
+    def _check_guard(self) -> None:
+        """Forget every trace if a Python value they read changed since (every compiled function
+        baked the old one in)."""
+        guard = self._guard
+        if guard is not None and guard.changed():
+            self.clear()
+
+    def _new_guard(self) -> AttributeGuard:
+        """A guard on what the traces can read now: the classes and plain attributes of the
+        modules in ``fn``'s state, and the plain values ``fn``'s code reaches by name."""
+        find = functools.partial(modules_under, self._state.roots)
+        return AttributeGuard(find, reached_places(reach(self.fn).found))
 
     def _entry(self, flat: Flat, key: Any = None) -> tuple[Graph, Any]:
         key = flat.key() if key is None else key
@@ -338,6 +358,7 @@ class CompiledGraph:
             entry = self._traceable.trace(flat, self.backend, used)
             self._graphs.put(key, entry)
             self._slots[key] = _KernelSlots.find(self.fn, used)
+            self._guard = self._new_guard()  # the values as this trace left them
         self._last = entry[0]
         return entry
 
@@ -350,6 +371,7 @@ class CompiledGraph:
             return None, exc.status
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_guard()
         steady = self._steady
         if steady is not None and not kwargs and not steady.slots.changed():
             # the steady call: one signature ever ran through this mx.compile'd function, so
@@ -509,6 +531,7 @@ class CompiledGraph:
         """Forget every trace (the next call re-traces)."""
         self._graphs.clear()
         self._slots.clear()
+        self._guard = None
         self._forget_compiled()
         self._last = None
         if self._sync is not None:
