@@ -258,7 +258,7 @@ def test_patching_what_is_not_a_module_is_a_model_error(function: str) -> None:
     call = patched_layers if function == "patched_layers" else getattr(gk, function)
     with pytest.raises(gk.ModelError, match=f"{function} takes an mlx.nn.Module and got None"):
         call(None)
-    with pytest.raises(gk.ModelError, match=f"{function} takes an mlx.nn.Module and got a dict"):
+    with pytest.raises(gk.ModelError, match=f"{function} takes an mlx.nn.Module and got builtins.dict"):
         call({"layer": 1})
 
 

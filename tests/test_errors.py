@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 import graphkern as gk
@@ -27,7 +28,7 @@ CASES: list[tuple[type[gk.GraphkernError], Callable[[], Any], str, str]] = [
     (gk.GraphFormatError, _broken_graph, "lint a graphkern graph", ""),
     (gk.BackendError, lambda: using_backend("tpu").__enter__(), "choose a graphkern backend", "'tpu'"),
     (gk.ModelError, lambda: gk.wrap(None), "wrap a model", "expects an mlx.nn.Module"),
-    (gk.ModelError, lambda: gk.patch(mx.ones(2), kernels="rms_norm"), "patch a model", "kernels must be"),
+    (gk.ModelError, lambda: gk.patch(nn.RMSNorm(2), kernels="rms_norm"), "patch a model", "kernels must be"),
     (gk.DrawingError, lambda: render(gk.trace(lambda x: x * 2, mx.ones(2)), "graph.bmp"),
      "render", "the suffix .bmp is not one of"),
 ]

@@ -105,7 +105,8 @@ def test_a_route_forces_one_way(route: str, kernels_run: bool, gpu_decision: Non
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     stock, patched = _twins("gemma2", route=route)
     calls = spy_on_kernels(monkeypatch, STANDALONE)
-    assert _same(_decode(patched, 1), _decode(stock, 1), atol=1e-5 if kernels_run else 0.0)
+    # fused blocks run their kernels on either route: on a GPU they round apart from stock's ops
+    assert _same(_decode(patched, 1), _decode(stock, 1), atol=1e-5)
     assert bool(calls) is kernels_run
 
 

@@ -839,7 +839,7 @@ def set_route(model: nn.Module, route: str) -> int:
 def _require_module(model: Any, function: str) -> None:
     """``ModelError`` for what is not an ``nn.Module`` (walking it would fail with a bare TypeError)."""
     if not isinstance(model, nn.Module):
-        got = "None" if model is None else f"a {type(model).__name__}"
+        got = "None" if model is None else f"{type(model).__module__}.{type(model).__qualname__}"
         raise ModelError(PATCH, f"{function} takes an mlx.nn.Module and got {got}", Status.INVALID_INPUT)
 
 
