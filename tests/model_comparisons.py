@@ -17,6 +17,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from graphkern.kernels.base import LayerLaunches
+from graphkern.kernels.declaration import LibraryKernel
 from graphkern.models import MODEL_TOLERANCES
 
 ATOL, RTOL = (1e-5, 1e-5) if mx.default_device() == mx.cpu else MODEL_TOLERANCES[mx.float32]
@@ -52,13 +53,18 @@ def count_layer_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A one-item list counting the library layer launches made from now on (until ``monkeypatch``
     undoes it): the count of a forward that should, or should not, run the kernels."""
     count = [0]
-    launch = LayerLaunches.__call__
+    launch, layer = LibraryKernel.launch, LayerLaunches.__call__
 
-    def counted(self: LayerLaunches, *args: Any) -> Any:
+    def counted(self: LibraryKernel, *args: Any, **kwargs: Any) -> Any:
         count[0] += 1
-        return launch(self, *args)
+        return launch(self, *args, **kwargs)
 
-    monkeypatch.setattr(LayerLaunches, "__call__", counted)
+    def counted_layer(self: LayerLaunches, *args: Any) -> Any:
+        count[0] += 1
+        return layer(self, *args)
+
+    monkeypatch.setattr(LibraryKernel, "launch", counted)
+    monkeypatch.setattr(LayerLaunches, "__call__", counted_layer)
     return count
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 from graphkern.launching.backends import active_backend, backend_setting
 from graphkern.launching.bound import bind
 from graphkern.launching.context import state
-from graphkern.launching.launch_cache import LaunchCache, track_function
+from graphkern.launching.launch_cache import LaunchCache, track, track_function
 from graphkern.launching.launch_paths import run_eager
 from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name
 from graphkern.runtime import apply, launch
@@ -30,7 +31,10 @@ __all__ = [
     "THREADGROUP_MEMORY",
     "check_threadgroup_memory",
     "threadgroup_backend",
+    "LAUNCHES",
     "LayerLaunches",
+    "LibraryLaunches",
+    "is_signature_constant",
     "signature_constant",
     "MAX_GRID",
     "Case",
@@ -92,39 +96,77 @@ def run(plan: Plan) -> list[mx.array]:
                   threadgroup=plan.threadgroup, template=list(plan.template))
 
 
-class LayerLaunches:
-    """One library layer's launches, bound (``gk.bind``) once per signature of its arguments.
+class LibraryLaunches:
+    """The library's one launch cache: per signature (kernel, backend setting, the signature of
+    the arguments: ``graphkern.kernels.declaration``), the launch bound once (``gk.bind``) and
+    where each of its inputs comes from; and the constant arrays plans take
+    (:func:`signature_constant`).
 
-    A layer function builds and checks its launch plan once per signature, then each later call
-    with that signature hands only its arrays to the bound launch: this keeps a layer call as cheap
-    as the kernel call behind it, which is what decoding (one token, every launch host-bound) needs.
+    A bounded LRU, reported whole by ``gk.cache_stats()["layer launches"]`` and emptied, with the
+    constants, by ``gk.clear_caches()``.
+    """
+
+    MAX_ENTRIES = 4096
+
+    def __init__(self, maxsize: int = MAX_ENTRIES) -> None:
+        self.plans = LaunchCache("layer launches", maxsize, group=None)
+        #: arrays plans may take as constants of a signature, by id; held weakly: a constant lives
+        #: while a kept launch or the function that made it (``unused_input``...) holds it
+        self.constants: weakref.WeakValueDictionary[int, mx.array] = weakref.WeakValueDictionary()
+        track(self, "layer launches")
+
+    def stats(self) -> dict[str, int]:
+        return self.plans.stats()
+
+    def clear(self) -> None:
+        self.plans.clear()
+        self.constants.clear()
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+
+#: The one cache of library launches.
+LAUNCHES = LibraryLaunches()
+
+
+def signature_constant(array: mx.array) -> mx.array:
+    """Mark ``array`` as a constant a library plan may take for every call of one signature (a
+    stand-in for an absent input, a table made from the arguments' values); returns it. A plan
+    input that is neither one of the call's arrays nor such a constant keeps the call from being
+    kept: its plan is made on every call."""
+    LAUNCHES.constants[id(array)] = array
+    return array
+
+
+def is_signature_constant(value: Any) -> bool:
+    """Whether ``value`` was marked by :func:`signature_constant` (and the cache kept since)."""
+    return LAUNCHES.constants.get(id(value)) is value
+
+
+class LayerLaunches:
+    """One library layer's launches, bound (``gk.bind``) once per signature of its arguments, in
+    the library's one cache (:data:`LAUNCHES`).
 
     ``layer(key, arrays, make_plan)``: ``key`` is everything the plan depends on other than the
     arrays passed per call (shapes and dtypes of the arrays, the values of the other arguments);
     ``arrays`` are the call's arrays, in the order the plan's inputs take them; ``make_plan()``
     builds (and validates) the plan. Every other input of the plan must be a constant of the
     signature, made by :func:`signature_constant`; a plan with any other input is run, never kept.
-    Inside traces and compiled graphs the plan is run as it is (a node of the graph). The
-    entries are a bounded LRU (``gk.cache_stats()["layer launches"]``).
+    Inside traces and compiled graphs the plan is run as it is (a node of the graph).
 
     >>> layer = LayerLaunches()
     >>> x = mx.ones((2, 4))
     >>> twice = lambda: Plan(Kernel("twice", ["x"], ["out"], reference=lambda x: [x * 2]), (x,),
     ...                      (OutputSpec((2, 4), mx.float32),), (8, 1, 1), (8, 1, 1))
-    >>> layer(("twice", x.shape, x.dtype), (x,), twice)[0].sum().item(), len(layer.entries)
-    (16.0, 1)
+    >>> layer(("twice", x.shape, x.dtype), (x,), twice)[0].sum().item()
+    16.0
     """
-
-    MAX_ENTRIES = 4096
-
-    def __init__(self) -> None:
-        #: signature -> (the bound launch, where each plan input comes from: see ``_sources``)
-        self.entries = LaunchCache("layer launches", self.MAX_ENTRIES)
 
     def __call__(self, key: Any, arrays: tuple[mx.array, ...],
                  make_plan: Callable[[], Plan]) -> list[mx.array]:
-        key = (key, backend_setting())
-        entry = self.entries.get(key)
+        key = (self, key, backend_setting())
+        entry = LAUNCHES.plans.get(key)
         if entry is not None and state.recorder is None:
             bound, sources = entry
             inputs = arrays if sources is None else [
@@ -134,21 +176,10 @@ class LayerLaunches:
         if state.recorder is None and not plan.empty:
             found = _sources(plan.inputs, arrays)
             if not isinstance(found, bool):
-                self.entries.put(key, (bind(plan.kernel, plan.output_specs, grid=plan.grid,
-                                            threadgroup=plan.threadgroup, template=plan.template),
-                                       found))
+                LAUNCHES.plans.put(key, (bind(plan.kernel, plan.output_specs, grid=plan.grid,
+                                              threadgroup=plan.threadgroup, template=plan.template),
+                                         found))
         return run(plan)
-
-
-#: Arrays a plan may take as constants of its signature (see LayerLaunches), by id; kept alive here.
-_CONSTANTS: dict[int, mx.array] = {}
-
-
-def signature_constant(array: mx.array) -> mx.array:
-    """Mark ``array`` as a constant a library plan may take for every call of one signature (a
-    stand-in for an absent input, a table made from the arguments' values); returns it."""
-    _CONSTANTS[id(array)] = array
-    return array
 
 
 def _sources(inputs: tuple[Any, ...], arrays: tuple[mx.array, ...]) -> tuple[Any, ...] | bool | None:
@@ -162,7 +193,7 @@ def _sources(inputs: tuple[Any, ...], arrays: tuple[mx.array, ...]) -> tuple[Any
         if position < len(arrays) and value is arrays[position]:
             sources.append(position)
             position += 1
-        elif _CONSTANTS.get(id(value)) is value:
+        elif is_signature_constant(value):
             sources.append(value)
         else:
             return False
