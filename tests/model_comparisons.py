@@ -16,7 +16,6 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from graphkern.kernels.base import LayerLaunches
 from graphkern.kernels.declaration import LibraryKernel
 from graphkern.models import MODEL_TOLERANCES
 
@@ -53,18 +52,13 @@ def count_layer_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A one-item list counting the library layer launches made from now on (until ``monkeypatch``
     undoes it): the count of a forward that should, or should not, run the kernels."""
     count = [0]
-    launch, layer = LibraryKernel.launch, LayerLaunches.__call__
+    launch = LibraryKernel.launch
 
     def counted(self: LibraryKernel, *args: Any, **kwargs: Any) -> Any:
         count[0] += 1
         return launch(self, *args, **kwargs)
 
-    def counted_layer(self: LayerLaunches, *args: Any) -> Any:
-        count[0] += 1
-        return layer(self, *args)
-
     monkeypatch.setattr(LibraryKernel, "launch", counted)
-    monkeypatch.setattr(LayerLaunches, "__call__", counted_layer)
     return count
 
 

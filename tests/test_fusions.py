@@ -23,7 +23,7 @@ import graphkern.kernels as gkk  # noqa: E402
 from graphkern.kernels.base import LAUNCHES  # noqa: E402
 from graphkern.kernels.ops import rope as rope_module  # noqa: E402
 from graphkern.kernels.ops import rope_qk as rope_qk_module  # noqa: E402
-from graphkern.kernels.ops.rope_qk import _stock as stock_prologue  # noqa: E402
+from graphkern.kernels.ops.rope_qk import stock_prologue  # noqa: E402
 from graphkern.models import check_model, kernel_names, patch, patched_layers, unpatch  # noqa: E402
 from graphkern.models.launch_count import decode_launches  # noqa: E402
 from graphkern.models.layers import (  # noqa: E402
@@ -203,7 +203,7 @@ def test_rope_and_rope_qk_launches_are_reused_across_decode_offsets(opaque_gpu: 
         stock = stock_prologue(q, k, 4, 2, 64, offset=offset)
         assert all(mx.allclose(a, b, atol=ATOL, rtol=RTOL).item() for a, b in zip(ours, stock))
     kept = [key[0] for key in LAUNCHES.plans]
-    assert kept.count(rope_module._LAUNCHES) == kept.count(rope_qk_module._LAUNCHES) == 1
+    assert kept.count(rope_module.plan_rope) == kept.count(rope_qk_module.plan_rope_qk) == 1
     assert opaque_gpu.count("gk_rope") == opaque_gpu.count("gk_rope_qk") == 1  # traced once, replayed
 
 

@@ -18,11 +18,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from graphkern.launching.backends import active_backend, backend_setting
-from graphkern.launching.bound import bind
-from graphkern.launching.context import state
+from graphkern.launching.backends import active_backend
 from graphkern.launching.launch_cache import LaunchCache, track, track_function
-from graphkern.launching.launch_paths import run_eager
 from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name
 from graphkern.runtime import apply, launch
 
@@ -32,7 +29,6 @@ __all__ = [
     "check_threadgroup_memory",
     "threadgroup_backend",
     "LAUNCHES",
-    "LayerLaunches",
     "LibraryLaunches",
     "is_signature_constant",
     "signature_constant",
@@ -142,62 +138,6 @@ def signature_constant(array: mx.array) -> mx.array:
 def is_signature_constant(value: Any) -> bool:
     """Whether ``value`` was marked by :func:`signature_constant` (and the cache kept since)."""
     return LAUNCHES.constants.get(id(value)) is value
-
-
-class LayerLaunches:
-    """One library layer's launches, bound (``gk.bind``) once per signature of its arguments, in
-    the library's one cache (:data:`LAUNCHES`).
-
-    ``layer(key, arrays, make_plan)``: ``key`` is everything the plan depends on other than the
-    arrays passed per call (shapes and dtypes of the arrays, the values of the other arguments);
-    ``arrays`` are the call's arrays, in the order the plan's inputs take them; ``make_plan()``
-    builds (and validates) the plan. Every other input of the plan must be a constant of the
-    signature, made by :func:`signature_constant`; a plan with any other input is run, never kept.
-    Inside traces and compiled graphs the plan is run as it is (a node of the graph).
-
-    >>> layer = LayerLaunches()
-    >>> x = mx.ones((2, 4))
-    >>> twice = lambda: Plan(Kernel("twice", ["x"], ["out"], reference=lambda x: [x * 2]), (x,),
-    ...                      (OutputSpec((2, 4), mx.float32),), (8, 1, 1), (8, 1, 1))
-    >>> layer(("twice", x.shape, x.dtype), (x,), twice)[0].sum().item()
-    16.0
-    """
-
-    def __call__(self, key: Any, arrays: tuple[mx.array, ...],
-                 make_plan: Callable[[], Plan]) -> list[mx.array]:
-        key = (self, key, backend_setting())
-        entry = LAUNCHES.plans.get(key)
-        if entry is not None and state.recorder is None:
-            bound, sources = entry
-            inputs = arrays if sources is None else [
-                arrays[s] if s.__class__ is int else s for s in sources]
-            return run_eager(bound.launch, inputs)
-        plan = make_plan()
-        if state.recorder is None and not plan.empty:
-            found = _sources(plan.inputs, arrays)
-            if not isinstance(found, bool):
-                LAUNCHES.plans.put(key, (bind(plan.kernel, plan.output_specs, grid=plan.grid,
-                                              threadgroup=plan.threadgroup, template=plan.template),
-                                         found))
-        return run(plan)
-
-
-def _sources(inputs: tuple[Any, ...], arrays: tuple[mx.array, ...]) -> tuple[Any, ...] | bool | None:
-    """Where each plan input comes from: None when they are ``arrays`` exactly; else, per input,
-    the index into ``arrays`` or the constant itself; False when an input is neither."""
-    if len(inputs) == len(arrays) and all(a is b for a, b in zip(inputs, arrays)):
-        return None
-    sources: list[Any] = []
-    position = 0
-    for value in inputs:
-        if position < len(arrays) and value is arrays[position]:
-            sources.append(position)
-            position += 1
-        elif is_signature_constant(value):
-            sources.append(value)
-        else:
-            return False
-    return tuple(sources) if position == len(arrays) else False
 
 
 def apply_plan(plan: Plan, backend: str | None = None) -> list[mx.array]:

@@ -84,8 +84,4 @@ def load_library() -> None:
     from graphkern.kernels import ops
 
     for info in sorted(pkgutil.iter_modules(ops.__path__), key=lambda i: i.name):
-        module = importlib.import_module(f"{ops.__name__}.{info.name}")
-        for attribute, entry in sorted(vars(module).items()):  # not declared yet: a module's ENTRY*
-            if (attribute.startswith("ENTRY") and isinstance(entry, LibraryEntry)
-                    and entry.name not in LIBRARY):
-                register(entry, {kernel_export_name(entry.kernel): entry.kernel, entry.fn.__name__: entry.fn})
+        importlib.import_module(f"{ops.__name__}.{info.name}")
