@@ -8,7 +8,6 @@ same inputs and template values (``apply_plan(plan, backend="reference")``).
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -19,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from graphkern.launching.backends import active_backend
-from graphkern.launching.launch_cache import LaunchCache, track, track_function
+from graphkern.launching.launch_cache import LaunchCache, memoized, track
 from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name
 from graphkern.runtime import apply, launch
 
@@ -223,8 +222,7 @@ def check_threadgroup_memory(op: str, parts: dict[str, int], limit: int | None =
 # A layer function builds its plan on every eager call; these immutable parts are made once.
 
 
-@track_function("plan parts")
-@functools.lru_cache(maxsize=1024, typed=True)  # typed: True and 1 are different arguments
+@memoized("plan parts", typed=True)  # typed: True and 1 are different arguments
 def template_arg(name: str, value: mx.Dtype | int | bool) -> TemplateArg:
     """``TemplateArg(name, value)``, made once per name and value.
 
@@ -236,8 +234,7 @@ def template_arg(name: str, value: mx.Dtype | int | bool) -> TemplateArg:
     return TemplateArg(name, value)
 
 
-@track_function("plan parts")
-@functools.lru_cache(maxsize=1024)
+@memoized("plan parts")
 def output_spec(shape: tuple[int, ...], dtype: mx.Dtype) -> OutputSpec:
     """``OutputSpec(shape, dtype)``, made once per shape and dtype."""
     return OutputSpec(shape, dtype)
@@ -276,8 +273,7 @@ class RowConfig:
                 template_arg("CH", self.chunks))
 
 
-@track_function("plan parts")
-@functools.lru_cache(maxsize=1024)
+@memoized("plan parts")
 def row_config(n: int, dtype: mx.Dtype, *, vector: int = 8, items: int = 16, streamed: bool = False,
                max_threads: int = MAX_THREADS) -> RowConfig:
     """How a one-block-per-row kernel spreads a row of ``n`` elements of ``dtype``: ``vector``-element
@@ -357,14 +353,12 @@ def float_template(name: str, value: float) -> TemplateArg:
     return _float_template(name, value, math.copysign(1.0, value))
 
 
-@track_function("plan parts")
-@functools.lru_cache(maxsize=1024)
+@memoized("plan parts")
 def _float_template(name: str, value: float, sign: float) -> TemplateArg:
     return template_arg(name, float_bits(value))
 
 
-@track_function("plan parts")
-@functools.lru_cache(maxsize=16)
+@memoized("plan parts", maxsize=16)
 def unused_input(dtype: mx.Dtype) -> mx.array:
     """A one-element stand-in for an absent optional input (never read by the kernel), made once.
 

@@ -51,6 +51,7 @@ from graphkern.kernels.norm_rows import (
 )
 from graphkern.kernels.ops.projections import DECODING_SHAPES
 from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA
+from graphkern.launching.launch_cache import memoized
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
 __all__ = ["QUANTIZED_BITS", "QUANTIZED_CUDA", "QUANTIZED_GROUP_SIZES", "QUANTIZED_METAL",
@@ -516,7 +517,7 @@ QUANTIZED_NORM_SWIGLU = Kernel(
 )
 
 
-@functools.cache
+@memoized("plan parts", maxsize=256)
 def _with_shared(kernel: Kernel, nbytes: int) -> Kernel:
     """``kernel`` with ``nbytes`` of dynamic shared memory (one MLX kernel object per size)."""
     return dataclasses.replace(kernel, shared_memory=nbytes)

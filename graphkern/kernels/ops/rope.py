@@ -12,7 +12,6 @@ LongRoPE layers do with ``x.at[..., :dims].multiply(s)``.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -38,7 +37,7 @@ from graphkern.kernels.base import (
     vector_width,
 )
 from graphkern.kernels.declaration import declare
-from graphkern.launching.launch_cache import track_function
+from graphkern.launching.launch_cache import memoized
 from graphkern.nodes import Kernel, KernelError, Status, TemplateArg
 
 __all__ = ["ROPE", "ROPE_CUDA", "int_offset_array", "launch_freqs", "launch_offset", "plan_rope", "rope",
@@ -321,8 +320,7 @@ ROPE = Kernel(
 )
 
 
-@track_function("plan parts")
-@functools.lru_cache(maxsize=64)
+@memoized("plan parts", maxsize=64)
 def _base_frequencies(dims: int, base: float) -> mx.array:
     """``base ** (-i / (dims/2))`` as mx.fast.rope's CPU fallback computes it (``std::log`` of the
     float32 base, divided by dims/2 in float32, then ``exp`` of the multiples), made once per
@@ -347,8 +345,7 @@ GPU_FORMULA_TOLERANCES = {mx.float32: (4e-5, 4e-5)}
 OFFSET_BIAS = 1 << 30
 
 
-@track_function("plan parts")
-@functools.lru_cache(maxsize=1024)
+@memoized("plan parts")
 def _offset_array(offset: int, in_shape: bool) -> mx.array:
     """The ``offset`` input for an int offset, one array per value (reused by every layer at that
     position): ``[offset]`` as int32, or, ``in_shape``, an empty array of shape

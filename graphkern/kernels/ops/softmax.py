@@ -10,7 +10,6 @@ are read again from memory (mostly from L2).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -27,6 +26,7 @@ from graphkern.kernels.base import (
     template_arg,
 )
 from graphkern.kernels.declaration import declare
+from graphkern.launching.launch_cache import memoized
 from graphkern.nodes import Kernel
 
 __all__ = ["SOFTMAX", "in_shared_memory", "plan_softmax", "shared_row_bytes", "softmax", "softmax_reference"]
@@ -187,7 +187,7 @@ SOFTMAX = Kernel(
 )
 
 
-@functools.cache
+@memoized("plan parts", maxsize=64)
 def _shared_kernel(nbytes: int) -> Kernel:
     """SOFTMAX with ``nbytes`` of shared memory for its row (one MLX kernel object per size)."""
     return dataclasses.replace(SOFTMAX, shared_memory=nbytes)
@@ -222,7 +222,7 @@ def in_shared_memory(n: int, dtype: mx.Dtype, limit: int = SHARED_ROW_BYTES) -> 
     return least <= nbytes <= limit
 
 
-@functools.cache
+@memoized("plan parts", maxsize=1)
 def shared_row_bytes() -> int:
     """The longest row, in bytes, that a CUDA softmax keeps in shared memory on this GPU: three
     blocks of it fit an SM (64 KiB at most, what a Hopper GPU gets). An sm_75 GPU
