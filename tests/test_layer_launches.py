@@ -13,7 +13,7 @@ import graphkern as gk
 import graphkern.kernels as gkk
 from graphkern.debugging import kernel_checks
 from graphkern.kernels import registry
-from graphkern.kernels.base import LAUNCHES, Case, Plan, signature_constant
+from graphkern.kernels.base import LAUNCHES, Case, LibraryLaunches, Plan, signature_constant
 from graphkern.kernels.declaration import LibraryKernel, declare, signature
 from graphkern.kernels.ops.add_rms_norm import plan_add_rms_norm
 from graphkern.kernels.ops.rms_norm import plan_rms_norm
@@ -26,7 +26,7 @@ def _rms(x: mx.array, w: mx.array | None, eps: float) -> mx.array:
 
 def _kept(op: LibraryKernel) -> list[tuple[object, ...]]:
     """The signatures ``op`` has in the launch cache."""
-    return [key for key in LAUNCHES.plans if key[0] is op]
+    return [key for key in LAUNCHES if key[0] is op]
 
 
 def test_calls_of_one_signature_reuse_one_plan_with_their_own_values(opaque_gpu: list[str]) -> None:
@@ -172,3 +172,15 @@ def test_a_plan_input_made_from_the_call_is_never_taken_as_a_constant() -> None:
     assert plan_doubled.launch(mx.ones((3,)))[0].tolist() == [3.0] * 3
     assert plan_doubled.launch(mx.zeros((3,)))[0].tolist() == [1.0] * 3
     assert plan_doubled.plan_builds == 2 and not _kept(plan_doubled)
+
+
+def test_the_launch_cache_keeps_its_bound_and_the_signatures_in_use() -> None:
+    cache = LibraryLaunches(maxsize=8, group=None)
+    for i in range(8):
+        cache.put(i, str(i))
+    for i in range(8, 200):
+        assert cache.get(0) == "0"  # used before every new signature: never the one to go
+        cache.put(i, str(i))
+        assert len(cache) <= 8
+    assert 0 in cache and len(cache) == 8 and cache.stats()["hits"] == 192
+    assert LAUNCHES.maxsize == LibraryLaunches.MAX_ENTRIES

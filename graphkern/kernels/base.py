@@ -9,8 +9,9 @@ same inputs and template values (``apply_plan(plan, backend="reference")``).
 from __future__ import annotations
 
 import math
+import struct
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from graphkern.launching.backends import active_backend
-from graphkern.launching.launch_cache import LaunchCache, memoized, track
+from graphkern.launching.launch_cache import memoized, track
 from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name
 from graphkern.runtime import apply, launch
 
@@ -97,28 +98,74 @@ class LibraryLaunches:
     where each of its inputs comes from; and the constant arrays plans take
     (:func:`signature_constant`).
 
-    A bounded LRU, reported whole by ``gk.cache_stats()["layer launches"]`` and emptied, with the
-    constants, by ``gk.clear_caches()``.
+    Bounded (``maxsize`` signatures) and reported whole by ``gk.cache_stats()["layer launches"]``;
+    ``gk.clear_caches()`` empties it, with the constants. Every library call looks it up, so a hit
+    is one dict lookup and a flag: past the bound, the oldest signature goes unless it was used
+    since it last came round, which gives it another round (CLOCK, the second-chance
+    approximation of least-recently-used, with no reordering on a hit).
+
+    >>> cache = LibraryLaunches(maxsize=2, group=None)
+    >>> cache.put("a", 1); cache.put("b", 2); cache.get("a")
+    1
+    >>> cache.put("c", 3)             # "b" was not used since it came in: evicted
+    >>> sorted(cache), cache.stats()
+    (['a', 'c'], {'hits': 1, 'misses': 0, 'size': 2})
     """
 
     MAX_ENTRIES = 4096
 
-    def __init__(self, maxsize: int = MAX_ENTRIES) -> None:
-        self.plans = LaunchCache("layer launches", maxsize, group=None)
+    def __init__(self, maxsize: int = MAX_ENTRIES, *, group: str | None = "layer launches") -> None:
+        self.maxsize = maxsize
+        #: signature -> [value, used since it last came round]
+        self.entries: dict[Any, list[Any]] = {}
+        self.hits = self.misses = 0
         #: arrays plans may take as constants of a signature, by id; held weakly: a constant lives
         #: while a kept launch or the function that made it (``unused_input``...) holds it
         self.constants: weakref.WeakValueDictionary[int, mx.array] = weakref.WeakValueDictionary()
-        track(self, "layer launches")
+        if group is not None:
+            track(self, group)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        """The value kept under ``key`` (counted, and marked used), or ``default``."""
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return default
+        entry[1] = True
+        self.hits += 1
+        return entry[0]
+
+    def put(self, key: Any, value: Any) -> None:
+        """Keep ``value`` under ``key``; past ``maxsize``, evict as the class says."""
+        entries = self.entries
+        entries[key] = [value, False]
+        while len(entries) > self.maxsize:
+            try:
+                oldest = next(iter(entries))
+                entry = entries.pop(oldest)
+            except (StopIteration, RuntimeError, KeyError):  # changed by another thread meanwhile
+                break
+            if entry[1] and oldest is not key:  # used since it came round: to the back, once more
+                entry[1] = False
+                entries[oldest] = entry
 
     def stats(self) -> dict[str, int]:
-        return self.plans.stats()
+        return {"hits": self.hits, "misses": self.misses, "size": len(self.entries)}
 
     def clear(self) -> None:
-        self.plans.clear()
+        """Forget every launch and constant and reset the counts."""
+        self.entries.clear()
         self.constants.clear()
+        self.hits = self.misses = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self.entries))
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.entries
 
     def __len__(self) -> int:
-        return len(self.plans)
+        return len(self.entries)
 
 
 #: The one cache of library launches.
@@ -329,8 +376,12 @@ def float_bits(value: float) -> int:
 
 
 def float_from_bits(bits: int) -> float:
-    """The float32 whose bits :func:`float_bits` gave."""
-    return float(np.array(bits, dtype=np.int32).view(np.float32))
+    """The float32 whose bits :func:`float_bits` gave (the references read their template values
+    back with it on every call: ``struct``, a third of numpy's cost)."""
+    return _FLOAT32.unpack(_INT32.pack(bits))[0]  # type: ignore[no-any-return]
+
+
+_INT32, _FLOAT32 = struct.Struct("=i"), struct.Struct("=f")
 
 
 def eps_template(eps: float, op: str) -> TemplateArg:

@@ -39,9 +39,9 @@ import mlx.core as mx
 
 from graphkern.kernels import registry
 from graphkern.kernels.base import LAUNCHES, Case, LibraryEntry, Plan, is_signature_constant, run
-from graphkern.launching.backends import backend_setting
 from graphkern.launching.bound import bind
 from graphkern.launching.context import state
+from graphkern.launching.fastpaths import BACKEND_VARIABLE, environ_get
 from graphkern.launching.launch_paths import run_eager
 from graphkern.nodes import Kernel, KernelError, Status
 
@@ -51,37 +51,48 @@ _ARRAY = mx.array
 #: Argument types whose value (with the type) is their part of a signature.
 _SCALARS = frozenset({int, bool, str, type(None)})
 _copysign = math.copysign
+#: The library's kept launches (``LAUNCHES.entries``), as the map ``launch`` reads on every call.
+_KEPT = LAUNCHES.entries
 
 Layer = TypeVar("Layer", bound=Callable[..., Any])
 
 
-def _refuse(value: Any) -> Any:
-    raise TypeError(f"{type(value).__name__} is not part of a launch signature")
-
-
-def signature(values: Sequence[Any]) -> tuple[Any, ...]:
+def signature(values: Sequence[Any], into: list[Any] | None = None) -> tuple[Any, ...]:
     """What a library launch depends on in ``values`` (a call's arguments), one way for every
-    kernel: an array is its shape and dtype; an int, a bool, a string or None its type and value; a
-    float its value and sign too (0.0 and -0.0 are one key, and a kernel's float template keeps
-    the sign); a list or tuple its type and the signature of its items. Anything else raises
-    TypeError: such a call is planned every time, and its plan says what is wrong.
+    kernel, as one flat tuple (after the items of ``into``): an array is its shape and dtype; an
+    int, a bool, a string or None its type and value; a float its type, value and sign (0.0 and
+    -0.0 are equal keys, and a kernel's float template keeps the sign); a list or tuple its type,
+    its length and the signatures of its items. Each part starts with a shape (an array) or a type
+    (anything else), which says how long it is, so no two argument lists share a signature.
+    Anything else raises TypeError: such a call is planned every time, and its plan says what is
+    wrong.
 
     MLX's Python arrays show no strides: every library kernel asks MLX for row-contiguous inputs
     (``Kernel.ensure_row_contiguous``, which :func:`declare` requires), so a layout is never part
     of a signature.
 
-    >>> signature((mx.ones((2, 3)), None, 1e-5, True, [mx.zeros((4,), mx.int32)]))[:3]
-    (((2, 3), mlx.core.float32), (<class 'NoneType'>, None), (<class 'float'>, 1e-05, 1.0))
+    >>> signature((mx.ones((2, 3)), None, 1e-5))
+    ((2, 3), mlx.core.float32, <class 'NoneType'>, None, <class 'float'>, 1e-05, 1.0)
     >>> signature((0.0,)) != signature((-0.0,)), signature((True,)) != signature((1,))
     (True, True)
     """
-    return tuple([(v.shape, v.dtype) if (c := v.__class__) is _ARRAY
-                  else (c, v) if c in _SCALARS
-                  else (c, v, _copysign(1.0, v)) if c is float
-                  else (c, signature(v)) if isinstance(v, (list, tuple))
-                  else (c, v, _copysign(1.0, v)) if isinstance(v, float)
-                  else (c, v) if isinstance(v, int)
-                  else _refuse(v) for v in values])
+    parts = [] if into is None else into
+    for v in values:
+        c = v.__class__
+        if c is _ARRAY:
+            parts += (v.shape, v.dtype)
+        elif c in _SCALARS:
+            parts += (c, v)
+        elif c is float or isinstance(v, float):
+            parts += (c, v, _copysign(1.0, v))
+        elif isinstance(v, (list, tuple)):
+            parts += (c, len(v))
+            signature(v, parts)
+        elif isinstance(v, int):
+            parts += (c, v)
+        else:
+            raise TypeError(f"{c.__name__} is not part of a launch signature")
+    return tuple(parts)
 
 
 def _array_paths(values: Sequence[Any]) -> dict[int, tuple[Any, Any]] | None:
@@ -104,12 +115,17 @@ def _array_paths(values: Sequence[Any]) -> dict[int, tuple[Any, Any]] | None:
     return found if walk(values, ()) else None
 
 
+class _NotKept(Exception):
+    """A plan input is neither one of the call's arrays nor a signature constant."""
+
+
 def _picker(inputs: Sequence[Any], values: Sequence[Any]) -> Callable[[Sequence[Any]], Sequence[Any]] | None:
-    """A function from a later call's arguments (of this signature) to its plan's inputs, or None
-    when some input of ``inputs`` is neither one of the call's arrays nor a signature constant."""
+    """A function from a later call's arguments (of this signature) to its plan's inputs; None
+    when the inputs are the arguments themselves. Raises ``_NotKept`` when some input is neither
+    one of the call's arrays nor a signature constant, or one array is there twice."""
     paths = _array_paths(values)
     if paths is None:
-        return None
+        raise _NotKept
     sources: list[Any] = []
     constants: list[mx.array] = []
     for value in inputs:
@@ -120,10 +136,10 @@ def _picker(inputs: Sequence[Any], values: Sequence[Any]) -> Callable[[Sequence[
             sources.append(len(values) + len(constants))
             constants.append(value)
         else:
-            return None
+            raise _NotKept
     if all(s.__class__ is int for s in sources):
         if not constants and sources == list(range(len(values))):
-            return _same
+            return None  # the call's arguments themselves
         getter = itemgetter(*sources) if len(sources) > 1 else _one(sources[0])
         if not constants:
             return getter
@@ -143,10 +159,6 @@ def _picker(inputs: Sequence[Any], values: Sequence[Any]) -> Callable[[Sequence[
         return picked
 
     return pick
-
-
-def _same(values: Sequence[Any]) -> Sequence[Any]:
-    return values
 
 
 def _one(index: int) -> Callable[[Sequence[Any]], tuple[Any]]:
@@ -205,21 +217,29 @@ class LibraryKernel:
         before looks its bound launch up and runs it on the call's arrays."""
         values = args + tuple(kwargs.values()) if kwargs else args
         try:
-            key = (self, tuple(kwargs) if kwargs else None, backend_setting(), signature(values))
-            entry = LAUNCHES.plans.get(key)
+            key = signature(values, [self, tuple(kwargs) if kwargs else None,
+                                     state.backend or environ_get(BACKEND_VARIABLE)])  # backend_setting()
+            entry = _KEPT.get(key)
         except TypeError:  # not a signature (an unhashable or unknown argument): the plan decides
             return run(self._plan(args, kwargs))
-        if entry is not None:
-            bound, pick = entry
+        if entry is not None:  # LAUNCHES.get, inline: on every call
+            entry[1] = True
+            LAUNCHES.hits += 1
+            bound, pick = entry[0]
+            inputs = values if pick is None else pick(values)
             if state.recorder is None:
-                return run_eager(bound.launch, pick(values))
-            return bound(*pick(values))
+                return run_eager(bound.launch, inputs)
+            return bound(*inputs)
+        LAUNCHES.misses += 1
         plan = self._plan(args, kwargs)  # checks the arguments: KernelError for a bad one
         if not plan.empty:
-            pick = _picker(plan.inputs, values)
-            if pick is not None:
-                LAUNCHES.plans.put(key, (bind(plan.kernel, plan.output_specs, grid=plan.grid,
-                                              threadgroup=plan.threadgroup, template=plan.template), pick))
+            try:
+                pick = _picker(plan.inputs, values)
+            except _NotKept:  # made from the call's values: planned again next time
+                pass
+            else:
+                LAUNCHES.put(key, (bind(plan.kernel, plan.output_specs, grid=plan.grid,
+                                        threadgroup=plan.threadgroup, template=plan.template), pick))
         return run(plan)
 
     def layer(self, fn: Layer) -> Layer:
