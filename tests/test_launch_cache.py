@@ -111,7 +111,7 @@ def test_clear_caches_empties_every_cache_and_the_next_calls_build_again(
 #: graph): libclang's handles and MLX's preamble (metal-check), the viewer's static files, the C
 #: library's float functions, the detected backend.
 _FIXED_RESOURCES = {
-    "graphkern.kernels._host_math._libm", "graphkern.launching.backends._detected_backend",
+    "graphkern.kernels.host_math._libm", "graphkern.launching.backends._detected_backend",
     "graphkern.metal_check.frontend._clang", "graphkern.metal_check.frontend._index",
     "graphkern.metal_check.frontend._builtin_declarations",
     "graphkern.metal_check.frontend._precompiled_preamble", "graphkern.metal_check.source.utils_preamble",

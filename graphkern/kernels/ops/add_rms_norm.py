@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.kernels.base import Case, Plan, check_dtype, output_spec
 from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.kernels.ops.rms_norm import RMS_CUDA, RMS_METAL, rms_launch, rms_norm_reference
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern.kernels._elementwise import cuda_map_body, metal_map_body, plan_elementwise
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.base import Case, Plan, check_dtype, template_arg
 from graphkern.kernels.declaration import declare
+from graphkern.kernels.elementwise import cuda_map_body, metal_map_body, plan_elementwise
+from graphkern.kernels.headers import dual_header
 from graphkern.nodes import Kernel
 
 __all__ = ["GELU", "gelu", "gelu_reference", "plan_gelu"]

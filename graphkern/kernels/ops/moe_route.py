@@ -21,7 +21,6 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.base import (
     Case,
     Plan,
@@ -31,6 +30,7 @@ from graphkern.kernels.base import (
     template_arg,
 )
 from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import dual_header
 from graphkern.nodes import Kernel, KernelError, Status
 
 __all__ = ["MAX_EXPERTS", "MAX_TOP_K", "MOE_ROUTE", "moe_route", "moe_route_reference", "plan_moe_route"]

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.base import THREADGROUP_MEMORY, Case, Plan, template_arg, threadgroup_backend
 from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import dual_header
 from graphkern.kernels.norm_rows import (
     MAX_ROWS,
     METAL_NORM_ROWS,

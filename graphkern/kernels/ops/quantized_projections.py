@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.base import (
     THREADGROUP_MEMORY,
     Case,
@@ -40,6 +39,7 @@ from graphkern.kernels.base import (
     unused_input,
 )
 from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import dual_header
 from graphkern.kernels.norm_rows import (
     MAX_ROWS,
     METAL_NORM_ROWS,

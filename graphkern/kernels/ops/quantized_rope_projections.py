@@ -22,9 +22,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.base import Case, Plan, template_arg
 from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import dual_header
 from graphkern.kernels.norm_rows import stock_normed
 from graphkern.kernels.ops.quantized_projections import (
     QUANTIZED_CUDA,

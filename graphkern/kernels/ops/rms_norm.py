@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.kernels.base import (
     Case,
     Plan,
@@ -26,6 +25,7 @@ from graphkern.kernels.base import (
     unused_input,
 )
 from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.nodes import Kernel, TemplateArg
 
 __all__ = ["RMS_CUDA", "RMS_NORM", "RMS_SCALE_CUDA", "plan_rms_norm", "rms_launch", "rms_norm",

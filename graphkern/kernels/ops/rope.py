@@ -19,8 +19,6 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from graphkern.kernels._headers import dual_header
-from graphkern.kernels._host_math import host_float
 from graphkern.kernels.base import (
     MAX_GRID,
     Case,
@@ -37,6 +35,8 @@ from graphkern.kernels.base import (
     vector_width,
 )
 from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import dual_header
+from graphkern.kernels.host_math import host_float
 from graphkern.launching.launch_cache import memoized
 from graphkern.nodes import Kernel, KernelError, Status, TemplateArg
 

@@ -25,7 +25,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.base import (
     MAX_GRID,
     Case,
@@ -38,6 +37,7 @@ from graphkern.kernels.base import (
     unused_input,
 )
 from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import dual_header
 from graphkern.kernels.ops.rms_norm import rms_norm_reference
 from graphkern.kernels.ops.rope import (
     GPU_FORMULA_TOLERANCES,

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.base import (
     Case,
     Plan,
@@ -26,6 +25,7 @@ from graphkern.kernels.base import (
     template_arg,
 )
 from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import dual_header
 from graphkern.launching.launch_cache import memoized
 from graphkern.nodes import Kernel
 

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern.kernels._elementwise import cuda_map_body, metal_map_body, plan_elementwise
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.base import Case, Plan, check_dtype
 from graphkern.kernels.declaration import declare
+from graphkern.kernels.elementwise import cuda_map_body, metal_map_body, plan_elementwise
+from graphkern.kernels.headers import dual_header
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
 __all__ = ["SWIGLU", "plan_swiglu", "swiglu", "swiglu_reference"]
