@@ -184,3 +184,41 @@ def test_the_launch_cache_keeps_its_bound_and_the_signatures_in_use() -> None:
         assert len(cache) <= 8
     assert 0 in cache and len(cache) == 8 and cache.stats()["hits"] == 192
     assert LAUNCHES.maxsize == LibraryLaunches.MAX_ENTRIES
+
+
+def test_a_launch_takes_the_plan_arguments_by_position_or_keyword_and_decodes_as_one_signature() -> None:
+    from graphkern.kernels.ops.rope import plan_rope
+
+    x = mx.random.normal((1, 4, 1, 64), key=mx.random.key(0))
+    gk.clear_caches()
+    builds = plan_rope.plan_builds
+    for offset in range(30, 40):  # an int offset travels as an array: one signature for them all
+        stock = mx.fast.rope(x, 64, traditional=False, base=1e4, scale=1.0, offset=offset)
+        assert mx.allclose(gkk.rope(x, 64, offset=offset), stock, atol=1e-5).item()
+    assert plan_rope.plan_builds == builds + 1
+    by_keyword = plan_rope.launch(x, 64, traditional=False, base=1e4, scale=1.0, offset=3, freqs=None,
+                                  input_scale=1.0)[0]
+    by_position = plan_rope.launch(x, 64, False, 1e4, 1.0, 3, None, 1.0)[0]
+    assert mx.array_equal(by_keyword, by_position).item()
+    with pytest.raises(TypeError, match="takes 8 arguments"):
+        plan_rope.launch(x, 64, False, 1e4, 1.0, 3, None, 1.0, "one too many")
+    with pytest.raises(gk.KernelError, match=r"offset must be in \[-2\*\*30, 2\*\*30\)"):
+        gkk.rope(x, 64, offset=2**31)  # out of range: refused as before, never kept
+
+
+def test_a_kept_signature_never_lets_a_bad_argument_past_its_checks() -> None:
+    """Every argument is in the signature: after a good call, a residual of another shape or type
+    is planned, and refused, as on a first call (the projections' own keys once held only whether
+    a residual was given, so a (1,) array or a float passed unchecked)."""
+    x, w, rows = mx.ones((1, 64)), mx.ones((64,)), mx.ones((8, 64))
+    quantized = mx.quantize(rows, group_size=64, bits=4)
+    calls = [lambda r: gkk.norm_projections(x, w, [rows], residual=r),
+             lambda r: gkk.norm_swiglu(x, w, rows, rows, residual=r),
+             lambda r: gkk.quantized_norm_projections(x, w, [quantized], residual=r),
+             lambda r: gkk.quantized_norm_swiglu(x, w, quantized, quantized, residual=r)]
+    for call in calls:
+        call(mx.ones((1, 64)))  # kept
+        for bad, needle in ((mx.array([1.0]), r"residual is \(1,\) float32"),
+                            (2.0, "residual must be an mx.array, got float")):
+            with pytest.raises(gk.KernelError, match=needle):
+                call(bad)

@@ -1,9 +1,12 @@
-"""What every library kernel shares: launch plans, argument checks, launch sizes and registry entries.
+"""What every library kernel shares: launch plans, the library's one launch cache, argument checks,
+launch sizes and registry entries.
 
-A layer function (``rms_norm`` ...) validates its arguments, builds a :class:`Plan` (kernel, inputs,
-output specs, grid, threadgroup, template) and runs it with ``graphkern.runtime.launch``. ``check()``
-and the tests build the same plan and run the reference on it, so kernel and oracle see exactly the
-same inputs and template values (``apply_plan(plan, backend="reference")``).
+A kernel's plan function (``plan_rms_norm`` ...) validates its arguments and builds a :class:`Plan`
+(kernel, inputs, output specs, grid, threadgroup, template); its layer function (``rms_norm`` ...)
+runs it with ``graphkern.runtime.launch``, kept per signature in :data:`LAUNCHES` (see
+``graphkern.kernels.declaration``). ``check()`` and the tests build the same plan and run the
+reference on it, so kernel and oracle see exactly the same inputs and template values
+(``apply_plan(plan, backend="reference")``).
 """
 
 from __future__ import annotations

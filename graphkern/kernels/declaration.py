@@ -204,8 +204,11 @@ class LibraryKernel:
 
     def _plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
         self.plan_builds += 1
-        if len(args) > self._positional:  # keyword-only parameters given by position
+        if self._keyword_only and len(args) > self._positional:  # keyword-only ones by position
             extra = args[self._positional:]
+            if len(extra) > len(self._keyword_only):
+                raise TypeError(f"{self.__name__} takes {self._positional + len(self._keyword_only)} "
+                                f"arguments, {len(args)} were given")
             kwargs = {**dict(zip(self._keyword_only, extra)), **kwargs}
             args = args[:self._positional]
         return self.plan_function(*args, **kwargs)
