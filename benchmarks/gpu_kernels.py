@@ -198,7 +198,7 @@ def _prologue_kernels(shape: tuple[int, ...], dt: mx.Dtype, copy_bps: float, wan
     for ``rope_qk_norm``, transpose, mx.fast.rope; for queries and keys). ``shape`` is (B, L, query
     features) in heads of 128, a quarter as many key heads. Each call of the chain takes the last
     call's outputs as its queries and keys, as views of the same size (no copy on either side)."""
-    from graphkern.kernels.ops.rope_qk import _stock as stock_prologue
+    from graphkern.kernels.ops.rope_qk import stock_prologue
 
     b, length, features = shape
     heads, d = features // 128, 128

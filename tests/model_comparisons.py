@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from graphkern.kernels.base import LayerLaunches
+from graphkern.kernels.declaration import LibraryKernel
 from graphkern.models import MODEL_TOLERANCES
 
 ATOL, RTOL = (1e-5, 1e-5) if mx.default_device() == mx.cpu else MODEL_TOLERANCES[mx.float32]
@@ -52,13 +52,13 @@ def count_layer_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A one-item list counting the library layer launches made from now on (until ``monkeypatch``
     undoes it): the count of a forward that should, or should not, run the kernels."""
     count = [0]
-    launch = LayerLaunches.__call__
+    launch = LibraryKernel.launch
 
-    def counted(self: LayerLaunches, *args: Any) -> Any:
+    def counted(self: LibraryKernel, *args: Any, **kwargs: Any) -> Any:
         count[0] += 1
-        return launch(self, *args)
+        return launch(self, *args, **kwargs)
 
-    monkeypatch.setattr(LayerLaunches, "__call__", counted)
+    monkeypatch.setattr(LibraryKernel, "launch", counted)
     return count
 
 

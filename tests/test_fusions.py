@@ -20,9 +20,10 @@ from rope_layers import OFFSETS, ROPES  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 import graphkern.kernels as gkk  # noqa: E402
+from graphkern.kernels.base import LAUNCHES  # noqa: E402
 from graphkern.kernels.ops import rope as rope_module  # noqa: E402
 from graphkern.kernels.ops import rope_qk as rope_qk_module  # noqa: E402
-from graphkern.kernels.ops.rope_qk import _stock as stock_prologue  # noqa: E402
+from graphkern.kernels.ops.rope_qk import stock_prologue  # noqa: E402
 from graphkern.models import check_model, kernel_names, patch, patched_layers, unpatch  # noqa: E402
 from graphkern.models.launch_count import decode_launches  # noqa: E402
 from graphkern.models.layers import (  # noqa: E402
@@ -192,8 +193,7 @@ def test_rope_qk_refuses_bad_arguments_naming_itself(call: Callable[..., Any], n
 def test_rope_and_rope_qk_launches_are_reused_across_decode_offsets(opaque_gpu: list[str]) -> None:
     """An int offset is an input array, not part of the signature: decoding token after token is
     one launch, traced once and replayed."""
-    rope_module._LAUNCHES.entries.clear()
-    rope_qk_module._LAUNCHES.entries.clear()
+    gk.clear_caches()
     x = mx.random.normal((1, 4, 1, 64), key=mx.random.key(0))
     q, k = _projections(1, 1, 4, 2, 64)
     for offset in range(20, 26):
@@ -202,7 +202,8 @@ def test_rope_and_rope_qk_launches_are_reused_across_decode_offsets(opaque_gpu: 
         ours = gkk.rope_qk(q, k, 4, 2, 64, offset=offset)
         stock = stock_prologue(q, k, 4, 2, 64, offset=offset)
         assert all(mx.allclose(a, b, atol=ATOL, rtol=RTOL).item() for a, b in zip(ours, stock))
-    assert len(rope_module._LAUNCHES.entries) == len(rope_qk_module._LAUNCHES.entries) == 1
+    kept = [key[0] for key in LAUNCHES]
+    assert kept.count(rope_module.plan_rope) == kept.count(rope_qk_module.plan_rope_qk) == 1
     assert opaque_gpu.count("gk_rope") == opaque_gpu.count("gk_rope_qk") == 1  # traced once, replayed
 
 

@@ -1,27 +1,28 @@
-"""What every library kernel shares: launch plans, argument checks, launch sizes and registry entries.
+"""What every library kernel shares: launch plans, the library's one launch cache, argument checks,
+launch sizes and registry entries.
 
-A layer function (``rms_norm`` ...) validates its arguments, builds a :class:`Plan` (kernel, inputs,
-output specs, grid, threadgroup, template) and runs it with ``graphkern.runtime.launch``. ``check()``
-and the tests build the same plan and run the reference on it, so kernel and oracle see exactly the
-same inputs and template values (``apply_plan(plan, backend="reference")``).
+A kernel's plan function (``plan_rms_norm`` ...) validates its arguments and builds a :class:`Plan`
+(kernel, inputs, output specs, grid, threadgroup, template); its layer function (``rms_norm`` ...)
+runs it with ``graphkern.runtime.launch``, kept per signature in :data:`LAUNCHES` (see
+``graphkern.kernels.declaration``). ``check()`` and the tests build the same plan and run the
+reference on it, so kernel and oracle see exactly the same inputs and template values
+(``apply_plan(plan, backend="reference")``).
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Sequence
+import struct
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from graphkern.launching.backends import active_backend, backend_setting
-from graphkern.launching.bound import bind
-from graphkern.launching.context import state
-from graphkern.launching.launch_cache import LaunchCache, track_function
-from graphkern.launching.launch_paths import run_eager
+from graphkern.launching.backends import active_backend
+from graphkern.launching.launch_cache import memoized, track
 from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name
 from graphkern.runtime import apply, launch
 
@@ -30,7 +31,9 @@ __all__ = [
     "THREADGROUP_MEMORY",
     "check_threadgroup_memory",
     "threadgroup_backend",
-    "LayerLaunches",
+    "LAUNCHES",
+    "LibraryLaunches",
+    "is_signature_constant",
     "signature_constant",
     "MAX_GRID",
     "Case",
@@ -92,81 +95,98 @@ def run(plan: Plan) -> list[mx.array]:
                   threadgroup=plan.threadgroup, template=list(plan.template))
 
 
-class LayerLaunches:
-    """One library layer's launches, bound (``gk.bind``) once per signature of its arguments.
+class LibraryLaunches:
+    """The library's one launch cache: per signature (kernel, backend setting, the signature of
+    the arguments: ``graphkern.kernels.declaration``), the launch bound once (``gk.bind``) and
+    where each of its inputs comes from; and the constant arrays plans take
+    (:func:`signature_constant`).
 
-    A layer function builds and checks its launch plan once per signature, then each later call
-    with that signature hands only its arrays to the bound launch: this keeps a layer call as cheap
-    as the kernel call behind it, which is what decoding (one token, every launch host-bound) needs.
+    Bounded (``maxsize`` signatures) and reported whole by ``gk.cache_stats()["layer launches"]``;
+    ``gk.clear_caches()`` empties it, with the constants. Every library call looks it up, so a hit
+    is one dict lookup and a flag: past the bound, the oldest signature goes unless it was used
+    since it last came round, which gives it another round (CLOCK, the second-chance
+    approximation of least-recently-used, with no reordering on a hit).
 
-    ``layer(key, arrays, make_plan)``: ``key`` is everything the plan depends on other than the
-    arrays passed per call (shapes and dtypes of the arrays, the values of the other arguments);
-    ``arrays`` are the call's arrays, in the order the plan's inputs take them; ``make_plan()``
-    builds (and validates) the plan. Every other input of the plan must be a constant of the
-    signature, made by :func:`signature_constant`; a plan with any other input is run, never kept.
-    Inside traces and compiled graphs the plan is run as it is (a node of the graph). The
-    entries are a bounded LRU (``gk.cache_stats()["layer launches"]``).
-
-    >>> layer = LayerLaunches()
-    >>> x = mx.ones((2, 4))
-    >>> twice = lambda: Plan(Kernel("twice", ["x"], ["out"], reference=lambda x: [x * 2]), (x,),
-    ...                      (OutputSpec((2, 4), mx.float32),), (8, 1, 1), (8, 1, 1))
-    >>> layer(("twice", x.shape, x.dtype), (x,), twice)[0].sum().item(), len(layer.entries)
-    (16.0, 1)
+    >>> cache = LibraryLaunches(maxsize=2, group=None)
+    >>> cache.put("a", 1); cache.put("b", 2); cache.get("a")
+    1
+    >>> cache.put("c", 3)             # "b" was not used since it came in: evicted
+    >>> sorted(cache), cache.stats()
+    (['a', 'c'], {'hits': 1, 'misses': 0, 'size': 2})
     """
 
     MAX_ENTRIES = 4096
 
-    def __init__(self) -> None:
-        #: signature -> (the bound launch, where each plan input comes from: see ``_sources``)
-        self.entries = LaunchCache("layer launches", self.MAX_ENTRIES)
+    def __init__(self, maxsize: int = MAX_ENTRIES, *, group: str | None = "layer launches") -> None:
+        self.maxsize = maxsize
+        #: signature -> [value, used since it last came round]
+        self.entries: dict[Any, list[Any]] = {}
+        self.hits = self.misses = 0
+        #: arrays plans may take as constants of a signature, by id; held weakly: a constant lives
+        #: while a kept launch or the function that made it (``unused_input``...) holds it
+        self.constants: weakref.WeakValueDictionary[int, mx.array] = weakref.WeakValueDictionary()
+        if group is not None:
+            track(self, group)
 
-    def __call__(self, key: Any, arrays: tuple[mx.array, ...],
-                 make_plan: Callable[[], Plan]) -> list[mx.array]:
-        key = (key, backend_setting())
+    def get(self, key: Any, default: Any = None) -> Any:
+        """The value kept under ``key`` (counted, and marked used), or ``default``."""
         entry = self.entries.get(key)
-        if entry is not None and state.recorder is None:
-            bound, sources = entry
-            inputs = arrays if sources is None else [
-                arrays[s] if s.__class__ is int else s for s in sources]
-            return run_eager(bound.launch, inputs)
-        plan = make_plan()
-        if state.recorder is None and not plan.empty:
-            found = _sources(plan.inputs, arrays)
-            if not isinstance(found, bool):
-                self.entries.put(key, (bind(plan.kernel, plan.output_specs, grid=plan.grid,
-                                            threadgroup=plan.threadgroup, template=plan.template),
-                                       found))
-        return run(plan)
+        if entry is None:
+            self.misses += 1
+            return default
+        entry[1] = True
+        self.hits += 1
+        return entry[0]
+
+    def put(self, key: Any, value: Any) -> None:
+        """Keep ``value`` under ``key``; past ``maxsize``, evict as the class says."""
+        entries = self.entries
+        entries[key] = [value, False]
+        while len(entries) > self.maxsize:
+            try:
+                oldest = next(iter(entries))
+                entry = entries.pop(oldest)
+            except (StopIteration, RuntimeError, KeyError):  # changed by another thread meanwhile
+                break
+            if entry[1] and oldest is not key:  # used since it came round: to the back, once more
+                entry[1] = False
+                entries[oldest] = entry
+
+    def stats(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "size": len(self.entries)}
+
+    def clear(self) -> None:
+        """Forget every launch and constant and reset the counts."""
+        self.entries.clear()
+        self.constants.clear()
+        self.hits = self.misses = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self.entries))
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
-#: Arrays a plan may take as constants of its signature (see LayerLaunches), by id; kept alive here.
-_CONSTANTS: dict[int, mx.array] = {}
+#: The one cache of library launches.
+LAUNCHES = LibraryLaunches()
 
 
 def signature_constant(array: mx.array) -> mx.array:
     """Mark ``array`` as a constant a library plan may take for every call of one signature (a
-    stand-in for an absent input, a table made from the arguments' values); returns it."""
-    _CONSTANTS[id(array)] = array
+    stand-in for an absent input, a table made from the arguments' values); returns it. A plan
+    input that is neither one of the call's arrays nor such a constant keeps the call from being
+    kept: its plan is made on every call."""
+    LAUNCHES.constants[id(array)] = array
     return array
 
 
-def _sources(inputs: tuple[Any, ...], arrays: tuple[mx.array, ...]) -> tuple[Any, ...] | bool | None:
-    """Where each plan input comes from: None when they are ``arrays`` exactly; else, per input,
-    the index into ``arrays`` or the constant itself; False when an input is neither."""
-    if len(inputs) == len(arrays) and all(a is b for a, b in zip(inputs, arrays)):
-        return None
-    sources: list[Any] = []
-    position = 0
-    for value in inputs:
-        if position < len(arrays) and value is arrays[position]:
-            sources.append(position)
-            position += 1
-        elif _CONSTANTS.get(id(value)) is value:
-            sources.append(value)
-        else:
-            return False
-    return tuple(sources) if position == len(arrays) else False
+def is_signature_constant(value: Any) -> bool:
+    """Whether ``value`` was marked by :func:`signature_constant` (and the cache kept since)."""
+    return LAUNCHES.constants.get(id(value)) is value
 
 
 def apply_plan(plan: Plan, backend: str | None = None) -> list[mx.array]:
@@ -252,8 +272,7 @@ def check_threadgroup_memory(op: str, parts: dict[str, int], limit: int | None =
 # A layer function builds its plan on every eager call; these immutable parts are made once.
 
 
-@track_function("plan parts")
-@functools.lru_cache(maxsize=1024, typed=True)  # typed: True and 1 are different arguments
+@memoized("plan parts", typed=True)  # typed: True and 1 are different arguments
 def template_arg(name: str, value: mx.Dtype | int | bool) -> TemplateArg:
     """``TemplateArg(name, value)``, made once per name and value.
 
@@ -265,8 +284,7 @@ def template_arg(name: str, value: mx.Dtype | int | bool) -> TemplateArg:
     return TemplateArg(name, value)
 
 
-@track_function("plan parts")
-@functools.lru_cache(maxsize=1024)
+@memoized("plan parts")
 def output_spec(shape: tuple[int, ...], dtype: mx.Dtype) -> OutputSpec:
     """``OutputSpec(shape, dtype)``, made once per shape and dtype."""
     return OutputSpec(shape, dtype)
@@ -305,8 +323,7 @@ class RowConfig:
                 template_arg("CH", self.chunks))
 
 
-@track_function("plan parts")
-@functools.lru_cache(maxsize=1024)
+@memoized("plan parts")
 def row_config(n: int, dtype: mx.Dtype, *, vector: int = 8, items: int = 16, streamed: bool = False,
                max_threads: int = MAX_THREADS) -> RowConfig:
     """How a one-block-per-row kernel spreads a row of ``n`` elements of ``dtype``: ``vector``-element
@@ -362,8 +379,12 @@ def float_bits(value: float) -> int:
 
 
 def float_from_bits(bits: int) -> float:
-    """The float32 whose bits :func:`float_bits` gave."""
-    return float(np.array(bits, dtype=np.int32).view(np.float32))
+    """The float32 whose bits :func:`float_bits` gave (the references read their template values
+    back with it on every call: ``struct``, a third of numpy's cost)."""
+    return _FLOAT32.unpack(_INT32.pack(bits))[0]  # type: ignore[no-any-return]
+
+
+_INT32, _FLOAT32 = struct.Struct("=i"), struct.Struct("=f")
 
 
 def eps_template(eps: float, op: str) -> TemplateArg:
@@ -386,14 +407,12 @@ def float_template(name: str, value: float) -> TemplateArg:
     return _float_template(name, value, math.copysign(1.0, value))
 
 
-@track_function("plan parts")
-@functools.lru_cache(maxsize=1024)
+@memoized("plan parts")
 def _float_template(name: str, value: float, sign: float) -> TemplateArg:
     return template_arg(name, float_bits(value))
 
 
-@track_function("plan parts")
-@functools.lru_cache(maxsize=16)
+@memoized("plan parts", maxsize=16)
 def unused_input(dtype: mx.Dtype) -> mx.array:
     """A one-element stand-in for an absent optional input (never read by the kernel), made once.
 

@@ -1,49 +1,58 @@
-"""``LIBRARY``: every library kernel by name, for check(), the tests and the benchmarks."""
+"""``LIBRARY``: every library kernel by name, for check(), the tests and the benchmarks.
+
+Derived, never listed by hand: each module of ``graphkern.kernels.ops`` declares its kernels
+(``graphkern.kernels.declaration.declare``), and a declaration registers its entries here, with
+the names ``graphkern.kernels`` exports (``EXPORTS``). Importing ``graphkern.kernels`` imports
+every module of ``graphkern.kernels.ops`` (:func:`load_library`).
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from typing import Any
+
 from graphkern.kernels.base import LibraryEntry
-from graphkern.kernels.ops import (
-    add_rms_norm,
-    gelu,
-    layer_norm,
-    moe_route,
-    projections,
-    quantized_projections,
-    quantized_rope_projections,
-    rms_norm,
-    rope,
-    rope_qk,
-    softmax,
-    swiglu,
-)
 from graphkern.nodes import Kernel, KernelError, Status
 
-__all__ = ["LIBRARY", "entries_for"]
+__all__ = ["EXPORTS", "LIBRARY", "entries_for", "forget", "kernel_export_name", "load_library", "register"]
 
-LIBRARY: dict[str, LibraryEntry] = {
-    entry.name: entry
-    for entry in (
-        rms_norm.ENTRY,
-        layer_norm.ENTRY,
-        layer_norm.ENTRY_NO_BIAS,
-        add_rms_norm.ENTRY,
-        rope.ENTRY,
-        rope.ENTRY_TRADITIONAL,
-        rope_qk.ENTRY,
-        rope_qk.ENTRY_NORM,
-        swiglu.ENTRY,
-        softmax.ENTRY,
-        gelu.ENTRY,
-        gelu.ENTRY_APPROX,
-        projections.ENTRY,
-        projections.ENTRY_SWIGLU,
-        quantized_projections.ENTRY,
-        quantized_projections.ENTRY_SWIGLU,
-        quantized_rope_projections.ENTRY,
-        moe_route.ENTRY,
-    )
-}
+#: Every library entry by name, in the order the modules of ``graphkern.kernels.ops`` declare them.
+LIBRARY: dict[str, LibraryEntry] = {}
+#: What ``graphkern.kernels`` exports of the library: each kernel (``RMS_NORM``) and layer
+#: function (``rms_norm``), by name.
+EXPORTS: dict[str, Any] = {}
+
+
+def kernel_export_name(kernel: Kernel) -> str:
+    """The name a library kernel is exported under: its name less ``gk_``, in capitals.
+
+    >>> kernel_export_name(Kernel("gk_rms_norm", ["x"], ["out"], reference=lambda x: [x]))
+    'RMS_NORM'
+    """
+    return kernel.name.removeprefix("gk_").upper()
+
+
+def register(entry: LibraryEntry, exports: dict[str, Any]) -> None:
+    """Add ``entry`` to ``LIBRARY`` and ``exports`` to ``EXPORTS``; a name already taken by
+    something else is refused (KernelError)."""
+    for name, value in ((entry.name, None), *exports.items()):
+        taken = LIBRARY.get(name) if value is None else EXPORTS.get(name)
+        if taken is not None and taken is not (value if value is not None else entry):
+            raise KernelError("register a library kernel", f"the name {name!r} is taken by "
+                              f"{taken!r:.80}", Status.INVALID_KERNEL)
+    LIBRARY[entry.name] = entry
+    EXPORTS.update(exports)
+
+
+def forget(name: str) -> None:
+    """Remove the entry ``name`` from ``LIBRARY``, and its layer function and kernel from
+    ``EXPORTS`` when no other entry uses them (for a kernel declared by a test or a notebook)."""
+    entry = LIBRARY.pop(name)
+    for key, value in list(EXPORTS.items()):
+        if (value is entry.fn or value is entry.kernel) and not any(
+                value is e.fn or value is e.kernel for e in LIBRARY.values()):
+            del EXPORTS[key]
 
 
 def entries_for(kernel_or_name: Kernel | str | LibraryEntry) -> list[LibraryEntry]:
@@ -68,3 +77,11 @@ def entries_for(kernel_or_name: Kernel | str | LibraryEntry) -> list[LibraryEntr
                           f"{kernel_or_name!r} is not in graphkern.kernels.LIBRARY (names: {names})",
                           Status.INVALID_KERNEL)
     return found
+
+
+def load_library() -> None:
+    """Import every module of ``graphkern.kernels.ops``: their declarations fill ``LIBRARY``."""
+    from graphkern.kernels import ops
+
+    for info in sorted(pkgutil.iter_modules(ops.__path__), key=lambda i: i.name):
+        importlib.import_module(f"{ops.__name__}.{info.name}")

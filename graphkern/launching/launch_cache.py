@@ -17,13 +17,16 @@ state (``graphkern.launching.context``) and go with their thread: they are held 
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-__all__ = ["CacheLike", "LaunchCache", "cache_stats", "clear_caches", "track", "track_function"]
+T = TypeVar("T")
+
+__all__ = ["CacheLike", "LaunchCache", "cache_stats", "clear_caches", "memoized", "track", "track_function"]
 
 
 class CacheLike(Protocol):
@@ -153,6 +156,26 @@ def track_function(group: str) -> Callable[[Any], Any]:
         return function
 
     return register
+
+
+def memoized(group: str, maxsize: int | None = 1024, *,
+             typed: bool = False) -> Callable[[Callable[..., T]], functools._lru_cache_wrapper[T]]:
+    """Decorator: ``functools.lru_cache(maxsize, typed)`` registered under ``group``, so that
+    ``cache_stats`` sees it and ``clear_caches`` empties it (the way every graphkern function
+    cache is made).
+
+    >>> @memoized("example", maxsize=8)
+    ... def square(n):
+    ...     return n * n
+    >>> square(3), square(3), square.cache_info().hits, "example" in cache_stats()
+    (9, 9, 1, True)
+    """
+    def wrap(function: Callable[..., T]) -> functools._lru_cache_wrapper[T]:
+        cached = functools.lru_cache(maxsize=maxsize, typed=typed)(function)
+        track_function(group)(cached)
+        return cached
+
+    return wrap
 
 
 def _members() -> dict[str, list[Any]]:

@@ -10,8 +10,9 @@ A header written for both backends (``two_backend_header``) keeps only its branc
 
 from __future__ import annotations
 
-import functools
 import re
+
+from .launch_cache import memoized
 
 __all__ = ["for_backend", "two_backend_header"]
 
@@ -39,7 +40,7 @@ def _strip_comment(match: re.Match[str]) -> str:
     return text
 
 
-@functools.lru_cache(maxsize=256)
+@memoized("source text", maxsize=256)
 def for_backend(text: str, backend: str) -> str:
     """``text`` without comments, indentation and trailing blanks, and, for a
     ``two_backend_header``, without the other backend's branch; line numbers are kept.

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from ..nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg
 from .backends import APPLY, backend_setting, resolve_backend
-from .launch_cache import LaunchCache, track_function
+from .launch_cache import LaunchCache, memoized
 
 __all__ = ["MAX_THREADS_PER_GROUP", "Launch", "check_inputs", "launch_key", "validate", "validated_launch"]
 
@@ -311,8 +311,7 @@ def _reference_keywords(reference: Callable[..., Any]) -> tuple[frozenset[str], 
         return _cached_reference_keywords.__wrapped__(reference)
 
 
-@track_function("reference keywords")
-@functools.lru_cache(maxsize=1024)
+@memoized("reference keywords")
 def _cached_reference_keywords(reference: Callable[..., Any]) -> tuple[frozenset[str], bool]:
     try:
         params = inspect.signature(reference).parameters.values()

@@ -10,7 +10,6 @@ the tags themselves disappear.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections import deque
 from collections.abc import Iterable
@@ -21,6 +20,7 @@ import mlx.core as mx
 import networkx as nx
 
 from ..launching.fastpaths import adjacency, bulk_multidigraph, move_out_edges
+from ..launching.launch_cache import memoized
 from ..nodes import KernelError, NodeKind, dtype_name
 
 MAGIC = 0x676B7472  # "gktr"
@@ -84,7 +84,7 @@ _INPUT, _CONSTANT, _OP, _OUTPUT = (str(k) for k in (NodeKind.INPUT, NodeKind.CON
                                                     NodeKind.OUTPUT))
 
 
-@functools.cache
+@memoized("primitive names", maxsize=256)
 def _snake(op: str) -> str:
     """``AddMM`` -> ``add_mm``, ``CustomKernel`` -> ``custom_kernel``."""
     return _SNAKE.sub("_", op).lower()

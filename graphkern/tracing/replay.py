@@ -14,12 +14,13 @@ and dtypes MLX reported, raises :class:`NotReplayable`: its node says so instead
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
+
+from ..launching.launch_cache import memoized
 
 __all__ = ["NotReplayable", "REPLAYED", "run"]
 
@@ -261,7 +262,7 @@ def _scatter_axis(ins: list[mx.array], args: list[Any]) -> mx.array:
     return mx.put_along_axis(ins[0], ins[1], ins[2], axis=axis)
 
 
-@functools.cache
+@memoized("primitive names", maxsize=256)
 def _why_not(name: str) -> str:
     if name == "CustomKernel":
         return "an MLX custom kernel launched outside graphkern (its source is not reachable from Python)"

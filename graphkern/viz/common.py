@@ -6,7 +6,6 @@ The nodes and edges they read are defined in :mod:`graphkern.tracing.schema`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import re
 import tempfile
@@ -16,6 +15,7 @@ from typing import Any
 
 import networkx as nx
 
+from graphkern.launching.launch_cache import memoized
 from graphkern.nodes import Status
 
 UPSTREAM_FAILED = int(Status.UPSTREAM_FAILED)
@@ -148,7 +148,7 @@ def format_tensor(shape: Any, dtype: Any) -> str:
 _NUM_PART = re.compile(r"^\d+$")
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized("drawing scopes", maxsize=65536)
 def _scope_parts(scope: str) -> tuple[str, ...]:
     parts: list[str] = []
     for piece in scope.split("."):

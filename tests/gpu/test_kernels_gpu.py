@@ -16,7 +16,7 @@ import graphkern.kernels as gkk
 from graphkern.debugging.kernel_checks import TOLERANCES, check_kernel
 from graphkern.debugging.tolerance import worst_errors
 from graphkern.kernels import LIBRARY, Case, LibraryEntry, apply_plan
-from graphkern.kernels.ops.rope_qk import _stock as stock_prologue
+from graphkern.kernels.ops.rope_qk import stock_prologue
 from graphkern.models import patch
 
 pytestmark = pytest.mark.gpu

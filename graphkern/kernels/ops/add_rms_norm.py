@@ -11,16 +11,9 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
-from graphkern.kernels.base import (
-    Case,
-    LayerLaunches,
-    LibraryEntry,
-    Plan,
-    check_dtype,
-    output_spec,
-    run,
-)
+from graphkern.kernels.base import Case, Plan, check_dtype, output_spec
+from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.kernels.ops.rms_norm import RMS_CUDA, RMS_METAL, rms_launch, rms_norm_reference
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
@@ -90,6 +83,23 @@ ADD_RMS_NORM = Kernel(
 )
 
 
+def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
+    kx, kr, kw = mx.random.split(key, 3)
+    x = mx.random.normal(tuple(shape), key=kx).astype(dtype)
+    r = mx.random.normal(tuple(shape), key=kr).astype(dtype)
+    w = (1.0 + 0.5 * mx.random.normal((shape[-1],), key=kw)).astype(dtype)
+    return Case((x, r, w), {"eps": 1e-5})
+
+
+def _stock(x: mx.array, residual: mx.array, weight: mx.array | None = None,
+           eps: float = 1e-5) -> tuple[mx.array, mx.array]:
+    h = x + residual
+    return h, mx.fast.rms_norm(h, weight, eps)
+
+
+@declare(ADD_RMS_NORM, stock=_stock, make_inputs=_make_inputs,
+         shapes=((4, 64), (2, 3, 100), (7, 1000), (2, 4097)),
+         description="residual add + RMSNorm, returns (sum, normed)")
 def plan_add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array | None = None,
                       eps: float = 1e-5) -> Plan:
     """The launch :func:`add_rms_norm` makes (validated)."""
@@ -107,6 +117,7 @@ def plan_add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array | None =
     return Plan(ADD_RMS_NORM, (x, residual, w), (spec, spec), grid, group, template)
 
 
+@plan_add_rms_norm.layer
 def add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array | None = None,
                  eps: float = 1e-5) -> tuple[mx.array, mx.array]:
     """``h = x + residual`` and ``rms_norm(h, weight, eps)`` in one kernel; returns ``(h, normed)``.
@@ -115,41 +126,5 @@ def add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array | None = None
     >>> h.tolist(), [round(v, 4) for v in y[0].tolist()]
     ([[3.0, 4.0]], [0.8485, 1.1314])
     """
-    try:
-        key = (x.shape, x.dtype, residual.shape, residual.dtype, eps, eps.__class__,
-               None if weight is None else (weight.shape, weight.dtype))
-    except AttributeError:  # not arrays: the plan says what is wrong
-        h, out = run(plan_add_rms_norm(x, residual, weight, eps))
-        return h, out
-    arrays = (x, residual) if weight is None else (x, residual, weight)
-    h, out = _LAUNCHES(key, arrays, lambda: plan_add_rms_norm(x, residual, weight, eps))
+    h, out = plan_add_rms_norm.launch(x, residual, weight, eps)
     return h, out
-
-
-_LAUNCHES = LayerLaunches()
-
-
-def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
-    kx, kr, kw = mx.random.split(key, 3)
-    x = mx.random.normal(tuple(shape), key=kx).astype(dtype)
-    r = mx.random.normal(tuple(shape), key=kr).astype(dtype)
-    w = (1.0 + 0.5 * mx.random.normal((shape[-1],), key=kw)).astype(dtype)
-    return Case((x, r, w), {"eps": 1e-5})
-
-
-def _stock(x: mx.array, residual: mx.array, weight: mx.array | None = None,
-           eps: float = 1e-5) -> tuple[mx.array, mx.array]:
-    h = x + residual
-    return h, mx.fast.rms_norm(h, weight, eps)
-
-
-ENTRY = LibraryEntry(
-    name="add_rms_norm",
-    kernel=ADD_RMS_NORM,
-    fn=add_rms_norm,
-    plan=plan_add_rms_norm,
-    make_inputs=_make_inputs,
-    stock=_stock,
-    shapes=((4, 64), (2, 3, 100), (7, 1000), (2, 4097)),
-    description="residual add + RMSNorm, returns (sum, normed)",
-)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern.kernels._elementwise import cuda_map_body, metal_map_body, plan_elementwise
-from graphkern.kernels._headers import dual_header
-from graphkern.kernels.base import Case, LayerLaunches, LibraryEntry, Plan, check_dtype, run, template_arg
+from graphkern.kernels.base import Case, Plan, check_dtype, template_arg
+from graphkern.kernels.declaration import declare
+from graphkern.kernels.elementwise import cuda_map_body, metal_map_body, plan_elementwise
+from graphkern.kernels.headers import dual_header
 from graphkern.nodes import Kernel
 
 __all__ = ["GELU", "gelu", "gelu_reference", "plan_gelu"]
@@ -76,6 +76,13 @@ GELU = Kernel(
 )
 
 
+def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, approx: bool) -> Case:
+    return Case(((3.0 * mx.random.normal(tuple(shape), key=key)).astype(dtype),), {"approx": approx})
+
+
+@declare(GELU, stock=lambda x, approx=False: nn.gelu(x), shapes=((4, 64), (2, 3, 100), (7, 1001), (3, 4096)),
+         make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, False),
+         description="GELU, exact erf form (nn.gelu)")
 def plan_gelu(x: mx.array, approx: bool = False) -> Plan:
     """The launch :func:`gelu` makes (validated)."""
     op = "gelu"
@@ -85,42 +92,17 @@ def plan_gelu(x: mx.array, approx: bool = False) -> Plan:
     return plan_elementwise(op, GELU, [x], [template_arg("APPROX", bool(approx))])
 
 
+@plan_gelu.layer
 def gelu(x: mx.array, approx: bool = False) -> mx.array:
     """GELU: exact ``x * Phi(x)`` like ``nn.gelu``, or with ``approx=True`` ``nn.gelu_approx``.
 
     >>> [round(v, 4) for v in gelu(mx.array([-1.0, 0.0, 2.0])).tolist()]
     [-0.1587, 0.0, 1.9545]
     """
-    if x.__class__ is not mx.array or x.ndim == 0:  # scalars and the rest: the plan's checks
-        shape = x.shape if isinstance(x, mx.array) else ()
-        return run(plan_gelu(x, approx))[0].reshape(shape)
-    return _LAUNCHES((x.shape, x.dtype, approx, approx.__class__), (x,), lambda: plan_gelu(x, approx))[0]
+    out = plan_gelu.launch(x, approx)[0]
+    return out if x.ndim else out.reshape(())  # a scalar runs as one element
 
 
-_LAUNCHES = LayerLaunches()
-
-
-def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, approx: bool) -> Case:
-    return Case(((3.0 * mx.random.normal(tuple(shape), key=key)).astype(dtype),), {"approx": approx})
-
-
-_SHAPES = ((4, 64), (2, 3, 100), (7, 1001), (3, 4096))
-
-ENTRY = LibraryEntry(
-    name="gelu",
-    kernel=GELU,
-    fn=gelu,
-    plan=plan_gelu,
-    make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, False),
-    stock=lambda x, approx=False: nn.gelu(x),
-    shapes=_SHAPES,
-    description="GELU, exact erf form (nn.gelu)",
-)
-
-ENTRY_APPROX = dataclasses.replace(
-    ENTRY,
-    name="gelu_approx",
-    make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, True),
-    stock=lambda x, approx=True: nn.gelu_approx(x),
-    description="GELU, tanh approximation (nn.gelu_approx)",
-)
+plan_gelu.variant("gelu_approx", make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, True),
+                  stock=lambda x, approx=True: nn.gelu_approx(x),
+                  description="GELU, tanh approximation (nn.gelu_approx)")

@@ -7,16 +7,12 @@ the normalized value is cast to the dtype, multiplied by the weight and added to
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.kernels.base import (
     Case,
-    LayerLaunches,
-    LibraryEntry,
     Plan,
     check_dtype,
     check_vector,
@@ -25,10 +21,11 @@ from graphkern.kernels.base import (
     output_spec,
     row_config,
     row_launch,
-    run,
     template_arg,
     unused_input,
 )
+from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.nodes import Kernel
 
 __all__ = ["LAYER_NORM", "layer_norm", "layer_norm_reference", "plan_layer_norm"]
@@ -157,6 +154,23 @@ LAYER_NORM = Kernel(
 )
 
 
+def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, *, bias: bool) -> Case:
+    kx, kw, kb = mx.random.split(key, 3)
+    x = (2.0 + 3.0 * mx.random.normal(tuple(shape), key=kx)).astype(dtype)  # an offset mean
+    w = (1.0 + 0.5 * mx.random.normal((shape[-1],), key=kw)).astype(dtype)
+    b = (0.5 * mx.random.normal((shape[-1],), key=kb)).astype(dtype) if bias else None
+    return Case((x, w, b), {"eps": 1e-5})
+
+
+def _stock(x: mx.array, weight: mx.array | None = None, bias: mx.array | None = None,
+           eps: float = 1e-5) -> mx.array:
+    return mx.fast.layer_norm(x, weight, bias, eps)
+
+
+@declare(LAYER_NORM, stock=_stock,
+         make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, bias=True),
+         shapes=((4, 64), (2, 3, 100), (7, 1000), (2, 4097)),
+         description="LayerNorm with weight and bias (mx.fast.layer_norm)")
 def plan_layer_norm(x: mx.array, weight: mx.array | None = None, bias: mx.array | None = None,
                     eps: float = 1e-5) -> Plan:
     """The launch :func:`layer_norm` makes (validated)."""
@@ -176,6 +190,7 @@ def plan_layer_norm(x: mx.array, weight: mx.array | None = None, bias: mx.array 
     return Plan(LAYER_NORM, inputs, (output_spec(x.shape, x.dtype),), grid, group, tuple(template))
 
 
+@plan_layer_norm.layer
 def layer_norm(x: mx.array, weight: mx.array | None = None, bias: mx.array | None = None,
                eps: float = 1e-5) -> mx.array:
     """Layer-normalize ``x`` over its last axis, then ``* weight + bias``, like ``mx.fast.layer_norm``.
@@ -185,47 +200,9 @@ def layer_norm(x: mx.array, weight: mx.array | None = None, bias: mx.array | Non
     >>> layer_norm(mx.array([[1.0, 3.0]]), mx.array([2.0, 2.0]), mx.array([0.5, 0.5]), eps=0.0).tolist()
     [[-1.5, 2.5]]
     """
-    try:
-        key = (x.shape, x.dtype, eps, eps.__class__, None if weight is None else (weight.shape, weight.dtype),
-               None if bias is None else (bias.shape, bias.dtype))
-    except AttributeError:  # not arrays: the plan says what is wrong
-        return run(plan_layer_norm(x, weight, bias, eps))[0]
-    arrays = tuple(a for a in (x, weight, bias) if a is not None)
-    return _LAUNCHES(key, arrays, lambda: plan_layer_norm(x, weight, bias, eps))[0]
+    return plan_layer_norm.launch(x, weight, bias, eps)[0]
 
 
-_LAUNCHES = LayerLaunches()
-
-
-def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, *, bias: bool) -> Case:
-    kx, kw, kb = mx.random.split(key, 3)
-    x = (2.0 + 3.0 * mx.random.normal(tuple(shape), key=kx)).astype(dtype)  # an offset mean
-    w = (1.0 + 0.5 * mx.random.normal((shape[-1],), key=kw)).astype(dtype)
-    b = (0.5 * mx.random.normal((shape[-1],), key=kb)).astype(dtype) if bias else None
-    return Case((x, w, b), {"eps": 1e-5})
-
-
-def _stock(x: mx.array, weight: mx.array | None = None, bias: mx.array | None = None,
-           eps: float = 1e-5) -> mx.array:
-    return mx.fast.layer_norm(x, weight, bias, eps)
-
-
-_SHAPES = ((4, 64), (2, 3, 100), (7, 1000), (2, 4097))
-
-ENTRY = LibraryEntry(
-    name="layer_norm",
-    kernel=LAYER_NORM,
-    fn=layer_norm,
-    plan=plan_layer_norm,
-    make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, bias=True),
-    stock=_stock,
-    shapes=_SHAPES,
-    description="LayerNorm with weight and bias (mx.fast.layer_norm)",
-)
-
-ENTRY_NO_BIAS = dataclasses.replace(
-    ENTRY,
-    name="layer_norm_no_bias",
-    make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, bias=False),
-    description="LayerNorm with weight, no bias (mx.fast.layer_norm)",
-)
+plan_layer_norm.variant("layer_norm_no_bias",
+                        make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, bias=False),
+                        description="LayerNorm with weight, no bias (mx.fast.layer_norm)")

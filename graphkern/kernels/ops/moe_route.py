@@ -21,18 +21,16 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.base import (
     Case,
-    LayerLaunches,
-    LibraryEntry,
     Plan,
     check_dtype,
     check_grid,
     output_spec,
-    run,
     template_arg,
 )
+from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import dual_header
 from graphkern.nodes import Kernel, KernelError, Status
 
 __all__ = ["MAX_EXPERTS", "MAX_TOP_K", "MOE_ROUTE", "moe_route", "moe_route_reference", "plan_moe_route"]
@@ -317,55 +315,6 @@ MOE_ROUTE = Kernel(
 )
 
 
-def plan_moe_route(gates: mx.array, k: int, softmax_first: bool = False, normalize: bool = False) -> Plan:
-    """The launch :func:`moe_route` makes (validated)."""
-    op = "moe_route"
-    check_dtype(op, gates, "gates")
-    experts = gates.shape[-1]
-    if not 1 <= experts <= MAX_EXPERTS:
-        raise KernelError(op, f"gates has {experts} experts (its last dimension); supported: 1 to "
-                          f"{MAX_EXPERTS}", Status.INVALID_INPUT)
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(experts, MAX_TOP_K):
-        raise KernelError(op, f"k must be an int from 1 to {min(experts, MAX_TOP_K)} (the experts, at most "
-                          f"{MAX_TOP_K}), got {k!r}", Status.INVALID_INPUT)
-    if normalize and not softmax_first:
-        raise KernelError(op, "normalize divides probabilities by their sum: it needs softmax_first=True "
-                          "(a softmax over the chosen logits already sums to 1)", Status.INVALID_INPUT)
-    rows = gates.size // experts
-    blocks = -(-rows // _WARPS)
-    check_grid(op, blocks * 32 * _WARPS)
-    shape = (*gates.shape[:-1], k)
-    template = (template_arg("T", gates.dtype), template_arg("E", experts), template_arg("K", k),
-                template_arg("SOFTMAX_FIRST", bool(softmax_first)),
-                template_arg("NORMALIZE", bool(normalize)))
-    return Plan(MOE_ROUTE, (gates,), (output_spec(shape, mx.uint32), output_spec(shape, gates.dtype)),
-                (blocks * 32 * _WARPS, 1, 1), (32 * _WARPS, 1, 1), template)
-
-
-def moe_route(gates: mx.array, k: int, *, softmax_first: bool = False,
-              normalize: bool = False) -> tuple[mx.array, mx.array]:
-    """The ``k`` experts each row of router logits ``gates`` picks, and their weights:
-    ``(inds, scores)``, each of shape ``gates.shape[:-1] + (k,)``, ``inds`` as uint32.
-
-    Mixtral's ``softmax(top_k(gates))`` by default; ``softmax_first=True`` takes the top ``k`` of
-    ``softmax(gates)`` (Qwen MoE), divided by their sum when ``normalize``.
-
-    >>> inds, scores = moe_route(mx.array([[0.0, 2.0, 1.0, 2.0]]), 2)
-    >>> inds.tolist(), scores.tolist()
-    ([[1, 3]], [[0.5, 0.5]])
-    """
-    try:
-        key = (gates.shape, gates.dtype, k, k.__class__, bool(softmax_first), bool(normalize))
-    except AttributeError:  # not an array: the plan says what is wrong
-        inds, scores = run(plan_moe_route(gates, k, softmax_first, normalize))
-        return inds, scores
-    inds, scores = _LAUNCHES(key, (gates,), lambda: plan_moe_route(gates, k, softmax_first, normalize))
-    return inds, scores
-
-
-_LAUNCHES = LayerLaunches()
-
-
 def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
     """Logits with distinct values in each row (a shuffled ramp, exact in every dtype), so the
     chosen experts do not depend on how ties break."""
@@ -394,13 +343,45 @@ def _stock(gates: mx.array, k: int, softmax_first: bool = False,
     return inds, scores
 
 
-ENTRY = LibraryEntry(
-    name="moe_route",
-    kernel=MOE_ROUTE,
-    fn=moe_route,
-    plan=plan_moe_route,
-    make_inputs=_make_inputs,
-    stock=_stock,
-    shapes=((1, 8), (2, 3, 8), (5, 64), (4, 128)),
-    description="mixture-of-experts router: top-k experts and their softmax weights",
-)
+@declare(MOE_ROUTE, stock=_stock, make_inputs=_make_inputs, shapes=((1, 8), (2, 3, 8), (5, 64), (4, 128)),
+         description="mixture-of-experts router: top-k experts and their softmax weights")
+def plan_moe_route(gates: mx.array, k: int, softmax_first: bool = False, normalize: bool = False) -> Plan:
+    """The launch :func:`moe_route` makes (validated)."""
+    op = "moe_route"
+    check_dtype(op, gates, "gates")
+    experts = gates.shape[-1]
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise KernelError(op, f"gates has {experts} experts (its last dimension); supported: 1 to "
+                          f"{MAX_EXPERTS}", Status.INVALID_INPUT)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(experts, MAX_TOP_K):
+        raise KernelError(op, f"k must be an int from 1 to {min(experts, MAX_TOP_K)} (the experts, at most "
+                          f"{MAX_TOP_K}), got {k!r}", Status.INVALID_INPUT)
+    if normalize and not softmax_first:
+        raise KernelError(op, "normalize divides probabilities by their sum: it needs softmax_first=True "
+                          "(a softmax over the chosen logits already sums to 1)", Status.INVALID_INPUT)
+    rows = gates.size // experts
+    blocks = -(-rows // _WARPS)
+    check_grid(op, blocks * 32 * _WARPS)
+    shape = (*gates.shape[:-1], k)
+    template = (template_arg("T", gates.dtype), template_arg("E", experts), template_arg("K", k),
+                template_arg("SOFTMAX_FIRST", bool(softmax_first)),
+                template_arg("NORMALIZE", bool(normalize)))
+    return Plan(MOE_ROUTE, (gates,), (output_spec(shape, mx.uint32), output_spec(shape, gates.dtype)),
+                (blocks * 32 * _WARPS, 1, 1), (32 * _WARPS, 1, 1), template)
+
+
+@plan_moe_route.layer
+def moe_route(gates: mx.array, k: int, *, softmax_first: bool = False,
+              normalize: bool = False) -> tuple[mx.array, mx.array]:
+    """The ``k`` experts each row of router logits ``gates`` picks, and their weights:
+    ``(inds, scores)``, each of shape ``gates.shape[:-1] + (k,)``, ``inds`` as uint32.
+
+    Mixtral's ``softmax(top_k(gates))`` by default; ``softmax_first=True`` takes the top ``k`` of
+    ``softmax(gates)`` (Qwen MoE), divided by their sum when ``normalize``.
+
+    >>> inds, scores = moe_route(mx.array([[0.0, 2.0, 1.0, 2.0]]), 2)
+    >>> inds.tolist(), scores.tolist()
+    ([[1, 3]], [[0.5, 0.5]])
+    """
+    inds, scores = plan_moe_route.launch(gates, k, softmax_first, normalize)
+    return inds, scores

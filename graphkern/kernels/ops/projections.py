@@ -13,36 +13,28 @@ gating, which is :func:`~graphkern.kernels.swiglu`'s.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import dual_header
-from graphkern.kernels.base import (
-    THREADGROUP_MEMORY,
-    Case,
-    LayerLaunches,
-    LibraryEntry,
-    Plan,
-    check_dtype,
-    check_threadgroup_memory,
-    check_vector,
-    eps_template,
-    output_spec,
-    run,
-    template_arg,
-    threadgroup_backend,
-    unused_input,
-    vector_width,
+from graphkern.kernels.base import THREADGROUP_MEMORY, Case, Plan, template_arg, threadgroup_backend
+from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import dual_header
+from graphkern.kernels.norm_rows import (
+    MAX_ROWS,
+    METAL_NORM_ROWS,
+    norm_rows,
+    norm_rows_template,
+    random_rows,
+    row_output_specs,
+    stock_normed,
 )
 from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA, rms_norm_reference
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
-__all__ = ["METAL_NORM_ROWS", "NORM_PROJECTIONS", "NORM_SWIGLU", "MAX_ROWS", "norm_projections",
-           "norm_swiglu", "plan_norm_projections", "plan_norm_swiglu", "projections_fit"]
+__all__ = ["DECODING_SHAPES", "NORM_PROJECTIONS", "NORM_SWIGLU", "norm_projections", "norm_swiglu",
+           "plan_norm_projections", "plan_norm_swiglu", "projections_fit"]
 
-#: Most token rows a launch takes (each warp keeps one float sum per row in registers).
-MAX_ROWS = 8
 #: Threads a block, one weight row a warp: 8 warps, or 16 for more than 2 rows, where normalizing
 #: the rows (which each block does) costs more and fewer blocks do it.
 BLOCK = 256
@@ -213,42 +205,6 @@ _CUDA_SWIGLU = _cuda_body(
       }
     }""")
 
-#: Metal: the M rows of x (+ r, rounded to T, block 0 writing the sum to h) RMS-normalized into
-#: the threadgroup rows xs, rounded as rms_norm rounds (shared with the quantized projections).
-METAL_NORM_ROWS = r"""
-// Each pointer has its own type: MLX passes an input of fewer than 8 elements (a tiny row, the
-// one-element stand-in of an absent residual or weight) in constant memory, others in device memory.
-template <typename T, int M, int K, int NT, bool RESID, bool HAS_W, typename PX, typename PR, typename PW,
-          typename PH>
-inline void norm_rows(PX x, PR r, PW w, PH h, threadgroup T* xs, float eps, uint tid, uint lane, uint sg,
-                      uint block, threadgroup float* red) {
-  for (int m = 0; m < M; ++m) {
-    float ss = 0.0f;
-    for (int i = tid; i < K; i += NT) {
-      float v = static_cast<float>(x[m * K + i]);
-      if (RESID) {
-        v = round_to<T>(v + static_cast<float>(r[m * K + i]));
-        if (block == 0) {
-          h[m * K + i] = static_cast<T>(v);
-        }
-      }
-      xs[m * K + i] = static_cast<T>(v);
-      ss += v * v;
-    }
-    const float inv = metal::precise::rsqrt(block_reduce<NT>(ss, red, lane, sg, Sum()) / K + eps);
-    for (int i = tid; i < K; i += NT) {
-      float o = round_to<T>(static_cast<float>(xs[m * K + i]) * inv);
-      if (HAS_W) {
-        o *= static_cast<float>(w[i]);
-      }
-      xs[m * K + i] = static_cast<T>(o);
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-}
-
-"""
-
 _METAL = r"""
 namespace gk {
 """ + METAL_NORM_ROWS + r"""
@@ -402,20 +358,8 @@ def projections_fit(x: mx.array) -> bool:
 def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weight: mx.array | None,
           eps: float, matrices: Sequence[mx.array], names: Sequence[str], gated: bool) -> Plan:
     """A launch of ``kernel``: one output per matrix (``gated``: one output, gate and up together)."""
-    check_dtype(op, x)
-    k = x.shape[-1]
-    rows = x.size // max(k, 1)
-    if not 0 < rows <= MAX_ROWS:
-        raise KernelError(op, f"x has {rows} rows of {k} {dtype_name(x.dtype)}; one launch takes 1 to "
-                          f"{MAX_ROWS} rows", Status.INVALID_LAUNCH)
-    check_threadgroup_memory(op, _threadgroup_parts(rows, k, x.dtype))
-    if residual is not None:
-        check_dtype(op, residual, "residual")
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise KernelError(op, f"residual is {tuple(residual.shape)} {dtype_name(residual.dtype)} but "
-                              f"x is {tuple(x.shape)} {dtype_name(x.dtype)}", Status.INVALID_INPUT)
-    if weight is not None:
-        check_vector(op, weight, x, "weight")
+    rows = norm_rows(op, x, residual, weight, lambda m, k: (_threadgroup_parts(m, k, x.dtype), None))
+    k = rows.k
     for name, matrix in zip(names, matrices):
         if not isinstance(matrix, mx.array):
             raise KernelError(op, f"{name} must be an mx.array, got {type(matrix).__name__}",
@@ -430,107 +374,14 @@ def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weigh
         raise KernelError(op, f"{names[1]} has shape {tuple(matrices[1].shape)} but {names[0]} has "
                           f"{tuple(matrices[0].shape)}", Status.INVALID_INPUT)
     out_rows = [matrices[0].shape[0]] if gated else [w.shape[0] for w in matrices]
-    lead = x.shape[:-1]
-    h_spec = output_spec(x.shape if residual is not None else (1,), x.dtype)
-    unused = unused_input(x.dtype)
     pad = 0 if gated else 3 - len(matrices)  # absent weights and outputs: one-element stand-ins
-    specs = (h_spec, *(output_spec((*lead, n), x.dtype) for n in out_rows),
-             *(output_spec((1,), x.dtype),) * pad)
-    inputs = (x, unused if residual is None else residual, unused if weight is None else weight, *matrices,
-              *(unused,) * pad)
-    m = x.size // k
-    block = BLOCK if m <= 2 else WIDE_BLOCK
-    template = (template_arg("T", x.dtype), template_arg("M", m), template_arg("K", k),
-                template_arg("V", vector_width(k, x.dtype)), template_arg("NT", block),
-                template_arg("RESID", residual is not None), template_arg("HAS_W", weight is not None),
-                eps_template(eps, op), *(() if gated else (template_arg("NW", len(matrices)),)))
+    specs = row_output_specs(x, rows.h, out_rows, pad)
+    inputs = (*rows.inputs, *matrices, *(rows.unused,) * pad)
+    block = BLOCK if rows.rows <= 2 else WIDE_BLOCK
+    template = (*norm_rows_template(op, x, rows, block, residual, weight, eps),
+                *(() if gated else (template_arg("NW", len(matrices)),)))
     blocks = -(-sum(out_rows) // (block // 32))
     return Plan(kernel, inputs, specs, (blocks * block, 1, 1), (block, 1, 1), template)
-
-
-def plan_norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence[mx.array],
-                          eps: float = 1e-5, residual: mx.array | None = None) -> Plan:
-    """The launch :func:`norm_projections` makes (validated)."""
-    op = "norm_projections"
-    if not isinstance(projections, (list, tuple)) or not 1 <= len(projections) <= 3:
-        raise KernelError(op, f"projections must be a list of 1 to 3 weight matrices, got "
-                          f"{projections!r:.80}",
-                          Status.INVALID_INPUT)
-    names = [f"projections[{i}]" for i in range(len(projections))]
-    return _plan(op, NORM_PROJECTIONS, x, residual, weight, eps, projections, names, gated=False)
-
-
-def plan_norm_swiglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.array, eps: float = 1e-5,
-                     residual: mx.array | None = None) -> Plan:
-    """The launch :func:`norm_swiglu` makes (validated)."""
-    return _plan("norm_swiglu", NORM_SWIGLU, x, residual, weight, eps, (gate, up), ("gate", "up"), gated=True)
-
-
-def norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence[mx.array],
-                     eps: float = 1e-5, residual: mx.array | None = None) -> tuple[mx.array, ...]:
-    """``n = rms_norm(x, weight, eps)`` (of ``x + residual`` when given) and ``n @ W.T`` for each of
-    1 to 3 weight matrices ``W`` of shape ``(N, K)``, in one launch, for up to ``MAX_ROWS`` rows of
-    ``x`` (``(..., K)``). Returns the products, after ``h = x + residual`` when a residual is given:
-    what a block's input norm and its query, key and value projections compute.
-
-    >>> x, w = mx.ones((1, 4)), mx.ones((4,))
-    >>> q, k = norm_projections(x, w, [mx.ones((2, 4)), mx.full((1, 4), 0.5)], eps=0.0)
-    >>> q.tolist(), k.tolist()
-    ([[4.0, 4.0]], [[2.0]])
-    """
-    try:
-        key = (x.shape, x.dtype, eps, eps.__class__, residual is None,
-               None if weight is None else (weight.shape, weight.dtype),
-               tuple((w.shape, w.dtype) for w in projections))
-    except (AttributeError, TypeError):  # not arrays: the plan says what is wrong
-        key = None
-    arrays = tuple(a for a in (x, residual, weight) if a is not None) + tuple(projections)
-    outputs = run_cached(_PROJECTIONS, key, arrays,
-                   lambda: plan_norm_projections(x, weight, projections, eps, residual))
-    found = outputs[1:1 + len(projections)]
-    return (outputs[0], *found) if residual is not None else tuple(found)
-
-
-def norm_swiglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.array, eps: float = 1e-5,
-                residual: mx.array | None = None) -> mx.array | tuple[mx.array, mx.array]:
-    """``n = rms_norm(x, weight, eps)`` (of ``x + residual`` when given) and ``silu(n @ gate.T) *
-    (n @ up.T)`` in one launch, for up to ``MAX_ROWS`` rows: a SwiGLU feed-forward's input side.
-    Returns it, or ``(h, it)`` with ``h = x + residual`` when a residual is given.
-
-    >>> out = norm_swiglu(mx.ones((1, 4)), None, mx.ones((2, 4)), mx.ones((2, 4)), eps=0.0)
-    >>> [round(v, 4) for v in out[0].tolist()]
-    [15.7122, 15.7122]
-    """
-    try:
-        key = (x.shape, x.dtype, eps, eps.__class__, residual is None,
-               None if weight is None else (weight.shape, weight.dtype), gate.shape, gate.dtype, up.shape,
-               up.dtype)
-    except (AttributeError, TypeError):
-        key = None
-    arrays = tuple(a for a in (x, residual, weight) if a is not None) + (gate, up)
-    h, out = run_cached(_SWIGLU, key, arrays, lambda: plan_norm_swiglu(x, weight, gate, up, eps, residual))
-    return (h, out) if residual is not None else out
-
-
-def run_cached(launches: LayerLaunches, key: object, arrays: tuple[mx.array, ...],
-         make_plan: Callable[[], Plan]) -> list[mx.array]:
-    if key is None:
-        return run(make_plan())
-    return launches(key, arrays, make_plan)
-
-
-_PROJECTIONS = LayerLaunches()
-_SWIGLU = LayerLaunches()
-
-
-def random_rows(shape: Sequence[int], dtype: mx.Dtype,
-          key: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """Random rows ``x`` of ``shape``, a residual, a norm weight, and a key for the matrices."""
-    kx, kr, kw, rest = mx.random.split(key, 4)
-    x = mx.random.normal(tuple(shape), key=kx).astype(dtype)
-    r = mx.random.normal(tuple(shape), key=kr).astype(dtype)
-    w = (1.0 + 0.5 * mx.random.normal((shape[-1],), key=kw)).astype(dtype)
-    return x, r, w, rest
 
 
 def _make_projection_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
@@ -548,13 +399,6 @@ def _make_swiglu_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) ->
     gate = (2.0 * mx.random.normal((80, k), key=kg) / k**0.5).astype(dtype)
     up = (mx.random.normal((80, k), key=ku) / k**0.5).astype(dtype)
     return Case((x, w, gate, up), {"eps": 1e-5, "residual": r})
-
-
-def stock_normed(x: mx.array, weight: mx.array | None, eps: float,
-                  residual: mx.array | None) -> tuple[mx.array, mx.array]:
-    """Stock MLX's ``(h, rms_norm(h))`` with ``h = x (+ residual)``: what both kernels start from."""
-    h = x if residual is None else x + residual
-    return h, mx.fast.rms_norm(h, weight, eps)
 
 
 def _stock_projections(x: mx.array, weight: mx.array | None, projections: Sequence[mx.array],
@@ -575,26 +419,60 @@ def _stock_swiglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.a
 
 
 #: check()'s shapes: one row, two tokens of one position, eight rows, one token of 2048 features.
-_DECODING_SHAPES = ((1, 64), (2, 1, 128), (8, 256), (1, 1, 2048))
+DECODING_SHAPES = ((1, 64), (2, 1, 128), (8, 256), (1, 1, 2048))
 
-ENTRY = LibraryEntry(
-    name="norm_projections",
-    kernel=NORM_PROJECTIONS,
-    fn=norm_projections,
-    plan=plan_norm_projections,
-    make_inputs=_make_projection_inputs,
-    stock=_stock_projections,
-    shapes=_DECODING_SHAPES,
-    description="residual add + RMSNorm + up to 3 projections, for up to 8 rows (decoding)",
-)
 
-ENTRY_SWIGLU = LibraryEntry(
-    name="norm_swiglu",
-    kernel=NORM_SWIGLU,
-    fn=norm_swiglu,
-    plan=plan_norm_swiglu,
-    make_inputs=_make_swiglu_inputs,
-    stock=_stock_swiglu,
-    shapes=_DECODING_SHAPES,
-    description="residual add + RMSNorm + SwiGLU gate/up projections, for up to 8 rows (decoding)",
-)
+@declare(NORM_PROJECTIONS, stock=_stock_projections, make_inputs=_make_projection_inputs,
+         shapes=DECODING_SHAPES,
+         description="residual add + RMSNorm + up to 3 projections, for up to 8 rows (decoding)")
+def plan_norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence[mx.array],
+                          eps: float = 1e-5, residual: mx.array | None = None) -> Plan:
+    """The launch :func:`norm_projections` makes (validated)."""
+    op = "norm_projections"
+    if not isinstance(projections, (list, tuple)) or not 1 <= len(projections) <= 3:
+        raise KernelError(op, f"projections must be a list of 1 to 3 weight matrices, got "
+                          f"{projections!r:.80}",
+                          Status.INVALID_INPUT)
+    names = [f"projections[{i}]" for i in range(len(projections))]
+    return _plan(op, NORM_PROJECTIONS, x, residual, weight, eps, projections, names, gated=False)
+
+
+@plan_norm_projections.layer
+def norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence[mx.array],
+                     eps: float = 1e-5, residual: mx.array | None = None) -> tuple[mx.array, ...]:
+    """``n = rms_norm(x, weight, eps)`` (of ``x + residual`` when given) and ``n @ W.T`` for each of
+    1 to 3 weight matrices ``W`` of shape ``(N, K)``, in one launch, for up to ``MAX_ROWS`` rows of
+    ``x`` (``(..., K)``). Returns the products, after ``h = x + residual`` when a residual is given:
+    what a block's input norm and its query, key and value projections compute.
+
+    >>> x, w = mx.ones((1, 4)), mx.ones((4,))
+    >>> q, k = norm_projections(x, w, [mx.ones((2, 4)), mx.full((1, 4), 0.5)], eps=0.0)
+    >>> q.tolist(), k.tolist()
+    ([[4.0, 4.0]], [[2.0]])
+    """
+    outputs = plan_norm_projections.launch(x, weight, projections, eps, residual)
+    found = outputs[1:1 + len(projections)]
+    return (outputs[0], *found) if residual is not None else tuple(found)
+
+
+@declare(NORM_SWIGLU, stock=_stock_swiglu, make_inputs=_make_swiglu_inputs, shapes=DECODING_SHAPES,
+         description="residual add + RMSNorm + SwiGLU gate/up projections, for up to 8 rows (decoding)")
+def plan_norm_swiglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.array, eps: float = 1e-5,
+                     residual: mx.array | None = None) -> Plan:
+    """The launch :func:`norm_swiglu` makes (validated)."""
+    return _plan("norm_swiglu", NORM_SWIGLU, x, residual, weight, eps, (gate, up), ("gate", "up"), gated=True)
+
+
+@plan_norm_swiglu.layer
+def norm_swiglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.array, eps: float = 1e-5,
+                residual: mx.array | None = None) -> mx.array | tuple[mx.array, mx.array]:
+    """``n = rms_norm(x, weight, eps)`` (of ``x + residual`` when given) and ``silu(n @ gate.T) *
+    (n @ up.T)`` in one launch, for up to ``MAX_ROWS`` rows: a SwiGLU feed-forward's input side.
+    Returns it, or ``(h, it)`` with ``h = x + residual`` when a residual is given.
+
+    >>> out = norm_swiglu(mx.ones((1, 4)), None, mx.ones((2, 4)), mx.ones((2, 4)), eps=0.0)
+    >>> [round(v, 4) for v in out[0].tolist()]
+    [15.7122, 15.7122]
+    """
+    h, out = plan_norm_swiglu.launch(x, weight, gate, up, eps, residual)
+    return (h, out) if residual is not None else out

@@ -26,38 +26,44 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.base import (
     THREADGROUP_MEMORY,
     Case,
-    LayerLaunches,
-    LibraryEntry,
     Plan,
     check_dtype,
-    check_threadgroup_memory,
-    check_vector,
-    eps_template,
     float_from_bits,
     output_spec,
     runs_on_cuda,
     template_arg,
     threadgroup_backend,
     unused_input,
-    vector_width,
 )
-from graphkern.kernels.ops.projections import METAL_NORM_ROWS, random_rows, run_cached, stock_normed
+from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import dual_header
+from graphkern.kernels.norm_rows import (
+    MAX_ROWS,
+    METAL_NORM_ROWS,
+    norm_rows,
+    norm_rows_template,
+    random_rows,
+    row_output_specs,
+    stock_normed,
+)
+from graphkern.kernels.ops.projections import DECODING_SHAPES
 from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA
+from graphkern.launching.launch_cache import memoized
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
-__all__ = ["QUANTIZED_BITS", "QUANTIZED_GROUP_SIZES", "QUANTIZED_NORM_PROJECTIONS", "QUANTIZED_NORM_SWIGLU",
-           "QuantizedWeight", "plan_quantized_norm_projections", "plan_quantized_norm_swiglu",
-           "quantized_norm_projections", "quantized_norm_swiglu", "quantized_projections_fit"]
+__all__ = ["QUANTIZED_BITS", "QUANTIZED_CUDA", "QUANTIZED_GROUP_SIZES", "QUANTIZED_METAL",
+           "QUANTIZED_METAL_START", "QUANTIZED_NORM_PROJECTIONS", "QUANTIZED_NORM_SWIGLU", "QuantizedWeight",
+           "Rotation",
+           "plan_quantized_norm_projections", "plan_quantized_norm_swiglu", "plan_quantized_rows",
+           "quantized_case", "quantized_cuda_rows", "quantized_norm_projections", "quantized_norm_swiglu",
+           "quantized_product", "quantized_projections_fit", "random_quantized"]
 
 #: The affine quantizations the kernels read.
 QUANTIZED_BITS = (4, 8)
 QUANTIZED_GROUP_SIZES = (32, 64, 128)
-#: Most token rows a launch takes (each warp keeps one float sum per row in registers).
-MAX_ROWS = 8
 #: Bytes of normalized rows and group sums a CUDA block keeps, at most, as float32 in dynamic shared
 #: memory (an H100/H200 block may take 227 KB; past this much one block fills an SM). Metal keeps the
 #: rows in the dtype, with its reduction scratch, in its 32 KB of threadgroup memory
@@ -80,7 +86,7 @@ class QuantizedWeight(NamedTuple):
     biases: mx.array
 
 
-_CUDA = r"""
+QUANTIZED_CUDA = r"""
 namespace gk {
 
 __device__ __forceinline__ float lane_sum(float v) {
@@ -312,14 +318,14 @@ _CUDA_START = r"""
   }"""
 
 
-def _cuda_rows(aligned: str, work: str) -> str:
+def quantized_cuda_rows(aligned: str, work: str) -> str:
     """The body after the opening: ``work`` (naming ``WV``, the words a lane loads at a time) with
     16-byte loads when the ``aligned`` weights allow, else one word at a time."""
     return (_CUDA_START + f"\n  if ({aligned}) {{\n    constexpr int WV = 4;" + work
             + "\n  } else {\n    constexpr int WV = 1;" + work + "\n  }\n")
 
 
-_CUDA_PROJECTIONS = _cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1) && gk::aligned<4>(w2)", r"""
+_CUDA_PROJECTIONS = quantized_cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1) && gk::aligned<4>(w2)", r"""
     const int n0 = w0_shape[0];
     const int n1 = NW > 1 ? w1_shape[0] : 0;
     const int n2 = NW > 2 ? w2_shape[0] : 0;
@@ -332,7 +338,7 @@ _CUDA_PROJECTIONS = _cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1) && gk::
                                                        xsum);
     }""")
 
-_CUDA_SWIGLU = _cuda_rows("gk::aligned<4>(gate) && gk::aligned<4>(up)", r"""
+_CUDA_SWIGLU = quantized_cuda_rows("gk::aligned<4>(gate) && gk::aligned<4>(up)", r"""
     constexpr int WORDS = K * BITS / 32;
     constexpr int G = K / GS;
     const int n = gate_shape[0];
@@ -356,7 +362,7 @@ _CUDA_SWIGLU = _cuda_rows("gk::aligned<4>(gate) && gk::aligned<4>(up)", r"""
 
 # Metal: the rows normalized into threadgroup memory in the dtype, one simdgroup per output row, each
 # lane one packed word at a time.
-_METAL = r"""
+QUANTIZED_METAL = r"""
 namespace gk {
 
 """ + METAL_NORM_ROWS + r"""
@@ -389,7 +395,7 @@ inline void quantized_row_dot(PW row, PS scales, PB biases, threadgroup const T*
 }  // namespace gk
 """
 
-_METAL_START = r"""
+QUANTIZED_METAL_START = r"""
   threadgroup float red[32];
   threadgroup T xs[M * K];
   const uint lane = thread_index_in_simdgroup;
@@ -401,7 +407,7 @@ _METAL_START = r"""
   constexpr int G = K / GS;
   float acc[M];"""
 
-_METAL_PROJECTIONS = _METAL_START + r"""
+_METAL_PROJECTIONS = QUANTIZED_METAL_START + r"""
   const int n0 = w0_shape[0];
   const int n1 = NW > 1 ? w1_shape[0] : 0;
   const int n2 = NW > 2 ? w2_shape[0] : 0;
@@ -432,7 +438,7 @@ _METAL_PROJECTIONS = _METAL_START + r"""
   }
 """
 
-_METAL_SWIGLU = _METAL_START + r"""
+_METAL_SWIGLU = QUANTIZED_METAL_START + r"""
   const int n = gate_shape[0];
   if (row < n) {
     float u[M];
@@ -454,7 +460,7 @@ _METAL_SWIGLU = _METAL_START + r"""
 # ----------------------------------------------------------------------------- references
 
 
-def _quantized_product(normed: mx.array, weight: QuantizedWeight | Sequence[mx.array], group_size: int,
+def quantized_product(normed: mx.array, weight: QuantizedWeight | Sequence[mx.array], group_size: int,
                        bits: int) -> mx.array:
     """``mx.quantized_matmul``, as ``nn.QuantizedLinear`` calls it."""
     w, scales, biases = weight
@@ -471,7 +477,7 @@ def quantized_norm_projections_reference(
     h, normed = stock_normed(x, w if HAS_W else None, float_from_bits(EPS), residual if RESID else None)
     absent = mx.zeros((1,), x.dtype)
     weights = ((w0, scales0, biases0), (w1, scales1, biases1), (w2, scales2, biases2))
-    outputs = [_quantized_product(normed, weights[i], GS, BITS) if i < NW else absent for i in range(3)]
+    outputs = [quantized_product(normed, weights[i], GS, BITS) if i < NW else absent for i in range(3)]
     return [h if RESID else absent, *outputs]
 
 
@@ -484,8 +490,8 @@ def quantized_norm_swiglu_reference(
     import mlx.nn as nn
 
     h, normed = stock_normed(x, w if HAS_W else None, float_from_bits(EPS), residual if RESID else None)
-    g = _quantized_product(normed, (gate, gate_scales, gate_biases), GS, BITS)
-    u = _quantized_product(normed, (up, up_scales, up_biases), GS, BITS)
+    g = quantized_product(normed, (gate, gate_scales, gate_biases), GS, BITS)
+    u = quantized_product(normed, (up, up_scales, up_biases), GS, BITS)
     return [h if RESID else mx.zeros((1,), x.dtype), nn.silu(g) * u]
 
 
@@ -496,7 +502,7 @@ QUANTIZED_NORM_PROJECTIONS = Kernel(
     output_names=["h", "y0", "y1", "y2"],
     metal=_METAL_PROJECTIONS,
     cuda=_CUDA_PROJECTIONS,
-    header=dual_header(RMS_SCALE_CUDA + _CUDA, _METAL, body=_CUDA_PROJECTIONS),
+    header=dual_header(RMS_SCALE_CUDA + QUANTIZED_CUDA, QUANTIZED_METAL, body=_CUDA_PROJECTIONS),
     reference=quantized_norm_projections_reference,
 )
 
@@ -506,12 +512,12 @@ QUANTIZED_NORM_SWIGLU = Kernel(
     output_names=["h", "out"],
     metal=_METAL_SWIGLU,
     cuda=_CUDA_SWIGLU,
-    header=dual_header(RMS_SCALE_CUDA + _CUDA, _METAL, body=_CUDA_SWIGLU),
+    header=dual_header(RMS_SCALE_CUDA + QUANTIZED_CUDA, QUANTIZED_METAL, body=_CUDA_SWIGLU),
     reference=quantized_norm_swiglu_reference,
 )
 
 
-@functools.cache
+@memoized("plan parts", maxsize=256)
 def _with_shared(kernel: Kernel, nbytes: int) -> Kernel:
     """``kernel`` with ``nbytes`` of dynamic shared memory (one MLX kernel object per size)."""
     return dataclasses.replace(kernel, shared_memory=nbytes)
@@ -582,8 +588,8 @@ def _check_weight(op: str, name: str, weight: Any, x: mx.array, group_size: int,
 
 class Rotation(NamedTuple):
     """What a launch that also rotates its first two products (queries and keys) adds to
-    :func:`_plan`: the head counts and size, its RoPE template values, its offset and frequency
-    inputs."""
+    :func:`plan_quantized_rows`: the head counts and size, its RoPE template values, its offset and
+    frequency inputs."""
 
     heads: int
     kv_heads: int
@@ -593,48 +599,28 @@ class Rotation(NamedTuple):
     inputs: tuple[mx.array, mx.array]
 
 
-def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weight: mx.array | None,
-          eps: float, matrices: Sequence[Any], names: Sequence[str], gated: bool, group_size: int,
-          bits: int, rotation: Rotation | None = None) -> Plan:
+def plan_quantized_rows(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None,
+                        weight: mx.array | None, eps: float, matrices: Sequence[Any], names: Sequence[str],
+                        gated: bool, group_size: int, bits: int, rotation: Rotation | None = None) -> Plan:
     """A launch of ``kernel``: one output per matrix (``gated``: one output, gate and up together;
     ``rotation``: queries and keys rotated, in attention's layouts)."""
     check_dtype(op, x)
-    k = x.shape[-1]
-    _check_quantization(op, group_size, bits, k)
-    rows = x.size // max(k, 1)
-    if not 0 < rows <= MAX_ROWS:
-        raise KernelError(op, f"x has {rows} rows of {k} {dtype_name(x.dtype)}; one launch takes 1 to "
-                          f"{MAX_ROWS} rows", Status.INVALID_LAUNCH)
-    check_threadgroup_memory(op, *_shared_parts(rows, k, group_size, x.dtype))
-    if residual is not None:
-        check_dtype(op, residual, "residual")
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise KernelError(op, f"residual is {tuple(residual.shape)} {dtype_name(residual.dtype)} but "
-                              f"x is {tuple(x.shape)} {dtype_name(x.dtype)}", Status.INVALID_INPUT)
-    if weight is not None:
-        check_vector(op, weight, x, "weight")
+    _check_quantization(op, group_size, bits, x.shape[-1])
+    rows = norm_rows(op, x, residual, weight, lambda m, k: _shared_parts(m, k, group_size, x.dtype))
     checked = [_check_weight(op, name, m, x, group_size, bits) for name, m in zip(names, matrices)]
     if gated and checked[1].weight.shape != checked[0].weight.shape:
         raise KernelError(op, f"{names[1]} has shape {tuple(checked[1].weight.shape)} but {names[0]} has "
                           f"{tuple(checked[0].weight.shape)}", Status.INVALID_INPUT)
     out_rows = [checked[0].weight.shape[0]] if gated else [m.weight.shape[0] for m in checked]
-    lead = x.shape[:-1]
-    h_spec = output_spec(x.shape if residual is not None else (1,), x.dtype)
-    unused = unused_input(x.dtype)
     pad = 0 if gated else 3 - len(checked)  # absent weights and outputs: one-element stand-ins
-    specs = (h_spec, *(output_spec((*lead, n), x.dtype) for n in out_rows),
-             *(output_spec((1,), x.dtype),) * pad)
-    stand_in = (unused_input(mx.uint32), unused, unused)
-    inputs = (x, unused if residual is None else residual, unused if weight is None else weight,
-              *(a for m in checked for a in m), *stand_in * pad)
-    m = x.size // k
+    specs = row_output_specs(x, rows.h, out_rows, pad)
+    stand_in = (unused_input(mx.uint32), rows.unused, rows.unused)
+    inputs = (*rows.inputs, *(a for m in checked for a in m), *stand_in * pad)
+    m, k = rows.rows, rows.k
     # two products a warp (gated, or a rotated pair) take twice the registers: 8 warps a block
     block = BLOCK if m <= 2 or gated or rotation is not None else WIDE_BLOCK
-    template = (template_arg("T", x.dtype), template_arg("M", m), template_arg("K", k),
-                template_arg("V", vector_width(k, x.dtype)), template_arg("NT", block),
-                template_arg("RESID", residual is not None), template_arg("HAS_W", weight is not None),
-                eps_template(eps, op), template_arg("BITS", bits), template_arg("GS", group_size),
-                *(() if gated else (template_arg("NW", len(checked)),)))
+    template = (*norm_rows_template(op, x, rows, block, residual, weight, eps), template_arg("BITS", bits),
+                template_arg("GS", group_size), *(() if gated else (template_arg("NW", len(checked)),)))
     warps = sum(out_rows)
     if rotation is not None:
         specs, warps = _rotated_specs(op, x, specs, out_rows, rotation)
@@ -660,96 +646,6 @@ def _rotated_specs(op: str, x: mx.array, specs: tuple[Any, ...], out_rows: list[
     specs = (specs[0], output_spec((b, length, heads, d), x.dtype),
              output_spec((b, kv_heads, length, d), x.dtype), specs[3])
     return specs, ((heads + kv_heads) * d + out_rows[2]) // 2
-
-
-def plan_quantized_norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence[Any],
-                                    eps: float = 1e-5, residual: mx.array | None = None, *,
-                                    group_size: int = 64, bits: int = 4) -> Plan:
-    """The launch :func:`quantized_norm_projections` makes (validated)."""
-    op = "quantized_norm_projections"
-    if not isinstance(projections, (list, tuple)) or not 1 <= len(projections) <= 3:
-        raise KernelError(op, f"projections must be a list of 1 to 3 (weight, scales, biases) triples, got "
-                          f"{projections!r:.80}", Status.INVALID_INPUT)
-    names = [f"projections[{i}]" for i in range(len(projections))]
-    return _plan(op, QUANTIZED_NORM_PROJECTIONS, x, residual, weight, eps, projections, names, False,
-                 group_size, bits)
-
-
-def plan_quantized_norm_swiglu(x: mx.array, weight: mx.array | None, gate: Any, up: Any, eps: float = 1e-5,
-                               residual: mx.array | None = None, *, group_size: int = 64,
-                               bits: int = 4) -> Plan:
-    """The launch :func:`quantized_norm_swiglu` makes (validated)."""
-    return _plan("quantized_norm_swiglu", QUANTIZED_NORM_SWIGLU, x, residual, weight, eps, (gate, up),
-                 ("gate", "up"), True, group_size, bits)
-
-
-# ----------------------------------------------------------------------------- layer functions
-
-
-def _signature(x: mx.array, weight: mx.array | None, residual: mx.array | None, eps: float,
-               matrices: Sequence[Any], group_size: int, bits: int) -> Any:
-    """What a plan depends on besides the arrays (None: not arrays; the plan says what is wrong)."""
-    try:
-        return (x.shape, x.dtype, eps, eps.__class__, residual is None, group_size, bits,
-                None if weight is None else (weight.shape, weight.dtype),
-                tuple((a.shape, a.dtype) for m in matrices for a in m))
-    except (AttributeError, TypeError, ValueError):
-        return None
-
-
-_PROJECTIONS = LayerLaunches()
-_SWIGLU = LayerLaunches()
-
-
-def quantized_norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence[Any],
-                               eps: float = 1e-5, residual: mx.array | None = None, *,
-                               group_size: int = 64, bits: int = 4) -> tuple[mx.array, ...]:
-    """``n = rms_norm(x, weight, eps)`` (of ``x + residual`` when given) and its product with each of
-    1 to 3 affine-quantized weights, ``(weight, scales, biases)`` as ``nn.QuantizedLinear`` holds
-    them (``mx.quantized_matmul(n, ..., transpose=True, group_size, bits)``), in one launch, for up
-    to ``MAX_ROWS`` rows of ``x`` (``(..., K)``). Returns the products, after ``h = x + residual``
-    when a residual is given: what a quantized block's input norm and its query, key and value
-    projections compute.
-
-    >>> w, scales, biases = mx.quantize(mx.ones((2, 64)), group_size=64, bits=4)
-    >>> (q,) = quantized_norm_projections(mx.ones((1, 64)), None, [(w, scales, biases)], eps=0.0)
-    >>> q.tolist()
-    [[64.0, 64.0]]
-    """
-    key = _signature(x, weight, residual, eps, projections, group_size, bits)
-    arrays = tuple(a for a in (x, residual, weight) if a is not None)
-    if key is not None:
-        arrays += tuple(a for m in projections for a in m)
-    outputs = run_cached(_PROJECTIONS, key, arrays, lambda: plan_quantized_norm_projections(
-        x, weight, projections, eps, residual, group_size=group_size, bits=bits))
-    found = outputs[1:1 + len(projections)]
-    return (outputs[0], *found) if residual is not None else tuple(found)
-
-
-def quantized_norm_swiglu(x: mx.array, weight: mx.array | None, gate: Any, up: Any, eps: float = 1e-5,
-                          residual: mx.array | None = None, *, group_size: int = 64,
-                          bits: int = 4) -> mx.array | tuple[mx.array, mx.array]:
-    """``n = rms_norm(x, weight, eps)`` (of ``x + residual`` when given) and ``silu(n @ gate) *
-    (n @ up)`` for affine-quantized ``gate`` and ``up`` (``(weight, scales, biases)`` each), in one
-    launch, for up to ``MAX_ROWS`` rows: a quantized SwiGLU feed-forward's input side. Returns it,
-    or ``(h, it)`` with ``h = x + residual`` when a residual is given.
-
-    >>> w, scales, biases = mx.quantize(mx.full((2, 64), 0.5), group_size=64, bits=8)
-    >>> gate = up = (w, scales, biases)
-    >>> out = quantized_norm_swiglu(mx.ones((1, 64)), None, gate, up, bits=8)
-    >>> [round(v) for v in out[0].tolist()]
-    [1024, 1024]
-    """
-    key = _signature(x, weight, residual, eps, (gate, up), group_size, bits)
-    arrays = tuple(a for a in (x, residual, weight) if a is not None)
-    if key is not None:
-        arrays += (*gate, *up)
-    h, out = run_cached(_SWIGLU, key, arrays, lambda: plan_quantized_norm_swiglu(
-        x, weight, gate, up, eps, residual, group_size=group_size, bits=bits))
-    return (h, out) if residual is not None else out
-
-
-# ----------------------------------------------------------------------------- registry
 
 
 def random_quantized(n: int, k: int, dtype: mx.Dtype, key: mx.array, group_size: int = 64, bits: int = 4,
@@ -780,7 +676,7 @@ def _stock_projections(x: mx.array, weight: mx.array | None, projections: Sequen
                        residual: mx.array | None = None, *, group_size: int = 64,
                        bits: int = 4) -> tuple[mx.array, ...]:
     h, normed = stock_normed(x, weight, eps, residual)
-    outputs = tuple(_quantized_product(normed, m, group_size, bits) for m in projections)
+    outputs = tuple(quantized_product(normed, m, group_size, bits) for m in projections)
     return outputs if residual is None else (h, *outputs)
 
 
@@ -790,36 +686,80 @@ def _stock_swiglu(x: mx.array, weight: mx.array | None, gate: Any, up: Any, eps:
     import mlx.nn as nn
 
     h, normed = stock_normed(x, weight, eps, residual)
-    out = nn.silu(_quantized_product(normed, gate, group_size, bits)) * _quantized_product(
+    out = nn.silu(quantized_product(normed, gate, group_size, bits)) * quantized_product(
         normed, up, group_size, bits)
     return out if residual is None else (h, out)
 
 
-#: check()'s shapes: one row, two tokens of one position, eight rows, one token of 2048 features.
-_DECODING_SHAPES = ((1, 64), (2, 1, 128), (8, 256), (1, 1, 2048))
+# ----------------------------------------------------------------------------- declarations
 
-ENTRY = LibraryEntry(
-    name="quantized_norm_projections",
-    kernel=QUANTIZED_NORM_PROJECTIONS,
-    fn=quantized_norm_projections,
-    plan=plan_quantized_norm_projections,
-    make_inputs=functools.partial(quantized_case, gated=False),
-    stock=_stock_projections,
-    shapes=_DECODING_SHAPES,
-    last_dim_multiple=64,
-    description="residual add + RMSNorm + up to 3 affine-quantized projections (4-bit, group 64), "
-                "for up to 8 rows (decoding)",
-)
 
-ENTRY_SWIGLU = LibraryEntry(
-    name="quantized_norm_swiglu",
-    kernel=QUANTIZED_NORM_SWIGLU,
-    fn=quantized_norm_swiglu,
-    plan=plan_quantized_norm_swiglu,
-    make_inputs=functools.partial(quantized_case, gated=True),
-    stock=_stock_swiglu,
-    shapes=_DECODING_SHAPES,
-    last_dim_multiple=64,
-    description="residual add + RMSNorm + affine-quantized SwiGLU gate/up projections (4-bit, group 64), "
-                "for up to 8 rows (decoding)",
-)
+@declare(QUANTIZED_NORM_PROJECTIONS, stock=_stock_projections,
+         make_inputs=functools.partial(quantized_case, gated=False), shapes=DECODING_SHAPES,
+         last_dim_multiple=64,
+         description="residual add + RMSNorm + up to 3 affine-quantized projections (4-bit, group 64), "
+                     "for up to 8 rows (decoding)")
+def plan_quantized_norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence[Any],
+                                    eps: float = 1e-5, residual: mx.array | None = None, *,
+                                    group_size: int = 64, bits: int = 4) -> Plan:
+    """The launch :func:`quantized_norm_projections` makes (validated)."""
+    op = "quantized_norm_projections"
+    if not isinstance(projections, (list, tuple)) or not 1 <= len(projections) <= 3:
+        raise KernelError(op, f"projections must be a list of 1 to 3 (weight, scales, biases) triples, got "
+                          f"{projections!r:.80}", Status.INVALID_INPUT)
+    names = [f"projections[{i}]" for i in range(len(projections))]
+    return plan_quantized_rows(op, QUANTIZED_NORM_PROJECTIONS, x, residual, weight, eps, projections, names,
+                               False, group_size, bits)
+
+
+@plan_quantized_norm_projections.layer
+def quantized_norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence[Any],
+                               eps: float = 1e-5, residual: mx.array | None = None, *,
+                               group_size: int = 64, bits: int = 4) -> tuple[mx.array, ...]:
+    """``n = rms_norm(x, weight, eps)`` (of ``x + residual`` when given) and its product with each of
+    1 to 3 affine-quantized weights, ``(weight, scales, biases)`` as ``nn.QuantizedLinear`` holds
+    them (``mx.quantized_matmul(n, ..., transpose=True, group_size, bits)``), in one launch, for up
+    to ``MAX_ROWS`` rows of ``x`` (``(..., K)``). Returns the products, after ``h = x + residual``
+    when a residual is given: what a quantized block's input norm and its query, key and value
+    projections compute.
+
+    >>> w, scales, biases = mx.quantize(mx.ones((2, 64)), group_size=64, bits=4)
+    >>> (q,) = quantized_norm_projections(mx.ones((1, 64)), None, [(w, scales, biases)], eps=0.0)
+    >>> q.tolist()
+    [[64.0, 64.0]]
+    """
+    outputs = plan_quantized_norm_projections.launch(x, weight, projections, eps, residual, group_size, bits)
+    found = outputs[1:1 + len(projections)]
+    return (outputs[0], *found) if residual is not None else tuple(found)
+
+
+@declare(QUANTIZED_NORM_SWIGLU, stock=_stock_swiglu,
+         make_inputs=functools.partial(quantized_case, gated=True), shapes=DECODING_SHAPES,
+         last_dim_multiple=64,
+         description="residual add + RMSNorm + affine-quantized SwiGLU gate/up projections (4-bit, "
+                     "group 64), for up to 8 rows (decoding)")
+def plan_quantized_norm_swiglu(x: mx.array, weight: mx.array | None, gate: Any, up: Any, eps: float = 1e-5,
+                               residual: mx.array | None = None, *, group_size: int = 64,
+                               bits: int = 4) -> Plan:
+    """The launch :func:`quantized_norm_swiglu` makes (validated)."""
+    return plan_quantized_rows("quantized_norm_swiglu", QUANTIZED_NORM_SWIGLU, x, residual, weight, eps,
+                               (gate, up), ("gate", "up"), True, group_size, bits)
+
+
+@plan_quantized_norm_swiglu.layer
+def quantized_norm_swiglu(x: mx.array, weight: mx.array | None, gate: Any, up: Any, eps: float = 1e-5,
+                          residual: mx.array | None = None, *, group_size: int = 64,
+                          bits: int = 4) -> mx.array | tuple[mx.array, mx.array]:
+    """``n = rms_norm(x, weight, eps)`` (of ``x + residual`` when given) and ``silu(n @ gate) *
+    (n @ up)`` for affine-quantized ``gate`` and ``up`` (``(weight, scales, biases)`` each), in one
+    launch, for up to ``MAX_ROWS`` rows: a quantized SwiGLU feed-forward's input side. Returns it,
+    or ``(h, it)`` with ``h = x + residual`` when a residual is given.
+
+    >>> w, scales, biases = mx.quantize(mx.full((2, 64), 0.5), group_size=64, bits=8)
+    >>> gate = up = (w, scales, biases)
+    >>> out = quantized_norm_swiglu(mx.ones((1, 64)), None, gate, up, bits=8)
+    >>> [round(v) for v in out[0].tolist()]
+    [1024, 1024]
+    """
+    h, out = plan_quantized_norm_swiglu.launch(x, weight, gate, up, eps, residual, group_size, bits)
+    return (h, out) if residual is not None else out

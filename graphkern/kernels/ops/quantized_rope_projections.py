@@ -22,38 +22,33 @@ from typing import Any
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import dual_header
-from graphkern.kernels.base import (
-    Case,
-    LayerLaunches,
-    LibraryEntry,
-    Plan,
-    template_arg,
-)
-from graphkern.kernels.ops.projections import run_cached, stock_normed
+from graphkern.kernels.base import Case, Plan, template_arg
+from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import dual_header
+from graphkern.kernels.norm_rows import stock_normed
 from graphkern.kernels.ops.quantized_projections import (
-    _CUDA,
-    _METAL,
-    _METAL_START,
+    QUANTIZED_CUDA,
+    QUANTIZED_METAL,
+    QUANTIZED_METAL_START,
     QUANTIZED_NORM_PROJECTIONS,
     Rotation,
-    _cuda_rows,
-    _plan,
-    _quantized_product,
-    _signature,
+    plan_quantized_rows,
     quantized_case,
+    quantized_cuda_rows,
     quantized_norm_projections_reference,
+    quantized_product,
 )
 from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA
 from graphkern.kernels.ops.rope import (
     GPU_FORMULA_TOLERANCES,
     ROPE_CUDA,
     ROPE_METAL,
-    call_key,
+    launch_freqs,
+    launch_offset,
     offset_input,
     rotary_template,
 )
-from graphkern.kernels.ops.rope_qk import MAX_HEAD_DIM, _stock, check_head_counts, rope_qk_reference
+from graphkern.kernels.ops.rope_qk import MAX_HEAD_DIM, check_head_counts, rope_qk_reference, stock_prologue
 from graphkern.nodes import Kernel, KernelError, Status
 
 __all__ = ["QUANTIZED_NORM_ROPE_PROJECTIONS", "ROTATED_MAX_ROWS", "plan_quantized_norm_rope_projections",
@@ -100,7 +95,7 @@ QUALIFIER RotatedUnit rotated_unit(int row, int hq, int hk) {
 
 # Every warp runs the same two products: NVRTC given a branch with a third copy of them spills
 # registers from 4 rows on.
-_CUDA_ROTATED = _cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1) && gk::aligned<4>(w2)", r"""
+_CUDA_ROTATED = quantized_cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1) && gk::aligned<4>(w2)", r"""
     constexpr int WORDS = K * BITS / 32;
     constexpr int G = K / GS;
     const int hq = w0_shape[0] / D;
@@ -153,7 +148,7 @@ _CUDA_ROTATED = _cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1) && gk::alig
       }
     }""")
 
-_METAL_ROTATED = _METAL_START + r"""
+_METAL_ROTATED = QUANTIZED_METAL_START + r"""
   const int hq = w0_shape[0] / D;
   const int hk = w1_shape[0] / D;
   const int qk_units = (hq + hk) * (D / 2);
@@ -245,8 +240,10 @@ QUANTIZED_NORM_ROPE_PROJECTIONS = Kernel(
     output_names=["h", "y0", "y1", "y2"],
     metal=_METAL_ROTATED,
     cuda=_CUDA_ROTATED,
-    header=dual_header(RMS_SCALE_CUDA + ROPE_CUDA + _CUDA + _UNIT.replace("QUALIFIER", "__device__ inline"),
-                       ROPE_METAL + _METAL + _UNIT.replace("QUALIFIER", "inline"), body=_CUDA_ROTATED),
+    header=dual_header(RMS_SCALE_CUDA + ROPE_CUDA + QUANTIZED_CUDA
+                       + _UNIT.replace("QUALIFIER", "__device__ inline"),
+                       ROPE_METAL + QUANTIZED_METAL + _UNIT.replace("QUALIFIER", "inline"),
+                       body=_CUDA_ROTATED),
     reference=quantized_norm_rope_projections_reference,
 )
 
@@ -273,6 +270,30 @@ def _rotation(op: str, x: mx.array, projections: Any, heads: int, kv_heads: int,
     return Rotation(heads, kv_heads, d, dims, (*template, template_arg("PER_BATCH", per_batch)), (off, table))
 
 
+def rotated_case(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, *, group_size: int = 64, bits: int = 4,
+                 traditional: bool = False) -> Case:
+    """Arguments for one call: ``quantized_case``'s rows and weights as queries (3 heads of 32),
+    keys and values (1 head each), an offset of 7, half of each head rotated, an input scale."""
+    case = quantized_case(shape, dtype, key, gated=False, group_size=group_size, bits=bits)
+    kwargs = {**case.kwargs, "offset": 7, "base": 1e6, "traditional": traditional, "input_scale": 1.25}
+    x, w, mats = case.args
+    return Case((x, w, mats, 3, 1, 16), kwargs)
+
+
+def _stock_rotated(x: mx.array, weight: mx.array | None, projections: Sequence[Any], heads: int,
+                   kv_heads: int, dims: int, eps: float = 1e-5, residual: mx.array | None = None, *,
+                   group_size: int = 64, bits: int = 4, **rope: Any) -> tuple[mx.array, ...]:
+    """The stock layers: ``mx.fast.rms_norm``, ``mx.quantized_matmul`` products, ``mx.fast.rope``."""
+    h, normed = stock_normed(x, weight, eps, residual)
+    q, k, v = (quantized_product(normed, m, group_size, bits) for m in projections)
+    queries, keys = stock_prologue(q, k, heads, kv_heads, dims, **rope)
+    return (queries, keys, v) if residual is None else (h, queries, keys, v)
+
+
+@declare(QUANTIZED_NORM_ROPE_PROJECTIONS, stock=_stock_rotated, make_inputs=rotated_case,
+         shapes=((1, 1, 64), (2, 1, 128), (1, 4, 256), (1, 1, 2048)), min_ndim=3, last_dim_multiple=64,
+         description="residual add + RMSNorm + affine-quantized q/k/v projections + RoPE of q and k (4-bit, "
+                     "group 64), for up to 8 rows (decoding)", tolerances=GPU_FORMULA_TOLERANCES)
 def plan_quantized_norm_rope_projections(
         x: mx.array, weight: mx.array | None, projections: Sequence[Any], heads: int, kv_heads: int,
         dims: int, eps: float = 1e-5, residual: mx.array | None = None, *, group_size: int = 64,
@@ -283,13 +304,12 @@ def plan_quantized_norm_rope_projections(
     rotation = _rotation(op, x, projections, heads, kv_heads, dims, traditional=traditional, base=base,
                          scale=scale, offset=offset, freqs=freqs, input_scale=input_scale)
     names = ("queries", "keys", "values")
-    return _plan(op, QUANTIZED_NORM_ROPE_PROJECTIONS, x, residual, weight, eps, projections, names, False,
-                 group_size, bits, rotation)
+    return plan_quantized_rows(op, QUANTIZED_NORM_ROPE_PROJECTIONS, x, residual, weight, eps, projections,
+                               names, False, group_size, bits, rotation)
 
 
-_LAUNCHES = LayerLaunches()
 
-
+@plan_quantized_norm_rope_projections.layer
 def quantized_norm_rope_projections(
         x: mx.array, weight: mx.array | None, projections: Sequence[Any], heads: int, kv_heads: int,
         dims: int, eps: float = 1e-5, residual: mx.array | None = None, *, group_size: int = 64,
@@ -310,63 +330,9 @@ def quantized_norm_rope_projections(
     >>> q.shape, k.shape, v.shape, q[0, 0, 0].tolist()
     ((1, 2, 1, 4), (1, 2, 1, 4), (1, 1, 8), [64.0, 64.0, 64.0, 64.0])
     """
-    def plan() -> Plan:
-        return plan_quantized_norm_rope_projections(
-            x, weight, projections, heads, kv_heads, dims, eps, residual, group_size=group_size, bits=bits,
-            traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs,
-            input_scale=input_scale)
-
-    key = _signature(x, weight, residual, eps, projections, group_size, bits)
-    arrays = tuple(a for a in (x, residual, weight) if a is not None)
-    if key is not None:
-        try:
-            rope_key, rope_arrays, _, _ = call_key(x, offset, freqs, (heads, kv_heads, dims, traditional,
-                                                                      base is None),
-                                                   (1.0 if base is None else base, scale, input_scale))
-        except (AttributeError, TypeError):  # not arrays and numbers: the plan says what is wrong
-            key = None
-        else:
-            key = (key, rope_key)
-            arrays += (*(a for m in projections for a in m), *rope_arrays)
-    h, q, k, v = run_cached(_LAUNCHES, key, arrays, plan)
+    offset = launch_offset(offset, None)  # never in a shape: a few rows
+    h, q, k, v = plan_quantized_norm_rope_projections.launch(
+        x, weight, projections, heads, kv_heads, dims, eps, residual, group_size, bits, traditional, base,
+        scale, offset, launch_freqs(freqs), input_scale)
     found = (q.transpose(0, 2, 1, 3), k, v)
     return (h, *found) if residual is not None else found
-
-
-# ----------------------------------------------------------------------------- registry
-
-
-def rotated_case(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, *, group_size: int = 64, bits: int = 4,
-                 traditional: bool = False) -> Case:
-    """Arguments for one call: ``quantized_case``'s rows and weights as queries (3 heads of 32),
-    keys and values (1 head each), an offset of 7, half of each head rotated, an input scale."""
-    case = quantized_case(shape, dtype, key, gated=False, group_size=group_size, bits=bits)
-    kwargs = {**case.kwargs, "offset": 7, "base": 1e6, "traditional": traditional, "input_scale": 1.25}
-    x, w, mats = case.args
-    return Case((x, w, mats, 3, 1, 16), kwargs)
-
-
-def _stock_rotated(x: mx.array, weight: mx.array | None, projections: Sequence[Any], heads: int,
-                   kv_heads: int, dims: int, eps: float = 1e-5, residual: mx.array | None = None, *,
-                   group_size: int = 64, bits: int = 4, **rope: Any) -> tuple[mx.array, ...]:
-    """The stock layers: ``mx.fast.rms_norm``, ``mx.quantized_matmul`` products, ``mx.fast.rope``."""
-    h, normed = stock_normed(x, weight, eps, residual)
-    q, k, v = (_quantized_product(normed, m, group_size, bits) for m in projections)
-    queries, keys = _stock(q, k, heads, kv_heads, dims, **rope)
-    return (queries, keys, v) if residual is None else (h, queries, keys, v)
-
-
-ENTRY = LibraryEntry(
-    name="quantized_norm_rope_projections",
-    kernel=QUANTIZED_NORM_ROPE_PROJECTIONS,
-    fn=quantized_norm_rope_projections,
-    plan=plan_quantized_norm_rope_projections,
-    make_inputs=rotated_case,
-    stock=_stock_rotated,
-    shapes=((1, 1, 64), (2, 1, 128), (1, 4, 256), (1, 1, 2048)),
-    min_ndim=3,
-    last_dim_multiple=64,
-    description="residual add + RMSNorm + affine-quantized q/k/v projections + RoPE of q and k (4-bit, "
-                "group 64), for up to 8 rows (decoding)",
-    tolerances=GPU_FORMULA_TOLERANCES,
-)

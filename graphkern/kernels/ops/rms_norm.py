@@ -11,11 +11,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.kernels.base import (
     Case,
-    LayerLaunches,
-    LibraryEntry,
     Plan,
     check_dtype,
     check_vector,
@@ -24,10 +21,11 @@ from graphkern.kernels.base import (
     output_spec,
     row_config,
     row_launch,
-    run,
     template_arg,
     unused_input,
 )
+from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import CUDA_NORM_ROW_START, METAL_NORM_ROW_START, dual_header
 from graphkern.nodes import Kernel, TemplateArg
 
 __all__ = ["RMS_CUDA", "RMS_NORM", "RMS_SCALE_CUDA", "plan_rms_norm", "rms_launch", "rms_norm",
@@ -151,14 +149,6 @@ RMS_NORM = Kernel(
 )
 
 
-def plan_rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1e-5) -> Plan:
-    """The launch :func:`rms_norm` makes (validated)."""
-    op = "rms_norm"
-    check_dtype(op, x)
-    grid, group, w, template = rms_launch(op, x, weight, eps)
-    return Plan(RMS_NORM, (x, w), (output_spec(x.shape, x.dtype),), grid, group, template)
-
-
 Dim3 = tuple[int, int, int]
 
 
@@ -176,6 +166,25 @@ def rms_launch(op: str, x: mx.array, weight: mx.array | None,
     return grid, group, w, template
 
 
+def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
+    kx, kw = mx.random.split(key)
+    x = mx.random.normal(tuple(shape), key=kx).astype(dtype)
+    w = (1.0 + 0.5 * mx.random.normal((shape[-1],), key=kw)).astype(dtype)
+    return Case((x, w), {"eps": 1e-5})
+
+
+@declare(RMS_NORM, stock=lambda x, weight=None, eps=1e-5: mx.fast.rms_norm(x, weight, eps),
+         make_inputs=_make_inputs, shapes=((4, 64), (2, 3, 100), (7, 1000), (2, 4097)),
+         description="RMSNorm over the last axis (mx.fast.rms_norm)")
+def plan_rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1e-5) -> Plan:
+    """The launch :func:`rms_norm` makes (validated)."""
+    op = "rms_norm"
+    check_dtype(op, x)
+    grid, group, w, template = rms_launch(op, x, weight, eps)
+    return Plan(RMS_NORM, (x, w), (output_spec(x.shape, x.dtype),), grid, group, template)
+
+
+@plan_rms_norm.layer
 def rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1e-5) -> mx.array:
     """RMS-normalize ``x`` over its last axis and scale by ``weight``, like ``mx.fast.rms_norm``.
 
@@ -186,31 +195,6 @@ def rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1e-5) -> 
     >>> rms_norm(x, mx.array([1.0, 2.0]), eps=0.0).tolist()   # rms = sqrt(12.5)
     [[0.8485281467437744, 2.262741804122925]]
     """
-    try:
-        key = (x.shape, x.dtype, eps, eps.__class__, None if weight is None else (weight.shape, weight.dtype))
-    except AttributeError:  # not arrays: the plan says what is wrong
-        return run(plan_rms_norm(x, weight, eps))[0]
-    arrays = (x,) if weight is None else (x, weight)
-    return _LAUNCHES(key, arrays, lambda: plan_rms_norm(x, weight, eps))[0]
+    return plan_rms_norm.launch(x, weight, eps)[0]
 
 
-_LAUNCHES = LayerLaunches()
-
-
-def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
-    kx, kw = mx.random.split(key)
-    x = mx.random.normal(tuple(shape), key=kx).astype(dtype)
-    w = (1.0 + 0.5 * mx.random.normal((shape[-1],), key=kw)).astype(dtype)
-    return Case((x, w), {"eps": 1e-5})
-
-
-ENTRY = LibraryEntry(
-    name="rms_norm",
-    kernel=RMS_NORM,
-    fn=rms_norm,
-    plan=plan_rms_norm,
-    make_inputs=_make_inputs,
-    stock=lambda x, weight=None, eps=1e-5: mx.fast.rms_norm(x, weight, eps),
-    shapes=((4, 64), (2, 3, 100), (7, 1000), (2, 4097)),
-    description="RMSNorm over the last axis (mx.fast.rms_norm)",
-)

@@ -12,8 +12,6 @@ LongRoPE layers do with ``x.at[..., :dims].multiply(s)``.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -21,30 +19,29 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from graphkern.kernels._headers import dual_header
-from graphkern.kernels._host_math import host_float
 from graphkern.kernels.base import (
     MAX_GRID,
     Case,
-    LayerLaunches,
-    LibraryEntry,
     Plan,
     check_dtype,
     float_bits,
     float_from_bits,
     float_template,
     output_spec,
-    run,
     runs_on_cuda,
+    signature_constant,
     template_arg,
     unused_input,
     vector_width,
 )
-from graphkern.launching.launch_cache import track_function
+from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import dual_header
+from graphkern.kernels.host_math import host_float
+from graphkern.launching.launch_cache import memoized
 from graphkern.nodes import Kernel, KernelError, Status, TemplateArg
 
-__all__ = ["ROPE", "ROPE_CUDA", "int_offset_array", "plan_rope", "rope", "rope_reference", "rotate_reference",
-           "rotary_template"]
+__all__ = ["ROPE", "ROPE_CUDA", "int_offset_array", "launch_freqs", "launch_offset", "plan_rope", "rope",
+           "rope_reference", "rotate_reference", "rotary_template"]
 
 #: Rows (heads, batch entries) one thread rotates at a position: their angles are computed once.
 ROWS_PER_THREAD = 4
@@ -323,8 +320,7 @@ ROPE = Kernel(
 )
 
 
-@track_function("plan parts")
-@functools.lru_cache(maxsize=64)
+@memoized("plan parts", maxsize=64)
 def _base_frequencies(dims: int, base: float) -> mx.array:
     """``base ** (-i / (dims/2))`` as mx.fast.rope's CPU fallback computes it (``std::log`` of the
     float32 base, divided by dims/2 in float32, then ``exp`` of the multiples), made once per
@@ -349,8 +345,7 @@ GPU_FORMULA_TOLERANCES = {mx.float32: (4e-5, 4e-5)}
 OFFSET_BIAS = 1 << 30
 
 
-@track_function("plan parts")
-@functools.lru_cache(maxsize=1024)
+@memoized("plan parts")
 def _offset_array(offset: int, in_shape: bool) -> mx.array:
     """The ``offset`` input for an int offset, one array per value (reused by every layer at that
     position): ``[offset]`` as int32, or, ``in_shape``, an empty array of shape
@@ -363,8 +358,8 @@ def _offset_array(offset: int, in_shape: bool) -> mx.array:
     A shape, though, is part of a launch's signature: each new offset would be a new launch to
     build, so only large inputs (``SHAPED_OFFSET_SIZE``), whose warps would wait longest, take it.
     """
-    if in_shape:
-        return mx.array(np.zeros((0, offset + OFFSET_BIAS), dtype=np.int32))
+    if in_shape:  # a constant of the signature, whose key holds the offset
+        return signature_constant(mx.array(np.zeros((0, offset + OFFSET_BIAS), dtype=np.int32)))
     return mx.array([offset], dtype=mx.int32)
 
 
@@ -439,6 +434,49 @@ def rotary_template(op: str, d: int, dims: int, *, traditional: bool, base: floa
     return template, table
 
 
+def launch_offset(offset: int | mx.array, x: mx.array | None) -> int | mx.array:
+    """A RoPE call's ``offset`` as its launch takes it, so that decoding token after token is one
+    signature: an int as the int32 array made once per value (:func:`int_offset_array`), an integer
+    array as int32 of at least one dimension. An int carried in a shape (see :func:`_offset_array`)
+    stays an int, part of the signature; so does anything no kernel takes (the plan refuses it)."""
+    if offset.__class__ is int:
+        if -OFFSET_BIAS <= offset < 2**31 - OFFSET_BIAS and not (  # type: ignore[operator]
+                getattr(x, "size", 0) >= SHAPED_OFFSET_SIZE and runs_on_cuda()):
+            return _offset_array(offset, False)  # type: ignore[arg-type]
+    elif offset.__class__ is mx.array and offset.dtype in _INT_DTYPES:  # type: ignore[union-attr]
+        if offset.dtype != mx.int32:  # type: ignore[union-attr]
+            offset = offset.astype(mx.int32)  # type: ignore[union-attr]
+        if offset.ndim == 0:
+            offset = offset.reshape(1)
+    return offset
+
+
+def launch_freqs(freqs: mx.array | None) -> mx.array | None:
+    """A RoPE call's ``freqs`` as its launch takes them: float32."""
+    if freqs.__class__ is mx.array and freqs.dtype != mx.float32 and mx.issubdtype(  # type: ignore[union-attr]
+            freqs.dtype, mx.floating):  # type: ignore[union-attr]
+        return freqs.astype(mx.float32)  # type: ignore[union-attr]
+    return freqs
+
+
+def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, traditional: bool) -> Case:
+    x = mx.random.normal(tuple(shape), key=key).astype(dtype)
+    d = shape[-1]
+    dims = d if d % 2 == 0 else d - 1
+    if d >= 16 and d % 4 == 0:
+        dims = d // 2  # partial rotation: the rest is copied
+    return Case((x, dims), {"traditional": traditional, "base": 10000.0, "scale": 0.5, "offset": 7})
+
+
+def _stock(x: mx.array, dims: int, *, traditional: bool = False, base: float | None = 10000.0,
+           scale: float = 1.0, offset: int | mx.array = 0, freqs: mx.array | None = None) -> mx.array:
+    return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
+
+
+@declare(ROPE, stock=_stock, make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, False),
+         shapes=((1, 4, 64), (2, 3, 5, 32), (2, 2, 7, 100), (1, 8, 3, 128)), min_ndim=3,
+         description="RoPE, rotate-half form (mx.fast.rope traditional=False)",
+         tolerances=GPU_FORMULA_TOLERANCES)
 def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float | None = 10000.0,
               scale: float = 1.0, offset: int | mx.array = 0, freqs: mx.array | None = None,
               input_scale: float = 1.0) -> Plan:
@@ -472,44 +510,7 @@ def plan_rope(x: mx.array, dims: int, *, traditional: bool = False, base: float 
                 template)
 
 
-#: The types a RoPE call's number arguments may have for its launch to be kept.
-_NUMBERS = frozenset({int, float, bool})
-
-
-def call_key(x: mx.array, offset: int | mx.array, freqs: mx.array | None, numbers: tuple[Any, ...],
-             floats: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[mx.array, ...], int | mx.array,
-                                               mx.array | None]:
-    """What a RoPE layer call's launch depends on besides its arrays (see ``LayerLaunches``), the
-    arrays themselves (offset and freqs as the kernel takes them: int32, float32) and the offset
-    and freqs to plan with. ``numbers`` and ``floats`` are the call's other arguments (``floats``:
-    those where 0.0 and -0.0 differ). Raises AttributeError or TypeError for arguments that are not
-    arrays and numbers (the plan then says what is wrong)."""
-    if offset.__class__ is int:
-        if not -OFFSET_BIAS <= offset < 2**31 - OFFSET_BIAS:  # type: ignore[operator]
-            raise TypeError("offset out of range")
-        shaped = x.size >= SHAPED_OFFSET_SIZE and runs_on_cuda()
-        off = _offset_array(offset, shaped)  # type: ignore[arg-type]
-        offset_key: Any = offset if shaped else int
-    else:
-        offset_key = (offset.shape, offset.dtype)  # type: ignore[union-attr]
-        if offset.dtype != mx.int32 and offset.dtype in _INT_DTYPES:  # type: ignore[union-attr]
-            offset = offset.astype(mx.int32)  # type: ignore[union-attr]
-        off = offset  # type: ignore[assignment]
-    arrays: tuple[mx.array, ...] = (off,)
-    freqs_key = None
-    if freqs is not None:
-        freqs_key = (freqs.shape, freqs.dtype)
-        freqs = freqs if freqs.dtype == mx.float32 else freqs.astype(mx.float32)
-        arrays = (off, freqs)
-    types = tuple(map(type, numbers + floats))  # True and 1 are one key: their types go in too
-    if not _NUMBERS.issuperset(types):
-        raise TypeError("arguments that are not numbers")
-    key: tuple[Any, ...] = (x.shape, x.dtype, offset_key, freqs_key, numbers, floats, types)
-    if 0.0 in floats:  # 0.0 and -0.0 are one key: their signs go in too
-        key = (key, tuple(math.copysign(1.0, v) for v in floats))
-    return key, arrays, offset, freqs
-
-
+@plan_rope.layer
 def rope(x: mx.array, dims: int, *, traditional: bool = False, base: float | None = 10000.0,
          scale: float = 1.0, offset: int | mx.array = 0, freqs: mx.array | None = None,
          input_scale: float = 1.0) -> mx.array:
@@ -522,52 +523,10 @@ def rope(x: mx.array, dims: int, *, traditional: bool = False, base: float | Non
     >>> [round(v, 4) for v in rope(x, 4, offset=1)[0, 0].tolist()]   # position 1
     [-0.3012, 0.99, 1.3818, 1.0099]
     """
-    try:
-        key, arrays, offset, freqs = call_key(x, offset, freqs, (dims, traditional, base is None), (
-            1.0 if base is None else base, scale, input_scale))
-    except (AttributeError, TypeError):  # not arrays and numbers: the plan says what is wrong
-        return run(plan_rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset,
-                             freqs=freqs, input_scale=input_scale))[0]
-    return _LAUNCHES(key, (x, *arrays), lambda: plan_rope(
-        x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs,
-        input_scale=input_scale))[0]
+    return plan_rope.launch(x, dims, traditional, base, scale, launch_offset(offset, x), launch_freqs(freqs),
+                            input_scale)[0]
 
 
-_LAUNCHES = LayerLaunches()
-
-
-def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, traditional: bool) -> Case:
-    x = mx.random.normal(tuple(shape), key=key).astype(dtype)
-    d = shape[-1]
-    dims = d if d % 2 == 0 else d - 1
-    if d >= 16 and d % 4 == 0:
-        dims = d // 2  # partial rotation: the rest is copied
-    return Case((x, dims), {"traditional": traditional, "base": 10000.0, "scale": 0.5, "offset": 7})
-
-
-def _stock(x: mx.array, dims: int, *, traditional: bool = False, base: float | None = 10000.0,
-           scale: float = 1.0, offset: int | mx.array = 0, freqs: mx.array | None = None) -> mx.array:
-    return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
-
-
-_SHAPES = ((1, 4, 64), (2, 3, 5, 32), (2, 2, 7, 100), (1, 8, 3, 128))
-
-ENTRY = LibraryEntry(
-    name="rope",
-    kernel=ROPE,
-    fn=rope,
-    plan=plan_rope,
-    make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, False),
-    stock=_stock,
-    shapes=_SHAPES,
-    min_ndim=3,
-    description="RoPE, rotate-half form (mx.fast.rope traditional=False)",
-    tolerances=GPU_FORMULA_TOLERANCES,
-)
-
-ENTRY_TRADITIONAL = dataclasses.replace(
-    ENTRY,
-    name="rope_traditional",
-    make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, True),
-    description="RoPE, interleaved pairs (mx.fast.rope traditional=True)",
-)
+plan_rope.variant("rope_traditional",
+                  make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, True),
+                  description="RoPE, interleaved pairs (mx.fast.rope traditional=True)")

@@ -19,41 +19,40 @@ CUDA: one warp per ``(b, l, head)`` row (query heads first, then key heads); lan
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.base import (
     MAX_GRID,
     Case,
-    LayerLaunches,
-    LibraryEntry,
     Plan,
     check_dtype,
     eps_template,
     float_from_bits,
     output_spec,
-    run,
     template_arg,
     unused_input,
 )
+from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import dual_header
 from graphkern.kernels.ops.rms_norm import rms_norm_reference
 from graphkern.kernels.ops.rope import (
     GPU_FORMULA_TOLERANCES,
     ROPE_CUDA,
     ROPE_METAL,
-    call_key,
+    launch_freqs,
+    launch_offset,
     offset_input,
     rotary_template,
     rotate_reference,
 )
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
-__all__ = ["MAX_HEAD_DIM", "ROPE_QK", "plan_rope_qk", "rope_qk", "rope_qk_reference"]
+__all__ = ["MAX_HEAD_DIM", "ROPE_QK", "check_head_counts", "plan_rope_qk", "rope_qk", "rope_qk_reference",
+           "stock_prologue"]
 
 #: Widest head the kernel takes: a lane keeps D / 32 features in registers.
 MAX_HEAD_DIM = 1024
@@ -359,6 +358,55 @@ def _norm_weight(op: str, weight: mx.array | None, d: int, dtype: mx.Dtype, name
     return weight
 
 
+def _heads(features: int) -> tuple[int, int]:
+    """(head dim, query heads) for ``features`` query features: 128-wide heads where they fit."""
+    d = next(d for d in (128, 64, 32, 16, 8, 4, 2) if features % d == 0 and features // d >= 2)
+    return d, features // d
+
+
+def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, norm: bool) -> Case:
+    """``shape`` is (B, L, query features); keys get a quarter of the heads (grouped-query attention);
+    ``norm``: Qwen 3's q_norm/k_norm, with part of each head rotated (the rest copied)."""
+    b, length, features = shape[-3:]
+    d, heads = _heads(features)
+    kv_heads = max(1, heads // 4)
+    kq, kk, kw = mx.random.split(key, 3)
+    q = mx.random.normal((b, length, heads * d), key=kq).astype(dtype)
+    k = mx.random.normal((b, length, kv_heads * d), key=kk).astype(dtype)
+    kwargs: dict[str, Any] = {"base": 1e6, "offset": 7}
+    dims = d
+    if norm:
+        weights = (1.0 + 0.5 * mx.random.normal((2, d), key=kw)).astype(dtype)
+        kwargs.update(q_weight=weights[0], k_weight=weights[1], eps=1e-6, scale=0.5)
+        dims = d // 2 if d >= 8 else d
+    return Case((q, k, heads, kv_heads, dims), kwargs)
+
+
+def stock_prologue(q: mx.array, k: mx.array, heads: int, kv_heads: int, dims: int, *,
+                   traditional: bool = False, base: float | None = 10000.0, scale: float = 1.0,
+                   offset: int | mx.array = 0, freqs: mx.array | None = None, input_scale: float = 1.0,
+                   q_weight: mx.array | None = None, k_weight: mx.array | None = None,
+                   eps: float = 1e-5) -> tuple[mx.array, mx.array]:
+    """The stock layer's ops: reshape, mx.fast.rms_norm, transpose, the input scale, mx.fast.rope."""
+    b, length = q.shape[:2]
+    outputs = []
+    for x, h, w in ((q, heads, q_weight), (k, kv_heads, k_weight)):
+        x = x.reshape(b, length, h, -1)
+        if w is not None:
+            x = mx.fast.rms_norm(x, w, eps)
+        x = x.transpose(0, 2, 1, 3)
+        if input_scale != 1.0:
+            x = x.at[..., :dims].multiply(input_scale)
+        outputs.append(mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset,
+                                    freqs=freqs))
+    return outputs[0], outputs[1]
+
+
+@declare(ROPE_QK, stock=stock_prologue,
+         make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, False),
+         shapes=((1, 1, 256), (2, 5, 64), (1, 7, 512), (3, 2, 96)), min_ndim=3,
+         description="attention prologue: q and k to (B, H, L, D), rotated (Llama)",
+         tolerances=GPU_FORMULA_TOLERANCES)
 def plan_rope_qk(q: mx.array, k: mx.array, heads: int, kv_heads: int, dims: int, *, traditional: bool = False,
                  base: float | None = 10000.0, scale: float = 1.0, offset: int | mx.array = 0,
                  freqs: mx.array | None = None, input_scale: float = 1.0, q_weight: mx.array | None = None,
@@ -388,6 +436,7 @@ def plan_rope_qk(q: mx.array, k: mx.array, heads: int, kv_heads: int, dims: int,
     return Plan(ROPE_QK, (q, k, off, table, qw, kw), specs, (threads, 1, 1), (BLOCK, 1, 1), template)
 
 
+@plan_rope_qk.layer
 def rope_qk(q: mx.array, k: mx.array, heads: int, kv_heads: int, dims: int, *, traditional: bool = False,
             base: float | None = 10000.0, scale: float = 1.0, offset: int | mx.array = 0,
             freqs: mx.array | None = None, input_scale: float = 1.0, q_weight: mx.array | None = None,
@@ -407,88 +456,12 @@ def rope_qk(q: mx.array, k: mx.array, heads: int, kv_heads: int, dims: int, *, t
     >>> qh.shape, kh.shape, bool(mx.allclose(kh, stock))
     ((1, 2, 3, 8), (1, 1, 3, 8), True)
     """
-    def plan() -> Plan:
-        return plan_rope_qk(q, k, heads, kv_heads, dims, traditional=traditional, base=base, scale=scale,
-                            offset=offset, freqs=freqs, input_scale=input_scale, q_weight=q_weight,
-                            k_weight=k_weight, eps=eps)
-
-    try:
-        key, arrays, offset, freqs = call_key(q, offset, freqs, (heads, kv_heads, dims, traditional,
-                                                                 base is None),
-                                              (1.0 if base is None else base, scale, input_scale, eps))
-        key = (key, k.shape, k.dtype, None if q_weight is None else (q_weight.shape, q_weight.dtype),
-               None if k_weight is None else (k_weight.shape, k_weight.dtype))
-    except (AttributeError, TypeError):  # not arrays and numbers: the plan says what is wrong
-        q_out, k_out = run(plan())
-        return q_out.transpose(0, 2, 1, 3), k_out
-    if q_weight is not None and k_weight is not None:
-        arrays = (*arrays, q_weight, k_weight)
-    q_out, k_out = _LAUNCHES(key, (q, k, *arrays), plan)
+    q_out, k_out = plan_rope_qk.launch(q, k, heads, kv_heads, dims, traditional, base, scale,
+                                       launch_offset(offset, q), launch_freqs(freqs), input_scale, q_weight,
+                                       k_weight, eps)
     return q_out.transpose(0, 2, 1, 3), k_out
 
 
-_LAUNCHES = LayerLaunches()
-
-
-def _heads(features: int) -> tuple[int, int]:
-    """(head dim, query heads) for ``features`` query features: 128-wide heads where they fit."""
-    d = next(d for d in (128, 64, 32, 16, 8, 4, 2) if features % d == 0 and features // d >= 2)
-    return d, features // d
-
-
-def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, norm: bool) -> Case:
-    """``shape`` is (B, L, query features); keys get a quarter of the heads (grouped-query attention);
-    ``norm``: Qwen 3's q_norm/k_norm, with part of each head rotated (the rest copied)."""
-    b, length, features = shape[-3:]
-    d, heads = _heads(features)
-    kv_heads = max(1, heads // 4)
-    kq, kk, kw = mx.random.split(key, 3)
-    q = mx.random.normal((b, length, heads * d), key=kq).astype(dtype)
-    k = mx.random.normal((b, length, kv_heads * d), key=kk).astype(dtype)
-    kwargs: dict[str, Any] = {"base": 1e6, "offset": 7}
-    dims = d
-    if norm:
-        weights = (1.0 + 0.5 * mx.random.normal((2, d), key=kw)).astype(dtype)
-        kwargs.update(q_weight=weights[0], k_weight=weights[1], eps=1e-6, scale=0.5)
-        dims = d // 2 if d >= 8 else d
-    return Case((q, k, heads, kv_heads, dims), kwargs)
-
-
-def _stock(q: mx.array, k: mx.array, heads: int, kv_heads: int, dims: int, *, traditional: bool = False,
-           base: float | None = 10000.0, scale: float = 1.0, offset: int | mx.array = 0,
-           freqs: mx.array | None = None, input_scale: float = 1.0, q_weight: mx.array | None = None,
-           k_weight: mx.array | None = None, eps: float = 1e-5) -> tuple[mx.array, mx.array]:
-    """The stock layer's ops: reshape, mx.fast.rms_norm, transpose, the input scale, mx.fast.rope."""
-    b, length = q.shape[:2]
-    outputs = []
-    for x, h, w in ((q, heads, q_weight), (k, kv_heads, k_weight)):
-        x = x.reshape(b, length, h, -1)
-        if w is not None:
-            x = mx.fast.rms_norm(x, w, eps)
-        x = x.transpose(0, 2, 1, 3)
-        if input_scale != 1.0:
-            x = x.at[..., :dims].multiply(input_scale)
-        outputs.append(mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset,
-                                    freqs=freqs))
-    return outputs[0], outputs[1]
-
-
-ENTRY = LibraryEntry(
-    name="rope_qk",
-    kernel=ROPE_QK,
-    fn=rope_qk,
-    plan=plan_rope_qk,
-    make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, False),
-    stock=_stock,
-    shapes=((1, 1, 256), (2, 5, 64), (1, 7, 512), (3, 2, 96)),
-    min_ndim=3,
-    description="attention prologue: q and k to (B, H, L, D), rotated (Llama)",
-    tolerances=GPU_FORMULA_TOLERANCES,
-)
-
-ENTRY_NORM = dataclasses.replace(
-    ENTRY,
-    name="rope_qk_norm",
-    make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, True),
-    description="attention prologue with per-head RMSNorm and partial rotation (Qwen 3)",
-)
+plan_rope_qk.variant("rope_qk_norm",
+                     make_inputs=lambda shape, dtype, key: _make_inputs(shape, dtype, key, True),
+                     description="attention prologue with per-head RMSNorm and partial rotation (Qwen 3)")

@@ -10,25 +10,23 @@ are read again from memory (mostly from L2).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import mlx.core as mx
 
-from graphkern.kernels._headers import dual_header
 from graphkern.kernels.base import (
     Case,
-    LayerLaunches,
-    LibraryEntry,
     Plan,
     check_dtype,
     output_spec,
     row_config,
     row_launch,
-    run,
     runs_on_cuda,
     template_arg,
 )
+from graphkern.kernels.declaration import declare
+from graphkern.kernels.headers import dual_header
+from graphkern.launching.launch_cache import memoized
 from graphkern.nodes import Kernel
 
 __all__ = ["SOFTMAX", "in_shared_memory", "plan_softmax", "shared_row_bytes", "softmax", "softmax_reference"]
@@ -189,12 +187,19 @@ SOFTMAX = Kernel(
 )
 
 
-@functools.cache
+@memoized("plan parts", maxsize=64)
 def _shared_kernel(nbytes: int) -> Kernel:
     """SOFTMAX with ``nbytes`` of shared memory for its row (one MLX kernel object per size)."""
     return dataclasses.replace(SOFTMAX, shared_memory=nbytes)
 
 
+def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
+    return Case(((4.0 * mx.random.normal(tuple(shape), key=key)).astype(dtype),))
+
+
+@declare(SOFTMAX, stock=lambda x: mx.softmax(x, axis=-1, precise=True), make_inputs=_make_inputs,
+         shapes=((4, 64), (2, 3, 100), (7, 1000), (2, 4097), (2, 20000)),
+         description="softmax over the last axis (mx.softmax, precise=True)")
 def plan_softmax(x: mx.array) -> Plan:
     """The launch :func:`softmax` makes (validated)."""
     check_dtype("softmax", x)
@@ -217,7 +222,7 @@ def in_shared_memory(n: int, dtype: mx.Dtype, limit: int = SHARED_ROW_BYTES) -> 
     return least <= nbytes <= limit
 
 
-@functools.cache
+@memoized("plan parts", maxsize=1)
 def shared_row_bytes() -> int:
     """The longest row, in bytes, that a CUDA softmax keeps in shared memory on this GPU: three
     blocks of it fit an SM (64 KiB at most, what a Hopper GPU gets). An sm_75 GPU
@@ -252,33 +257,11 @@ def _plan(x: mx.array, shared: bool) -> Plan:
     return Plan(kernel, (x,), (output_spec(x.shape, x.dtype),), grid, group, template)
 
 
+@plan_softmax.layer
 def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis, like ``mx.softmax(x, axis=-1)``; safe for large logits.
 
     >>> [round(v, 4) for v in softmax(mx.array([[1000.0, 1000.0, 999.0]]))[0].tolist()]
     [0.4223, 0.4223, 0.1554]
     """
-    try:
-        key = (x.shape, x.dtype)
-    except AttributeError:  # not an array: the plan says what is wrong
-        return run(plan_softmax(x))[0]
-    return _LAUNCHES(key, (x,), lambda: plan_softmax(x))[0]
-
-
-_LAUNCHES = LayerLaunches()
-
-
-def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
-    return Case(((4.0 * mx.random.normal(tuple(shape), key=key)).astype(dtype),))
-
-
-ENTRY = LibraryEntry(
-    name="softmax",
-    kernel=SOFTMAX,
-    fn=softmax,
-    plan=plan_softmax,
-    make_inputs=_make_inputs,
-    stock=lambda x: mx.softmax(x, axis=-1, precise=True),
-    shapes=((4, 64), (2, 3, 100), (7, 1000), (2, 4097), (2, 20000)),
-    description="softmax over the last axis (mx.softmax, precise=True)",
-)
+    return plan_softmax.launch(x)[0]

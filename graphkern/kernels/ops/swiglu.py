@@ -7,9 +7,10 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern.kernels._elementwise import cuda_map_body, metal_map_body, plan_elementwise
-from graphkern.kernels._headers import dual_header
-from graphkern.kernels.base import Case, LayerLaunches, LibraryEntry, Plan, check_dtype, run
+from graphkern.kernels.base import Case, Plan, check_dtype
+from graphkern.kernels.declaration import declare
+from graphkern.kernels.elementwise import cuda_map_body, metal_map_body, plan_elementwise
+from graphkern.kernels.headers import dual_header
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
 __all__ = ["SWIGLU", "plan_swiglu", "swiglu", "swiglu_reference"]
@@ -34,6 +35,15 @@ SWIGLU = Kernel(
 )
 
 
+def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
+    kg, ku = mx.random.split(key)
+    return Case(((2.0 * mx.random.normal(tuple(shape), key=kg)).astype(dtype),
+                 mx.random.normal(tuple(shape), key=ku).astype(dtype)))
+
+
+@declare(SWIGLU, stock=lambda gate, up: nn.silu(gate) * up, make_inputs=_make_inputs,
+         shapes=((4, 64), (2, 3, 100), (7, 1001), (3, 4096)),
+         description="silu(gate) * up (nn.silu(gate) * up)")
 def plan_swiglu(gate: mx.array, up: mx.array) -> Plan:
     """The launch :func:`swiglu` makes (validated)."""
     op = "swiglu"
@@ -50,35 +60,11 @@ def plan_swiglu(gate: mx.array, up: mx.array) -> Plan:
     return plan_elementwise(op, SWIGLU, [gate, up], block=1024 if gate.dtype.size == 4 else 128)
 
 
+@plan_swiglu.layer
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """``silu(gate) * up``, like ``nn.silu(gate) * up`` in a Llama MLP, in one kernel.
 
     >>> [round(v, 4) for v in swiglu(mx.array([1.0, -2.0]), mx.array([2.0, 3.0])).tolist()]
     [1.4621, -0.7152]
     """
-    try:
-        key = (gate.shape, gate.dtype, up.shape, up.dtype)
-    except AttributeError:  # not arrays: the plan says what is wrong
-        return run(plan_swiglu(gate, up))[0]
-    return _LAUNCHES(key, (gate, up), lambda: plan_swiglu(gate, up))[0]
-
-
-_LAUNCHES = LayerLaunches()
-
-
-def _make_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
-    kg, ku = mx.random.split(key)
-    return Case(((2.0 * mx.random.normal(tuple(shape), key=kg)).astype(dtype),
-                 mx.random.normal(tuple(shape), key=ku).astype(dtype)))
-
-
-ENTRY = LibraryEntry(
-    name="swiglu",
-    kernel=SWIGLU,
-    fn=swiglu,
-    plan=plan_swiglu,
-    make_inputs=_make_inputs,
-    stock=lambda gate, up: nn.silu(gate) * up,
-    shapes=((4, 64), (2, 3, 100), (7, 1001), (3, 4096)),
-    description="silu(gate) * up (nn.silu(gate) * up)",
-)
+    return plan_swiglu.launch(gate, up)[0]
