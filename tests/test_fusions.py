@@ -36,7 +36,7 @@ from graphkern.models.patching import PATCH  # noqa: E402
 from graphkern.models.tiny import DEEPSEEK_V3_CONFIG, TINY_CONFIGS, random_model, tiny_model  # noqa: E402
 
 TOKENS = mx.array([[3, 17, 42, 5, 99, 1, 7, 64], [8, 8, 120, 33, 2, 0, 71, 9]])
-MODELS = ["llama", "qwen3", "mixtral", "phi3", "gemma2"]
+MODELS = ["llama", "qwen2", "qwen3", "mixtral", "phi3", "gemma2"]
 
 # ----------------------------------------------------------------------------- RoPE layers
 

@@ -31,7 +31,7 @@ EXPECTED_PER_LAYER = {
                 "block_sparse_moe": "gk_moe_route", "block_sparse_moe.switch_mlp.activation": SWIGLU},
 }
 #: Architectures whose decoder loop is fused: each residual add into the next RMSNorm.
-STACKS = {"llama", "mistral", "qwen3", "mixtral", "phi3", "gemma2"}
+STACKS = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "phi3", "gemma2"}
 
 
 def close(a, b, dtype=mx.float32):

@@ -30,13 +30,15 @@ KERNELS = ("norm_projections", "norm_swiglu", "quantized_norm_projections", "qua
 #: What a patched quantized block runs an 8-token prompt and then single tokens with: a Llama-style
 #: attention's whole prologue in one launch for a token (up to ``ROTATED_MAX_ROWS`` rows), its
 #: projections apart from ``rope_qk`` for the prompt; Qwen 3's (whose heads are normalized before
-#: the RoPE) and Phi-3's (one fused ``qkv_proj``, split after the product) always apart. Gemma 2's
+#: the RoPE), Qwen 2's (biases added after the products) and Phi-3's (one fused ``qkv_proj``, split
+#: after the product) always apart. Gemma 2's
 #: feed-forward (GeGLU, between post-norms) keeps stock products.
 DECODING = {"llama": {"quantized_norm_projections", "quantized_norm_rope_projections",
                       "quantized_norm_swiglu"},
             "qwen3": {"quantized_norm_projections", "quantized_norm_swiglu"},
             "phi3": {"quantized_norm_projections", "quantized_norm_swiglu"},
-            "gemma2": {"quantized_norm_projections", "quantized_norm_rope_projections"}}
+            "gemma2": {"quantized_norm_projections", "quantized_norm_rope_projections"},
+            "qwen2": {"quantized_norm_projections", "quantized_norm_swiglu"}}
 
 
 @pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 64), (8, 128)])
@@ -145,7 +147,7 @@ def _greedy(model: nn.Module, tokens: int = 16) -> list[int]:
 @pytest.mark.parametrize("arch, bits, group_size", [
     ("llama", 4, 64), ("llama", 4, 32), ("llama", 8, 128), ("qwen3", 4, 64), ("qwen3", 8, 32),
     ("qwen3", 4, 128), ("llama", 8, 64), ("phi3", 4, 64), ("phi3", 8, 128),
-    ("gemma2", 4, 64),
+    ("gemma2", 4, 64), ("qwen2", 4, 64), ("qwen2", 8, 32),
 ])
 def test_a_patched_quantized_model_decodes_through_the_quantized_kernels_as_stock(
         arch: str, bits: int, group_size: int, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -115,6 +115,18 @@ class KernelLayer(nn.Module):
         """The module this one replaced."""
         return self._gk_original.module
 
+    def __getattr__(self, key: str) -> Any:
+        """A child or parameter by name (``nn.Module``'s lookup), else a property of the replaced
+        layer's class read on this layer (Qwen 2's ``pipeline_layers``), as the stock layer has it."""
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            held = self.__dict__.get("_gk_original")  # absent while copy.copy rebuilds a layer
+            found = getattr(type(held.module), key, None) if held is not None else None
+            if isinstance(found, property) and found.fget is not None:
+                return found.fget(self)
+            raise
+
     def replaced_arrays(self) -> dict[str, mx.array]:
         """This layer's arrays that are no longer the ones it shared with the original when built
         (replaced by training or ``update`` while patched), by name."""
@@ -630,16 +642,34 @@ class KernelSparseMoE(KernelLayer):
         return out.astype(y.dtype) if cast else out
 
 
-def _plain_weights(module: nn.Module, names: tuple[str, ...], x: mx.array) -> list[mx.array] | None:
-    """The weights of ``module``'s children ``names`` when each is a plain ``nn.Linear`` without a
-    bias, in x's dtype (what the projection kernels take), else None."""
+def _plain_weights(module: nn.Module, names: tuple[str, ...], x: mx.array,
+                   biased: bool = False) -> list[mx.array] | None:
+    """The weights of ``module``'s children ``names`` when each is a plain ``nn.Linear`` in x's
+    dtype (what the projection kernels take), without a bias unless ``biased`` (the caller adds
+    :func:`_biases` to the products), else None."""
     weights = []
     for name in names:
         linear = module.get(name)
-        if type(linear) is not nn.Linear or "bias" in linear or linear.weight.dtype != x.dtype:
+        if type(linear) is not nn.Linear or linear.weight.dtype != x.dtype or not _bias_ok(linear, x, biased):
             return None
         weights.append(linear.weight)
     return weights
+
+
+def _bias_ok(linear: nn.Module, x: mx.array, biased: bool) -> bool:
+    """Whether ``linear``'s bias (if any) can be added to a kernel's product of ``x``."""
+    bias = linear.get("bias")
+    return bias is None or (biased and bias.dtype == x.dtype)
+
+
+def _biases(module: nn.Module, names: tuple[str, ...]) -> list[mx.array | None]:
+    """The biases of ``module``'s children ``names`` (None for a child without one)."""
+    return [module[name].get("bias") for name in names]
+
+
+def _with_biases(products: list[mx.array], biases: list[mx.array | None]) -> list[mx.array]:
+    """Each product plus its bias, as ``nn.Linear`` adds it (Qwen 2's query, key and value)."""
+    return [p if b is None else p + b for p, b in zip(products, biases)]
 
 
 class Quantized(NamedTuple):
@@ -650,36 +680,37 @@ class Quantized(NamedTuple):
     bits: int
 
 
-def _quantization(linear: Any) -> tuple[int, int] | None:
-    """``(group_size, bits)`` of an ``nn.QuantizedLinear`` without a bias whose affine weights the
-    quantized projection kernels read, else None."""
-    if (type(linear) is not nn.QuantizedLinear or "bias" in linear or "biases" not in linear
+def _quantization(linear: Any, biased: bool = False) -> tuple[int, int] | None:
+    """``(group_size, bits)`` of an ``nn.QuantizedLinear`` (without a bias unless ``biased``) whose
+    affine weights the quantized projection kernels read, else None."""
+    if (type(linear) is not nn.QuantizedLinear or ("bias" in linear and not biased) or "biases" not in linear
             or getattr(linear, "mode", "affine") != "affine"):
         return None
     found = (linear.group_size, linear.bits)
     return found if found[0] in QUANTIZED_GROUP_SIZES and found[1] in QUANTIZED_BITS else None
 
 
-def _quantized_weights(module: nn.Module, names: tuple[str, ...], x: mx.array) -> Quantized | None:
+def _quantized_weights(module: nn.Module, names: tuple[str, ...], x: mx.array,
+                       biased: bool = False) -> Quantized | None:
     """The weights of ``module``'s children ``names`` when each is an ``nn.QuantizedLinear`` the
-    quantized kernels read (:func:`_quantization`), all quantized alike, with scales in x's dtype;
-    else None."""
-    found = [_quantization(module.get(name)) for name in names]
+    quantized kernels read (:func:`_quantization`; with a bias only if ``biased``), all quantized
+    alike, with scales in x's dtype; else None."""
+    found = [_quantization(module.get(name), biased) for name in names]
     if found[0] is None or any(f != found[0] for f in found):
         return None
     linears = [module[name] for name in names]
-    if any(linear.scales.dtype != x.dtype for linear in linears):
+    if any(linear.scales.dtype != x.dtype or not _bias_ok(linear, x, biased) for linear in linears):
         return None
     weights = [QuantizedWeight(linear.weight, linear.scales, linear.biases) for linear in linears]
     return Quantized(weights, *found[0])
 
 
-def quantized_note(module: nn.Module, names: tuple[str, ...]) -> str:
+def quantized_note(module: nn.Module, names: tuple[str, ...], biased: bool = False) -> str:
     """What a block says of quantized children ``names`` the quantized kernels cannot read (other
     bit widths, modes other than affine, a bias): they keep their stock products. Empty when there
     are none."""
-    odd = [name for name in names
-           if isinstance(module.get(name), nn.QuantizedLinear) and _quantization(module.get(name)) is None]
+    odd = [name for name in names if isinstance(module.get(name), nn.QuantizedLinear)
+           and _quantization(module.get(name), biased) is None]
     if not odd:
         return ""
     kinds = sorted({f"{module[n].bits}-bit {getattr(module[n], 'mode', 'affine')}" for n in odd})
@@ -820,16 +851,18 @@ class KernelResidualBlock(KernelLayer):
         attention = self.self_attn
         norm = self.input_layernorm
         names = attention.projections
+        biases = _biases(attention, names)
         outputs = None
         if "norm_projections" in self._gk_decoding:
-            weights = _plain_weights(attention, names, x)
+            weights = _plain_weights(attention, names, x, biased=True)
             if weights is not None and _fuses(norm, residual, x):
                 outputs = gkk.norm_projections(x, norm.scale(), weights, norm.eps, residual)
         if outputs is None and "quantized_norm_projections" in self._gk_decoding:
-            quantized = _quantized_weights(attention, names, x)
+            quantized = _quantized_weights(attention, names, x, biased=True)
             if quantized is not None and _fuses(norm, residual, x, quantized.group_size):
                 if ("quantized_norm_rope_projections" in self._gk_decoding and not attention._gk_norms
-                        and names == SEPARATE_QKV and x.size // x.shape[-1] <= ROTATED_MAX_ROWS):
+                        and names == SEPARATE_QKV and not any(b is not None for b in biases)
+                        and x.size // x.shape[-1] <= ROTATED_MAX_ROWS):
                     return self._rotated_quantized(x, residual, quantized, offset, rotary)
                 outputs = gkk.quantized_norm_projections(
                     x, norm.scale(), quantized.weights, norm.eps, residual, group_size=quantized.group_size,
@@ -837,7 +870,8 @@ class KernelResidualBlock(KernelLayer):
         if outputs is not None:
             if residual is not None:
                 x = outputs[0]
-            queries, keys, values = attention.split(list(outputs[-len(names):]))
+            products = _with_biases(list(outputs[-len(names):]), biases)
+            queries, keys, values = attention.split(products)
             return (x, *attention.rotate(queries, keys, values, offset, rotary))
         x, normed = self._input_norm(x, residual)
         return (x, *attention.project(normed, offset, rotary))
@@ -891,7 +925,7 @@ class KernelResidualBlock(KernelLayer):
     def note(self) -> str:
         """What ``patch`` reports of this block: quantized projections whose quantization the
         fused decoding kernels do not read, which keep their stock products."""
-        notes = [quantized_note(self.self_attn, getattr(self.self_attn, "projections", SEPARATE_QKV)),
+        notes = [quantized_note(self.self_attn, getattr(self.self_attn, "projections", SEPARATE_QKV), True),
                  quantized_note(self[self._gk_ffn], ("gate_proj", "up_proj", "gate_up_proj"))]
         return "; ".join(n for n in notes if n)
 

@@ -542,6 +542,26 @@ _PLAIN_STACK = Forward("def __call__(self, inputs, cache=None):\n"
                        "    for layer, c in zip(self.layers, cache):\n"
                        "        h = layer(h, mask, c)\n"
                        "    return self.norm(h)\n", _MASK)
+#: mlx-lm's Qwen2Model (and the models sharing its forward): Qwen3Model's with pipeline
+#: parallelism, linked only when the model runs whole on one process.
+_PIPELINE_STACK = Forward(
+    _EMBED.replace("    if cache is None:\n        cache = [None] * len(self.layers)\n", "")
+    + "    pipeline_rank = self.pipeline_rank\n"
+    "    pipeline_size = self.pipeline_size\n"
+    "    if cache is None:\n"
+    "        cache = [None] * len(self.pipeline_layers)\n"
+    "    mask = create_attention_mask(h, cache[0])\n"
+    "    if pipeline_rank < pipeline_size - 1:\n"
+    "        h = mx.distributed.recv_like(h, pipeline_rank + 1)\n"
+    "    for layer, c in zip(self.pipeline_layers, cache):\n"
+    "        h = layer(h, mask, c)\n"
+    "    if pipeline_rank != 0:\n"
+    "        h = mx.distributed.send(h, (pipeline_rank - 1) % pipeline_size)\n"
+    "        if cache[-1] is not None:\n"
+    "            cache[-1].keys = mx.depends(cache[-1].keys, h)\n"
+    "    if pipeline_size > 1:\n"
+    "        h = mx.distributed.all_gather(h)[:h.shape[0]]\n"
+    "    return self.norm(h)\n", {**_MASK, **_MX})
 #: mlx-lm's LlamaModel: a full-attention mask, and a sliding-window one where its config gives
 #: sliding-window layers.
 _SLIDING_STACK = Forward(
@@ -603,6 +623,10 @@ RULES: list[Rule] = [
                 KernelSlidingDecoderStack, _SLIDING_STACK),
     _stack_rule("decoder stack (Phi-3): each residual add fused into the next RMSNorm",
                 KernelDecoderStack, _PLAIN_STACK),
+    Rule("decoder stack (Qwen 2): each residual add fused into the next RMSNorm", "add_rms_norm",
+         _stack(KernelDecoderStack), forwards=(_PIPELINE_STACK,),
+         when=lambda m: _rms_norm_offset(m.get("norm")) is not None and getattr(m, "pipeline_size", 1) == 1
+         and len(getattr(m, "pipeline_layers", ())) == len(m.get("layers", ()))),
     _stack_rule("decoder stack (Gemma 2): each residual add fused into the next RMSNorm",
                 gemma.KernelScaledDecoderStack, gemma.MODEL),
     Rule("pre-norm block with post-norms (Gemma 2): residual adds fused into the next RMSNorm",
