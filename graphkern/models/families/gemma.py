@@ -1,5 +1,7 @@
-"""Gemma 2: four norms a block (after the attention and the feed-forward too), soft-capped attention
-scores, and an embedding scaled by the square root of the hidden size.
+"""Gemma and Gemma 2. Gemma's blocks are Llama's (``families.llama`` takes them) with a GeGLU
+feed-forward and norms of ``1 + weight``. Gemma 2's have four norms a block (after the attention
+and the feed-forward too), soft-capped attention scores, and an embedding scaled by the square
+root of the hidden size.
 
 Its blocks decode as Llama's do, one compiled call a block: the residual add after the attention's
 post-norm runs inside the feed-forward's norm, and the one after the feed-forward's post-norm inside
@@ -12,10 +14,20 @@ from typing import Any
 
 import mlx.core as mx
 
-from graphkern.models.layers import BlockLayout, KernelAttention, KernelDecoderStack
+from graphkern.models.layers import BlockLayout, KernelAttention, KernelDecoderStack, KernelGeGLUMLP
 from graphkern.models.patterns import Forward
+from graphkern.models.rules import (
+    Rule,
+    build_attention,
+    build_gated_mlp,
+    build_residual_block,
+    knows_rope_and_norms,
+    mlp_forward,
+    rms_norm_offset,
+    stack_rule,
+)
 
-__all__ = ["ATTENTION", "BLOCK", "GEMMA2_BLOCK", "MODEL", "KernelScaledDecoderStack",
+__all__ = ["ATTENTION", "BLOCK", "GEMMA2_BLOCK", "MODEL", "RULES", "KernelScaledDecoderStack",
            "KernelSoftcapAttention"]
 
 _MX = {"mx": "mlx.core"}
@@ -116,3 +128,19 @@ class KernelScaledDecoderStack(KernelDecoderStack):
     def _masks(self, h: mx.array, cache: Any) -> Any:
         mask = self._gk_create_mask(h, cache[0], return_array=True)
         return lambda layer: mask
+
+
+RULES: list[Rule] = [
+    stack_rule("decoder stack (Gemma 2): each residual add fused into the next RMSNorm",
+               KernelScaledDecoderStack, MODEL),
+    Rule("pre-norm block with post-norms (Gemma 2): residual adds fused into the next RMSNorm",
+         "add_rms_norm", build_residual_block(GEMMA2_BLOCK), forwards=(BLOCK,),
+         when=lambda m: rms_norm_offset(m.get("pre_feedforward_layernorm")) is not None),
+    Rule("attention prologue (Gemma 2): RoPE of q and k, laid out; soft-capped scores", "rope_qk",
+         build_attention("n_heads", "n_kv_heads", False, kind=KernelSoftcapAttention),
+         forwards=(ATTENTION,), when=knows_rope_and_norms(False)),
+    Rule("GeGLU MLP (Gemma)", "gelu", build_gated_mlp(KernelGeGLUMLP), forwards=(
+        mlp_forward("nn.gelu(self.gate_proj(x)) * self.up_proj(x)"),)),
+    Rule("GeGLU MLP, tanh GELU (Gemma 2)", "gelu", build_gated_mlp(lambda m: KernelGeGLUMLP(m, approx=True)),
+         forwards=(mlp_forward("nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x)"),)),
+]
