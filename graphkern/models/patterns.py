@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from graphkern.launching.launch_cache import memoized
+
 __all__ = ["Forward", "forward_fingerprint", "is_class", "module_global"]
 
 _MISSING = object()
@@ -56,7 +58,7 @@ def _parse(source: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
     return fdef if isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
 
 
-@functools.lru_cache(maxsize=1024)
+@memoized("forward fingerprints", maxsize=1024)
 def _function_fingerprint(function: Any) -> str | None:
     try:
         fdef = _parse(inspect.getsource(function))
@@ -78,7 +80,7 @@ def forward_fingerprint(cls: type) -> str | None:
     return _function_fingerprint(call)
 
 
-@functools.cache
+@memoized("pattern names", maxsize=None)
 def _resolve(path: str) -> Any:
     """``"pkg.mod:attr"`` or ``"pkg.mod"`` -> the object (``_MISSING`` when it cannot be imported)."""
     module_name, _, attr = path.partition(":")
