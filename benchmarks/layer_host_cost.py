@@ -9,6 +9,9 @@ host's cost of a call, which bounds a decoding step (one token: every launch hos
                 ``mx.fast.rope``, ``nn.silu(g) * u``...)
   stock layer   the replaced layer itself, called as the model calls it
   patched       the patched layer, called as the model calls it
+  auto          the same layer with ``route="auto"`` (the default): on a GPU backend (here: with
+                ``--cuda-stand-in``) a standalone layer runs the stock forward, so this is the
+                route's own cost over the stock layer; on the CPU it is the kernel again
   kernel        the patched layer's launch alone: its plan bound once (``gk.bind``) and called
                 on the plan's inputs (the MLP: with its three projections around it); on a CPU
                 that is the kernel's pure-MLX reference
@@ -92,6 +95,9 @@ class Case:
         self.model.eval()
         self.patched = self.model.layers[0]
         assert isinstance(self.patched, KernelLayer), (name, type(self.patched))
+        self.auto = (wrap or (lambda m: self.patched.__class__(m)))(module)
+        set_route(nn.Sequential(self.auto), "auto")
+        self.auto.eval()
 
     def functions(self) -> dict[str, Callable[[], Any]]:
         args, plan_args, kwargs = self.args, *self.plan_args(self.patched)
@@ -105,7 +111,7 @@ class Case:
                 return bound(*inputs) if around is None else around(bound)
 
         return {"stock op": self.stock_op, "stock layer": self.stock_layer,
-                "patched": lambda: self.patched(*args), "kernel": kernel}
+                "patched": lambda: self.patched(*args), "auto": lambda: self.auto(*args), "kernel": kernel}
 
 
 def cases(hidden: int) -> list[Case]:
@@ -172,12 +178,13 @@ def measure(hidden: int, rounds: int, number: int) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| layer | hidden | stock op us | stock layer us | patched us | patched / stock op | "
-             "patched - stock op us | kernel us | overhead us |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "patched - stock op us | kernel us | overhead us | auto us | auto - stock layer us |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['layer']} | {r['hidden']} | {r['stock op']:.2f} | {r['stock layer']:.2f} | "
                      f"{r['patched']:.2f} | {r['ratio']:.2f}x | {r['patched'] - r['stock op']:+.2f} | "
-                     f"{r['kernel']:.2f} | {r['overhead']:.2f} |")
+                     f"{r['kernel']:.2f} | {r['overhead']:.2f} | {r['auto']:.2f} | "
+                     f"{r['auto'] - r['stock layer']:+.2f} |")
     return "\n".join(lines)
 
 

@@ -28,7 +28,7 @@ PROMPT = mx.array([[3, 17, 42, 5, 99, 1, 7, 64]])
 @pytest.fixture
 def gpu_decision(monkeypatch: pytest.MonkeyPatch) -> None:
     """Routes decide as on CUDA; the kernels still run their references."""
-    monkeypatch.setattr(routes, "active_backend", lambda: "cuda")
+    monkeypatch.setattr(routes, "on_gpu_backend", lambda: True)
 
 
 def _twins(arch: str, **options: Any) -> tuple[nn.Module, nn.Module]:

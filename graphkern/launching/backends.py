@@ -91,6 +91,14 @@ def active_backend() -> str:
     return forced
 
 
+def on_gpu_backend() -> bool:
+    """Whether kernels run on a GPU backend (metal or cuda) on this thread now: what
+    :func:`active_backend` says, read cheaply enough for a patched layer's every call."""
+    if not (state.backend or environ_get(BACKEND_VARIABLE)):
+        return _detected_backend() != "reference"
+    return active_backend() != "reference"
+
+
 def resolve_backend(kernel: Kernel, backend: str | None = None) -> str:
     """The backend ``kernel`` actually runs on: the active GPU backend if it has a source for it,
     else its reference. Raises ``KernelError(BACKEND_UNAVAILABLE)`` when it has neither."""

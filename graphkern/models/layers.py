@@ -38,10 +38,10 @@ from graphkern.kernels.ops.quantized_rope_projections import ROTATED_MAX_ROWS
 from graphkern.kernels.ops.rope import int_offset_array
 from graphkern.launching.autodiff import vjp_enabled, without_vjp
 from graphkern.launching.backends import active_backend
-from graphkern.launching.context import current_recorder
+from graphkern.launching.context import current_recorder, state
 from graphkern.launching.launch_cache import track_function
 from graphkern.models.patterns import is_class
-from graphkern.models.prefill import BlockPipeline, prompt_mode, stock_layers, stock_layers_run
+from graphkern.models.prefill import BlockPipeline, prompt_mode, stock_layers
 from graphkern.models.routes import takes_stock
 from graphkern.models.segments import Segments, decoding, segments_apply
 
@@ -108,6 +108,7 @@ class KernelLayer(nn.Module):
         self._no_grad = set(original._no_grad)  # frozen parameters stay frozen
         self._training = original._training
         self._gk_original = _Held(original)
+        self._gk_stock_forward = type(original).__call__  # the replaced class's forward, for stock()
         self._gk_shared = _Held(dict(original.items()))  # what it shares, as built
 
     @property
@@ -154,7 +155,7 @@ class KernelLayer(nn.Module):
         mode (``model.train()``) they are differentiable. Inside a forward that runs the stock
         layers (a short prompt: ``graphkern.models.prefill``) it is the layer it replaced. A
         :attr:`standalone` layer whose route takes this call stock runs :meth:`stock_call`."""
-        if stock_layers_run():
+        if state.stock_layers:  # stock_layers_run(), read directly: this runs on every call
             return self.original(*args, **kwargs)
         if self.standalone and takes_stock(self._gk_call_route, self.elementwise):
             return self.stock_call(*args, **kwargs)
@@ -170,7 +171,7 @@ class KernelLayer(nn.Module):
         """The replaced layer's own forward on this layer's arrays: for calls the kernel does not
         take (a norm weight in another dtype, which ``mx.fast`` promotes; a block sharded since
         it was patched)."""
-        return type(self.original).__call__(self, *args, **kwargs)
+        return self._gk_stock_forward(self, *args, **kwargs)
 
     def stock_call(self, *args: Any, **kwargs: Any) -> Any:
         """A call as the stock layers make it, for this layer's own call signature (a fused

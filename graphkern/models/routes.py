@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from graphkern.errors import ModelError
-from graphkern.launching.backends import active_backend
+from graphkern.launching.backends import on_gpu_backend
 from graphkern.launching.context import state
 from graphkern.nodes import Status
 
@@ -48,7 +48,5 @@ def takes_stock(route: str, elementwise: bool = False) -> bool:
     ``elementwise`` one (an activation) does inside a compiled segment too, where ``mx.compile``
     fuses the stock ops into one launch and a kernel would be a launch of its own."""
     if route == "auto":
-        if state.recorder is not None or active_backend() == "reference":
-            return False
-        return elementwise or not state.segment_depth
+        return state.recorder is None and (elementwise or not state.segment_depth) and on_gpu_backend()
     return route == "stock"
