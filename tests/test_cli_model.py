@@ -186,6 +186,75 @@ def test_the_ratio_is_the_median_of_per_round_ratios() -> None:
 # ----------------------------------------------------------------------------- bad input
 
 
+@pytest.fixture(scope="module")
+def no_tokenizer(folders: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The float checkpoint without its tokenizer files (weights and config only)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("bare") / "tiny-llama-bare"
+    shutil.copytree(folders["float"], folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    return str(folder)
+
+
+@pytest.mark.parametrize("command", ["trace", "debug", "view", "bench"])
+def test_a_folder_without_a_tokenizer_says_so_and_how_to_run_without_a_prompt(no_tokenizer: str,
+                                                                              command: str) -> None:
+    """Not transformers' lines about sentencepiece and tiktoken: what is missing, and --tokens."""
+    proc = subprocess.run([sys.executable, "-m", "graphkern", command, "--model", no_tokenizer],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: --model {no_tokenizer}: the folder has no tokenizer "
+                               "(no tokenizer.json or tokenizer.model), so a prompt cannot be turned "
+                               "into tokens; ")
+    assert "sentencepiece" not in proc.stderr and "tiktoken" not in proc.stderr
+    if command == "bench":
+        assert "--tokens" not in lines[0] and "bench generates text" in lines[0]
+    else:
+        assert lines[0].endswith("run the model on token ids instead of a prompt: --tokens 1,2,3")
+
+
+def test_token_ids_run_a_folder_without_a_tokenizer(no_tokenizer: str, tmp_path: Path) -> None:
+    code, out, err = run("trace", "--model", no_tokenizer, "--tokens", "1,2,3",
+                         "--json", str(tmp_path / "g.json"))
+    assert code == 0, err
+    assert "status: OK" in out and "prompt 3 tokens" in err
+    code, out, err = run("debug", "--model", no_tokenizer, "--tokens", "5", "--patch", "--compare-stock")
+    assert code == 0, out + err
+    assert "prompt 1 token," in err and "no divergence" in out
+    page = tmp_path / "v.html"
+    code, out, err = run("view", "--model", no_tokenizer, "--tokens", "4 5", "--out", str(page),
+                         "--no-browser")
+    assert code == 0 and page.exists(), err
+
+
+def test_token_ids_give_the_same_graph_as_the_prompt_they_come_from(folders: dict[str, str],
+                                                                    tmp_path: Path) -> None:
+    ckpt = load_checkpoint(folders["float"])
+    ids = ",".join(str(i) for i in prompt_tokens(ckpt.tokenizer, "hi there")[0].tolist())
+    code, by_prompt, _ = run("debug", "--model", folders["float"], "--prompt", "hi there", "-q",
+                             "--json", str(tmp_path / "p.json"))
+    code2, by_ids, _ = run("debug", "--model", folders["float"], "--tokens", ids, "-q",
+                           "--json", str(tmp_path / "t.json"))
+    assert code == code2 == 0
+    stats = [json.loads((tmp_path / name).read_text())["nodes"] for name in ("p.json", "t.json")]
+    assert [n.get("stats") for n in stats[0]] == [n.get("stats") for n in stats[1]]
+
+
+@pytest.mark.parametrize("tokens, message", [
+    ("1,x", "--tokens 1,x: give token ids as integers separated by commas, e.g. 1,2,3"),
+    (",", "--tokens ',': give at least one token id"),
+    ("1,128", "--tokens 1,128 with --model "),
+    ("-1", "--tokens -1 with --model "),
+])
+def test_bad_token_ids_exit_2(folders: dict[str, str], tokens: str, message: str) -> None:
+    code, _, err = run("trace", "--model", folders["float"], "--tokens", tokens)
+    assert code == 2 and err.startswith("error: " + message), err
+
+
 def test_a_missing_folder_is_a_clear_error(tmp_path: Path) -> None:
     code, _, err = run("trace", "--model", str(tmp_path / "nowhere"))
     assert code == 2
@@ -334,6 +403,9 @@ def test_every_command_with_a_prompt_refuses_one_that_is_not_utf8(folders: dict[
     (["trace", "--model", "m", "-i", "1,4:int32"],
      "-i/--input is for MODULE:CALLABLE; with --model the input"),
     (["debug", "--model", "m", "--compare-stock"], "--compare-stock compares a patched checkpoint"),
+    (["trace", "--tokens", "1,2", "x.py:f"], "--tokens goes with --model PATH"),
+    (["trace", "--model", "m", "--tokens", "1", "--prompt", "hi"],
+     "give either --prompt TEXT or --tokens IDS"),
 ])
 def test_options_that_do_not_go_together(args: list[str], message: str) -> None:
     code, _, err = run(*args)
