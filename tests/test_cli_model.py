@@ -162,14 +162,86 @@ def test_bench_prints_stock_and_patched_runs_and_the_median_ratio(folders: dict[
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].startswith(f"model {Path(folders[kind]).name} (llama, 2 layers, ")
-    assert "5 generated tokens, 2 rounds after a warm-up run each" in lines[0]
-    assert lines[1] == "patched 7 layers: add_rms_norm 3, rope_qk 2, swiglu 2"
+    assert "5 generated tokens, 2 rounds after a warm-up run of 4 each" in lines[0]
+    assert lines[1].startswith("patched 7 layers: ")
     runs = [line for line in lines if line.startswith("round ")]
     assert [r.split()[:3] for r in runs] == [["round", "1", "stock"], ["round", "1", "patched"],
                                                ["round", "2", "stock"], ["round", "2", "patched"]]
     assert all("Generation: 5 tokens, " in r and "tokens-per-sec" in r and "Peak memory: " in r for r in runs)
     assert "first round: 5 of 5 the same in both" in out  # exact on a CPU
-    assert lines[-1].startswith("patched / stock, median of 2 rounds: prompt ")
+    assert lines[-1].startswith("patched / stock, median of 2 rounds of 5 tokens: prompt ")
+    # progress on stderr, as it happens: the warm-up, then how long the rounds will take
+    notes = err.splitlines()
+    assert notes[0].startswith("warm-up: a run of 4 tokens each")
+    assert notes[1].startswith("warm-up: stock ")
+    assert "2 rounds of 5 tokens a run should take about " in notes[1]
+    assert notes[2].startswith("round 1 took ") and "1 more round: about " in notes[2]
+
+
+def test_bench_chooses_its_tokens_to_take_about_a_minute(folders: dict[str, str]) -> None:
+    """Without --max-tokens: as many as fit the minute at the stock warm-up's pace (on a tiny
+    model, the most)."""
+    from graphkern.models.generation_bench import AUTO_TOKENS
+
+    code, out, err = run("bench", "--model", folders["4bit"], "--rounds", "1")
+    assert code == 0, err
+    assert "about a minute's worth of generated tokens, 1 round after" in out
+    assert f"1 round of {AUTO_TOKENS[1]} tokens a run should take about" in err
+    assert out.splitlines()[-1].startswith(f"patched / stock, median of 1 round of {AUTO_TOKENS[1]} tokens")
+
+
+def test_the_tokens_a_run_makes_fit_the_time_left_within_bounds() -> None:
+    from graphkern.models.generation_bench import _tokens_for
+
+    assert _tokens_for(50.0, 0.5, 2) == 24  # 50 s for 4 runs at 2 tokens a second: 25 steps, a prompt
+    assert _tokens_for(50.0, 5.0, 2) == 8   # a slow machine still measures 8 tokens
+    assert _tokens_for(50.0, 0.001, 2) == 128
+    assert _tokens_for(-3.0, 0.5, 2) == 8   # the warm-up took the whole minute
+
+
+def test_bench_measures_and_reports_each_run_as_it_ends(folders: dict[str, str]) -> None:
+    """The runs' lines come out one by one (not all at the end), each before the next run starts."""
+    from graphkern.models.generation_bench import RunDone, measure_generation
+
+    ckpt = load_checkpoint(folders["float"])
+    seen: list[str] = []
+    plans = []
+
+    def on_run(done: RunDone) -> None:
+        seen.append(f"{done.round} {done.side} {done.run.generation_tokens} {done.seconds > 0}")
+
+    result = measure_generation(ckpt.model, ckpt.twin(), ckpt.tokenizer, [1, 2, 3], max_tokens=6, rounds=2,
+                                progress=lambda text: seen.append(text), on_run=on_run, on_plan=plans.append,
+                                on_token=lambda: seen.append("t"))
+    compact = [s for s in seen if s != "t"]
+    assert compact == ["warm-up: stock", "0 stock 4 True", "warm-up: patched", "0 patched 4 True",
+                       "round 1 of 2: stock", "1 stock 6 True", "round 1 of 2: patched", "1 patched 6 True",
+                       "round 2 of 2: stock", "2 stock 6 True", "round 2 of 2: patched", "2 patched 6 True"]
+    assert seen.count("t") == 2 * 4 + 4 * 6
+    assert len(plans) == 1 and plans[0].max_tokens == 6 and plans[0].estimate > 0
+    assert result.max_tokens == 6 and len(result.rounds) == 2
+
+
+def test_ctrl_c_during_bench_exits_130_with_one_line(folders: dict[str, str]) -> None:
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "graphkern", "bench", "--model", folders["4bit"],
+                             "--max-tokens", "100000"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        line = ""
+        while "should take about" not in line:  # generating the rounds
+            line = proc.stderr.readline()
+            assert line, "bench ended before its rounds"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert err == "interrupted (Ctrl-C)\n"
 
 
 def test_the_ratio_is_the_median_of_per_round_ratios() -> None:
