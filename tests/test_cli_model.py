@@ -118,6 +118,13 @@ def test_trace_a_patched_checkpoint_shows_its_kernels_under_the_users_classes(
     assert code == 0, err
     assert "kernels: gk_add_rms_norm" in out and "gk_rope_qk" in out
     assert "patched 7 layers: add_rms_norm 3, rope_qk 2, swiglu 2" in err
+    # in words, and why the trace shows fused kernels the patch did not name
+    assert "  add_rms_norm  a residual add and the RMSNorm after it\n" in err
+    assert "  swiglu        an MLP's silu(gate) * up\n" in err
+    assert "a trace then shows gk_norm_projections and gk_norm_swiglu (or gk_quantized_*)" in err
+    fused = "gk_quantized_norm_swiglu" if kind == "4bit" else "gk_norm_swiglu"
+    assert "kernels: gk_add_rms_norm, " in out and fused in out
+    assert f"  {fused}" in out and "an MLP's" in out.split(f"  {fused}")[1].splitlines()[0]
     modules = json.loads((tmp_path / "p.json").read_text())["graph"]["modules"]
     assert modules["model"] == "LlamaModel" and modules["model.layers.0"] == "TransformerBlock"
     assert not any(cls.startswith("Kernel") for cls in modules.values())
@@ -138,7 +145,7 @@ def test_debug_compares_a_patched_checkpoint_with_its_stock_model(folders: dict[
                          "--html", str(tmp_path / "c.html"))
     assert code == 0, out + err
     name = Path(folders[kind]).name
-    assert f"compare {name} stock (reference) against {name} patched" in out
+    assert f"compare a = {name} stock with b = {name} patched (kernels as their pure-MLX references)" in out
     assert "no divergence" in out
     assert (tmp_path / "c.html").exists()
 
@@ -296,7 +303,7 @@ def test_token_ids_run_a_folder_without_a_tokenizer(no_tokenizer: str, tmp_path:
     assert "status: OK" in out and "prompt 3 tokens" in err
     code, out, err = run("debug", "--model", no_tokenizer, "--tokens", "5", "--patch", "--compare-stock")
     assert code == 0, out + err
-    assert "prompt 1 token," in err and "no divergence" in out
+    assert "prompt 1 token\n" in err and "no divergence" in out
     page = tmp_path / "v.html"
     code, out, err = run("view", "--model", no_tokenizer, "--tokens", "4 5", "--out", str(page),
                          "--no-browser")

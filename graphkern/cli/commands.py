@@ -287,7 +287,11 @@ def brief_summary(graph: Any) -> str:
     kernels = sorted({str(d.get("kernel") or d.get("label")) for _, d in g.nodes(data=True)
                       if d.get("kind") == "kernel"})
     if kernels:
+        from graphkern.kernels.registry import in_words
+
         lines.append(f"kernels: {', '.join(kernels)}")
+        width = max(len(k) for k in kernels)
+        lines += [f"  {k:<{width}}  {in_words(k)}" for k in kernels if in_words(k)]
     fails = failures(g)
     if not fails:
         lines.append("status: OK")

@@ -287,10 +287,11 @@ class ModelRun:
     stock: Any = None
 
     def describe(self) -> str:
-        """``model q4 (llama, 2 layers, 4-bit), prompt 3 tokens, patched 7 layers: ...``."""
+        """``model q4 (llama, 2 layers, 4-bit), prompt 3 tokens`` and, when patched, what was
+        (:func:`patched_line`)."""
         count = self.tokens.shape[1]
         line = f"model {self.checkpoint.describe()}, prompt {count} token{'s' if count != 1 else ''}"
-        return line + (f", {patched_line(self.patched)}" if self.patched else "")
+        return line + (f"\n{patched_line(self.patched)}" if self.patched else "")
 
 
 def model_and_tokens(model_path: str, prompt: str | None, patch_model: bool,
@@ -317,9 +318,21 @@ def model_and_tokens(model_path: str, prompt: str | None, patch_model: bool,
 
 
 def patched_line(patched: list[Any]) -> str:
-    """``patched 7 layers: add_rms_norm 3, rope_qk 2, swiglu 2``."""
+    """What ``gk.patch`` replaced: ``patched 7 layers: add_rms_norm 3, rope_qk 2, swiglu 2``, then
+    what each of those kernels computes, in words; with a block among them, a line on the fused
+    kernels a block runs when it decodes (the names a trace of it then shows)."""
+    from graphkern.kernels.registry import in_words
+
     counts: dict[str, int] = {}
     for record in patched:
         counts[record.kernel] = counts.get(record.kernel, 0) + 1
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-    return f"patched {len(patched)} layer{'s' if len(patched) != 1 else ''}" + (f": {kinds}" if kinds else "")
+    head = f"patched {len(patched)} layer{'s' if len(patched) != 1 else ''}"
+    lines = [head + (f": {kinds}" if kinds else "")]
+    width = max((len(k) for k in counts), default=0)
+    lines += [f"  {k:<{width}}  {in_words(k)}" for k in sorted(counts) if in_words(k)]
+    if any(str(record.rule).startswith("pre-norm block") for record in patched):
+        lines.append("  an evaluating block runs a call of up to 16 tokens (a short prompt, decoding) with "
+                     "its norms fused into the products after them: a trace then shows gk_norm_projections "
+                     "and gk_norm_swiglu (or gk_quantized_*) where the block's add_rms_norm and swiglu were")
+    return "\n".join(lines)

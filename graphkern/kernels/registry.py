@@ -19,7 +19,7 @@ from graphkern.kernels.ops import (
 )
 from graphkern.nodes import Kernel, KernelError, Status
 
-__all__ = ["LIBRARY", "entries_for"]
+__all__ = ["LIBRARY", "WORDS", "entries_for", "in_words"]
 
 LIBRARY: dict[str, LibraryEntry] = {
     entry.name: entry
@@ -68,3 +68,34 @@ def entries_for(kernel_or_name: Kernel | str | LibraryEntry) -> list[LibraryEntr
                           f"{kernel_or_name!r} is not in graphkern.kernels.LIBRARY (names: {names})",
                           Status.INVALID_KERNEL)
     return found
+
+
+#: What each kernel computes, in words, by library name (the ``kernel`` of a ``gk.patch`` record,
+#: a kernel node's name without its ``gk_`` prefix).
+WORDS: dict[str, str] = {
+    "rms_norm": "an RMSNorm",
+    "layer_norm": "a LayerNorm",
+    "add_rms_norm": "a residual add and the RMSNorm after it",
+    "rope": "a RoPE",
+    "rope_qk": "the RoPE of an attention's queries and keys, in attention's layout",
+    "swiglu": "an MLP's silu(gate) * up",
+    "gelu": "a GELU",
+    "softmax": "a softmax",
+    "moe_route": "a mixture-of-experts router's top experts and their weights",
+    "norm_projections": "an RMSNorm and the projections after it (an attention's q, k and v)",
+    "norm_swiglu": "an RMSNorm, an MLP's gate and up products and silu(gate) * up",
+    "quantized_norm_projections": "an RMSNorm and the quantized projections after it (q, k and v)",
+    "quantized_norm_swiglu": "an RMSNorm, an MLP's quantized gate and up products and silu(gate) * up",
+    "quantized_norm_rope_projections":
+        "an RMSNorm, the quantized q, k and v products and the RoPE of q and k",
+}
+
+
+def in_words(name: str) -> str | None:
+    """What the library kernel ``name`` computes (``"add_rms_norm"``, ``"gk_add_rms_norm"``), or
+    None for a kernel that is not the library's.
+
+    >>> in_words("gk_add_rms_norm")
+    'a residual add and the RMSNorm after it'
+    """
+    return WORDS.get(name[3:] if name.startswith("gk_") else name)
