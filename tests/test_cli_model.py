@@ -65,6 +65,14 @@ def test_write_checkpoint_refuses_an_existing_folder_and_unknown_arguments(tmp_p
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_write_checkpoint_takes_a_real_models_sizes(tmp_path: Path) -> None:
+    folder = write_checkpoint(tmp_path / "deeper", config={"num_hidden_layers": 3, "intermediate_size": 192})
+    ckpt = load_checkpoint(str(folder))
+    assert ckpt.describe() == "deeper (llama, 3 layers, float32)"
+    assert len(ckpt.model.model.layers) == 3
+    assert ckpt.model.model.layers[0].mlp.gate_proj.weight.shape == (192, 64)
+
+
 def test_the_prompt_goes_through_the_chat_template(folders: dict[str, str]) -> None:
     ckpt = load_checkpoint(folders["float"])
     tokens = prompt_tokens(ckpt.tokenizer, "hi there")
