@@ -268,6 +268,8 @@ def test_the_ratio_is_the_median_of_per_round_ratios() -> None:
     assert result.ratio("generation_tps") == pytest.approx(1.1)  # of 1.1, 0.9 and 2.0
     assert result.ratio("peak_memory") == 1.0
     assert result.same_tokens() == (2, 2)
+    one = GenerationRun(1, 50.0, 1, 20.0, 0.5, (7,)).verbose_line()
+    assert one.startswith("Prompt: 1 token, 50.000 tokens-per-sec  Generation: 1 token, 20.000 ")
 
 
 # ----------------------------------------------------------------------------- bad input

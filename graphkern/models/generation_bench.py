@@ -43,9 +43,13 @@ class GenerationRun:
 
     def verbose_line(self) -> str:
         """``mlx_lm.generate --verbose``'s three lines, on one."""
-        return (f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.3f} tokens-per-sec  "
-                f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.3f} tokens-per-sec  "
+        return (f"Prompt: {_tokens(self.prompt_tokens)}, {self.prompt_tps:.3f} tokens-per-sec  "
+                f"Generation: {_tokens(self.generation_tokens)}, {self.generation_tps:.3f} tokens-per-sec  "
                 f"Peak memory: {_memory(self.peak_memory)}")
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token{'s' if n != 1 else ''}"
 
 
 def _memory(gigabytes: float) -> str:
