@@ -65,7 +65,8 @@ def scratch(tmp_path: Path) -> dict[str, str]:
         launcher.chmod(0o755)
     return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-            "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+            "HF_HUB_OFFLINE": "1", "COLUMNS": "200",
+            "GRAPHKERN_BACKEND": "reference"}  # the pages show the kernels' references at work
 
 
 def test_every_page_has_only_known_kinds_of_block() -> None:
