@@ -1,24 +1,30 @@
-"""``gk.compare`` against the two ``gk.inspect`` runs it replaces, on a Llama at real widths.
+"""``gk.compare`` against the ``gk.inspect`` runs it needs, on an mlx-lm llama at 8 and 32 layers.
 
-The model is an mlx-lm llama at Llama-3.2-1B's sizes (hidden 2048, 32 heads, 8 KV heads,
-intermediate 8192, vocabulary 128256, tied embeddings) with fewer layers (``--layers``), random
-weights in ``--dtype``. Model ``a`` is stock; model ``b`` is the same weights loaded separately
-(equal in value, other arrays, so every parameter is read) and patched with the library's
-kernels (``gk.patch``). Each measurement runs in a fresh process that loads both models from one
-safetensors file (no float32 copy is ever made) and then times:
+What ``gk.compare(a, b, x)`` has to evaluate sets its yardstick:
 
-- ``inspect a + b``: ``gk.inspect(a, x)`` then ``gk.inspect(b, x)``;
-- ``compare``: ``gk.compare(a, b, x, rounding=False)`` (the plain tolerance rule);
-- ``compare, rounding``: ``gk.compare(a, b, x)``, which for half-precision models also runs both
-  in float32 to judge each node against what rounding explains (see ``graphkern.debugging.precision``).
+- models in float32: both models once, so two inspects (``inspect a`` then ``inspect b``);
+- models in float16 or bfloat16: those two, and both models again in float32 to judge each node
+  against what rounding explains (``graphkern.debugging.precision``), so two more inspects of
+  the models cast to float32 (their float32 weights made before the clock starts).
 
-Peak memory: MLX's allocator peak (``mx.get_peak_memory()``, reset once the models are loaded)
-and the process's peak RSS (``ru_maxrss``, including loading the models and Python), each over the
-bytes of both models' weights. Time: wall clock and process CPU time (all threads; other jobs on
-a shared machine disturb it less). Ratios are to ``inspect a + b`` of the same round (time) and
-to the weights (memory).
+Time ratio: compare over the sum of the inspects it needs. Memory ratio: compare's peak over
+the two models' weights plus one inspect's working memory, i.e. over the peak of ``inspect a``
+alone with both models loaded. Targets: both at most 1.2.
 
-    python benchmarks/compare_speed.py --layers 4 --dtype bfloat16
+Each measurement runs in a fresh process that loads both models from one safetensors file.
+Model ``a`` is stock; ``b`` is the same weights loaded again (equal in value, other arrays, so
+every parameter is read) and patched with the library's kernels (``gk.patch``). Time is process
+CPU time (all threads; other jobs on a shared machine disturb it less than the wall clock, also
+printed); memory is MLX's allocator peak (``mx.get_peak_memory()``, reset once the models are
+loaded, so it includes their weights) and the process's peak RSS.
+
+Sizes (``--runs LAYERS:DIMS,...``): ``1b`` is Llama 3.2 1B's (hidden 2048, 32 heads, 8 KV
+heads, intermediate 8192, vocabulary 128256, tied embeddings); ``small`` is the same shape at half
+the width and a quarter of the vocabulary (hidden 1024, 16 heads, 4 KV heads, intermediate 4096,
+vocabulary 32064), which lets 32 layers and their float32 copies fit a 24 GB machine.
+
+    python benchmarks/compare_speed.py                          # 8:1b,32:small, bfloat16
+    python benchmarks/compare_speed.py --runs 4:1b --dtype float32 --rounds 2
 """
 
 from __future__ import annotations
@@ -37,14 +43,20 @@ from typing import Any
 from _timing import header
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA_1B = {"model_type": "llama", "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "intermediate_size": 8192, "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-            "tie_word_embeddings": True, "head_dim": 64}
-MODES = {"inspect": "inspect a + b", "compare": "compare", "rounding": "compare, rounding"}
+DIMS = {
+    "1b": {"hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "intermediate_size": 8192, "vocab_size": 128256, "head_dim": 64},
+    "small": {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4,
+              "intermediate_size": 4096, "vocab_size": 32064, "head_dim": 64},
+}
+COMMON = {"model_type": "llama", "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True}
+#: The runs of one size, in the order they run; ``inspect32`` only for half-precision models.
+MODES = {"inspect": "inspect a + b", "inspect32": "inspect a + b in float32", "inspect1": "inspect a",
+         "compare": "compare"}
 
 
-def _config(layers: int) -> dict[str, Any]:
-    return {**LLAMA_1B, "num_hidden_layers": layers}
+def _config(layers: int, dims: str) -> dict[str, Any]:
+    return {**COMMON, **DIMS[dims], "num_hidden_layers": layers}
 
 
 def _model(config: dict[str, Any], weights: str) -> Any:
@@ -74,37 +86,44 @@ def write_weights(config: dict[str, Any], dtype: str, path: str) -> None:
     mx.save_safetensors(path, weights)
 
 
-def measure(mode: str, layers: int, weights: str, tokens: int) -> dict[str, Any]:
+def measure(mode: str, config: dict[str, Any], weights: str, tokens: int) -> dict[str, Any]:
     """One measurement, in this (fresh) process."""
     import mlx.core as mx
 
     import graphkern as gk
 
-    config = _config(layers)
     a, b = _model(config, weights), _model(config, weights)
     gk.patch(b)
     weight_bytes = mx.get_active_memory()
+    if mode == "inspect32":  # the float32 weights are made before the clock starts
+        a.set_dtype(mx.float32)
+        b.set_dtype(mx.float32)
+        mx.eval(a.parameters(), b.parameters())
     x = mx.random.randint(0, config["vocab_size"], (1, tokens), key=mx.random.key(0))
     mx.eval(x)
     mx.reset_peak_memory()
     start, cpu = time.perf_counter(), time.process_time()
-    if mode == "inspect":
+    found = ""
+    if mode in ("inspect", "inspect32"):
         gk.inspect(a, x)
         gk.inspect(b, x)
-        found = ""
+    elif mode == "inspect1":
+        gk.inspect(a, x)
     else:
-        c = gk.compare(a, b, x, rounding=mode == "rounding", progress=False)
+        c = gk.compare(a, b, x, progress=False)
         first = c.first_divergence
         found = "no divergence" if first is None else f"first divergence {first.b} in {first.scope}"
+        found += f" (rounding {'on' if c.rounding else 'off'})"
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"seconds": seconds, "cpu": cpu, "mx_peak": mx.get_peak_memory(), "rss_peak": rss,
             "weights": weight_bytes, "found": found}
 
 
-def run_child(mode: str, layers: int, weights: str, tokens: int) -> dict[str, Any]:
+def run_child(mode: str, layers: int, dims: str, weights: str, tokens: int) -> dict[str, Any]:
     out = subprocess.run([sys.executable, __file__, "--measure", mode, "--layers", str(layers),
-                          "--weights", weights, "--tokens", str(tokens)], capture_output=True, text=True,
+                          "--dims", dims, "--weights", weights, "--tokens", str(tokens)],
+                         capture_output=True, text=True,
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
     if out.returncode:
         raise RuntimeError(f"{mode} failed:\n{out.stderr[-3000:]}")
@@ -115,40 +134,63 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def ratios(results: dict[str, dict[str, Any]], half: bool) -> dict[str, float]:
+    """compare's time over the inspects it needs (CPU and wall) and its peak memory over the
+    weights plus one inspect's working memory (MLX's allocator and RSS)."""
+    needed = ["inspect", "inspect32"] if half else ["inspect"]
+    compare, one = results["compare"], results["inspect1"]
+    return {"cpu": compare["cpu"] / sum(results[m]["cpu"] for m in needed),
+            "wall": compare["seconds"] / sum(results[m]["seconds"] for m in needed),
+            "mx_peak": compare["mx_peak"] / one["mx_peak"],
+            "rss_peak": compare["rss_peak"] / one["rss_peak"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--runs", default="8:1b,32:small",
+                        help="LAYERS:DIMS,... (DIMS: 1b or small; default 8:1b,32:small)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=1, help="runs of each mode, alternating")
     parser.add_argument("--measure", choices=list(MODES), help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--dims", choices=list(DIMS), help=argparse.SUPPRESS)
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure:
-        print(json.dumps(measure(args.measure, args.layers, args.weights, args.tokens)))
+        print(json.dumps(measure(args.measure, _config(args.layers, args.dims), args.weights, args.tokens)))
         return 0
-    print(header(f"gk.compare against two gk.inspect runs: llama at 1B sizes, {args.layers} layers, "
-                 f"{args.dtype}, 1 x {args.tokens} tokens"))
-    with tempfile.TemporaryDirectory() as folder:
-        weights = os.path.join(folder, "model.safetensors")
-        write_weights(_config(args.layers), args.dtype, weights)
-        results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
-        for _ in range(args.rounds):
-            for mode in MODES:
-                results[mode].append(run_child(mode, args.layers, weights, args.tokens))
-    base = results["inspect"]
-    weight_bytes = base[0]["weights"]
-    print(f"weights of both models: {_gb(weight_bytes)}")
-    print("| run | measured | wall s | ratio | CPU s | ratio | MLX peak | / weights | peak RSS | / weights "
-          "| found |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for i in range(args.rounds):
-        for mode, label in MODES.items():
-            r = results[mode][i]
-            print(f"| {i + 1} | {label} | {r['seconds']:.2f} | {r['seconds'] / base[i]['seconds']:.2f} | "
-                  f"{r['cpu']:.2f} | {r['cpu'] / base[i]['cpu']:.2f} | "
-                  f"{_gb(r['mx_peak'])} | {r['mx_peak'] / weight_bytes:.2f} | {_gb(r['rss_peak'])} | "
-                  f"{r['rss_peak'] / weight_bytes:.2f} | {r['found'] or '-'} |")
+    half = args.dtype != "float32"
+    modes = [m for m in MODES if half or m != "inspect32"]
+    print(header(f"gk.compare against the gk.inspect runs it needs: llama, {args.dtype}, 1 x {args.tokens} "
+                 f"tokens ({'two inspects and two in float32' if half else 'two inspects'})"))
+    summary = []
+    for spec in args.runs.split(","):
+        layers_text, dims = spec.split(":")
+        layers = int(layers_text)
+        with tempfile.TemporaryDirectory() as folder:
+            weights = os.path.join(folder, "model.safetensors")
+            write_weights(_config(layers, dims), args.dtype, weights)
+            rounds = [{mode: run_child(mode, layers, dims, weights, args.tokens) for mode in modes}
+                      for _ in range(args.rounds)]
+        weight_bytes = rounds[0]["inspect"]["weights"]
+        print(f"\n{layers} layers, {dims} dims: both models' weights {_gb(weight_bytes)}")
+        print("| round | measured | wall s | CPU s | MLX peak | peak RSS | found |")
+        print("|---|---|---|---|---|---|---|")
+        for i, results in enumerate(rounds, 1):
+            for mode in modes:
+                r = results[mode]
+                print(f"| {i} | {MODES[mode]} | {r['seconds']:.2f} | {r['cpu']:.2f} | {_gb(r['mx_peak'])} | "
+                      f"{_gb(r['rss_peak'])} | {r['found'] or '-'} |")
+        for i, results in enumerate(rounds, 1):
+            q = ratios(results, half)
+            summary.append(f"| {layers} | {dims} | {i} | {q['cpu']:.2f} | {q['wall']:.2f} | "
+                           f"{q['mx_peak']:.2f} | {q['rss_peak']:.2f} |")
+    print("\ncompare / what it needs (time: the inspects above; memory: weights + one inspect, the peak of "
+          "'inspect a'); targets <= 1.2")
+    print("| layers | dims | round | time (CPU) | time (wall) | MLX peak | peak RSS |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(summary))
     return 0
 
 

@@ -15,6 +15,7 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from .nodes import dtype_name
 from .runtime import apply_in_graph
 from .trace import trace
 from .tracing.compiled import compile
@@ -113,7 +114,8 @@ def run_demo(out_dir: str | None = None, echo: Callable[[str], Any] = print,
     compiled = compile(model)
     logits = compiled(tokens)
     error = cast(float, mx.max(mx.abs(logits - model(tokens))).item())
-    echo(f"compiled logits {tuple(logits.shape)} {logits.dtype}; max |compiled - eager| = {error:.3g}")
+    echo(f"compiled logits {tuple(logits.shape)} {dtype_name(logits.dtype)}, their sum "
+         f"{mx.sum(logits).item():.4f}; max |compiled - eager| = {error:.3g}")
 
     echo("\n== 3. a deliberately invalid launch: layers.1 norm with threadgroup (0, 1, 1)")
     model.layers[1].broken = True
@@ -130,7 +132,9 @@ def run_demo(out_dir: str | None = None, echo: Callable[[str], Any] = print,
         graph_error = exc
         echo(f"compiled call refused: {exc}")
     model.layers[1].broken = False
-    echo(f"MLX still works: {mx.sum(compiled(tokens)).item():.4f}")
+    total = mx.sum(compiled(tokens)).item()
+    echo(f"after the refused call, the repaired model runs compiled again: the sum of its logits is "
+         f"{total:.4f}, as in step 2: a failure leaves the model and MLX usable")
 
     written = _write(out_dir, {"graph": graph, "broken": broken}, echo, write) if out_dir else []
     return DemoResult(graph, broken, error, graph_error, written)

@@ -99,12 +99,14 @@ def deep_llama(dtype: mx.Dtype = mx.bfloat16) -> nn.Module:
     return random_model(DEEP_CONFIG, dtype)
 
 
-def deep_llama_scaled(dtype: mx.Dtype = mx.bfloat16, weight: str = "self_attn.o_proj") -> nn.Module:
-    """The 32-layer llama with layer 20's ``weight`` 1% too large (scaled in float32, then rounded
-    to ``dtype``): a real 1% error, below what bfloat16 rounding already makes of a patched model."""
+def deep_llama_scaled(dtype: mx.Dtype = mx.bfloat16, weight: str = "self_attn.o_proj",
+                      factor: float = 1.01) -> nn.Module:
+    """The 32-layer llama with layer 20's ``weight`` 1% too large (``factor``; scaled in float32,
+    then rounded to ``dtype``): a real 1% error, below what bfloat16 rounding already makes of a
+    patched model."""
     model = deep_llama(dtype)
     module = model.model.layers[DEEP_BAD_LAYER]
     for part in weight.split("."):
         module = getattr(module, part)
-    module.weight = (module.weight.astype(mx.float32) * 1.01).astype(dtype)
+    module.weight = (module.weight.astype(mx.float32) * factor).astype(dtype)
     return model

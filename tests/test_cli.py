@@ -90,6 +90,20 @@ def test_python_dash_m_entry_point() -> None:
     assert r.returncode == 0 and "MODULE:CALLABLE" in r.stdout
 
 
+def test_the_demo_ends_saying_what_its_last_number_is() -> None:
+    """The last line names the number it prints (the sum of the logits) and matches step 2's."""
+    import re
+
+    r = run("demo", "--no-files")
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    compiled = re.search(r"compiled logits \(2, 16, 128\) float32, their sum (-?[0-9.]+);", r.output)
+    assert compiled is not None, r.output
+    assert lines[-1].startswith("after the refused call, the repaired model runs compiled again: the sum "
+                                f"of its logits is {compiled.group(1)}, as in step 2")
+    assert "still works" not in r.output
+
+
 # ----------------------------------------------------------------------------- trace
 
 

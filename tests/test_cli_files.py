@@ -114,6 +114,18 @@ def test_demo_refuses_to_replace_its_files_without_force(work: Path) -> None:
     assert (work / "demo" / "graph.html").read_text().startswith("<!DOCTYPE html>")
 
 
+def test_demo_run_again_replaces_only_what_an_earlier_demo_wrote(work: Path) -> None:
+    """A demo's folder holds its mark: the next demo replaces its files, saying so on stderr; a
+    file of the user's there stays refused once the mark is gone."""
+    assert run("demo", "--out", "demo")[0] == 0
+    assert (work / "demo" / ".graphkern-demo").is_file()
+    code, _, err = run("demo", "--out", "demo")
+    assert code == 0 and err == "replacing the files of an earlier demo in demo\n"
+    (work / "demo" / ".graphkern-demo").unlink()
+    code, _, err = run("demo", "--out", "demo")
+    assert code == 2 and "exists; pass --force to replace it" in err
+
+
 @pytest.mark.parametrize("force", [[], ["--force"]])
 def test_a_read_only_file_is_never_replaced(work: Path, force: list[str]) -> None:
     out = work / "locked.json"

@@ -65,6 +65,14 @@ def test_write_checkpoint_refuses_an_existing_folder_and_unknown_arguments(tmp_p
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_write_checkpoint_takes_a_real_models_sizes(tmp_path: Path) -> None:
+    folder = write_checkpoint(tmp_path / "deeper", config={"num_hidden_layers": 3, "intermediate_size": 192})
+    ckpt = load_checkpoint(str(folder))
+    assert ckpt.describe() == "deeper (llama, 3 layers, float32)"
+    assert len(ckpt.model.model.layers) == 3
+    assert ckpt.model.model.layers[0].mlp.gate_proj.weight.shape == (192, 64)
+
+
 def test_the_prompt_goes_through_the_chat_template(folders: dict[str, str]) -> None:
     ckpt = load_checkpoint(folders["float"])
     tokens = prompt_tokens(ckpt.tokenizer, "hi there")
@@ -118,6 +126,13 @@ def test_trace_a_patched_checkpoint_shows_its_kernels_under_the_users_classes(
     assert code == 0, err
     assert "kernels: gk_add_rms_norm" in out and "gk_rope_qk" in out
     assert "patched 7 layers: add_rms_norm 3, rope_qk 2, swiglu 2" in err
+    # in words, and why the trace shows fused kernels the patch did not name
+    assert "  add_rms_norm  a residual add and the RMSNorm after it\n" in err
+    assert "  swiglu        an MLP's silu(gate) * up\n" in err
+    assert "a trace then shows gk_norm_projections and gk_norm_swiglu (or gk_quantized_*)" in err
+    fused = "gk_quantized_norm_swiglu" if kind == "4bit" else "gk_norm_swiglu"
+    assert "kernels: gk_add_rms_norm, " in out and fused in out
+    assert f"  {fused}" in out and "an MLP's" in out.split(f"  {fused}")[1].splitlines()[0]
     modules = json.loads((tmp_path / "p.json").read_text())["graph"]["modules"]
     assert modules["model"] == "LlamaModel" and modules["model.layers.0"] == "TransformerBlock"
     assert not any(cls.startswith("Kernel") for cls in modules.values())
@@ -138,7 +153,7 @@ def test_debug_compares_a_patched_checkpoint_with_its_stock_model(folders: dict[
                          "--html", str(tmp_path / "c.html"))
     assert code == 0, out + err
     name = Path(folders[kind]).name
-    assert f"compare {name} stock (reference) against {name} patched" in out
+    assert f"compare a = {name} stock with b = {name} patched (kernels as their pure-MLX references)" in out
     assert "no divergence" in out
     assert (tmp_path / "c.html").exists()
 
@@ -162,14 +177,86 @@ def test_bench_prints_stock_and_patched_runs_and_the_median_ratio(folders: dict[
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].startswith(f"model {Path(folders[kind]).name} (llama, 2 layers, ")
-    assert "5 generated tokens, 2 rounds after a warm-up run each" in lines[0]
-    assert lines[1] == "patched 7 layers: add_rms_norm 3, rope_qk 2, swiglu 2"
+    assert "5 generated tokens, 2 rounds after a warm-up run of 4 each" in lines[0]
+    assert lines[1].startswith("patched 7 layers: ")
     runs = [line for line in lines if line.startswith("round ")]
     assert [r.split()[:3] for r in runs] == [["round", "1", "stock"], ["round", "1", "patched"],
                                                ["round", "2", "stock"], ["round", "2", "patched"]]
     assert all("Generation: 5 tokens, " in r and "tokens-per-sec" in r and "Peak memory: " in r for r in runs)
     assert "first round: 5 of 5 the same in both" in out  # exact on a CPU
-    assert lines[-1].startswith("patched / stock, median of 2 rounds: prompt ")
+    assert lines[-1].startswith("patched / stock, median of 2 rounds of 5 tokens: prompt ")
+    # progress on stderr, as it happens: the warm-up, then how long the rounds will take
+    notes = err.splitlines()
+    assert notes[0].startswith("warm-up: a run of 4 tokens each")
+    assert notes[1].startswith("warm-up: stock ")
+    assert "2 rounds of 5 tokens a run should take about " in notes[1]
+    assert notes[2].startswith("round 1 took ") and "1 more round: about " in notes[2]
+
+
+def test_bench_chooses_its_tokens_to_take_about_a_minute(folders: dict[str, str]) -> None:
+    """Without --max-tokens: as many as fit the minute at the stock warm-up's pace (on a tiny
+    model, the most)."""
+    from graphkern.models.generation_bench import AUTO_TOKENS
+
+    code, out, err = run("bench", "--model", folders["4bit"], "--rounds", "1")
+    assert code == 0, err
+    assert "about a minute's worth of generated tokens, 1 round after" in out
+    assert f"1 round of {AUTO_TOKENS[1]} tokens a run should take about" in err
+    assert out.splitlines()[-1].startswith(f"patched / stock, median of 1 round of {AUTO_TOKENS[1]} tokens")
+
+
+def test_the_tokens_a_run_makes_fit_the_time_left_within_bounds() -> None:
+    from graphkern.models.generation_bench import _tokens_for
+
+    assert _tokens_for(50.0, 0.5, 2) == 24  # 50 s for 4 runs at 2 tokens a second: 25 steps, a prompt
+    assert _tokens_for(50.0, 5.0, 2) == 8   # a slow machine still measures 8 tokens
+    assert _tokens_for(50.0, 0.001, 2) == 128
+    assert _tokens_for(-3.0, 0.5, 2) == 8   # the warm-up took the whole minute
+
+
+def test_bench_measures_and_reports_each_run_as_it_ends(folders: dict[str, str]) -> None:
+    """The runs' lines come out one by one (not all at the end), each before the next run starts."""
+    from graphkern.models.generation_bench import RunDone, measure_generation
+
+    ckpt = load_checkpoint(folders["float"])
+    seen: list[str] = []
+    plans = []
+
+    def on_run(done: RunDone) -> None:
+        seen.append(f"{done.round} {done.side} {done.run.generation_tokens} {done.seconds > 0}")
+
+    result = measure_generation(ckpt.model, ckpt.twin(), ckpt.tokenizer, [1, 2, 3], max_tokens=6, rounds=2,
+                                progress=lambda text: seen.append(text), on_run=on_run, on_plan=plans.append,
+                                on_token=lambda: seen.append("t"))
+    compact = [s for s in seen if s != "t"]
+    assert compact == ["warm-up: stock", "0 stock 4 True", "warm-up: patched", "0 patched 4 True",
+                       "round 1 of 2: stock", "1 stock 6 True", "round 1 of 2: patched", "1 patched 6 True",
+                       "round 2 of 2: stock", "2 stock 6 True", "round 2 of 2: patched", "2 patched 6 True"]
+    assert seen.count("t") == 2 * 4 + 4 * 6
+    assert len(plans) == 1 and plans[0].max_tokens == 6 and plans[0].estimate > 0
+    assert result.max_tokens == 6 and len(result.rounds) == 2
+
+
+def test_ctrl_c_during_bench_exits_130_with_one_line(folders: dict[str, str]) -> None:
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "graphkern", "bench", "--model", folders["4bit"],
+                             "--max-tokens", "100000"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        line = ""
+        while "should take about" not in line:  # generating the rounds
+            line = proc.stderr.readline()
+            assert line, "bench ended before its rounds"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert err == "interrupted (Ctrl-C)\n"
 
 
 def test_the_ratio_is_the_median_of_per_round_ratios() -> None:
@@ -181,9 +268,80 @@ def test_the_ratio_is_the_median_of_per_round_ratios() -> None:
     assert result.ratio("generation_tps") == pytest.approx(1.1)  # of 1.1, 0.9 and 2.0
     assert result.ratio("peak_memory") == 1.0
     assert result.same_tokens() == (2, 2)
+    one = GenerationRun(1, 50.0, 1, 20.0, 0.5, (7,)).verbose_line()
+    assert one.startswith("Prompt: 1 token, 50.000 tokens-per-sec  Generation: 1 token, 20.000 ")
 
 
 # ----------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def no_tokenizer(folders: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The float checkpoint without its tokenizer files (weights and config only)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("bare") / "tiny-llama-bare"
+    shutil.copytree(folders["float"], folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    return str(folder)
+
+
+@pytest.mark.parametrize("command", ["trace", "debug", "view", "bench"])
+def test_a_folder_without_a_tokenizer_says_so_and_how_to_run_without_a_prompt(no_tokenizer: str,
+                                                                              command: str) -> None:
+    """Not transformers' lines about sentencepiece and tiktoken: what is missing, and --tokens."""
+    proc = subprocess.run([sys.executable, "-m", "graphkern", command, "--model", no_tokenizer],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: --model {no_tokenizer}: the folder has no tokenizer "
+                               "(no tokenizer.json or tokenizer.model), so a prompt cannot be turned "
+                               "into tokens; ")
+    assert "sentencepiece" not in proc.stderr and "tiktoken" not in proc.stderr
+    if command == "bench":
+        assert "--tokens" not in lines[0] and "bench generates text" in lines[0]
+    else:
+        assert lines[0].endswith("run the model on token ids instead of a prompt: --tokens 1,2,3")
+
+
+def test_token_ids_run_a_folder_without_a_tokenizer(no_tokenizer: str, tmp_path: Path) -> None:
+    code, out, err = run("trace", "--model", no_tokenizer, "--tokens", "1,2,3",
+                         "--json", str(tmp_path / "g.json"))
+    assert code == 0, err
+    assert "status: OK" in out and "prompt 3 tokens" in err
+    code, out, err = run("debug", "--model", no_tokenizer, "--tokens", "5", "--patch", "--compare-stock")
+    assert code == 0, out + err
+    assert "prompt 1 token\n" in err and "no divergence" in out
+    page = tmp_path / "v.html"
+    code, out, err = run("view", "--model", no_tokenizer, "--tokens", "4 5", "--out", str(page),
+                         "--no-browser")
+    assert code == 0 and page.exists(), err
+
+
+def test_token_ids_give_the_same_graph_as_the_prompt_they_come_from(folders: dict[str, str],
+                                                                    tmp_path: Path) -> None:
+    ckpt = load_checkpoint(folders["float"])
+    ids = ",".join(str(i) for i in prompt_tokens(ckpt.tokenizer, "hi there")[0].tolist())
+    code, by_prompt, _ = run("debug", "--model", folders["float"], "--prompt", "hi there", "-q",
+                             "--json", str(tmp_path / "p.json"))
+    code2, by_ids, _ = run("debug", "--model", folders["float"], "--tokens", ids, "-q",
+                           "--json", str(tmp_path / "t.json"))
+    assert code == code2 == 0
+    stats = [json.loads((tmp_path / name).read_text())["nodes"] for name in ("p.json", "t.json")]
+    assert [n.get("stats") for n in stats[0]] == [n.get("stats") for n in stats[1]]
+
+
+@pytest.mark.parametrize("tokens, message", [
+    ("1,x", "--tokens 1,x: give token ids as integers separated by commas, e.g. 1,2,3"),
+    (",", "--tokens ',': give at least one token id"),
+    ("1,128", "--tokens 1,128 with --model "),
+    ("-1", "--tokens -1 with --model "),
+])
+def test_bad_token_ids_exit_2(folders: dict[str, str], tokens: str, message: str) -> None:
+    code, _, err = run("trace", "--model", folders["float"], "--tokens", tokens)
+    assert code == 2 and err.startswith("error: " + message), err
 
 
 def test_a_missing_folder_is_a_clear_error(tmp_path: Path) -> None:
@@ -334,6 +492,9 @@ def test_every_command_with_a_prompt_refuses_one_that_is_not_utf8(folders: dict[
     (["trace", "--model", "m", "-i", "1,4:int32"],
      "-i/--input is for MODULE:CALLABLE; with --model the input"),
     (["debug", "--model", "m", "--compare-stock"], "--compare-stock compares a patched checkpoint"),
+    (["trace", "--tokens", "1,2", "x.py:f"], "--tokens goes with --model PATH"),
+    (["trace", "--model", "m", "--tokens", "1", "--prompt", "hi"],
+     "give either --prompt TEXT or --tokens IDS"),
 ])
 def test_options_that_do_not_go_together(args: list[str], message: str) -> None:
     code, _, err = run(*args)

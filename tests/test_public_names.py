@@ -2,14 +2,13 @@
 
 A package attribute that names both a submodule and a public function flips from one to the other
 when the submodule is first imported; so every public name is checked after importing every
-module of the package, and the README's Python blocks run in one fresh process after ``gk.patch``.
+module of the package (the README's Python blocks run after ``gk.patch`` in tests/test_docs.py).
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-import re
 import subprocess
 import sys
 import textwrap
@@ -74,28 +73,6 @@ def test_gk_check_is_the_function_after_the_models_were_used() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
-
-
-def readme_blocks() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
-
-
-@pytest.mark.timeout(900)
-def test_readme_python_blocks_run_in_order_in_one_fresh_process(tmp_path: Path) -> None:
-    """Every ```python block of the README, in the order a reader meets them, in one process
-    that has used ``gk.patch`` first, inside a scratch folder (the blocks write files)."""
-    blocks = readme_blocks()
-    assert len(blocks) >= 5
-    prelude = "import mlx.nn as nn, graphkern as gk\ngk.patch(nn.Sequential(nn.RMSNorm(8)))\n"
-    script = prelude + "".join(
-        f"print('--- block {i}', flush=True)\n{block}\n" for i, block in enumerate(blocks))
-    (tmp_path / "readme.py").write_text(script)
-    done = subprocess.run([sys.executable, "readme.py"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=880)
-    last = ([line for line in done.stdout.splitlines() if line.startswith("--- block")] or ["none"])[-1]
-    assert done.returncode == 0, f"README stopped in {last}:\n{done.stderr[-3000:]}"
-    assert f"--- block {len(blocks) - 1}" in done.stdout
 
 
 def test_import_graphkern_loads_only_the_core() -> None:

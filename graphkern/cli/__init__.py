@@ -46,15 +46,27 @@ def main() -> None:
 @click.option("--no-files", is_flag=True, help="Print only; write nothing.")
 @writes_files()
 def demo(out_dir: str, no_files: bool) -> None:
-    """Trace, compile and break a built-in kernel-backed model, printing what happens."""
+    """Trace, compile and break a built-in kernel-backed model, printing what happens. Run again,
+    it replaces the files an earlier demo wrote in the same folder (a mark file there says which
+    folder that is), and no other file without --force."""
     from ..demo import DEMO_FILES, run_demo
-    from .files import check_outputs, make_folder, write_files
+    from .files import check_outputs, make_folder, own_outputs, write_files
 
-    if not no_files:
-        make_folder("--out", out_dir)
-        check_outputs([("--out", os.path.join(out_dir, name)) for name in DEMO_FILES])
-    run_demo(None if no_files else out_dir, echo=click.echo,
-             write=lambda files: write_files({path: text.encode() for path, text in files.items()}))
+    if no_files:
+        run_demo(None, echo=click.echo)
+        return
+    make_folder("--out", out_dir)
+    mark = os.path.join(out_dir, DEMO_MARK)
+    with own_outputs(mark) as replaced:
+        check_outputs([("--out", os.path.join(out_dir, name)) for name in (*DEMO_FILES, DEMO_MARK)])
+        if replaced:
+            click.echo(f"replacing the files of an earlier demo in {out_dir}", err=True)
+        run_demo(out_dir, echo=click.echo, write=lambda files: write_files(
+            {path: text.encode() for path, text in files.items()} | {mark: b"graphkern demo\n"}))
+
+
+#: The file ``graphkern demo`` leaves in its folder, so that a later demo may replace its files.
+DEMO_MARK = ".graphkern-demo"
 
 
 def _register_optional_commands() -> None:

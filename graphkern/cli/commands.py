@@ -289,7 +289,11 @@ def brief_summary(graph: Any) -> str:
     kernels = sorted({str(d.get("kernel") or d.get("label")) for _, d in g.nodes(data=True)
                       if d.get("kind") == "kernel"})
     if kernels:
+        from graphkern.kernels.registry import in_words
+
         lines.append(f"kernels: {', '.join(kernels)}")
+        width = max(len(k) for k in kernels)
+        lines += [f"  {k:<{width}}  {in_words(k)}" for k in kernels if in_words(k)]
     fails = failures(g)
     if not fails:
         lines.append("status: OK")
@@ -374,8 +378,8 @@ def _finish(graph: Any, files: dict[str, bytes], quiet: bool) -> None:
               help="Trace for this backend (default: the active one; sets GRAPHKERN_BACKEND).")
 @click.option("--table", is_flag=True, help="Print the per-node table, not just the summary.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
-def trace_cmd(target: str | None, model_path: str | None, prompt: str | None, patch_model: bool,
-              inputs: tuple[str, ...], json_path: str | None, html: str | None,
+def trace_cmd(target: str | None, model_path: str | None, prompt: str | None, token_ids: str | None,
+              patch_model: bool, inputs: tuple[str, ...], json_path: str | None, html: str | None,
               dot: str | None, svg: str | None, png: str | None, pdf: str | None, me: str | None,
               depth: int | None, weights: bool, all_blocks: bool, seed: int,
               backend: str | None, table: bool, quiet: bool) -> None:
@@ -391,7 +395,7 @@ def trace_cmd(target: str | None, model_path: str | None, prompt: str | None, pa
 
     Exit status: 0 OK, 1 a node failed (or the function raised), 2 bad input.
     """
-    check_model_options(target, model_path, prompt, patch_model, inputs)
+    check_model_options(target, model_path, prompt, patch_model, inputs, token_ids=token_ids)
     specs = [parse_input_spec(s) for s in inputs]
     outputs = {"--json": json_path, "--html": html, "--dot": dot, "--svg": svg, "--png": png,
                "--pdf": pdf, "--model-explorer": me}
@@ -399,7 +403,8 @@ def trace_cmd(target: str | None, model_path: str | None, prompt: str | None, pa
     if backend:
         os.environ["GRAPHKERN_BACKEND"] = backend
     with progress_steps(not quiet) as step:
-        call = traced_call(target, model_path, prompt, patch_model, specs, seed, step, quiet)
+        call = traced_call(target, model_path, prompt, patch_model, specs, seed, step, quiet,
+                           token_ids=token_ids)
         import graphkern as gk
 
         step(f"tracing {call.name}")
@@ -437,11 +442,11 @@ class Call:
 
 def traced_call(target: str | None, model_path: str | None, prompt: str | None, patch_model: bool,
                 specs: list[tuple[tuple[int, ...], str]], seed: int, step: Callable[[str], None],
-                quiet: bool = False, stock_twin: bool = False) -> Call:
-    """The call of ``--model`` (the loaded checkpoint on the prompt's tokens) or of
-    MODULE:CALLABLE (on random inputs from ``specs``)."""
+                quiet: bool = False, stock_twin: bool = False, token_ids: str | None = None) -> Call:
+    """The call of ``--model`` (the loaded checkpoint on the prompt's tokens, or on ``--tokens``)
+    or of MODULE:CALLABLE (on random inputs from ``specs``)."""
     if model_path:
-        run = model_and_tokens(model_path, prompt, patch_model, step, stock_twin)
+        run = model_and_tokens(model_path, prompt, patch_model, step, stock_twin, token_ids)
         if not quiet:
             click.echo(run.describe(), err=True)
         return Call(model_path, run.checkpoint.model, run.checkpoint.name, [run.tokens], run)
@@ -552,8 +557,8 @@ def diff_cmd(before: str, after: str, html: str | None, json_path: str | None,
 @writes_files("file", "model_path")
 @click.option("--no-browser", is_flag=True, help="Write the page (or start the server) but open no browser.")
 @click.option("--port", default=8080, show_default=True, help="Model Explorer's port.")
-def view_cmd(file: str | None, model_path: str | None, prompt: str | None, patch_model: bool,
-             model_explorer: bool, out: str | None, no_browser: bool, port: int) -> None:
+def view_cmd(file: str | None, model_path: str | None, prompt: str | None, token_ids: str | None,
+             patch_model: bool, model_explorer: bool, out: str | None, no_browser: bool, port: int) -> None:
     """Open a saved graph, or a model checkpoint traced on a prompt (--model), in the browser (the
     HTML viewer, or Model Explorer).
 
@@ -563,7 +568,7 @@ def view_cmd(file: str | None, model_path: str | None, prompt: str | None, patch
       graphkern view graph.json
       graphkern view graph.json --model-explorer
     """
-    check_model_options(file, model_path, prompt, patch_model, what="FILE.json")
+    check_model_options(file, model_path, prompt, patch_model, what="FILE.json", token_ids=token_ids)
     if model_explorer:
         import importlib.util
 
@@ -571,7 +576,7 @@ def view_cmd(file: str | None, model_path: str | None, prompt: str | None, patch
 
         if importlib.util.find_spec("model_explorer") is None:
             raise BadInput(INSTALL_HINT)
-        graph = _viewed_graph(file, model_path, prompt, patch_model)
+        graph = _viewed_graph(file, model_path, prompt, patch_model, token_ids)
         from graphkern.viz.model_explorer import view
 
         view(graph, port=port, open_browser=not no_browser)
@@ -582,7 +587,7 @@ def view_cmd(file: str | None, model_path: str | None, prompt: str | None, patch
     from graphkern.viz.html import to_html
 
     check_outputs({"--out": out})
-    graph = _viewed_graph(file, model_path, prompt, patch_model)
+    graph = _viewed_graph(file, model_path, prompt, patch_model, token_ids)
     if out is None:
         out = os.path.join(tempfile.mkdtemp(prefix="graphkern-"), "graph.html")
     write_files({out: to_html(graph).encode()})
@@ -591,14 +596,16 @@ def view_cmd(file: str | None, model_path: str | None, prompt: str | None, patch
         webbrowser.open("file://" + os.path.abspath(out))
 
 
-def _viewed_graph(file: str | None, model_path: str | None, prompt: str | None, patch_model: bool) -> Any:
-    """The saved graph in ``file``, or the trace of ``--model`` on its prompt."""
+def _viewed_graph(file: str | None, model_path: str | None, prompt: str | None, patch_model: bool,
+                  token_ids: str | None = None) -> Any:
+    """The saved graph in ``file``, or the trace of ``--model`` on its prompt (or ``--tokens``)."""
     if file:
         return load_graph(file)
     assert model_path is not None  # check_model_options
     import graphkern as gk
 
-    call = traced_call(None, model_path, prompt, patch_model, [], 0, lambda text: None)
+    call = traced_call(None, model_path, prompt, patch_model, [], 0, lambda text: None,
+                       token_ids=token_ids)
     try:
         graph = gk.trace(call.fn, *call.args)
     except gk.KernelError as e:

@@ -82,7 +82,8 @@ def _summary(graph: Any) -> str:
 @writes_files("target", "model_path", "other")
 @SEED_OPTION
 @click.option("--quiet", "-q", is_flag=True, help="Print only the verdict.")
-def debug_cmd(target: str | None, model_path: str | None, prompt: str | None, patch_model: bool,
+def debug_cmd(target: str | None, model_path: str | None, prompt: str | None, token_ids: str | None,
+              patch_model: bool,
               inputs: tuple[str, ...], other: str | None, compare_stock: bool, backend: str | None,
               compare_backend: str | None, rtol: float, atol: float, html: str | None,
               json_path: str | None, save: str | None, seed: int, quiet: bool) -> None:
@@ -101,7 +102,7 @@ def debug_cmd(target: str | None, model_path: str | None, prompt: str | None, pa
     Exit status: 0 all finite (and within tolerance), 1 a root cause was found (printed) or the
     function raised, 2 bad input.
     """
-    check_model_options(target, model_path, prompt, patch_model, inputs)
+    check_model_options(target, model_path, prompt, patch_model, inputs, token_ids=token_ids)
     specs = [parse_input_spec(s) for s in inputs]
     check_outputs({"--html": html, "--json": json_path, "--save": save})
     if compare_stock and not (model_path and patch_model):
@@ -120,7 +121,7 @@ def debug_cmd(target: str | None, model_path: str | None, prompt: str | None, pa
 
     with progress_steps(not quiet) as step:
         call = traced_call(target, model_path, prompt, patch_model, specs, seed, step, quiet,
-                           stock_twin=compare_stock)
+                           stock_twin=compare_stock, token_ids=token_ids)
     fn, name, args = call.fn, call.name, call.args
     if compare_stock:
         reference, other = call.run.stock, "the stock model"

@@ -20,7 +20,7 @@ import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import click
@@ -157,6 +157,22 @@ def current_rules() -> OutputRules:
 
 
 # ----------------------------------------------------------------------------- checking and writing
+
+
+@contextlib.contextmanager
+def own_outputs(mark: str) -> Iterator[bool]:
+    """Within the block, the running command may replace existing outputs (not inputs, not
+    read-only files) when ``mark`` exists: a file it wrote itself in an earlier run. Yields
+    whether it does."""
+    ctx = click.get_current_context()
+    rules = current_rules()
+    own = os.path.isfile(mark) and not rules.force
+    if own:
+        ctx.meta[_META_KEY] = replace(rules, force=True)
+    try:
+        yield own
+    finally:
+        ctx.meta[_META_KEY] = rules
 
 
 def check_outputs(paths: Mapping[str, str | None] | Iterable[tuple[str, str | None]]) -> None:

@@ -1,8 +1,10 @@
-"""``--model PATH``, ``--prompt TEXT`` and ``--patch`` for the commands that run a model.
+"""``--model PATH``, ``--prompt TEXT``, ``--tokens IDS`` and ``--patch`` for the commands that run a model.
 
-An mlx-lm checkpoint (a folder, or a Hugging Face Hub id where the hub is reachable) is loaded with
-``mlx_lm.load``; the prompt goes through the model's chat template and tokenizer as
-``mlx_lm.generate`` does. ``trace``, ``debug``, ``view`` and ``bench`` share these options.
+An mlx-lm checkpoint (a folder, or a Hugging Face Hub id where the hub is reachable) is loaded as
+``mlx_lm.load`` loads it; the prompt goes through the model's chat template and tokenizer as
+``mlx_lm.generate`` does. ``--tokens 1,2,3`` gives token ids instead, and needs no tokenizer.
+``trace``, ``debug``, ``view`` and ``bench`` share these options (``bench`` takes no ``--tokens``:
+it generates text).
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ _MODEL_OPTIONS = [
     click.option("--prompt", metavar="TEXT",
                  help=f"With --model: the prompt, through the model's chat template and tokenizer "
                       f"(default {DEFAULT_PROMPT!r})."),
+    click.option("--tokens", "token_ids", metavar="IDS",
+                 help="With --model: token ids instead of a prompt, e.g. 1,2,3 (needs no tokenizer)."),
     click.option("--patch", "patch_model", is_flag=True,
                  help="With --model: patch the model onto graphkern's kernels first (gk.patch)."),
 ]
 
 
 def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Add ``--model``, ``--prompt`` and ``--patch`` to a command."""
+    """Add ``--model``, ``--prompt``, ``--tokens`` and ``--patch`` to a command."""
     for option in reversed(_MODEL_OPTIONS):
         fn = option(fn)
     return fn
@@ -85,18 +89,23 @@ class Checkpoint:
         other.eval()
         return other
 
-    def tokens_for(self, prompt: str | None) -> Any:
-        """:func:`prompt_tokens` for this checkpoint, each id checked against the model's token
-        embedding first (MLX's gather does not check: an id past it crashes the process)."""
+    def tokens_for(self, prompt: str | None, token_ids: str | None = None) -> Any:
+        """:func:`prompt_tokens` for this checkpoint (or ``token_ids``, ``"1,2,3"``, as they are),
+        each id checked against the model's token embedding first (MLX's gather does not check:
+        an id past it crashes the process)."""
         from graphkern.models.tokens import check_token_ids
         from graphkern.nodes import KernelError
 
-        tokens = prompt_tokens(self.tokenizer, prompt)
+        if token_ids is not None:
+            tokens = parse_token_ids(token_ids)
+            option = f"--tokens {token_ids}"
+        else:
+            tokens = prompt_tokens(self.tokenizer, prompt)
+            option = f"--prompt {DEFAULT_PROMPT if prompt is None else prompt!r}"
         try:
             check_token_ids(self.model, tokens, "run a prompt")
         except KernelError as exc:
-            text = DEFAULT_PROMPT if prompt is None else prompt
-            raise BadInput(f"--prompt {text!r} with --model {self.path}: {exc.description}") from None
+            raise BadInput(f"{option} with --model {self.path}: {exc.description}") from None
         return tokens
 
     def local_path(self) -> str:
@@ -139,28 +148,79 @@ def _check_folder(path: str, expanded: str) -> None:
         raise BadInput(f"--model {path}: its config.json cannot be read: permission denied")
 
 
-def load_checkpoint(path: str) -> Checkpoint:
-    """``mlx_lm.load(path)`` with errors that say what to fix (exit status 2 on the command line).
+#: Files a Hugging Face tokenizer is loaded from; a folder with none of them has no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def has_tokenizer_files(folder: str) -> bool:
+    """Whether ``folder`` holds any of :data:`TOKENIZER_FILES` (or a ``*.tiktoken`` file)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return True  # let the tokenizer's own loading say what is wrong
+    return any(name in TOKENIZER_FILES or name.endswith(".tiktoken") for name in names)
+
+
+#: What to do without a tokenizer, for the commands that take ``--tokens``.
+NO_TOKENIZER_HINT = "run the model on token ids instead of a prompt: --tokens 1,2,3"
+
+
+def load_checkpoint(path: str, tokenizer: bool = True,
+                    no_tokenizer_hint: str = NO_TOKENIZER_HINT) -> Checkpoint:
+    """The model and tokenizer of a checkpoint, loaded as ``mlx_lm.load`` loads them, with errors
+    that say what to fix (exit status 2 on the command line). ``tokenizer=False`` loads the model
+    alone (``Checkpoint.tokenizer`` is then None), for token ids given as they are;
+    ``no_tokenizer_hint`` ends the error of a folder without a tokenizer.
 
     >>> ckpt = load_checkpoint("models/tiny-llama-4bit")           # doctest: +SKIP
     >>> ckpt.describe()                                              # doctest: +SKIP
     'tiny-llama-4bit (llama, 2 layers, 4-bit)'
     """
     try:
-        import mlx_lm
+        from mlx_lm.utils import _download, load_model, load_tokenizer
     except ImportError:
         raise BadInput("--model needs mlx-lm: pip install 'graphkern[models]'") from None
     expanded = os.path.expanduser(path)
     _check_folder(path, expanded)
     try:
-        model, tokenizer, config = mlx_lm.load(expanded, return_config=True)  # type: ignore[misc]
+        local = _download(expanded)
+        model, config = load_model(local)
     except Exception as exc:
         if not os.path.exists(expanded):
             raise BadInput(f"--model {path}: no such folder, and it could not be downloaded from "
                            f"the Hugging Face Hub ({type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
         raise BadInput(f"--model {path}: mlx_lm.load failed: {type(exc).__name__}: {exc}") from None
-    return Checkpoint(model, tokenizer, path, config)
+    loaded = None
+    if tokenizer:
+        if not has_tokenizer_files(str(local)):
+            raise BadInput(f"--model {path}: the folder has no tokenizer (no tokenizer.json or "
+                           f"tokenizer.model), so a prompt cannot be turned into tokens; {no_tokenizer_hint}")
+        try:
+            loaded = load_tokenizer(local, eos_token_ids=config.get("eos_token_id", None))
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else "no detail"
+            raise BadInput(f"--model {path}: its tokenizer could not be loaded ({type(exc).__name__}: "
+                           f"{first}); {no_tokenizer_hint}") from None
+    return Checkpoint(model, loaded, path, config)
+
+
+def parse_token_ids(text: str) -> Any:
+    """``--tokens 1,2,3`` as a (1, L) int32 array (ids checked against the embedding later)."""
+    import mlx.core as mx
+
+    parts = [part.strip() for part in text.replace(" ", ",").split(",") if part.strip()]
+    try:
+        ids = [int(part) for part in parts]
+    except ValueError:
+        raise BadInput(f"--tokens {text}: give token ids as integers separated by commas, "
+                       "e.g. 1,2,3") from None
+    if not ids:
+        raise BadInput(f"--tokens {text!r}: give at least one token id, e.g. 1,2,3")
+    if any(not -2**31 <= i < 2**31 for i in ids):
+        raise BadInput(f"--tokens {text}: token ids are int32 (below 2147483648)")
+    return mx.array([ids], dtype=mx.int32)
 
 
 def prompt_tokens(tokenizer: Any, prompt: str | None) -> Any:
@@ -199,17 +259,21 @@ _WHAT = {"MODULE:CALLABLE": "a .py file or module and a callable in it, with -i 
 
 def check_model_options(target: str | None, model_path: str | None, prompt: str | None,
                         patch_model: bool, inputs: tuple[str, ...] = (),
-                        what: str = "MODULE:CALLABLE") -> None:
-    """Exactly one of ``target`` (a ``what``) and ``--model``; ``--prompt``/``--patch`` only with
-    ``--model``; ``-i`` only with a target."""
+                        what: str = "MODULE:CALLABLE", token_ids: str | None = None) -> None:
+    """Exactly one of ``target`` (a ``what``) and ``--model``; ``--prompt``/``--tokens``/``--patch``
+    only with ``--model``, and not both ``--prompt`` and ``--tokens``; ``-i`` only with a target."""
     if target and model_path:
         raise BadInput(f"give either {what} or --model PATH, not both")
     if not target and not model_path:
         raise BadInput(f"give {what} ({_WHAT[what]}) or --model PATH (an mlx-lm checkpoint folder)")
-    if not model_path and (prompt is not None or patch_model):
-        raise BadInput(f"{'--prompt' if prompt is not None else '--patch'} goes with --model PATH")
+    if not model_path and (prompt is not None or token_ids is not None or patch_model):
+        option = "--prompt" if prompt is not None else "--tokens" if token_ids is not None else "--patch"
+        raise BadInput(f"{option} goes with --model PATH")
+    if prompt is not None and token_ids is not None:
+        raise BadInput("give either --prompt TEXT or --tokens IDS, not both")
     if model_path and inputs:
-        raise BadInput("-i/--input is for MODULE:CALLABLE; with --model the input is --prompt TEXT")
+        raise BadInput("-i/--input is for MODULE:CALLABLE; with --model the input is --prompt TEXT "
+                       "(or --tokens IDS)")
 
 
 @dataclass
@@ -223,18 +287,22 @@ class ModelRun:
     stock: Any = None
 
     def describe(self) -> str:
-        """``model q4 (llama, 2 layers, 4-bit), prompt 3 tokens, patched 7 layers: ...``."""
-        line = f"model {self.checkpoint.describe()}, prompt {self.tokens.shape[1]} tokens"
-        return line + (f", {patched_line(self.patched)}" if self.patched else "")
+        """``model q4 (llama, 2 layers, 4-bit), prompt 3 tokens`` and, when patched, what was
+        (:func:`patched_line`)."""
+        count = self.tokens.shape[1]
+        line = f"model {self.checkpoint.describe()}, prompt {count} token{'s' if count != 1 else ''}"
+        return line + (f"\n{patched_line(self.patched)}" if self.patched else "")
 
 
 def model_and_tokens(model_path: str, prompt: str | None, patch_model: bool,
-                     step: Callable[[str], None] = lambda text: None, stock_twin: bool = False) -> ModelRun:
-    """Load ``model_path``, tokenize ``prompt`` and patch the model when asked; ``stock_twin`` also
-    keeps an unpatched model object on the same weights."""
+                     step: Callable[[str], None] = lambda text: None, stock_twin: bool = False,
+                     token_ids: str | None = None) -> ModelRun:
+    """Load ``model_path``, tokenize ``prompt`` (or take ``token_ids`` as they are, loading no
+    tokenizer) and patch the model when asked; ``stock_twin`` also keeps an unpatched model
+    object on the same weights."""
     step(f"loading {model_path}")
-    ckpt = load_checkpoint(model_path)
-    run = ModelRun(ckpt, ckpt.tokens_for(prompt), [])
+    ckpt = load_checkpoint(model_path, tokenizer=token_ids is None)
+    run = ModelRun(ckpt, ckpt.tokens_for(prompt, token_ids), [])
     if stock_twin:
         run.stock = ckpt.twin()
     if patch_model:
@@ -250,9 +318,21 @@ def model_and_tokens(model_path: str, prompt: str | None, patch_model: bool,
 
 
 def patched_line(patched: list[Any]) -> str:
-    """``patched 7 layers: add_rms_norm 3, rope_qk 2, swiglu 2``."""
+    """What ``gk.patch`` replaced: ``patched 7 layers: add_rms_norm 3, rope_qk 2, swiglu 2``, then
+    what each of those kernels computes, in words; with a block among them, a line on the fused
+    kernels a block runs when it decodes (the names a trace of it then shows)."""
+    from graphkern.kernels.registry import in_words
+
     counts: dict[str, int] = {}
     for record in patched:
         counts[record.kernel] = counts.get(record.kernel, 0) + 1
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-    return f"patched {len(patched)} layer{'s' if len(patched) != 1 else ''}" + (f": {kinds}" if kinds else "")
+    head = f"patched {len(patched)} layer{'s' if len(patched) != 1 else ''}"
+    lines = [head + (f": {kinds}" if kinds else "")]
+    width = max((len(k) for k in counts), default=0)
+    lines += [f"  {k:<{width}}  {in_words(k)}" for k in sorted(counts) if in_words(k)]
+    if any(str(record.rule).startswith("pre-norm block") for record in patched):
+        lines.append("  an evaluating block runs a call of up to 16 tokens (a short prompt, decoding) with "
+                     "its norms fused into the products after them: a trace then shows gk_norm_projections "
+                     "and gk_norm_swiglu (or gk_quantized_*) where the block's add_rms_norm and swiglu were")
+    return "\n".join(lines)

@@ -15,7 +15,8 @@ from typing import Any
 from graphkern.kernels.base import LibraryEntry
 from graphkern.nodes import Kernel, KernelError, Status
 
-__all__ = ["EXPORTS", "LIBRARY", "entries_for", "forget", "kernel_export_name", "load_library", "register"]
+__all__ = ["EXPORTS", "LIBRARY", "WORDS", "entries_for", "forget", "in_words", "kernel_export_name",
+           "load_library", "register"]
 
 #: Every library entry by name, in the order the modules of ``graphkern.kernels.ops`` declare them.
 LIBRARY: dict[str, LibraryEntry] = {}
@@ -85,3 +86,34 @@ def load_library() -> None:
 
     for info in sorted(pkgutil.iter_modules(ops.__path__), key=lambda i: i.name):
         importlib.import_module(f"{ops.__name__}.{info.name}")
+
+
+#: What each kernel computes, in words, by library name (the ``kernel`` of a ``gk.patch`` record,
+#: a kernel node's name without its ``gk_`` prefix).
+WORDS: dict[str, str] = {
+    "rms_norm": "an RMSNorm",
+    "layer_norm": "a LayerNorm",
+    "add_rms_norm": "a residual add and the RMSNorm after it",
+    "rope": "a RoPE",
+    "rope_qk": "the RoPE of an attention's queries and keys, in attention's layout",
+    "swiglu": "an MLP's silu(gate) * up",
+    "gelu": "a GELU",
+    "softmax": "a softmax",
+    "moe_route": "a mixture-of-experts router's top experts and their weights",
+    "norm_projections": "an RMSNorm and the projections after it (an attention's q, k and v)",
+    "norm_swiglu": "an RMSNorm, an MLP's gate and up products and silu(gate) * up",
+    "quantized_norm_projections": "an RMSNorm and the quantized projections after it (q, k and v)",
+    "quantized_norm_swiglu": "an RMSNorm, an MLP's quantized gate and up products and silu(gate) * up",
+    "quantized_norm_rope_projections":
+        "an RMSNorm, the quantized q, k and v products and the RoPE of q and k",
+}
+
+
+def in_words(name: str) -> str | None:
+    """What the library kernel ``name`` computes (``"add_rms_norm"``, ``"gk_add_rms_norm"``), or
+    None for a kernel that is not the library's.
+
+    >>> in_words("gk_add_rms_norm")
+    'a residual add and the RMSNorm after it'
+    """
+    return WORDS.get(name[3:] if name.startswith("gk_") else name)

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -57,10 +58,13 @@ def _tokenizer(vocab_size: int) -> object:
 
 
 def write_checkpoint(path: str | os.PathLike[str], arch: str = "llama", quantize: int | None = None,
-                     dtype: mx.Dtype = mx.float32, seed: int = 0) -> Path:
+                     dtype: mx.Dtype = mx.float32, seed: int = 0,
+                     config: dict[str, Any] | None = None) -> Path:
     """Write a tiny ``arch`` model (a key of ``TINY_CONFIGS``: two layers, hidden size 64) as an
     mlx-lm checkpoint folder at ``path`` and return its path. ``quantize`` (4 or 8 bits, groups of
-    64) runs ``mlx_lm.convert`` on the float folder; ``dtype`` is the float weights' dtype.
+    64) runs ``mlx_lm.convert`` on the float folder; ``dtype`` is the float weights' dtype;
+    ``config`` overrides entries of the model's config (``{"num_hidden_layers": 8}``, or a real
+    checkpoint's sizes) and the random weights follow it.
 
     The folder must not exist yet (as ``mlx_lm.convert`` wants). Needs mlx-lm and transformers.
 
@@ -83,7 +87,7 @@ def write_checkpoint(path: str | os.PathLike[str], arch: str = "llama", quantize
     except ImportError as exc:
         raise KernelError(_WRITE, "mlx-lm is not installed (pip install 'graphkern[models]')",
                           Status.BACKEND_UNAVAILABLE) from exc
-    config = dict(TINY_CONFIGS[arch])
+    config = {**TINY_CONFIGS[arch], **(config or {})}
     model = random_model(config, dtype, seed)
     tokenizer = _tokenizer(config["vocab_size"])
     float_folder = target if quantize is None else Path(tempfile.mkdtemp(prefix="graphkern-ckpt-"))
