@@ -89,7 +89,9 @@ def batch_generate(model: Any, prompts: list[list[int]], max_tokens: int) -> dic
     try:
         uids = generator.insert(prompts, max_tokens=[max_tokens] * len(prompts))
         tokens: dict[int, list[int]] = {uid: [] for uid in uids}
-        while responses := generator.next_generated():
+        # mlx-lm 0.31 and later: next_generated; 0.30: next, which gives only generated tokens
+        step = getattr(generator, "next_generated", None) or generator.next
+        while responses := step():
             for response in responses:
                 tokens[response.uid].append(response.token)
         return tokens

@@ -179,7 +179,7 @@ class _Opaque:
 
 
 @pytest.mark.parametrize("caches, needles", [
-    (lambda m: [CacheList(KVCache(), KVCache()) for _ in m.layers], ["cache[0] (CacheList)", "'caches'"]),
+    (lambda m: [CacheList(KVCache(), KVCache()) for _ in m.layers], ["cache[0] (CacheList)"]),
     (lambda m: [_Opaque() for _ in m.layers], ["'on_update'", "builtin_function_or_method"]),
     (lambda m: [None for _ in m.layers], ["cache[0] is None"]),
     (lambda m: KVCache(), ["must be a list"]),

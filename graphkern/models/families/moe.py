@@ -40,12 +40,29 @@ _QWEN3_MOE = Forward(
     "    return y\n", MX)
 
 
+#: mlx-lm 0.30 and 0.31's Qwen 3 MoE block: no sharding, and no cast of the weighted sum.
+_QWEN3_MOE_EARLIER = Forward(
+    "def __call__(self, x: mx.array) -> mx.array:\n"
+    "    gates = self.gate(x)\n"
+    "    gates = mx.softmax(gates, axis=-1, precise=True)\n"
+    "    k = self.top_k\n"
+    "    inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]\n"
+    "    scores = mx.take_along_axis(gates, inds, axis=-1)\n"
+    "    if self.norm_topk_prob:\n"
+    "        scores /= mx.sum(scores, axis=-1, keepdims=True)\n"
+    "    y = self.switch_mlp(x, inds)\n"
+    "    y = (y * scores[..., None]).sum(axis=-2)\n"
+    "    return y\n", MX)
+
 RULES: list[Rule] = [
     Rule("sparse mixture of experts (Mixtral): the router's top-k and softmax", "moe_route",
          build_sparse_moe("num_experts_per_tok"), forwards=(_MIXTRAL_MOE,)),
     Rule("sparse mixture of experts (Qwen 3 MoE): the router's softmax and top-k", "moe_route",
          build_sparse_moe("top_k", softmax_first=True, normalize="norm_topk_prob", cast=True),
          forwards=(_QWEN3_MOE,), when=lambda m: getattr(m, "sharding_group", None) is None),
+    Rule("sparse mixture of experts (Qwen 3 MoE, mlx-lm 0.30-0.31): the router's softmax and top-k",
+         "moe_route", build_sparse_moe("top_k", softmax_first=True, normalize="norm_topk_prob"),
+         forwards=(_QWEN3_MOE_EARLIER,)),
     Rule("SwiGLU activation (mlx-lm switch layers)", "swiglu", lambda m, p: KernelSwiGLU(m), forwards=(
         Forward("def __call__(self, x, gate):\n    return swiglu(gate, x)", {"swiglu": SWIGLU}),)),
 ]
