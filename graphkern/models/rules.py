@@ -55,6 +55,23 @@ MLX_LM_BASE = "mlx_lm.models.base"
 _ROPE_UTILS = "mlx_lm.models.rope_utils"
 MX = {"mx": "mlx.core"}
 MASK = {"create_attention_mask": f"{MLX_LM_BASE}:create_attention_mask"}
+#: The lines of mlx-lm's attention forwards between their projections and their scores: the RoPE
+#: of the queries and keys at the cache's offset, and the cache update.
+ROPE_AND_CACHE = (
+    "    if cache is not None:\n"
+    "        queries = self.rope(queries, offset=cache.offset)\n"
+    "        keys = self.rope(keys, offset=cache.offset)\n"
+    "        keys, values = cache.update_and_fetch(keys, values)\n"
+    "    else:\n"
+    "        queries = self.rope(queries)\n"
+    "        keys = self.rope(keys)\n")
+#: Their last lines where the scores are ``scaled_dot_product_attention``'s (mlx-lm's base).
+SDPA_OUTPUT = (
+    "    output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, "
+    "mask=mask)\n"
+    "    output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)\n"
+    "    return self.o_proj(output)\n")
+SDPA = {"scaled_dot_product_attention": f"{MLX_LM_BASE}:scaled_dot_product_attention"}
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import mlx.core as mx
 from graphkern.models.layers import BlockLayout, KernelAttention, KernelDecoderStack, KernelGeGLUMLP
 from graphkern.models.patterns import Forward
 from graphkern.models.rules import (
+    ROPE_AND_CACHE,
     Rule,
     build_attention,
     build_gated_mlp,
@@ -52,14 +53,8 @@ ATTENTION = Forward(
     "    queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)\n"
     "    keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)\n"
     "    values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)\n"
-    "    if cache is not None:\n"
-    "        queries = self.rope(queries, offset=cache.offset)\n"
-    "        keys = self.rope(keys, offset=cache.offset)\n"
-    "        keys, values = cache.update_and_fetch(keys, values)\n"
-    "    else:\n"
-    "        queries = self.rope(queries)\n"
-    "        keys = self.rope(keys)\n"
-    "    queries = queries * self.scale\n"
+    + ROPE_AND_CACHE
+    + "    queries = queries * self.scale\n"
     "    if self.repeats > 1:\n"
     "        queries = queries.reshape(B, self.n_kv_heads, self.repeats, L, self.head_dim)\n"
     "        keys = mx.expand_dims(keys, 2)\n"

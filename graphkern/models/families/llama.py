@@ -9,7 +9,9 @@ from graphkern.models.layers import LLAMA_BLOCK, KernelDecoderStack, KernelSlidi
 from graphkern.models.patterns import Forward
 from graphkern.models.rules import (
     MASK,
-    MLX_LM_BASE,
+    ROPE_AND_CACHE,
+    SDPA,
+    SDPA_OUTPUT,
     Rule,
     build_attention,
     build_residual_block,
@@ -47,18 +49,7 @@ def attention_forward(heads: str, kv_heads: str, norms: bool) -> Forward:
         "    queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)\n"
         f"{prologue}"
         f"    values = values.reshape(B, L, self.{kv_heads}, -1).transpose(0, 2, 1, 3)\n"
-        "    if cache is not None:\n"
-        "        queries = self.rope(queries, offset=cache.offset)\n"
-        "        keys = self.rope(keys, offset=cache.offset)\n"
-        "        keys, values = cache.update_and_fetch(keys, values)\n"
-        "    else:\n"
-        "        queries = self.rope(queries)\n"
-        "        keys = self.rope(keys)\n"
-        "    output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, "
-        "mask=mask)\n"
-        "    output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)\n"
-        "    return self.o_proj(output)\n",
-        {"scaled_dot_product_attention": f"{MLX_LM_BASE}:scaled_dot_product_attention"})
+        + ROPE_AND_CACHE + SDPA_OUTPUT, SDPA)
 
 
 

@@ -9,8 +9,10 @@ from graphkern.models.layers import FUSED_QKV, KernelDecoderStack
 from graphkern.models.patterns import Forward
 from graphkern.models.rules import (
     MASK,
-    MLX_LM_BASE,
     MX,
+    ROPE_AND_CACHE,
+    SDPA,
+    SDPA_OUTPUT,
     SWIGLU,
     Rule,
     build_attention,
@@ -32,18 +34,7 @@ _FUSED_ATTENTION = Forward(
     "    queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)\n"
     "    keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)\n"
     "    values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)\n"
-    "    if cache is not None:\n"
-    "        queries = self.rope(queries, offset=cache.offset)\n"
-    "        keys = self.rope(keys, offset=cache.offset)\n"
-    "        keys, values = cache.update_and_fetch(keys, values)\n"
-    "    else:\n"
-    "        queries = self.rope(queries)\n"
-    "        keys = self.rope(keys)\n"
-    "    output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, "
-    "mask=mask)\n"
-    "    output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)\n"
-    "    return self.o_proj(output)\n",
-    {**MX, "scaled_dot_product_attention": f"{MLX_LM_BASE}:scaled_dot_product_attention"})
+    + ROPE_AND_CACHE + SDPA_OUTPUT, {**MX, **SDPA})
 #: mlx-lm's Phi3Model: as Qwen3Model's, without input embeddings.
 _PLAIN_STACK = Forward("def __call__(self, inputs, cache=None):\n"
                        "    h = self.embed_tokens(inputs)\n"
