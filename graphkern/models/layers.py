@@ -108,7 +108,9 @@ class KernelLayer(nn.Module):
         self._no_grad = set(original._no_grad)  # frozen parameters stay frozen
         self._training = original._training
         self._gk_original = _Held(original)
-        self._gk_stock_forward = type(original).__call__  # the replaced class's forward, for stock()
+        # the replaced class's forward, for stock(); not bound to this layer, since a compiled
+        # segment calls it on a copy of the layer holding its tracers
+        self._gk_stock_forward = type(original).__call__
         self._gk_shared = _Held(dict(original.items()))  # what it shares, as built
 
     @property
@@ -176,7 +178,7 @@ class KernelLayer(nn.Module):
     def stock_call(self, *args: Any, **kwargs: Any) -> Any:
         """A call as the stock layers make it, for this layer's own call signature (a fused
         layer's takes more than the replaced one's): by default :meth:`stock`."""
-        return self.stock(*args, **kwargs)
+        return self._gk_stock_forward(self, *args, **kwargs)  # stock(), one call fewer: every call
 
     def select(self, kernels: frozenset[str]) -> None:
         """Told by ``patch`` which kernels were selected, for a layer that can use more than its
