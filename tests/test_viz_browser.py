@@ -569,6 +569,23 @@ def test_comparison_page_colours_the_first_divergence_bad(viewer: Any) -> None:
     assert v.errors == []
 
 
+def test_the_comparison_bar_says_each_thing_once(viewer: Any) -> None:
+    """The bar draws the first divergence as a link of its own; the report's sentence naming it
+    is not shown a second time below, and the rule the nodes were judged by is."""
+    c = vg.weight_comparison()
+    first = c.first_divergence
+    v = viewer(c.to_html(), size=(1600, 1000))
+    bar = v.page.inner_text("#gk-comparebar")
+    assert bar.count("first divergence") == 1 and bar.count(first.b) == 1, bar
+    assert f"first divergence {first.b} (Transpose) in model.layers.5.self_attn.q_proj" in bar
+    lines = [line for line in bar.splitlines() if line.strip()]
+    assert len(lines) == len(set(lines)), bar
+    assert "an element is beyond when |a - b| > 1e-05 + 0.0001 * |a|" in bar
+    assert f"1 differs: {pb.WEIGHT_OFF}" in bar
+    v.shot("compare-weight-bar")
+    assert v.errors == []
+
+
 def test_an_infinite_error_stands_out(viewer: Any) -> None:
     import mlx.core as mx
 

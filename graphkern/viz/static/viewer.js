@@ -1733,15 +1733,18 @@
     });
   }
 
-  if (cmp) {   // gk.compare: the summary, the first divergence, every row as a table on request
+  // gk.compare: the summary, the first divergence, every row as a table on request. The summary's
+  // first line heads the bar; the first divergence (or "no divergence") is written here, as a
+  // link, so the summary leaves out its own sentence of it; its other lines follow
+  if (cmp) {
     var cbar = document.getElementById("gk-comparebar"), fr = firstNode >= 0 ? cmp.rows[cmp.first] : null;
     var head = '<b>' + esc(cmp.title) + "</b>";
     if (cmp.summary.length) head += ": " + esc(cmp.summary[0].replace(/^compare .*?: /, ""));
     if (fr) head += ' \u00B7 first divergence <a data-node="' + fr[0] + '">' + esc(nId[fr[0]]) + "</a> (" + esc(fr[4].replace(" -> ", " \u2192 ")) + ")" +
-      (fr[5] ? " in " + esc(fr[5]) : "") + ": max abs " + esc(fmt(fr[9])) + ", max rel " + esc(fmt(fr[10]));
+      (fr[5] ? " in " + esc(fr[5]) : "") + ": max abs " + esc(fmt(fr[9])) + ", max rel " + esc(fmt(fr[10])) + (fr[13] ? " (" + esc(fr[13]) + ")" : "");
     else if (cmp.first === null || cmp.first === undefined) head += " \u00B7 no divergence";
     cbar.innerHTML = head + (cmp.rows.length ? ' &nbsp; <a id="gk-cmptoggle">table</a>' : "") +
-      (cmp.summary.length > 2 ? '<div class="gk-dim">' + cmp.summary.slice(2).map(esc).join("<br>") + "</div>" : "") +
+      (cmp.summary.length > 1 ? '<div class="gk-dim">' + cmp.summary.slice(1).map(esc).join("<br>") + "</div>" : "") +
       '<div id="gk-cmplist"></div>';
     cbar.classList.add("show");
     var cl = document.getElementById("gk-cmplist");
