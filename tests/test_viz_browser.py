@@ -586,6 +586,30 @@ def test_the_comparison_bar_says_each_thing_once(viewer: Any) -> None:
     assert v.errors == []
 
 
+def test_frames_keep_their_titles_on_a_comparison_page(viewer: Any) -> None:
+    """A comparison page's bar takes height from the canvas, so it opens a little smaller than
+    the plain page; its frames are titled at every zoom at which its boxes are labelled."""
+    c = vg.weight_comparison()
+    v = viewer(c.to_html(), size=(1600, 1000))
+
+    def drawn() -> tuple[set[str], int]:
+        v.js("gk.painted()")
+        placed = v.js("gk.drawnLabels()")
+        titles = [p for p in placed if p["kind"] == "title"]
+        boxes = [p for p in placed if p["kind"] == "box"]
+        assert not any(_overlap(t, b) for t in titles for b in boxes)   # grown, a title still fits its band
+        return {t["path"] for t in titles}, len(boxes)
+
+    titles, boxes = drawn()   # the first view
+    assert boxes and {"model", "model.embed_tokens", "model.norm"} <= titles, (v.js("gk.transform()"), titles)
+    v.shot("compare-weight-first-view")
+    for k in (0.9, 0.7, 0.62, 0.6, 0.58, 0.55, 0.5, 0.3):
+        v.js("k => gk.zoomTo(k)", k)
+        titles, boxes = drawn()
+        assert bool(titles) == bool(boxes), (k, titles, boxes)
+    assert v.errors == []
+
+
 def test_an_infinite_error_stands_out(viewer: Any) -> None:
     import mlx.core as mx
 

@@ -983,23 +983,25 @@
     for (j = 0; j < visible.length; j++) if (L.uBox[visible[j]] >= 0) unitShape(ctx, visible[j], -3, rounded);
     ctx.lineWidth = 0.8; ctx.strokeStyle = "#64748b"; ctx.stroke();
     if (selU >= 0 && visible.indexOf(selU) >= 0) halo([selU], "#2563eb", 3, 3);
-    // labels: at least 9 screen pixels, or none
-    var placed = [];
-    if (k * 12 >= 7) {
+    // labels: at least 9 screen pixels, or none; box labels and frame titles at the same zooms
+    var placed = [], labelled = k * 12 >= 7;
+    if (labelled) {
       ctx.textAlign = "center"; ctx.textBaseline = "middle";
       for (j = 0; j < visible.length; j++) drawUnitLabel(visible[j], k, placed);
       ctx.textAlign = "start"; ctx.textBaseline = "alphabetic";
     }
-    // frame titles, over the edges that enter the frame
-    if (k * 11 >= 7) {
+    // frame titles, over the edges that enter the frame, grown as box labels grow
+    if (labelled) {
+      var ts = Math.max(1, 9 / (12 * k));
       for (j = 0; j < frames.length; j++) {
         f = frames[j];
-        var tt = clip(frameTitle(f.g), f.w - 16, BOLD), tw = textWidth(tt, BOLD);
+        var tt = clip(frameTitle(f.g), (f.w - 16) / ts, BOLD), tw = textWidth(tt, BOLD) * ts;
         ctx.fillStyle = gRootFail[f.g] ? "#fef2f2" : "#f8fafc";
-        ctx.fillRect(f.x + 6, f.y + 4, tw + 8, 17);
-        ctx.font = BOLD; ctx.fillStyle = gRootFail[f.g] ? "#991b1b" : "#334155";
-        ctx.fillText(tt, f.x + 10, f.y + 17);
-        placed.push([f.x + 6, f.y + 4, f.x + 14 + tw, f.y + 21, "title"]);
+        ctx.fillRect(f.x + 6, f.y + 4, tw + 8, 17 * ts);
+        ctx.font = BOLD.replace("12px", (12 * ts).toFixed(1) + "px");
+        ctx.fillStyle = gRootFail[f.g] ? "#991b1b" : "#334155";
+        ctx.fillText(tt, f.x + 10, f.y + 4 + 13 * ts);
+        placed.push([f.x + 6, f.y + 4, f.x + 14 + tw, f.y + 4 + 17 * ts, "title", gPath[f.g]]);
       }
     }
     // dtype[shape] once for each array leaving a unit, where it does not cover anything
@@ -1859,10 +1861,11 @@
     frames: function () { return L.frames.map(function (f) { return { path: gPath[f.g], x: f.x, y: f.y, w: f.w, h: f.h, parent: gParent[f.g] >= 0 ? gPath[gParent[f.g]] : "" }; }); },
     transform: function () { return { x: transform.x, y: transform.y, k: transform.k }; },
     fit: function () { firstView(0); },
+    zoomTo: function (k) { var c = toWorld(cssW / 2, cssH / 2); centerOn(c[0], c[1], k, 0); },   // about the view's centre
     fitAll: fitAll,
     redraw: draw,
     painted: painted,   // a Promise: the canvas has been redrawn since the last change
-    drawnLabels: function () { return lastPlaced.map(function (p) { return { kind: p[4], x: p[0], y: p[1], w: p[2] - p[0], h: p[3] - p[1] }; }); },
+    drawnLabels: function () { return lastPlaced.map(function (p) { return { kind: p[4], x: p[0], y: p[1], w: p[2] - p[0], h: p[3] - p[1], path: p[5] || "" }; }); },
     colourBy: function (name) { setColouring(name); draw(); },
     colouring: function () { return colourSel.value; },
     colourings: function () { return Object.keys(COLOURINGS); },
