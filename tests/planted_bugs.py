@@ -1,7 +1,9 @@
-"""Real bugs planted in real models, for the values tests: a kernel that makes NaNs, a SwiGLU off by 1%.
+"""Real bugs planted in real models, for the values tests: a kernel that makes NaNs, a SwiGLU off by
+1%, a weight off by 1%.
 
-Both are kernel-backed layers patched into an 8-layer tiny mlx-lm llama, the way ``gk.patch``
-installs the library's kernels: a :class:`KernelLayer` sharing the replaced layer's parameters.
+The first two are kernel-backed layers patched into an 8-layer tiny mlx-lm llama, the way
+``gk.patch`` installs the library's kernels: a :class:`KernelLayer` sharing the replaced layer's
+parameters. The third is one weight of that llama, patched, scaled in place.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import graphkern as gk
+from graphkern.models import patch
 from graphkern.models.layers import KernelLayer
 from graphkern.models.tiny import TINY_CONFIGS, random_model
 
 LAYERS = 8
 BAD_LAYER = 3
+WEIGHT_LAYER = 5  # weight_off_llama's
 TOKENS = mx.array([[3, 17, 42, 5, 99, 1, 7, 64], [8, 8, 120, 33, 2, 0, 71, 9]])
 
 NAN_SQRT = gk.Kernel(
@@ -59,9 +63,14 @@ class SwiGLUOff(KernelLayer):
         return self.down_proj(_launch(SWIGLU_OFF, [self.gate_proj(x), self.up_proj(x)]))
 
 
-def llama(dtype: mx.Dtype = mx.float32) -> nn.Module:
-    """The 8-layer tiny llama (the same weights every time)."""
-    return random_model({**TINY_CONFIGS["llama"], "num_hidden_layers": LAYERS}, dtype)
+def llama(dtype: mx.Dtype = mx.float32, loud: float = 1.0) -> nn.Module:
+    """The 8-layer tiny llama (the same weights every time). ``loud`` scales its token embeddings,
+    so the residual stream is that many times larger, as in a real checkpoint with massive
+    activations: there a node within tolerance can hold a larger abs error than one beyond it."""
+    model = random_model({**TINY_CONFIGS["llama"], "num_hidden_layers": LAYERS}, dtype)
+    if loud != 1.0:
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * loud
+    return model
 
 
 def nan_llama(dtype: mx.Dtype = mx.float32) -> nn.Module:
@@ -84,8 +93,20 @@ def swiglu_off_llama(dtype: mx.Dtype = mx.float32, patch_library: bool = True) -
     return model
 
 
+def weight_off_llama(dtype: mx.Dtype = mx.float32, loud: float = 1.0) -> nn.Module:
+    """The llama (``loud`` as :func:`llama`) patched with the library's kernels (``gk.patch``),
+    then layer 5's attention query weight made 1% too large: the first divergence is the weight
+    itself (the transpose that reads it), and what it feeds differs from there on."""
+    model = llama(dtype, loud)
+    patch(model)
+    q_proj = model.model.layers[WEIGHT_LAYER].self_attn.q_proj
+    q_proj.weight = q_proj.weight * 1.01
+    return model
+
+
 NAN_SCOPE = f"model.layers.{BAD_LAYER}.post_attention_layernorm"
 SWIGLU_SCOPE = f"model.layers.{BAD_LAYER}.mlp"
+WEIGHT_OFF = f"model.layers.{WEIGHT_LAYER}.self_attn.q_proj.weight"
 
 
 #: A deep, narrow llama for half-precision comparisons: 32 layers of hidden 128.

@@ -13,6 +13,7 @@ when playwright or Chromium is missing, except under CI (CI=true), where that is
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 import time
@@ -550,7 +551,9 @@ def test_comparison_page_colours_the_first_divergence_bad(viewer: Any) -> None:
     assert v.js("p => gk.groupFill(p)", "model.layers.5") in bad["colours"]
     for i in (0, 1, 2):
         assert v.js("p => gk.groupFill(p)", f"model.layers.{i}") in ok["colours"]
-    assert bad["lo"] > 0 and bad["hi"] == pytest.approx(max(r.max_abs for r in c.diverged))
+    # one range for both verdicts, up to the largest error
+    assert (ok["lo"], ok["hi"]) == (bad["lo"], bad["hi"])
+    assert bad["hi"] == pytest.approx(max(r.max_abs for r in c.diverged))
     legend = v.page.inner_text("#gk-legend")
     assert "beyond tolerance" in legend and "first divergence" in legend
     v.shot("compare-swiglu-first-divergence")
@@ -566,6 +569,107 @@ def test_comparison_page_colours_the_first_divergence_bad(viewer: Any) -> None:
     v.shot("compare-swiglu-table")
     v.page.click("#gk-cmplist tbody tr >> nth=0")
     assert v.js("gk.selected()") == c.rows[0].b
+    assert v.errors == []
+
+
+def test_the_comparison_bar_says_each_thing_once(viewer: Any) -> None:
+    """The bar draws the first divergence as a link of its own; the report's sentence naming it
+    is not shown a second time below, and the rule the nodes were judged by is."""
+    c = vg.weight_comparison()
+    first = c.first_divergence
+    v = viewer(c.to_html(), size=(1600, 1000))
+    bar = v.page.inner_text("#gk-comparebar")
+    assert bar.count("first divergence") == 1 and bar.count(first.b) == 1, bar
+    assert f"first divergence {first.b} (Transpose) in model.layers.5.self_attn.q_proj" in bar
+    lines = [line for line in bar.splitlines() if line.strip()]
+    assert len(lines) == len(set(lines)), bar
+    assert "an element is beyond when |a - b| > 1e-05 + 0.0001 * |a|" in bar
+    assert f"1 differs: {pb.WEIGHT_OFF}" in bar
+    v.shot("compare-weight-bar")
+    assert v.errors == []
+
+
+def test_frames_keep_their_titles_on_a_comparison_page(viewer: Any) -> None:
+    """A comparison page's bar takes height from the canvas, so it opens a little smaller than
+    the plain page; its frames are titled at every zoom at which its boxes are labelled."""
+    c = vg.weight_comparison()
+    v = viewer(c.to_html(), size=(1600, 1000))
+
+    def drawn() -> tuple[set[str], int]:
+        v.js("gk.painted()")
+        placed = v.js("gk.drawnLabels()")
+        titles = [p for p in placed if p["kind"] == "title"]
+        boxes = [p for p in placed if p["kind"] == "box"]
+        assert not any(_overlap(t, b) for t in titles for b in boxes)   # grown, a title still fits its band
+        return {t["path"] for t in titles}, len(boxes)
+
+    titles, boxes = drawn()   # the first view
+    assert boxes and {"model", "model.embed_tokens", "model.norm"} <= titles, (v.js("gk.transform()"), titles)
+    v.shot("compare-weight-first-view")
+    for k in (0.9, 0.7, 0.62, 0.6, 0.58, 0.55, 0.5, 0.3):
+        v.js("k => gk.zoomTo(k)", k)
+        titles, boxes = drawn()
+        assert bool(titles) == bool(boxes), (k, titles, boxes)
+    assert v.errors == []
+
+
+def _legend_ranges(v: Viewer) -> list[tuple[float, float]]:
+    """The value range of each scale in the legend, from its two ends as the page writes them."""
+    ramps = v.page.locator("[data-testid=legend-ramp]")
+    out = []
+    for i in range(ramps.count()):
+        ramp = ramps.nth(i)
+        lo = _number(ramp.locator("[data-testid=ramp-lo]").inner_text().lstrip("\u2264 "))
+        ends = ramp.locator("[data-testid=ramp-hi]")
+        out.append((lo, _number(ends.inner_text()) if ends.count() else lo))
+    return out
+
+
+def _ramp_step(x: float, scale: dict) -> int:
+    """Which of a ramp's colours the viewer gives ``x`` on ``scale``."""
+    lo, hi = scale["lo"], scale["hi"]
+    if scale["log"]:
+        lo, hi, x = math.log10(lo), math.log10(hi), math.log10(x) if x > 0 else math.log10(lo)
+    t = (x - lo) / (hi - lo) if hi > lo else 1.0
+    return math.floor(max(0.0, min(1.0, t)) * (len(scale["colours"]) - 1) + 0.5)
+
+
+def test_the_error_legend_gives_each_value_one_place(viewer: Any) -> None:
+    """Which ramp a node takes is its verdict, and a node within tolerance can have a larger error
+    than one beyond it (where activations are large, the tolerance grows with them): two ranges
+    in the legend, one per verdict, would overlap. Both ramps run over one range, written once."""
+    c = vg.weight_comparison(loud=1000.0)
+    for key in ("max_abs", "max_rel"):   # the premise: the verdicts' errors interleave
+        assert (max(getattr(r, key) for r in c.rows if r.ok is True)
+                > min(getattr(r, key) for r in c.diverged)), key
+    v = viewer(c.to_html(collapse_depth=-1), size=(1600, 1000))
+    for colouring, key, label in (("error_abs", "max_abs", "max abs error"),
+                                  ("error_rel", "max_rel", "max rel error")):
+        v.page.select_option("#gk-colour", colouring)
+        ranges = _legend_ranges(v)
+        for i, (lo, hi) in enumerate(ranges):
+            for lo2, hi2 in ranges[i + 1:]:
+                assert hi < lo2 or hi2 < lo, (colouring, ranges)   # no value in two ranges
+        ok, bad = v.js("gk.scales()")
+        assert (ok["lo"], ok["hi"], ok["log"]) == (bad["lo"], bad["hi"], bad["log"])
+        errors = [getattr(r, key) for r in c.rows if r.ok is not None]
+        assert len(ranges) == 1 and ranges[0][1] == pytest.approx(max(errors), rel=1e-3)
+        ramp = v.page.inner_text("[data-testid=legend-ramp]")
+        assert label in ramp and ramp.count("within tolerance") == 1 and ramp.count("beyond tolerance") == 1
+        # an error takes one place along the range, the same on either ramp: its verdict picks the ramp
+        fills = v.js("ids => ids.map(id => gk.fillOf(id))", [r.b for r in c.rows])
+        seen = set()
+        for r, fill in zip(c.rows, fills):
+            node = [x for x in c.rows if x.b == r.b and x.ok is not None]
+            if fill is None or not node:
+                continue
+            worse = any(x.ok is False for x in node)
+            value = max(getattr(x, key) for x in node)
+            ramp = bad if worse else ok
+            assert fill == ramp["colours"][_ramp_step(value, ramp)], (r.b, value, fill)
+            seen.add(worse)
+        assert seen == {True, False}
+    v.shot("compare-loud-legend")
     assert v.errors == []
 
 

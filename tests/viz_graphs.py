@@ -5,8 +5,9 @@ edge per array keyed by its name; ``tests/test_viz_graphs.py`` lints every one),
 can be tested without tracing, at any size, with failures placed where a test wants them.
 ``FakeGraph`` stands in for ``gk.Graph``: it has ``.nx`` and ``.status``. ``traced`` and ``llama``
 are real ``gk.trace``s: a two-block module with a graphkern kernel, and a patched random-weight
-mlx-lm llama of any depth; ``nan_values`` and ``swiglu_comparison`` are ``gk.inspect`` and
-``gk.compare`` of the planted bugs (``planted_bugs``). ``page_data`` reads a viewer page's JSON.
+mlx-lm llama of any depth; ``nan_values``, ``swiglu_comparison`` and ``weight_comparison`` are
+``gk.inspect`` and ``gk.compare`` of the planted bugs (``planted_bugs``). ``page_data`` reads a
+viewer page's JSON.
 """
 
 from __future__ import annotations
@@ -374,6 +375,18 @@ def swiglu_comparison() -> Any:
     import graphkern as gk
 
     return gk.compare(pb.llama(), pb.swiglu_off_llama(), pb.TOKENS)
+
+
+@functools.lru_cache(maxsize=2)
+def weight_comparison(loud: float = 1.0) -> Any:
+    """``gk.compare`` of the stock 8-layer tiny llama against it patched, layer 5's query weight 1%
+    off (``planted_bugs.weight_off_llama``); ``loud`` scales both models' embeddings (see
+    ``planted_bugs.llama``). Cached: callers must not change it."""
+    import planted_bugs as pb
+
+    from graphkern.debugging.comparison import compare
+
+    return compare(pb.llama(loud=loud), pb.weight_off_llama(loud=loud), pb.TOKENS)
 
 
 def page_data(page: str) -> dict[str, Any]:

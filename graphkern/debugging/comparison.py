@@ -265,23 +265,27 @@ class Comparison:
             line += "; a parameter differs (above): the likely cause"
         return line
 
-    def _head(self) -> list[str]:
+    def _head(self, verdict: bool = True) -> list[str]:
+        """The report's lines; without ``verdict``, less the one naming the first divergence (or
+        saying there is none), which the viewer's bar writes as a link of its own."""
         a, b = self.a.nx.graph.get("name", "a"), self.b.nx.graph.get("name", "b")
         lines = [f"compare a = {a} with b = {b} ({self._backends()}): {len(self.rows)} outputs matched, "
                  f"{len(self.diverged)} beyond the rule",
                  f"the rule: an element is beyond when {self._rule()}", self._parameter_line()]
         first = self.first_divergence
         if first is None:
-            lines.append("no divergence")
+            said = "no divergence"
         else:
-            lines.append(f"first divergence: {first.b} ({first.op}) in {first.scope or 'top level'}: "
-                         + (f"{first.mismatched} of {_elements(first.shape)} elements beyond the rule"
-                            if first.mismatched is not None else "beyond the rule")
-                         + (f", up to {_num(first.excess)}x what it allows" if first.excess else "")
-                         + f" (max abs {_num(first.max_abs)}, max rel {_num(first.max_rel)})"
-                         + (f" ({first.note})" if first.note else ""))
-            if self.marginal:
-                lines.append(self._marginal_line())
+            said = (f"first divergence: {first.b} ({first.op}) in {first.scope or 'top level'}: "
+                    + (f"{first.mismatched} of {_elements(first.shape)} elements beyond the rule"
+                       if first.mismatched is not None else "beyond the rule")
+                    + (f", up to {_num(first.excess)}x what it allows" if first.excess else "")
+                    + f" (max abs {_num(first.max_abs)}, max rel {_num(first.max_rel)})"
+                    + (f" ({first.note})" if first.note else ""))
+        if verdict:
+            lines.append(said)
+        if self.marginal:   # only with a first divergence
+            lines.append(self._marginal_line())
         non_finite = self.non_finite_outputs
         if non_finite:
             lines.append(f"non-finite outputs: {'; '.join(non_finite)}")
@@ -339,7 +343,7 @@ class Comparison:
         first = self.first_divergence
         doc = {
             "title": f"compare {self.a.nx.graph.get('name')} / {self.b.nx.graph.get('name')}",
-            "summary": self._head(), "rtol": self.rtol, "atol": self.atol,
+            "summary": self._head(verdict=False), "rtol": self.rtol, "atol": self.atol,
             "first": next((i for i, r in enumerate(self.rows) if r is first), None),
             "rows": [[r.b, r.b_output, r.a, r.a_output, r.op, r.scope, list(r.shape), r.dtype_a,
                       r.dtype_b, r.max_abs, r.max_rel, r.mismatched, r.ok, r.note] for r in self.rows],

@@ -217,7 +217,8 @@ def to_html(graph: Any, *, title: str | None = None, collapse_depth: int | None 
     A graph from ``gk.inspect`` or ``gk.compare`` can be coloured by a node statistic (the
     "colour" control; ``colour_by`` picks the one it opens with): ``"absmax"``, ``"nonfinite"``
     (NaN + Inf count, the node where they start apart), ``"error_abs"`` or ``"error_rel"`` (the
-    comparison's error, beyond tolerance in the "bad" colours), or ``"kind"``. It opens
+    comparison's error, beyond tolerance in the "bad" colours, within it in the "ok" ones, both
+    over one range: an error within tolerance can be larger than one beyond it), or ``"kind"``. It opens
     coloured by NaN/Inf when a node holds any, else by the comparison's error, else by abs-max;
     a closed module takes the worst value inside it, and the legend shows the scale and its
     range (logarithmic where the values span decades). ``comparison`` is used by

@@ -202,8 +202,10 @@
     };
   }
   // a statistic: cat and val per node, per group the worst, the scales of categories 0 and 1;
-  // nodes of category ``apart`` are left out of their modules' worst
-  function statMeasure(nodeCat, nodeVal, ramps, fills, apart) {
+  // nodes of category ``apart`` are left out of their modules' worst. ``shared``: categories 0
+  // and 1 are verdicts on the one value, not ranges of it (an error within tolerance can be
+  // larger than one beyond it), so both ramps run over the range of both, a value in one place
+  function statMeasure(nodeCat, nodeVal, ramps, fills, apart, shared) {
     var cat = new Int8Array(N), val = new Float64Array(N), n, q;
     for (n = 0; n < N; n++) { cat[n] = nodeCat(n); val[n] = cat[n] >= 0 ? nodeVal(n) : NaN; }
     var gCat = new Int8Array(G).fill(-1), gVal = new Float64Array(G).fill(NaN), gWorst = new Int32Array(G).fill(-1);
@@ -219,7 +221,10 @@
         if (c > gCat[g2] || (c === gCat[g2] && val[n] > gVal[g2])) { gCat[g2] = c; gVal[g2] = val[n]; gWorst[g2] = n; }
       }
     }
-    var scales = [ramps[0] ? scaleOver(pools[0], ramps[0]) : null, ramps[1] ? scaleOver(pools[1], ramps[1]) : null];
+    var scales = [0, 1].map(function (c) {
+      if (!ramps[c] || (shared && !pools[c].length)) return null;
+      return scaleOver(shared ? pools[0].concat(pools[1]) : pools[c], ramps[c]);
+    });
     function fillOf(c, x) {
       if (c < 0) return NONE_FILL;
       if (c === 2) return fills[2];
@@ -246,6 +251,13 @@
   }
   function rampLegend(title, sc) {
     return sc ? { ramp: sc, title: title } : null;
+  }
+  // the ramps of a shared scale, each [scale, what it stands for], as one legend item: one range,
+  // a bar per ramp
+  function sharedLegend(title, ramps) {
+    ramps = ramps.filter(function (r) { return r[0]; });
+    if (ramps.length < 2) return ramps.length ? rampLegend(title + ", " + ramps[0][1], ramps[0][0]) : null;
+    return { ramp: ramps[0][0], title: title, rows: ramps };
   }
   var COLOURINGS = {
     kind: {
@@ -299,9 +311,9 @@
     var errorColouring = function (label, errors) {
       return statColouring(label, function () {
         return statMeasure(function (n) { var v = eVerdict[n]; return v < 2 ? -1 : !isFinite(errors[n]) ? 2 : v - 2; },
-                       function (n) { return errors[n]; }, ["ok", "bad"], [null, null, NONFINITE_FILL]);
+                       function (n) { return errors[n]; }, ["ok", "bad"], [null, null, NONFINITE_FILL], undefined, true);
       }, function (m) {
-        return [rampLegend(label + ", within tolerance", m.scales[0]), rampLegend("beyond tolerance", m.scales[1]),
+        return [sharedLegend(label, [[m.scales[0], "within tolerance"], [m.scales[1], "beyond tolerance"]]),
                 [NONFINITE_FILL, "#64748b", "NaN / Inf error"], [NONE_FILL, "#64748b", "not compared"],
                 ["#ffffff", FIRST_HALO, "first divergence", false, true]];
       });
@@ -983,23 +995,25 @@
     for (j = 0; j < visible.length; j++) if (L.uBox[visible[j]] >= 0) unitShape(ctx, visible[j], -3, rounded);
     ctx.lineWidth = 0.8; ctx.strokeStyle = "#64748b"; ctx.stroke();
     if (selU >= 0 && visible.indexOf(selU) >= 0) halo([selU], "#2563eb", 3, 3);
-    // labels: at least 9 screen pixels, or none
-    var placed = [];
-    if (k * 12 >= 7) {
+    // labels: at least 9 screen pixels, or none; box labels and frame titles at the same zooms
+    var placed = [], labelled = k * 12 >= 7;
+    if (labelled) {
       ctx.textAlign = "center"; ctx.textBaseline = "middle";
       for (j = 0; j < visible.length; j++) drawUnitLabel(visible[j], k, placed);
       ctx.textAlign = "start"; ctx.textBaseline = "alphabetic";
     }
-    // frame titles, over the edges that enter the frame
-    if (k * 11 >= 7) {
+    // frame titles, over the edges that enter the frame, grown as box labels grow
+    if (labelled) {
+      var ts = Math.max(1, 9 / (12 * k));
       for (j = 0; j < frames.length; j++) {
         f = frames[j];
-        var tt = clip(frameTitle(f.g), f.w - 16, BOLD), tw = textWidth(tt, BOLD);
+        var tt = clip(frameTitle(f.g), (f.w - 16) / ts, BOLD), tw = textWidth(tt, BOLD) * ts;
         ctx.fillStyle = gRootFail[f.g] ? "#fef2f2" : "#f8fafc";
-        ctx.fillRect(f.x + 6, f.y + 4, tw + 8, 17);
-        ctx.font = BOLD; ctx.fillStyle = gRootFail[f.g] ? "#991b1b" : "#334155";
-        ctx.fillText(tt, f.x + 10, f.y + 17);
-        placed.push([f.x + 6, f.y + 4, f.x + 14 + tw, f.y + 21, "title"]);
+        ctx.fillRect(f.x + 6, f.y + 4, tw + 8, 17 * ts);
+        ctx.font = BOLD.replace("12px", (12 * ts).toFixed(1) + "px");
+        ctx.fillStyle = gRootFail[f.g] ? "#991b1b" : "#334155";
+        ctx.fillText(tt, f.x + 10, f.y + 4 + 13 * ts);
+        placed.push([f.x + 6, f.y + 4, f.x + 14 + tw, f.y + 4 + 17 * ts, "title", gPath[f.g]]);
       }
     }
     // dtype[shape] once for each array leaving a unit, where it does not cover anything
@@ -1645,21 +1659,34 @@
     if (diff) items.push(["#ffffff", "#22c55e", "added"], ["#ffffff", "#f59e0b", "changed"]);
     legend.innerHTML = items.map(function (it) {
       if (!it) return "";
-      if (it.ramp) return rampHtml(it.title, it.ramp);
+      if (it.ramp) return rampHtml(it.title, it.ramp, it.rows);
       return '<span><i style="background:' + it[0] + ";border-color:" + it[1] + (it[3] ? ";border-style:dashed" : "") +
         (it[4] ? ";border-width:3px;border-radius:4px" : "") + '"></i>' + esc(it[2]) + "</span>";
     }).join("");
   }
-  function rampHtml(title, sc) {
-    if (sc.lo === sc.hi) {   // one value: one swatch
+  // a scale's range, written once, and its ramp; with rows ([scale, what] on the same range), a
+  // bar per row, stacked, and a key naming each
+  function rampHtml(title, sc, rows) {
+    if (sc.lo === sc.hi && !rows) {   // one value: one swatch
       return '<span class="gk-ramp" data-testid="legend-ramp"><i class="gk-swatch" style="background:' + sc.colour(sc.hi) + '"></i><b>' + esc(title) + "</b>" +
         '<em data-testid="ramp-lo">' + esc(fmt(sc.lo)) + "</em></span>";
     }
-    var cs = rampOf(sc.ramp), stops = cs.map(function (c, q) { return c + " " + (100 * q / STEPS).toFixed(1) + "%"; });
-    return '<span class="gk-ramp" data-testid="legend-ramp"><b>' + esc(title) + "</b>" +
-      '<em data-testid="ramp-lo">' + (sc.zero && sc.log ? "\u2264 " : "") + esc(fmt(sc.lo)) + "</em>" +
-      '<i style="background:linear-gradient(90deg,' + stops.join(",") + ')"></i>' +
-      '<em data-testid="ramp-hi">' + esc(fmt(sc.hi)) + "</em>" + (sc.log ? '<small title="logarithmic scale">log</small>' : "") + "</span>";
+    function bar(s, what) {
+      var tip = what ? ' title="' + esc(what) + '"' : "";
+      if (s.lo === s.hi) return '<i class="gk-swatch" style="background:' + s.colour(s.hi) + '"' + tip + "></i>";
+      var stops = rampOf(s.ramp).map(function (c, q) { return c + " " + (100 * q / STEPS).toFixed(1) + "%"; });
+      return '<i style="background:linear-gradient(90deg,' + stops.join(",") + ')"' + tip + "></i>";
+    }
+    var h = '<span class="gk-ramp" data-testid="legend-ramp"><b>' + esc(title) + "</b>" +
+      '<em data-testid="ramp-lo">' + (sc.zero && sc.log ? "\u2264 " : "") + esc(fmt(sc.lo)) + "</em>";
+    h += rows ? '<span class="gk-bars">' + rows.map(function (r) { return bar(r[0], r[1]); }).join("") + "</span>" : bar(sc, "");
+    if (sc.lo !== sc.hi) h += '<em data-testid="ramp-hi">' + esc(fmt(sc.hi)) + "</em>" + (sc.log ? '<small title="logarithmic scale">log</small>' : "");
+    if (rows) {
+      h += '<span class="gk-keys">' + rows.map(function (r) {
+        return '<span><i class="gk-swatch" style="background:' + rampOf(r[0].ramp)[STEPS / 2] + '"></i>' + esc(r[1]) + "</span>";
+      }).join("") + "</span>";
+    }
+    return h + "</span>";
   }
   // numbers as people read them: 4 significant digits, exponents outside [1e-3, 1e5)
   function fmt(x) {
@@ -1733,15 +1760,18 @@
     });
   }
 
-  if (cmp) {   // gk.compare: the summary, the first divergence, every row as a table on request
+  // gk.compare: the summary, the first divergence, every row as a table on request. The summary's
+  // first line heads the bar; the first divergence (or "no divergence") is written here, as a
+  // link, so the summary leaves out its own sentence of it; its other lines follow
+  if (cmp) {
     var cbar = document.getElementById("gk-comparebar"), fr = firstNode >= 0 ? cmp.rows[cmp.first] : null;
     var head = '<b>' + esc(cmp.title) + "</b>";
     if (cmp.summary.length) head += ": " + esc(cmp.summary[0].replace(/^compare .*?: /, ""));
     if (fr) head += ' \u00B7 first divergence <a data-node="' + fr[0] + '">' + esc(nId[fr[0]]) + "</a> (" + esc(fr[4].replace(" -> ", " \u2192 ")) + ")" +
-      (fr[5] ? " in " + esc(fr[5]) : "") + ": max abs " + esc(fmt(fr[9])) + ", max rel " + esc(fmt(fr[10]));
+      (fr[5] ? " in " + esc(fr[5]) : "") + ": max abs " + esc(fmt(fr[9])) + ", max rel " + esc(fmt(fr[10])) + (fr[13] ? " (" + esc(fr[13]) + ")" : "");
     else if (cmp.first === null || cmp.first === undefined) head += " \u00B7 no divergence";
     cbar.innerHTML = head + (cmp.rows.length ? ' &nbsp; <a id="gk-cmptoggle">table</a>' : "") +
-      (cmp.summary.length > 2 ? '<div class="gk-dim">' + cmp.summary.slice(2).map(esc).join("<br>") + "</div>" : "") +
+      (cmp.summary.length > 1 ? '<div class="gk-dim">' + cmp.summary.slice(1).map(esc).join("<br>") + "</div>" : "") +
       '<div id="gk-cmplist"></div>';
     cbar.classList.add("show");
     var cl = document.getElementById("gk-cmplist");
@@ -1856,10 +1886,11 @@
     frames: function () { return L.frames.map(function (f) { return { path: gPath[f.g], x: f.x, y: f.y, w: f.w, h: f.h, parent: gParent[f.g] >= 0 ? gPath[gParent[f.g]] : "" }; }); },
     transform: function () { return { x: transform.x, y: transform.y, k: transform.k }; },
     fit: function () { firstView(0); },
+    zoomTo: function (k) { var c = toWorld(cssW / 2, cssH / 2); centerOn(c[0], c[1], k, 0); },   // about the view's centre
     fitAll: fitAll,
     redraw: draw,
     painted: painted,   // a Promise: the canvas has been redrawn since the last change
-    drawnLabels: function () { return lastPlaced.map(function (p) { return { kind: p[4], x: p[0], y: p[1], w: p[2] - p[0], h: p[3] - p[1] }; }); },
+    drawnLabels: function () { return lastPlaced.map(function (p) { return { kind: p[4], x: p[0], y: p[1], w: p[2] - p[0], h: p[3] - p[1], path: p[5] || "" }; }); },
     colourBy: function (name) { setColouring(name); draw(); },
     colouring: function () { return colourSel.value; },
     colourings: function () { return Object.keys(COLOURINGS); },
