@@ -9,11 +9,13 @@ import enum
 import functools
 import hashlib
 import keyword
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
 import mlx.core as mx
+import numpy as np
 
 __all__ = [
     "GraphkernError",
@@ -27,6 +29,8 @@ __all__ = [
     "TemplateLike",
     "dtype_name",
     "dtype_from_name",
+    "float_bits",
+    "float_from_bits",
 ]
 
 
@@ -212,6 +216,26 @@ class TemplateArg:
     def describe(self) -> str:
         value = dtype_name(self.value) if isinstance(self.value, mx.Dtype) else repr(self.value)
         return f"{self.name}={value}"
+
+
+def float_bits(value: float) -> int:
+    """The bits of ``value`` as a float32, as an int template argument (bodies read it back with
+    ``__int_as_float`` / ``as_type<float>``): a compile-time constant instead of a scalar array that
+    the GPU would have to fetch from host-written memory on every call.
+
+    >>> float_bits(1.0), bool(float_from_bits(float_bits(1e-5)) == np.float32(1e-5))
+    (1065353216, True)
+    """
+    return int(np.array(value, dtype=np.float32).view(np.int32))
+
+
+def float_from_bits(bits: int) -> float:
+    """The float32 whose bits :func:`float_bits` gave (the references read their template values
+    back with it on every call: ``struct``, a third of numpy's cost)."""
+    return _FLOAT32.unpack(_INT32.pack(bits))[0]  # type: ignore[no-any-return]
+
+
+_INT32, _FLOAT32 = struct.Struct("=i"), struct.Struct("=f")
 
 
 TemplateLike = Union[TemplateArg, tuple]

@@ -29,7 +29,7 @@ from .launching import backends
 from .launching.context import adopted, current_recorder, recording, snapshot, state
 from .launching.fastpaths import gc_paused
 from .launching.validation import Launch
-from .nodes import Kernel, KernelError, Status, dtype_name
+from .nodes import Kernel, KernelError, Status, dtype_name, float_from_bits
 from .tracing.capture import MAGIC, EventLog, Record, Wiring, build_graph
 from .tracing.graph import Graph, GraphError
 from .tracing.state import Flat, State, argument_names, flatten_outputs, unflatten_outputs
@@ -206,8 +206,6 @@ def float_template_names(kernel: Kernel) -> frozenset[str]:
 
 def _template_floats(template: list[list[str]], names: frozenset[str]) -> dict[str, float]:
     """``{"EPS": 1e-05}`` for the template arguments in ``names`` that hold float32 bits."""
-    from graphkern.kernels.base import float_from_bits
-
     out = {}
     for name, text in template:
         if name in names:

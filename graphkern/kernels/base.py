@@ -12,18 +12,25 @@ reference on it, so kernel and oracle see exactly the same inputs and template v
 from __future__ import annotations
 
 import math
-import struct
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from graphkern.launching.backends import active_backend
 from graphkern.launching.launch_cache import memoized, track
-from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg, dtype_name
+from graphkern.nodes import (  # noqa: F401  (float_bits, float_from_bits: the ops import them from here)
+    Kernel,
+    KernelError,
+    OutputSpec,
+    Status,
+    TemplateArg,
+    dtype_name,
+    float_bits,
+    float_from_bits,
+)
 from graphkern.runtime import apply, launch
 
 __all__ = [
@@ -365,26 +372,6 @@ def elementwise_config(op: str, n: int, dtype: mx.Dtype, block: int = 128) -> tu
     threads = n // v
     check_grid(op, threads)
     return v, (threads, 1, 1), (block, 1, 1)
-
-
-def float_bits(value: float) -> int:
-    """The bits of ``value`` as a float32, as an int template argument (bodies read it back with
-    ``__int_as_float`` / ``as_type<float>``): a compile-time constant instead of a scalar array that
-    the GPU would have to fetch from host-written memory on every call.
-
-    >>> float_bits(1.0), bool(float_from_bits(float_bits(1e-5)) == np.float32(1e-5))
-    (1065353216, True)
-    """
-    return int(np.array(value, dtype=np.float32).view(np.int32))
-
-
-def float_from_bits(bits: int) -> float:
-    """The float32 whose bits :func:`float_bits` gave (the references read their template values
-    back with it on every call: ``struct``, a third of numpy's cost)."""
-    return _FLOAT32.unpack(_INT32.pack(bits))[0]  # type: ignore[no-any-return]
-
-
-_INT32, _FLOAT32 = struct.Struct("=i"), struct.Struct("=f")
 
 
 def eps_template(eps: float, op: str) -> TemplateArg:
