@@ -10,12 +10,11 @@ from __future__ import annotations
 from .errors import BackendError, DrawingError, GraphFormatError, GraphkernError, ModelError, PatchWarning
 from .launching.autodiff import without_vjp
 from .launching.backends import active_backend
-from .launching.bound import BoundLaunch, bind
 from .launching.context import mlx_thread
 from .launching.launch_cache import cache_stats, clear_caches
 from .launching.mlx_kernels import kernel_cache
 from .nodes import Kernel, KernelError, KernelResult, NodeKind, OutputSpec, Status, TemplateArg
-from .runtime import apply, apply_in_graph, launch
+from .runtime import BoundLaunch, apply, apply_in_graph, bind, launch
 from .trace import ScopeWarning, trace
 from .tracing.compiled import CompiledGraph, compile
 from .tracing.graph import Failure, Graph, GraphError

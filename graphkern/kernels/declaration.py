@@ -39,11 +39,11 @@ import mlx.core as mx
 
 from graphkern.kernels import registry
 from graphkern.kernels.base import LAUNCHES, Case, LibraryEntry, Plan, is_signature_constant, run
-from graphkern.launching.bound import bind
 from graphkern.launching.context import state
 from graphkern.launching.fastpaths import BACKEND_VARIABLE, environ_get
 from graphkern.launching.launch_paths import run_eager
 from graphkern.nodes import Kernel, KernelError, Status
+from graphkern.runtime import bind
 
 __all__ = ["LibraryKernel", "declare", "signature"]
 
