@@ -25,7 +25,7 @@ from _timing import header, interleaved_samples, median_seconds, paired_ratio, s
 import graphkern as gk  # noqa: E402
 from graphkern.models import patch, wrap  # noqa: E402
 from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
-from graphkern.tracing.compiled import all_finite  # noqa: E402
+from graphkern.compiling import all_finite  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {},

@@ -15,11 +15,11 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from .compiling import compile
 from .nodes import dtype_name
 from .runtime import apply_in_graph
-from .trace import trace
-from .tracing.compiled import compile
 from .tracing.graph import Graph, GraphError
+from .tracing.traceable import trace
 
 __all__ = ["DEMO_FILES", "DemoModel", "DemoResult", "demo_inputs", "run_demo"]
 
@@ -36,6 +36,7 @@ class DemoBlock(nn.Module):
         self.broken = False
 
     def norm(self, x: mx.array) -> mx.array:
+        # lazy: the kernel library loads when the demo model runs, not with the command line
         from .kernels import rms_norm
         from .kernels.ops.rms_norm import plan_rms_norm
 
@@ -47,7 +48,7 @@ class DemoBlock(nn.Module):
                               template=list(plan.template)).outputs[0]
 
     def __call__(self, x: mx.array) -> mx.array:
-        from .kernels import swiglu
+        from .kernels import swiglu  # lazy: the kernel library loads when the demo model runs
 
         n = self.norm(x)
         return x + self.down(swiglu(self.gate(n), self.up(n)))

@@ -78,16 +78,15 @@ def two_live_threads() -> Callable[[Callable[[], Any]], tuple[list[Any], list[th
 def lint_every_trace():  # type: ignore[no-untyped-def]
     """Every graph a test captures is checked against graphkern.tracing.schema (``Graph.lint``), as
     torch.fx's tests lint every graph they build."""
-    import sys
+    from graphkern.tracing.traceable import Traceable
 
-    trace_module = sys.modules["graphkern.trace"]  # gk.trace is the function of that name
-    original = trace_module.Traceable.trace
+    original = Traceable.trace
 
     def linted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         graph, spec = original(self, *args, **kwargs)
         graph.lint()
         return graph, spec
 
-    trace_module.Traceable.trace = linted  # type: ignore[method-assign]
+    Traceable.trace = linted  # type: ignore[method-assign]
     yield
-    trace_module.Traceable.trace = original  # type: ignore[method-assign]
+    Traceable.trace = original  # type: ignore[method-assign]

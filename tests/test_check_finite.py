@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import graphkern as gk
-from graphkern.tracing.compiled import FiniteCheckedGraph
+from graphkern.compiling import FiniteCheckedGraph
 
 
 def _assert_names_the_planted_kernel(exc: gk.GraphError) -> None:
@@ -70,7 +70,7 @@ def test_a_cache_is_left_as_it_was_and_a_poisoned_input_is_named() -> None:
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
 def test_the_check_is_the_same_on_the_host_and_on_the_device(dtype: mx.Dtype) -> None:
-    from graphkern.tracing.compiled import _compiled_finite_flag, all_finite
+    from graphkern.compiling.finite import _compiled_finite_flag, all_finite
 
     for value in (1.0, float("nan"), float("inf"), float("-inf"), 6e4):
         arrays = [mx.array([0.5, value]).astype(dtype), mx.array([1, 2])]

@@ -143,7 +143,7 @@ def test_python_scalar_arguments_are_never_baked_into_a_shared_trace():
 def test_a_failing_stock_op_is_not_blamed_on_the_kernel_after_it(monkeypatch):
     import importlib
 
-    trace_module = importlib.import_module("graphkern.tracing.compiled")
+    trace_module = importlib.import_module("graphkern.compiling.compiled")
 
     probe = trace_module._PassThrough(probe=True)
     boom = RuntimeError("[gather_mm] not supported on this backend")

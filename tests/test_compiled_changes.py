@@ -117,7 +117,7 @@ def test_new_shapes_and_dtypes_retrace_and_known_ones_reuse_their_trace() -> Non
 
 
 def test_steady_calls_skip_the_signature_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
-    import graphkern.tracing.compiled as compiled_module
+    import graphkern.compiling.compiled as compiled_module
 
     cf = gk.compile(lambda x, y: mx.tanh(call(_kernel("steady_axpy", 2.0), x, y)))
     lookups = []

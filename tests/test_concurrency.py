@@ -32,8 +32,8 @@ from mlx.utils import tree_map
 import graphkern as gk
 import graphkern.kernels as gkk
 from graphkern.launching import backends, mlx_kernels
-from graphkern.trace import _ModuleHooks
-from graphkern.tracing.compiled import _CallState, _PassThrough
+from graphkern.tracing.module_hooks import ModuleHooks
+from graphkern.compiling.compiled import _CallState, _PassThrough
 
 THREADS = 8
 CALLS = 1_000
@@ -198,7 +198,7 @@ def test_eight_threads_match_the_serial_run_and_build_each_kernel_once(
     assert stats["hits"] > 1_000
 
     # the class patches are reference-counted back to zero; the GC is as it was
-    assert not _ModuleHooks._patched
+    assert not ModuleHooks._patched
     for cls in (Model, KernelBlock, nn.Linear, nn.RMSNorm):
         assert not hasattr(vars(cls).get("__call__"), "__wrapped__")
     assert gc.isenabled() == gc_was_enabled
@@ -241,7 +241,7 @@ def test_concurrent_traces_of_one_module_instance_keep_their_own_scopes() -> Non
     for t in threads:
         t.join(timeout=300)
     assert not failures and not any(t.is_alive() for t in threads)
-    assert not _ModuleHooks._patched
+    assert not ModuleHooks._patched
 
 
 def test_a_threads_backend_override_reaches_its_traces() -> None:

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 import graphkern as gk
 from graphkern.launching import backends, context, mlx_kernels, validation
 from graphkern.nodes import dtype_name
-from graphkern.trace import TraceRecorder
+from graphkern.tracing.recorder import TraceRecorder
 
 S = gk.Status
 KERNEL_OP = "create a graphkern kernel"

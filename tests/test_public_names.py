@@ -53,9 +53,8 @@ def test_no_module_is_named_like_a_public_function_beside_it() -> None:
     for package_name in PACKAGES:
         package = importlib.import_module(package_name)
         modules = {info.name for info in pkgutil.iter_modules(package.__path__)}
-        # graphkern/trace.py holds gk.trace: the one clash the package layout keeps
         clashes += [f"{package_name}.{name}" for name in sorted(modules & set(package.__all__))
-                    if (package_name, name) not in SUBPACKAGES | {("graphkern", "trace")}]
+                    if (package_name, name) not in SUBPACKAGES]
     assert clashes == []
     assert callable(graphkern.trace) and not isinstance(graphkern.trace, types.ModuleType)
 
@@ -82,7 +81,7 @@ def test_import_graphkern_loads_only_the_core() -> None:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     loaded = [line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if "|" in line]
-    assert "graphkern.trace" in loaded and "graphkern.tracing.compiled" in loaded
+    assert "graphkern.tracing.traceable" in loaded and "graphkern.compiling.compiled" in loaded
     heavy = [m for m in loaded if m.startswith(("graphkern.distributed", "graphkern.viz", "graphkern.models",
                                                 "mlx_lm"))]
     assert heavy == []

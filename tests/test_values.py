@@ -161,7 +161,7 @@ def test_values_are_dropped_once_their_last_reader_ran() -> None:
 
 
 def _flat(model: nn.Module) -> tuple:
-    from graphkern.trace import Traceable
+    from graphkern.tracing.traceable import Traceable
     from graphkern.tracing.state import Flat
 
     return (Flat.of((pb.TOKENS,), {}, Traceable(model).arg_names),)

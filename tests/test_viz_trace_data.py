@@ -17,7 +17,7 @@ import pytest
 import viz_graphs as vg
 
 import graphkern as gk
-from graphkern.trace import float_template_names
+from graphkern.tracing.recorder import float_template_names
 
 TOKENS = mx.array([[1, 2, 3, 4]])
 

@@ -28,10 +28,10 @@ from typing import Any
 import mlx.core as mx
 
 from ..nodes import NodeKind, dtype_name
-from ..trace import Traceable
 from ..tracing.capture import Wiring
 from ..tracing.graph import Graph
 from ..tracing.state import Flat
+from ..tracing.traceable import Traceable
 from .interpreter import run_order
 from .precision import ROUNDING_MARGIN, beyond_rounding, float32_state, is_half, main_float_dtype
 from .progress import Progress, progress_line
@@ -338,7 +338,7 @@ class Comparison:
 
         >>> open("compare.html", "w").write(c.to_html())     # doctest: +SKIP
         """
-        from ..viz.html import to_html
+        from ..viz.html import to_html  # lazy: the viewer loads only when a comparison is drawn
 
         first = self.first_divergence
         doc = {
@@ -354,7 +354,7 @@ class Comparison:
         return to_html(self.b, comparison=doc, **options)
 
     def _repr_html_(self) -> str:
-        from ..viz.html import srcdoc_iframe
+        from ..viz.html import srcdoc_iframe  # lazy: the viewer loads only when a comparison is drawn
 
         return srcdoc_iframe(self.to_html())
 

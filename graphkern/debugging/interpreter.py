@@ -10,7 +10,7 @@ reader ran. :class:`graphkern.debugging.values.GraphRun` adds statistics on top.
 
 >>> import mlx.core as mx, graphkern as gk
 >>> from graphkern.debugging.values import trace_for_values
->>> from graphkern.trace import Traceable
+>>> from graphkern.tracing.traceable import Traceable
 >>> from graphkern.tracing.state import Flat
 >>> fn = Traceable(lambda x: mx.exp(x) * 2)
 >>> graph, wiring, arrays = trace_for_values(fn, Flat.of((mx.zeros((2,)),), {}, fn.arg_names))
@@ -32,6 +32,7 @@ from ..launching.launch_paths import run_launch
 from ..nodes import Kernel, NodeKind, Status
 from ..tracing import replay
 from ..tracing.capture import Wiring
+from ..tracing.extensions import collectives
 from ..tracing.graph import Graph
 
 __all__ = ["RUNNABLE", "GraphInterpreter", "Outputs", "run_order"]
@@ -122,9 +123,7 @@ class GraphInterpreter:
 
     def collective(self, node: str, data: dict[str, Any], inputs: list[mx.array]) -> Outputs:
         """A collective, for real: every rank runs its graph at once, as the model did."""
-        from ..distributed.collectives import run_again
-
-        return run_again(data, inputs)
+        return collectives().run_again(data, inputs)
 
     def output(self, node: str, data: dict[str, Any]) -> Outputs:
         """The array an output node returns (its producer's, read once)."""

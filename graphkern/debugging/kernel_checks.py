@@ -174,7 +174,7 @@ def check_metal_source(target: Kernel | str | LibraryEntry | None = None,
     Metal source MLX would compile (:mod:`graphkern.metal_check`). A library kernel (or None, the
     whole library) is checked at every launch the library plans; a kernel of your own at the launch
     given as ``inputs=``, ``output_specs=`` and ``template=``."""
-    from graphkern.metal_check import check_library_metal, check_metal
+    from graphkern.metal_check import check_library_metal, check_metal  # lazy: libclang, for Metal only
 
     if isinstance(target, Kernel) and not any(e.kernel is target for e in LIBRARY.values()):
         if "inputs" not in launch or "output_specs" not in launch:

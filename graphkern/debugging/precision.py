@@ -24,8 +24,8 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from ..trace import Traceable
 from ..tracing.state import Flat
+from ..tracing.traceable import Traceable
 
 __all__ = ["HALF_DTYPES", "ROUNDING_MARGIN", "beyond_rounding", "float32_state", "is_half",
            "main_float_dtype"]

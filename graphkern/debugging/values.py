@@ -37,12 +37,13 @@ import mlx.core as mx
 from ..launching.fastpaths import adjacency
 from ..launching.launch_paths import run_reference
 from ..nodes import NodeKind, Status, dtype_name
-from ..trace import Traceable, TraceRecorder
 from ..tracing import replay
 from ..tracing.capture import Wiring
 from ..tracing.graph import Graph
+from ..tracing.recorder import TraceRecorder
 from ..tracing.schema import STAT_KEYS
 from ..tracing.state import Flat
+from ..tracing.traceable import Traceable
 from .interpreter import RUNNABLE, GraphInterpreter, Outputs
 from .precision import main_float_dtype
 from .progress import Progress, progress_line
@@ -411,7 +412,7 @@ class Inspector:
         graph, wiring, arrays = trace_for_values(traceable, flat, self.backend)
         writer = None
         if self.save is not None:
-            from ..tracing.tensor_files import open_writer
+            from ..tracing.tensor_files import open_writer  # lazy: only a run that saves tensors
 
             writer = open_writer(self.save)
         anchored: set[str] = set()

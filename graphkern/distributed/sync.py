@@ -18,7 +18,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..nodes import KernelError, Status, dtype_name
+from ..compiling.extensions import describe_call
+from ..nodes import KernelError, Status
 from ..tracing.graph import Graph
 from .agreement import COMMUNICATING, GroupError, StepCheck, agree, check_step, collectives_of
 from .watchdog import Job
@@ -161,10 +162,3 @@ class RankSync:
         return known[1], known[2]
 
 
-def describe_call(name: str, arrays: list[mx.array]) -> str:
-    """``Model(int32[1, 3])``: a call as flight records and messages name it.
-
-    >>> describe_call("f", [mx.zeros((2, 3))])
-    'f(float32[2, 3])'
-    """
-    return f"{name}({', '.join(f'{dtype_name(a.dtype)}{list(a.shape)}' for a in arrays)})"

@@ -12,6 +12,7 @@ import importlib
 import pkgutil
 from typing import Any
 
+from graphkern.kernels import ops
 from graphkern.kernels.base import LibraryEntry
 from graphkern.nodes import Kernel, KernelError, Status
 
@@ -82,8 +83,6 @@ def entries_for(kernel_or_name: Kernel | str | LibraryEntry) -> list[LibraryEntr
 
 def load_library() -> None:
     """Import every module of ``graphkern.kernels.ops``: their declarations fill ``LIBRARY``."""
-    from graphkern.kernels import ops
-
     for info in sorted(pkgutil.iter_modules(ops.__path__), key=lambda i: i.name):
         importlib.import_module(f"{ops.__name__}.{info.name}")
 

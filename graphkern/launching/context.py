@@ -183,7 +183,7 @@ def adopted(settings: Settings) -> Iterator[None]:
 
 
 class Recorder(Protocol):
-    """What a tracer installs to see kernel calls (see ``graphkern.trace``). A recorder with
+    """What a tracer installs to see kernel calls (see ``graphkern.tracing.recorder``). A recorder with
     ``inspects = True`` is an inspection trace: launches inside it run without a custom vjp."""
 
     def kernel_call(self, launch: Any, kernel: Any, inputs: list[Any],

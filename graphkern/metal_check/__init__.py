@@ -107,6 +107,7 @@ def check_library_metal(entries: Sequence[str] | None = None,
     """Check every distinct Metal source the kernel library can launch
     (:func:`graphkern.metal_check.variants.library_variants`), on ``jobs`` processes (default: the
     machine's cores)."""
+    # lazy: the kernel library loads only when the library itself is checked, not for one source
     from graphkern.kernels.base import FLOAT_DTYPES
     from graphkern.metal_check.variants import library_variants
 

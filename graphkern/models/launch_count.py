@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from graphkern.models.wrapping import wrap
 from graphkern.nodes import Kernel, OutputSpec
 from graphkern.runtime import launch
 
@@ -95,8 +96,6 @@ def decode_launches(model: nn.Module, prompt_length: int = 8, batch: int = 1) ->
     """The launches of one decoded token of an mlx-lm ``model`` (stock or patched), after a prompt
     of ``prompt_length`` tokens, counted from a trace (see the module's docstring)."""
     from mlx_lm.models.cache import make_prompt_cache
-
-    from graphkern.models.wrapping import wrap
 
     cache = make_prompt_cache(model)
     prompt = mx.zeros((batch, prompt_length), dtype=mx.int32)

@@ -26,17 +26,18 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from graphkern.compiling import CompiledGraph, all_finite, non_finite_error
+from graphkern.compiling import compile as compile_graph
 from graphkern.distributed.sync import rank_sync
 from graphkern.errors import ModelError
 from graphkern.launching import backends
 from graphkern.models.cache import cache_states, snapshot, stand_ins, states_of, write_back
 from graphkern.models.structure import StructureWatch
 from graphkern.nodes import KernelError, Status
-from graphkern.trace import Traceable
-from graphkern.tracing.compiled import CompiledGraph, all_finite, non_finite_error
-from graphkern.tracing.compiled import compile as compile_graph
+from graphkern.tracing.extensions import refuse_tracing
 from graphkern.tracing.graph import Graph
 from graphkern.tracing.state import Flat, argument_names, static_key
+from graphkern.tracing.traceable import Traceable
 
 __all__ = ["WRAP_OPERATION", "WrappedModel", "wrap"]
 
@@ -272,6 +273,13 @@ class WrappedModel:
 
     def __repr__(self) -> str:
         return f"WrappedModel({type(self.model).__name__}, traces={len(self._graphs)})"
+
+
+# a wrapped model runs a compiled graph, which evaluates inside MLX's capture: a trace of one says
+# what to trace instead
+refuse_tracing(WrappedModel, "this is a gk.wrap()ped model, which runs a compiled graph that cannot be "
+               "traced again: trace the model itself (gk.trace(wrapped.model, ...)), or read the graph the "
+               "wrapper traced: wrapped.graph")
 
 
 def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16,

@@ -210,7 +210,7 @@ class GraphDiff:
 
     def to_html(self, **kw: Any) -> str:
         """The ``after`` graph in the HTML viewer with the differences marked and listed."""
-        from graphkern.viz.html import to_html
+        from graphkern.viz.html import to_html  # lazy: the viewer loads only when a diff is drawn
 
         b = as_nx(self.after)
         a = as_nx(self.before)
@@ -227,7 +227,7 @@ class GraphDiff:
 
     def _repr_html_(self) -> str:
         """In a notebook: the diff viewer in a sandboxed iframe."""
-        from graphkern.viz.html import srcdoc_iframe
+        from graphkern.viz.html import srcdoc_iframe  # lazy: the viewer loads only when a diff is drawn
 
         return srcdoc_iframe(self.to_html())
 

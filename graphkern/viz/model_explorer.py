@@ -26,6 +26,7 @@ from graphkern.viz.common import (
     UPSTREAM_FAILED,
     all_in_edges,
     as_nx,
+    atomic_write,
     format_tensor,
     graph_name,
     group_tree,
@@ -352,7 +353,6 @@ def view(graph: Any, *, port: int = 8080, host: str = "localhost", folder: str |
         import model_explorer  # type: ignore[import-not-found]
     except ImportError as e:
         raise ModelExplorerMissing(INSTALL_HINT) from e
-    from graphkern.viz.common import atomic_write
 
     folder = folder or tempfile.mkdtemp(prefix="graphkern-me-")
     name = graph_name(as_nx(graph))

@@ -17,19 +17,21 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from ..launching import backends, mlx_kernels
 from ..launching.context import recording
 from ..launching.launch_cache import LaunchCache, track
 from ..launching.validation import Launch
 from ..nodes import Kernel, KernelError, Status
-from ..trace import Traceable
-from .graph import Failure, Graph, GraphError
-from .guards import AttributeGuard, modules_under, reached_places
-from .state import Flat, flatten_outputs, reach, unflatten_outputs
+from ..tracing.extensions import collectives, refuse_tracing
+from ..tracing.graph import Failure, Graph, GraphError
+from ..tracing.guards import AttributeGuard, modules_under, reached_places
+from ..tracing.state import Flat, reach, unflatten_outputs
+from ..tracing.traceable import Traceable
+from .extensions import describe_call, rank_sync
+from .finite import all_finite, non_finite_error
 
-__all__ = ["CompiledGraph", "FiniteCheckedGraph", "all_finite", "compile", "non_finite_error"]
+__all__ = ["CompiledGraph", "FiniteCheckedGraph", "compile"]
 
 
 # ----------------------------------------------------------------------------- kernels in state
@@ -267,8 +269,6 @@ class CompiledGraph:
         self._traceable = Traceable(fn, state)
         self._state = self._traceable.state
         # several ranks: agreement before a new signature runs, and the watchdog (timeout=)
-        from ..distributed.sync import rank_sync  # loaded on the first compile, not with graphkern
-
         self._sync = rank_sync([m for _, m in self._state.modules.values()], group, timeout)
         self._watched = self._sync is not None and self._sync.job is not None
         # signature -> (graph, output spec); least recently used first (``forget_oldest_trace``)
@@ -462,8 +462,6 @@ class CompiledGraph:
         """Trace (if new) and compile (if new) for this call's signature."""
         key = flat.key()
         sync = self._sync
-        if sync is not None:
-            from ..distributed.sync import describe_call
         try:
             graph, spec = self._entry(flat, key)
         except KernelError as exc:
@@ -501,12 +499,10 @@ class CompiledGraph:
         culprit = next((n for n in kernels if graph.node(n).get("generated_name")
                         and graph.node(n)["generated_name"] in message), None)
         if culprit is None and recorder.failed is None:
-            from ..distributed.collectives import standing_in
-
             recorder = _PassThrough(probe=True)
             modules = [m for _, m in self._state.modules.values()]
             try:
-                with standing_in(self.fn, modules), recording(recorder):  # type: ignore[arg-type]
+                with collectives().standing_in(self.fn, modules), recording(recorder):  # type: ignore[arg-type]
                     self._traceable.call_flat(flat, tuple(flat.arrays), {})
             except Exception:  # the eager re-run may fail the same way; the first error stands
                 pass
@@ -562,6 +558,12 @@ class CompiledGraph:
             self._sync.forget(graph)
 
 
+# a compiled graph evaluates inside MLX's capture ("Attempting to eval an array during function
+# transformations"): a trace of one says what to trace instead
+refuse_tracing(CompiledGraph, "this is a gk.compile()d function, which runs a compiled graph that cannot be "
+               "traced again: trace the function you compiled, or read the graph it traced: compiled.graph")
+
+
 class FiniteCheckedGraph(CompiledGraph):
     """A compiled graph that checks every call's outputs for NaN and Inf (one reduction, and a
     wait for the outputs) and, on finding any, runs ``gk.inspect`` on the same inputs to name the
@@ -577,52 +579,6 @@ class FiniteCheckedGraph(CompiledGraph):
             raise non_finite_error(self._traceable, Flat.of(args, kwargs, self._traceable.arg_names),
                                    self.backend)
         return out
-
-
-def _finite_flag(*arrays: mx.array) -> mx.array:
-    flags = [mx.all(mx.isfinite(a)) for a in arrays]
-    return flags[0] if len(flags) == 1 else mx.all(mx.stack(flags))
-
-
-_compiled_finite_flag = mx.compile(_finite_flag)
-
-
-def all_finite(tree: Any) -> bool:
-    """No NaN or Inf in the floating-point arrays of ``tree`` (evaluates them): one reduction per
-    array, compiled, on the device; where MLX computes on the CPU, numpy reads the evaluated
-    arrays in place instead (an MLX reduction's dispatch costs more than numpy's whole pass)."""
-    arrays = [a for a in flatten_outputs(tree)[0] if mx.issubdtype(a.dtype, mx.inexact)]
-    if not arrays:
-        return True
-    if mx.default_device().type != mx.DeviceType.cpu:
-        return bool(_compiled_finite_flag(*arrays).item())
-    mx.eval(arrays)
-    for a in arrays:
-        # bfloat16, which numpy lacks: an exponent of all ones is an Inf or a NaN
-        host = (np.asarray(a.view(mx.uint16)) & 0x7F80) != 0x7F80 if a.dtype == mx.bfloat16 \
-            else np.isfinite(np.asarray(a))
-        if not host.all():
-            return False
-    return True
-
-
-def non_finite_error(traceable: Traceable, flat: Flat, backend: str | None) -> GraphError:
-    """The ``GraphError`` for a call whose outputs held NaN or Inf: the values trace of the same
-    call names the node where they started."""
-    from ..debugging.values import Inspector
-
-    graph = Inspector(backend=backend).run(traceable, flat)
-    roots = [f for f in graph.failures() if f.status == Status.NON_FINITE]
-    if roots:
-        error = GraphError(roots[0])
-    else:
-        outputs = tuple(graph.nodes("output"))
-        error = GraphError(Failure("<outputs>", Status.NON_FINITE,
-                                   "the outputs held NaN or Inf, but running the graph node by node "
-                                   "made none (see .graph: values_note says which nodes were not "
-                                   "reached)", outputs))
-    error.graph = graph
-    return error
 
 
 def compile(fn: Callable[..., Any], *, state: Any = None, backend: str | None = None,
