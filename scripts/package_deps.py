@@ -32,7 +32,7 @@ class Import:
     target: str  # the graphkern module imported (a name imported from a module resolves to the module)
     line: int
     lazy: bool  # inside a function
-    commented: bool  # a comment on the import's line or on the line above it
+    commented: bool  # a comment on its line or above its group of imports (see _commented)
     path: Path
 
 
@@ -82,13 +82,27 @@ def imports(root: Path = ROOT) -> list[Import]:
                 targets = [f"{base}.{alias.name}" for alias in node.names]
             else:
                 continue
-            commented = "#" in lines[node.lineno - 1] or (
-                node.lineno > 1 and lines[node.lineno - 2].strip().startswith("#"))
+            commented = _commented(lines, node.lineno)
             for target in targets:
                 if target.split(".")[0] == FACADE:
                     found.append(Import(module, resolve(target), node.lineno, id(node) in in_function,
                                         commented, path))
     return sorted(set(found), key=lambda i: (i.module, i.line, i.target))
+
+
+def _commented(lines: list[str], line: int) -> bool:
+    """Whether the import on ``line`` (1-based) says why it is where it is: a comment on its line,
+    or on the line above the group of imports it belongs to (or on any import of that group)."""
+    if "#" in lines[line - 1]:
+        return True
+    for text in (lines[at].strip() for at in range(line - 2, -1, -1)):
+        if text.startswith("#"):
+            return True
+        if not text.startswith(("from ", "import ")):
+            return False
+        if "#" in text:
+            return True
+    return False
 
 
 def cycles(found: list[Import]) -> list[list[str]]:
