@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _timing import header, interleaved_samples, median_seconds, paired_ratio, summary  # noqa: E402
 
 import graphkern as gk  # noqa: E402
+from graphkern.compiling import all_finite  # noqa: E402
 from graphkern.models import patch, wrap  # noqa: E402
 from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
-from graphkern.compiling import all_finite  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {},

@@ -31,9 +31,9 @@ from mlx.utils import tree_map
 
 import graphkern as gk
 import graphkern.kernels as gkk
+from graphkern.compiling.compiled import _CallState, _PassThrough
 from graphkern.launching import backends, mlx_kernels
 from graphkern.tracing.module_hooks import ModuleHooks
-from graphkern.compiling.compiled import _CallState, _PassThrough
 
 THREADS = 8
 CALLS = 1_000
@@ -428,3 +428,43 @@ def test_the_steady_path_race_mixes_results_when_threads_share_one_call_state(
     assert outcomes["first"] == expected["first"]
     assert outcomes["second"] != expected["second"]
     assert outcomes["second"] == expected["second"]["y"]
+
+
+def test_fused_ops_as_nodes_is_counted_across_threads_and_restored_once() -> None:
+    """``fused_ops_as_nodes`` patches ``mx.fast`` process-wide, as the module hooks patch classes: a
+    thread leaving while another is inside leaves the patch in place for it, nested uses are
+    counted, and the originals come back once, when the last use ends (without the count, a thread
+    entering while another is inside saved that one's patch as the original and put it back)."""
+    from graphkern.models.launch_count import _FusedFronts, fused_ops_as_nodes
+
+    stock = {name: getattr(mx.fast, name) for name in ("rms_norm", "layer_norm", "rope")}
+    both_inside, first_left = threading.Barrier(2), threading.Event()
+    seen: list[Any] = []
+
+    def early() -> None:
+        with fused_ops_as_nodes():
+            both_inside.wait(timeout=60)
+        first_left.set()
+
+    def late() -> None:
+        with fused_ops_as_nodes():
+            both_inside.wait(timeout=60)
+            first_left.wait(timeout=60)
+            seen.append(mx.fast.rms_norm is not stock["rms_norm"])
+            graph = gk.trace(lambda x, w: mx.fast.rms_norm(x, w, 1e-5), mx.ones((2, 4)), mx.ones((4,)))
+            seen.append([graph.node(n)["kernel"] for n in graph.kernels()])
+
+    def churn() -> None:
+        for _ in range(200):
+            with fused_ops_as_nodes(), fused_ops_as_nodes():
+                pass
+
+    threads = [threading.Thread(target=work) for work in (early, late, *[churn] * 6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    assert seen == [True, ["mx_fast_rms_norm"]]
+    assert {name: getattr(mx.fast, name) for name in stock} == stock
+    assert not _FusedFronts.places

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,25 +72,81 @@ def _as_node(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+class _FusedFronts:
+    """The node-recording functions put in front of ``mx.fast``'s fused ops and mlx-lm's ``swiglu``
+    bindings, reference-counted as ``ModuleHooks`` and the collective stand-ins are: thread-safe,
+    each place patched by the first use that needs it, nested and concurrent uses counted, the
+    original put back once, when the last use ends."""
+
+    lock = threading.Lock()
+    #: (id of the owner, attribute) -> (owner, original, uses)
+    places: dict[tuple[int, str], tuple[Any, Any, int]] = {}
+
+    @classmethod
+    def _original(cls, owner: Any, name: str) -> Any:
+        held = cls.places.get((id(owner), name))
+        return held[1] if held is not None else getattr(owner, name, None)
+
+    @classmethod
+    def _wanted(cls) -> list[tuple[Any, str]]:
+        wanted: list[tuple[Any, str]] = [(mx.fast, name) for name in _FAST]
+        activations = sys.modules.get("mlx_lm.models.activations")
+        compiled = cls._original(activations, "swiglu") if activations is not None else None
+        if compiled is not None:
+            wanted += [(module, "swiglu") for name, module in list(sys.modules.items())
+                       if name.startswith("mlx_lm.") and cls._original(module, "swiglu") is compiled]
+        return wanted
+
+    @classmethod
+    def install(cls) -> list[tuple[int, str]]:
+        keys = []
+        with cls.lock:
+            for owner, name in cls._wanted():
+                key = (id(owner), name)
+                held = cls.places.get(key)
+                if held is None:
+                    original = getattr(owner, name)
+                    label = "mlx_lm_swiglu" if name == "swiglu" else f"mx_fast_{name}"
+                    setattr(owner, name, _as_node(label, original))
+                    cls.places[key] = (owner, original, 1)
+                else:
+                    cls.places[key] = (owner, held[1], held[2] + 1)
+                keys.append(key)
+        return keys
+
+    @classmethod
+    def remove(cls, keys: list[tuple[int, str]]) -> None:
+        with cls.lock:
+            for key in keys:
+                owner, original, uses = cls.places[key]
+                if uses == 1:
+                    setattr(owner, key[1], original)
+                    del cls.places[key]
+                else:
+                    cls.places[key] = (owner, original, uses - 1)
+
+
 @contextlib.contextmanager
 def fused_ops_as_nodes() -> Iterator[None]:
     """While inside, ``mx.fast``'s fused ops and mlx-lm's compiled ``swiglu`` are one kernel node
     each in a trace (kernels ``mx_fast_rms_norm``..., ``mlx_lm_swiglu``), as they are one launch
-    each on a GPU."""
-    saved: list[tuple[Any, str, Any]] = [(mx.fast, name, getattr(mx.fast, name)) for name in _FAST]
-    activations = sys.modules.get("mlx_lm.models.activations")
-    compiled = getattr(activations, "swiglu", None)
-    if compiled is not None:
-        saved += [(module, "swiglu", compiled) for name, module in list(sys.modules.items())
-                  if name.startswith("mlx_lm.") and getattr(module, "swiglu", None) is compiled]
+    each on a GPU. The functions are patched process-wide (outside a trace they run as before):
+    thread-safe, nested and concurrent uses counted, the originals restored when the last use ends.
+
+    >>> import mlx.core as mx
+    >>> stock = mx.fast.rms_norm
+    >>> with fused_ops_as_nodes():
+    ...     with fused_ops_as_nodes():
+    ...         patched = mx.fast.rms_norm is not stock
+    ...     still = mx.fast.rms_norm is not stock
+    >>> patched, still, mx.fast.rms_norm is stock
+    (True, True, True)
+    """
+    keys = _FusedFronts.install()
     try:
-        for owner, name, fn in saved:
-            label = "mlx_lm_swiglu" if name == "swiglu" else f"mx_fast_{name}"
-            setattr(owner, name, _as_node(label, fn))
         yield
     finally:
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
+        _FusedFronts.remove(keys)
 
 
 def decode_launches(model: nn.Module, prompt_length: int = 8, batch: int = 1) -> Launches:
