@@ -155,3 +155,28 @@ def test_a_failing_stock_op_is_not_blamed_on_the_kernel_after_it(monkeypatch):
     monkeypatch.setattr(trace_module.mx, "eval", failing_eval)
     probe.kernel_call(None, None, [X], [Y], None)
     assert probe.failed == (-1, boom)  # an op before the kernel, not kernel call 0
+
+
+def test_signatures_and_stats_say_why_calls_trace_again():
+    """What a user debugging recompiles reads: each signature traced (a Python scalar is part of
+    it), whether it compiled, the counts, and whether calls take the steady path."""
+    cf = gk.compile(lambda x, n: x * n)
+    for n in (2, 3, 2):
+        cf(X, n)
+    # least recently used first: the call with 2 came back last
+    assert [s.call for s in cf.signatures()] == ["<lambda>(float32[8], 3)", "<lambda>(float32[8], 2)"]
+    assert all(s.compiled and s.graph.ok for s in cf.signatures())
+    assert cf.stats() == {"hits": 1, "misses": 2, "size": 2, "compiled": 2, "steady": 0}
+    cf.forget_oldest_trace()
+    assert [s.call for s in cf.signatures()] == ["<lambda>(float32[8], 2)"]
+    assert not cf.signatures()[0].compiled  # the compiled functions went with it
+    cf.clear()
+    assert cf.signatures() == [] and cf.stats()["size"] == 0 and cf.group is None
+
+    arrays = gk.compile(lambda x, y: x * y)
+    arrays(X, Y)
+    assert arrays.stats()["steady"] == 1  # one signature of positional arrays: MLX's call alone
+    bad = gk.compile(model_fn, backend="metal")
+    bad.trace(X, Y)
+    [signature] = bad.signatures()
+    assert signature.call == "model_fn(float32[8], float32[8])" and not signature.compiled

@@ -285,7 +285,7 @@ def test_one_compiled_graph_called_from_eight_threads_from_its_steady_path() -> 
     mx.eval(x, y, x2, y2)
     expected, expected2 = fn(x, y).tolist(), fn(x2, y2).tolist()
     assert cf(x, y).tolist() == expected  # the long way: traced, compiled, run
-    assert cf._steady is not None  # the next call from this thread is a steady one
+    assert cf.stats()["steady"]  # the next call from this thread is a steady one
     assert cf(x, y).tolist() == expected
 
     def work(index: int) -> list[Any]:
@@ -343,7 +343,7 @@ def steady_race_setup() -> tuple[gk.CompiledGraph, dict[str, tuple[mx.array, mx.
     cf = gk.compile(norm_and_rows)
     primed = cf(x0, w)  # the long way: traced, compiled, run; the next call may be a steady one
     assert primed.tolist() == norm_and_rows(x0, w).tolist()
-    assert cf._steady is not None
+    assert cf.stats()["steady"]
     expected = {name: tree_map(lambda a: a.tolist(), norm_and_rows(*args)) for name, args in calls.items()}
     return cf, calls, expected
 

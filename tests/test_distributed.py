@@ -177,7 +177,7 @@ def test_bad_timeouts_and_groups_are_refused() -> None:
         assert info.value.status == gk.Status.INVALID_INPUT
     with pytest.raises(gk.KernelError, match="group must be an mx.distributed.Group"):
         gk.wrap(model, group="world")
-    assert gk.compile(model, timeout=5.0)._sync is None  # one rank: nothing to agree or watch
+    assert gk.compile(model, timeout=5.0).group is None  # one rank: nothing to agree or watch
 
 
 def test_merge_refuses_what_is_not_one_job() -> None:

@@ -74,7 +74,7 @@ def test_weight_updates_between_calls_are_seen():
     model.update({"layers": [{"weight": mx.ones((16, 8)) / 8}, {}, {"weight": mx.eye(8, 16)}, {}]})
     out = wrapped(X)
     assert mx.allclose(out, model(X), atol=1e-6).item() and not mx.allclose(out, first).item()
-    assert len(wrapped._graphs) == 1  # new values of the same shapes: no new trace
+    assert wrapped.stats()["graphs"] == 1  # new values of the same shapes: no new trace
 
 
 def test_new_shapes_and_dtypes_retrace():
@@ -211,7 +211,7 @@ def test_many_offsets_keep_a_bounded_number_of_traces():
     caches = make_prompt_cache(model)
     _decode(wrapped, model, caches, steps=3)
     assert wrapped.calls == {"compiled": 4, "eager": 0}
-    assert len(wrapped._graphs) == 2 and caches[0].offset == PROMPT.shape[1] + 3
+    assert wrapped.stats()["graphs"] == 2 and caches[0].offset == PROMPT.shape[1] + 3
 
 
 def test_max_traces_bounds_the_traces_kept_over_prompt_lengths():
@@ -220,10 +220,10 @@ def test_max_traces_bounds_the_traces_kept_over_prompt_lengths():
     for length in range(1, 7):  # six prompt lengths: one static structure, six signatures
         tokens = mx.arange(length, dtype=mx.int32)[None] % 128
         assert mx.allclose(wrapped(tokens), model(tokens), atol=1e-5).item()
-        assert sum(len(list(c.traces())) for c in wrapped._graphs.values()) == min(length, 3)
+        assert wrapped.stats()["traces"] == len(wrapped.signatures()) == min(length, 3)
     tokens = mx.array([[1, 2]])  # dropped long ago: traced again, and still right
     assert mx.allclose(wrapped(tokens), model(tokens), atol=1e-5).item()
-    assert sum(len(list(c.traces())) for c in wrapped._graphs.values()) == 3
+    assert wrapped.stats()["traces"] == 3
     assert mx.allclose(wrapped(mx.arange(6)[None]), model(mx.arange(6)[None]), atol=1e-5).item()
     for bad in (0, -1, 2.0, True):
         with pytest.raises(gk.KernelError, match="max_traces must be a positive int"):
@@ -238,7 +238,7 @@ def test_decode_traces_prefill_and_one_step_then_runs_new_offsets_eagerly():
     expected = _decode(model, model, eager_caches, steps=4)
     got = _decode(wrapped, model, graph_caches, steps=4)
     assert wrapped.calls == {"compiled": 2, "eager": 3}  # prefill and the first step were traced
-    assert len(wrapped._graphs) == 2
+    assert wrapped.stats()["graphs"] == 2
     for e, g in zip(expected, got):
         assert mx.allclose(e, g, atol=1e-5).item()
     assert graph_caches[0].offset == eager_caches[0].offset == PROMPT.shape[1] + 4

@@ -17,6 +17,8 @@ from graphkern.debugging.statistics import array_stats
 from graphkern.debugging.values import GraphRun, trace_for_values
 from graphkern.models.tiny import tiny_model
 from graphkern.tracing import replay
+from graphkern.tracing.state import Flat
+from graphkern.tracing.traceable import Traceable
 
 S = gk.Status
 
@@ -143,7 +145,7 @@ def test_a_kernel_with_several_outputs_has_stats_per_output() -> None:
 
 def test_values_are_dropped_once_their_last_reader_ran() -> None:
     model = pb.llama()
-    graph, wiring, arrays = trace_for_values(gk.compile(model)._traceable,
+    graph, wiring, arrays = trace_for_values(Traceable(model),
                                              *_flat(model))
     run = GraphRun(graph, wiring, arrays)
     computed = {n for n in graph.nodes() if graph.node(n)["kind"] in ("op", "kernel")}
@@ -161,9 +163,6 @@ def test_values_are_dropped_once_their_last_reader_ran() -> None:
 
 
 def _flat(model: nn.Module) -> tuple:
-    from graphkern.tracing.traceable import Traceable
-    from graphkern.tracing.state import Flat
-
     return (Flat.of((pb.TOKENS,), {}, Traceable(model).arg_names),)
 
 

@@ -22,7 +22,7 @@ from ..launching import backends, mlx_kernels
 from ..launching.context import recording
 from ..launching.launch_cache import LaunchCache, track
 from ..launching.validation import Launch
-from ..nodes import Kernel, KernelError, Status
+from ..nodes import Kernel, KernelError, Status, dtype_name
 from ..tracing.extensions import collectives, refuse_tracing
 from ..tracing.graph import Failure, Graph, GraphError
 from ..tracing.guards import AttributeGuard, modules_under, reached_places
@@ -31,7 +31,7 @@ from ..tracing.traceable import Traceable
 from .extensions import describe_call, rank_sync
 from .finite import all_finite, non_finite_error
 
-__all__ = ["CompiledGraph", "FiniteCheckedGraph", "compile"]
+__all__ = ["CompiledGraph", "FiniteCheckedGraph", "TracedSignature", "compile"]
 
 
 # ----------------------------------------------------------------------------- kernels in state
@@ -213,6 +213,35 @@ class _CallState(threading.local):
         self.recorder = _PassThrough()
 
 
+@dataclass(frozen=True)
+class TracedSignature:
+    """One input signature a compiled graph traced (see :meth:`CompiledGraph.signatures`)."""
+
+    #: the call as it was traced: each array as its dtype and shape, other values as they were
+    #: (a Python scalar is part of the signature: a new value traces again)
+    call: str
+    #: the trace; ``graph.ok`` False means calls with this signature are refused
+    graph: Graph
+    #: whether an ``mx.compile``'d function is held for its structure (it ran at least once)
+    compiled: bool
+
+
+class _Shown:
+    """An array in a signature's description: its dtype and shape."""
+
+    def __init__(self, array: mx.array) -> None:
+        self.text = f"{dtype_name(array.dtype)}{list(array.shape)}"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _describe(name: str, flat: Flat) -> str:
+    """``f(float32[8], 2, shift=1.0)``: a call's signature as :class:`TracedSignature` shows it."""
+    args, kwargs = flat.rebuild([_Shown(a) for a in flat.arrays])  # type: ignore[misc]
+    return f"{name}({', '.join([*map(repr, args), *(f'{k}={v!r}' for k, v in kwargs.items())])})"
+
+
 @dataclass
 class _Prepared:
     """What a call with one signature needs: its trace, output structure and compiled function."""
@@ -274,6 +303,7 @@ class CompiledGraph:
         # signature -> (graph, output spec); least recently used first (``forget_oldest_trace``)
         self._graphs = LaunchCache("compiled graph traces", None, group=None)
         self._slots: dict[Any, _KernelSlots] = {}
+        self._calls: dict[Any, str] = {}  # signature -> the call traced, described (signatures())
         # the Python values the traces read (module attributes, closure and global scalars)
         self._guard: AttributeGuard | None = None
         self._last: Graph | None = None
@@ -358,6 +388,7 @@ class CompiledGraph:
             entry = self._traceable.trace(flat, self.backend, used)
             self._graphs.put(key, entry)
             self._slots[key] = _KernelSlots.find(self.fn, used)
+            self._calls[key] = _describe(self._traceable.name, flat)
             self._guard = self._new_guard()  # the values as this trace left them
         self._last = entry[0]
         return entry
@@ -527,17 +558,62 @@ class CompiledGraph:
         """Forget every trace (the next call re-traces)."""
         self._graphs.clear()
         self._slots.clear()
+        self._calls.clear()
         self._guard = None
         self._forget_compiled()
         self._last = None
         if self._sync is not None:
             self._sync.clear()
 
+    # ------------------------------------------------------------------ inspection
+
     def stats(self) -> dict[str, int]:
-        """Signatures found traced (hits), traced anew (misses), traces kept (size)."""
-        return self._graphs.stats()
+        """What this compiled graph holds and how its calls found it, for a user asking why calls
+        trace again or run slowly:
+
+        - ``hits``: calls of the long way whose signature was traced already;
+        - ``misses``: signatures traced anew (a new shape, dtype, tree or Python value; a replaced
+          kernel; a changed module attribute);
+        - ``size``: traces kept, one per signature (:meth:`signatures`);
+        - ``compiled``: ``mx.compile``'d functions held, one per structure (tree and Python
+          values): signatures differing only in array shapes and dtypes share one;
+        - ``steady``: 1 when the next call with the last signature skips graphkern's lookup and is
+          MLX's compiled call alone (one signature ever ran through its compiled function, all
+          arguments positional arrays, no ``backend=``), else 0.
+
+        >>> import mlx.core as mx, graphkern as gk
+        >>> cf = gk.compile(lambda x: x * 2)
+        >>> _ = cf(mx.ones((2,))); _ = cf(mx.ones((2,))); _ = cf(mx.ones((3,)))
+        >>> cf.stats()
+        {'hits': 0, 'misses': 2, 'size': 2, 'compiled': 1, 'steady': 0}
+        """
+        steady = int(self._steady is not None)
+        return {**self._graphs.stats(), "compiled": len(self._compiled), "steady": steady}
+
+    def signatures(self) -> list[TracedSignature]:
+        """The input signatures traced and kept, least recently used first: each call as it was
+        traced, its graph, and whether it compiled. A signature per call where one was expected
+        says what differs between the calls (a Python scalar that changes, say, which should be an
+        array).
+
+        >>> import mlx.core as mx, graphkern as gk
+        >>> cf = gk.compile(lambda x, n: x * n)
+        >>> _ = cf(mx.ones((2, 3)), 2); _ = cf(mx.ones((2, 3)), 3)
+        >>> [(s.call, s.graph.ok, s.compiled) for s in cf.signatures()]
+        [('<lambda>(float32[2, 3], 2)', True, True), ('<lambda>(float32[2, 3], 3)', True, True)]
+        """
+        compiled = self._compiled
+        return [TracedSignature(self._calls.get(key, "?"), graph, key[0] in compiled)
+                for key, (graph, _) in self._graphs.items()]
+
+    @property
+    def group(self) -> Any:
+        """The ``mx.distributed.Group`` whose ranks agree before a new signature runs (see
+        ``graphkern.distributed``), or None when the function runs on one rank."""
+        return self._sync.group if self._sync is not None else None
 
     def traces(self) -> Iterator[Graph]:
+        """The graphs of the signatures kept, least recently used first."""
         return (g for g, _ in self._graphs.values())
 
     def trace_count(self) -> int:
@@ -553,6 +629,7 @@ class CompiledGraph:
         key = self._graphs.oldest()
         graph, _ = self._graphs.pop(key)
         self._slots.pop(key, None)
+        self._calls.pop(key, None)
         self._forget_compiled()
         if self._sync is not None:
             self._sync.forget(graph)

@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern.compiling import CompiledGraph, all_finite, non_finite_error
+from graphkern.compiling import CompiledGraph, TracedSignature, all_finite, non_finite_error
 from graphkern.compiling import compile as compile_graph
 from graphkern.distributed.sync import rank_sync
 from graphkern.errors import ModelError
@@ -255,6 +255,26 @@ class WrappedModel:
     def _new_compiled(self) -> CompiledGraph:
         return compile_graph(_forward(self.model), backend=self.backend, check_finite=self.check_finite,
                              group=self._group, timeout=self.timeout)
+
+    def stats(self) -> dict[str, int]:
+        """What the wrapper holds: ``graphs``, the compiled graphs (one per static part of the
+        arguments: tree, Python values, cache offsets when ``trace_each_offset``); ``traces``,
+        the traces they keep in all (at most ``max_traces``: :meth:`signatures`); ``compiled``
+        and ``eager``, the calls run each way (``.calls``).
+
+        >>> import mlx.core as mx, mlx.nn as nn
+        >>> wrapped = wrap(nn.Linear(4, 4))
+        >>> _ = wrapped(mx.ones((1, 4))); _ = wrapped(mx.ones((2, 4)))
+        >>> wrapped.stats()
+        {'graphs': 1, 'traces': 2, 'compiled': 2, 'eager': 0}
+        """
+        traces = sum(compiled.trace_count() for compiled in self._graphs.values())
+        return {"graphs": len(self._graphs), "traces": traces, **self.calls}
+
+    def signatures(self) -> list[TracedSignature]:
+        """The signatures traced and kept, over every compiled graph (see
+        ``CompiledGraph.signatures``), the graph used longest ago first."""
+        return [s for compiled in self._graphs.values() for s in compiled.signatures()]
 
     def clear(self) -> None:
         """Forget every trace."""
