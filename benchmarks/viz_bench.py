@@ -8,7 +8,7 @@ DOT text <= 1 s.
     python benchmarks/viz_bench.py [--nodes 10000] [--layers 8,32] [--repeat 5] [--no-browser]
                                    [--no-graphviz] [--dot-timeout 60] [--json F]
 
-The 10,000-node graph is tests/viz_graphs.py's transformer-like trace (about 60 nodes per block,
+The 10,000-node graph is tests/helpers/viz_graphs.py's transformer-like trace (about 60 nodes per block,
 nested module scopes, one failed kernel half-way so that a third of the graph is
 UPSTREAM_FAILED), wrapped in ``gk.Graph`` so the JSON export is the real ``Graph.to_json``. The
 real models are random-weight mlx-lm llamas (hidden size 64, ``graphkern.models.tiny``'s llama
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "helpers")]
 
 import mlx.core as mx  # noqa: E402
 import viz_graphs  # noqa: E402

@@ -66,7 +66,7 @@ case "$part" in
   quantized-models)
     gpu_tests tests/gpu/test_quantized_gpu.py tests/gpu/test_cli_model_gpu.py -k "patched or model_commands" \
       | tee "$out/pytest_quantized_models.txt" | tail -15 ;;
-  model-comparisons)  # written for the CPU; on a GPU they hold to the model tolerances (tests/model_comparisons.py).
+  model-comparisons)  # written for the CPU; on a GPU they hold to the model tolerances (tests/helpers/model_comparisons.py).
     # MLX multiplies float32 matrices in TF32 on CUDA unless told not to: the stock side of a float32
     # comparison then rounds to about 1e-3, past those tolerances, while the kernels accumulate in float32
     MLX_ENABLE_TF32=0 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_moe_route.py \

@@ -1,9 +1,12 @@
 """Shared test setup: the ``gpu`` marker skips without a GPU backend; hypothesis profiles; a
-stand-in GPU backend for the CPU (``opaque_gpu``)."""
+stand-in GPU backend for the CPU (``opaque_gpu``); the modules tests share (planted bugs, graphs
+made by hand, model comparisons, the ring's runner...), which live in ``tests/helpers/`` and are
+imported by name (``import viz_graphs as vg``)."""
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +25,9 @@ settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 HAS_GPU = mx.cuda.is_available() or mx.metal.is_available()
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
+if HELPERS not in sys.path:
+    sys.path.insert(0, HELPERS)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,8 +1,8 @@
 """graphkern across processes (``graphkern.distributed``).
 
 The first tests run in this process, where ``mx.distributed.init()`` is a group of one. The
-others really run two processes over MLX's ring backend on 127.0.0.1 (``tests/ring.py`` starts
-them, ``tests/ring_worker.py`` is each rank): every scenario runs once per module, bounded by a
+others really run two processes over MLX's ring backend on 127.0.0.1 (``tests/helpers/ring.py`` starts
+them, ``tests/helpers/ring_worker.py`` is each rank): every scenario runs once per module, bounded by a
 timeout that kills the ranks' process groups, and several tests read what its ranks saw.
 """
 

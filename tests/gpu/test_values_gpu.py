@@ -77,11 +77,7 @@ def _absmax(graph: gk.Graph, node: str) -> float:
 
 
 def test_inspect_on_the_gpu_names_a_nan_kernel() -> None:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import planted_bugs as pb
+    import planted_bugs as pb  # tests/helpers, on the path from tests/conftest.py
 
     g = gk.inspect(pb.nan_llama(), pb.TOKENS)
     assert not _unreached(g), _unreached(g)[:10]
