@@ -94,6 +94,20 @@ def apply_in_graph(kernel: Kernel, inputs: Sequence[Any], output_specs: Sequence
     outputs with status OK; an invalid one gives zeros of the declared specs and a non-zero
     status, so tracing continues and the graph shows what failed and what it affects.
 
+    Args:
+        kernel: the :class:`Kernel` to launch.
+        inputs: its inputs, in the order of ``kernel.input_names`` (arrays, or Python scalars).
+        output_specs: each output's shape and dtype (:class:`OutputSpec`).
+        grid: the launch grid, in threads, three positive ints.
+        threadgroup: the threadgroup size, three positive ints.
+        template: template arguments (:class:`TemplateArg`, or ``(name, value)`` pairs).
+        init_value: fill the outputs with this value before the kernel runs; None: uninitialized.
+        backend: ``"metal"``, ``"cuda"`` or ``"reference"``; None: graphkern's choice.
+
+    Returns:
+        A :class:`KernelResult`: ``outputs``, ``status``, ``error`` (the ``KernelError`` a failed
+        launch would have raised) and ``ok``. Failures never raise: they are the status.
+
     >>> k = Kernel("twice", ["x"], ["out"], reference=lambda x: [x * 2])
     >>> x = mx.ones((4,))
     >>> bad = apply_in_graph(k, [x], [OutputSpec((4,), mx.float32)], grid=(0, 1, 1),

@@ -660,16 +660,35 @@ class FiniteCheckedGraph(CompiledGraph):
 
 def compile(fn: Callable[..., Any], *, state: Any = None, backend: str | None = None,
             check_finite: bool = False, group: Any = None, timeout: float | None = None) -> CompiledGraph:
-    """Compile ``fn`` into a ``CompiledGraph`` (see there).
+    """Compile ``fn`` into a ``CompiledGraph``: ``mx.compile`` guarded by a graphkern trace per input
+    signature (see :class:`CompiledGraph`).
 
-    ``state``: extra arrays, lists, dicts or modules ``fn`` reads without taking them as
-    arguments; modules ``fn`` is bound to or closes over, and closure arrays, are found alone.
-    ``check_finite``: check each call's outputs for NaN/Inf and name the node where they
-    started (``FiniteCheckedGraph``); off by default, since each call then waits for its outputs.
-    Across processes (``mx.distributed``, see ``graphkern.distributed``): the ranks of ``group``
-    (default: the group ``fn``'s sharded modules hold) agree before a new signature runs, and
-    ``timeout`` (seconds) arms a watchdog that turns a call stuck in its collectives into an
-    error on every rank.
+    The first call with a new signature traces ``fn`` (``.graph``); a trace with a failed node
+    is refused before anything runs. ``.signatures()`` and ``.stats()`` say what was traced and
+    why a call traced again.
+
+    Args:
+        fn: the function or ``nn.Module`` to compile.
+        state: extra arrays, lists, dicts or modules ``fn`` reads without taking them as
+            arguments; modules ``fn`` is bound to or closes over, and closure arrays, are found
+            alone.
+        backend: the kernel backend its launches use; None: graphkern's choice.
+        check_finite: check each call's outputs for NaN/Inf and name the node where they started
+            (``FiniteCheckedGraph``); off by default, since each call then waits for its outputs.
+        group: across processes (``mx.distributed``, see ``graphkern.distributed``), the group
+            whose ranks agree before a new signature runs; None: the group ``fn``'s sharded
+            modules hold, if any.
+        timeout: seconds; arms a watchdog that turns a call stuck in its collectives into an
+            error on every rank.
+
+    Returns:
+        A :class:`CompiledGraph` (:class:`FiniteCheckedGraph` with ``check_finite``).
+
+    Raises:
+        KernelError: ``fn`` cannot be traced (see ``gk.trace``), or a bad ``group`` or
+            ``timeout`` (``Status.INVALID_INPUT``).
+        GraphError: at a call, a node of the signature's trace failed, a kernel failed to run
+            (the error names its node), or with ``check_finite`` the outputs held NaN or Inf.
 
     >>> import mlx.core as mx, graphkern as gk
     >>> cf = gk.compile(lambda x: mx.log(x) * 2, check_finite=True)

@@ -819,17 +819,36 @@ def compare(a: Callable[..., Any], b: Callable[..., Any], *args: Any, rtol: floa
             backends: tuple[str | None, str | None] = (None, None), check_kernels: bool = False,
             progress: bool | None = None, rounding: bool | None = None,
             margin: float = ROUNDING_MARGIN) -> Comparison:
-    """Run ``a`` and ``b`` (functions or models) on ``args`` (and ``kwargs``) node by node and
-    compare every matched node's output (see the module). ``a`` is the reference.
+    """Run ``a`` and ``b`` (functions or models) on the same arguments node by node and compare every
+    matched node's output (see the module); ``a`` is the reference.
 
-    ``rounding``: judge each node against what rounding explains there, from float32 runs of
-    both (see :mod:`graphkern.debugging.precision`; ``margin`` times it, plus ``atol + rtol * |a|``);
-    None: when both compute in float16 or bfloat16 (it doubles the work). Otherwise an element
-    is beyond when ``|a - b| > atol + rtol * |a|``. ``backends`` sets each side's kernel backend
-    (``(None, "reference")``: the GPU kernels against their references, all else alike);
-    ``check_kernels`` also runs each kernel node's reference on the exact inputs it received
-    inside the model (``c.kernel_checks``). ``progress``: a progress line on stderr (None: when
-    stderr is a terminal).
+    Parameters are compared by name first; then nodes are matched across the two graphs and an
+    element is beyond when ``|a - b| > atol + rtol * |a|``, or, judging by rounding, when it
+    exceeds ``margin`` times what rounding explains there plus that.
+
+    Args:
+        a: the reference function or model.
+        b: the function or model compared with it.
+        *args: the positional arguments both are called with.
+        rtol: relative tolerance.
+        atol: absolute tolerance.
+        kwargs: keyword arguments both are called with.
+        backends: each side's kernel backend (``(None, "reference")``: the GPU kernels against
+            their references, all else alike).
+        check_kernels: also run each kernel node's reference on the exact inputs it received
+            inside the model (``c.kernel_checks``).
+        progress: a progress line on stderr; None: when stderr is a terminal.
+        rounding: judge each node against what rounding explains there, from float32 runs of
+            both (see :mod:`graphkern.debugging.precision`); None: when both compute in float16
+            or bfloat16 (it doubles the work).
+        margin: how many times what rounding explains a difference must exceed to count.
+
+    Returns:
+        A :class:`Comparison`: ``rows`` (one per matched output), ``first_divergence``, ``ok``,
+        both values graphs (``a``, ``b``) and ``to_html()``.
+
+    Raises:
+        KernelError: ``a`` or ``b`` cannot be traced (see ``gk.trace``).
 
     >>> import mlx.core as mx, graphkern as gk
     >>> c = gk.compare(lambda x: mx.sin(x) + 1, lambda x: mx.sin(x) + 1, mx.ones((3,)))

@@ -558,7 +558,24 @@ def finish_values(graph: Graph, anchored: int = 0) -> None:
 def inspect(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
     """Trace ``fn`` on these arguments and run it node by node, recording each node's output
     statistics (``stats``) and naming the node where a NaN or Inf started (``Status.NON_FINITE``,
-    ``g.failures()[0]``). Keyword arguments go to ``fn``; options are :class:`Inspector`'s.
+    ``g.failures()[0]``).
+
+    The graph is ``gk.trace``'s; every op node then runs again through the MLX op of its
+    primitive and every kernel node through its recorded launch, from the call's own arguments
+    and state. Options (saving every tensor, checking kernels against their references, a
+    progress line, the backend) are :class:`Inspector`'s.
+
+    Args:
+        fn: a function or ``nn.Module``, as ``gk.trace`` takes it.
+        *args: the positional arguments of the call.
+        **kwargs: its keyword arguments (all go to ``fn``).
+
+    Returns:
+        The :class:`Graph` with ``stats`` on every node whose output could be reached (a node
+        that could not gets ``values_note`` saying why).
+
+    Raises:
+        KernelError: ``fn`` cannot be traced (see ``gk.trace``).
 
     >>> import mlx.core as mx, graphkern as gk
     >>> g = gk.inspect(lambda x: mx.log(x), mx.array([1.0, 0.0]))

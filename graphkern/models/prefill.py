@@ -41,15 +41,14 @@ __all__ = ["PIPELINE_TOKENS", "SPARSE_PIPELINE_TOKENS", "STOCK_PROMPT_BACKENDS",
            "BlockPipeline", "prompt_mode", "start_on_device", "stock_layers", "stock_layers_run"]
 
 #: Prompts of at least this many tokens (batch times length) start each block on the device as
-#: soon as it is built. On an H200 it made 2048-token prompts of 16-layer models faster, while
-#: 256-token ones of the dense models were slower (a block's device work is then too short to
-#: pay for a command graph of its own).
+#: soon as it is built: below it a block's device work is too short to pay for a command graph of
+#: its own (the measurements: benchmarks/RESULTS_generate.md).
 PIPELINE_TOKENS = 512
-#: The same for a stack with mixture-of-experts blocks: at 256 tokens a block's device work
-#: already outlasts the host's building of the next.
+#: The same for a stack with mixture-of-experts blocks, whose blocks do more device work each, so
+#: that it outlasts the host's building of the next block at fewer tokens.
 SPARSE_PIPELINE_TOKENS = 256
-#: Backends where shorter prompts (past decoding's ``MAX_SEGMENT_TOKENS``) run the stock layers:
-#: on CUDA the stock forward of a 256-token prompt reached the first token sooner.
+#: Backends where shorter prompts (past decoding's ``MAX_SEGMENT_TOKENS``) run the stock layers,
+#: because there the host, not the device, bounds such a prompt (see the module's docstring).
 STOCK_PROMPT_BACKENDS = frozenset({"cuda"})
 
 PromptMode = Literal["kernels", "stock", "pipelined"]

@@ -305,26 +305,50 @@ refuse_tracing(WrappedModel, "this is a gk.wrap()ped model, which runs a compile
 def wrap(model: nn.Module, *, backend: str | None = None, max_traces: int = 16,
          trace_each_offset: bool = False, check_finite: bool = False, group: Any = None,
          timeout: float | None = None) -> WrappedModel:
-    """Run ``model``'s forward pass as a graphkern compiled graph.
+    """Run ``model``'s forward pass as a graphkern compiled graph (``gk.compile`` of its call).
 
-    Parameters are passed to the compiled function as state, so ``model.update(...)`` and optimizer
-    steps are seen by the next call; a new input shape or dtype re-traces; swapping modules
-    (``patch``/``unpatch``) re-traces; ``.graph`` is the last trace. mlx-lm models take their KV cache
-    as usual, ``wrapped(tokens, cache=cache)``: the cache objects are updated in place. A cache whose
-    state is not arrays and Python scalars is refused with ``KernelError``. A cache offset is static
-    (mlx-lm slices the cache with it): the first call of a kind (prefill, then the first decode step)
-    is traced and compiled, and the same call at a new offset runs the model eagerly on the caller's
-    cache (``.calls`` counts both), as torch.compile falls back to eager past its recompile limit:
-    tracing every token would cost more than running it. ``trace_each_offset=True`` traces and
-    compiles every offset instead. ``max_traces`` bounds the traces kept in all (one per input
-    signature: each prompt length is one), the oldest dropped first. An eager call that
-    fails raises what failed (a kernel's ``KernelError``, MLX's error) and leaves the cache as it was.
-    ``check_finite=True`` checks each call's logits for NaN/Inf and raises ``GraphError`` naming the
-    node where they started (see ``gk.compile``); the cache is then left as it was.
-    Anything but an ``nn.Module`` is refused with ``KernelError`` (``Status.INVALID_INPUT``).
+    Parameters are passed to the compiled function as state, so ``model.update(...)`` and
+    optimizer steps are seen by the next call. A new input shape or dtype traces again, and so
+    does swapping modules (``patch``/``unpatch``); ``.graph`` is the last trace, ``.signatures()``
+    and ``.stats()`` say what is kept.
+
+    mlx-lm models take their KV cache as usual, ``wrapped(tokens, cache=cache)``, and the cache
+    objects are updated in place. A cache offset is static (mlx-lm slices the cache with it): the
+    first call of a kind (prefill, then the first decode step) is traced and compiled, and the
+    same call at a new offset runs the model eagerly on the caller's cache (``.calls`` counts
+    both), as torch.compile falls back to eager past its recompile limit: tracing every token
+    would cost more than running it. An eager call that fails raises what failed and leaves the
+    cache as it was.
+
     A sharded model (``model.shard(group)``) runs on every rank as ``gk.compile`` runs it there:
-    the ranks agree before a new signature runs, and ``timeout`` (seconds) arms the watchdog
-    (see ``graphkern.distributed``); ``group`` defaults to the one the sharded layers hold.
+    the ranks agree before a new signature runs (see ``graphkern.distributed``).
+
+    Args:
+        model: the ``nn.Module`` to run.
+        backend: the kernel backend (``"metal"``, ``"cuda"``, ``"reference"``); None: graphkern's
+            choice (``GRAPHKERN_BACKEND``, else the device's).
+        max_traces: the most traces kept in all (one per input signature: each prompt length is
+            one), the one used longest ago dropped first.
+        trace_each_offset: trace and compile every cache offset instead of running calls at a new
+            offset eagerly.
+        check_finite: check each call's logits for NaN/Inf and raise ``GraphError`` naming the
+            node where they started (see ``gk.compile``); the cache is then left as it was.
+        group: the ``mx.distributed.Group`` whose ranks agree; None: the one the sharded layers
+            hold, if any.
+        timeout: seconds a call may spend in its collectives before the watchdog turns it into
+            an error on every rank; None: no watchdog.
+
+    Returns:
+        A :class:`WrappedModel`, called as the model is; the model's other attributes (``layers``,
+        ``make_cache``...) read through, so mlx-lm's generators take it as they take the model.
+
+    Raises:
+        ModelError: ``model`` is not an ``nn.Module`` or ``max_traces`` not a positive int
+            (``Status.INVALID_INPUT``); at a call, a cache whose state is not arrays and Python
+            scalars.
+        KernelError: a bad ``group`` or ``timeout``.
+        GraphError: at a call, a node of its trace failed (nothing ran), or with
+            ``check_finite``, the outputs held NaN or Inf.
 
     >>> import mlx.core as mx, mlx.nn as nn
     >>> model = nn.Linear(2, 2)

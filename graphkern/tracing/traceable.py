@@ -172,7 +172,24 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
 
     Every MLX primitive becomes an ``op`` node, every ``apply_in_graph`` call one ``kernel`` node,
     and when ``fn`` is (or closes over) an ``nn.Module`` every node carries its module path.
-    Trace-time kernel failures are statuses on their nodes, propagated downstream.
+    Trace-time kernel failures are statuses on their nodes, propagated downstream: the trace goes
+    on, and ``graph.status`` / ``graph.failures()`` say what failed. ``fn`` runs once, eagerly
+    inside MLX's capture; nothing is compiled.
+
+    Args:
+        fn: a function or an ``nn.Module`` taking MLX arrays (and Python values, which the trace
+            bakes in). Modules it is, is bound to, closes over or names as a global are found and
+            scope the nodes; their parameters are the graph's state inputs.
+        *args: the positional arguments of the call.
+        **kwargs: its keyword arguments (all go to ``fn``).
+
+    Returns:
+        The :class:`Graph` of the call.
+
+    Raises:
+        KernelError: ``fn`` is not callable, is a ``gk.compile``d function or a ``gk.wrap``ped
+            model (trace what they run instead), takes a numpy array, returns no arrays
+            (``Status.INVALID_INPUT``), or raised outside any module (``Status.MODULE_ERROR``).
 
     >>> import mlx.core as mx, graphkern as gk
     >>> g = gk.trace(lambda x, y: x @ y, mx.ones((2, 3)), mx.ones((3, 4)))

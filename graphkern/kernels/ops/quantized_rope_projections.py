@@ -56,9 +56,9 @@ __all__ = ["QUANTIZED_NORM_ROPE_PROJECTIONS", "ROTATED_MAX_ROWS", "plan_quantize
 
 #: Rows up to which a patched block decodes through this kernel rather than
 #: ``quantized_norm_projections`` and ``rope_qk``. A warp makes two products here, so a launch has
-#: half the warps; at 8 rows (one block an SM) a batch of 8 decoded slower through it on an H200
-#: than through the two kernels, while one token decoded faster (one launch fewer a block, on a
-#: step the host bounds). At 2 rows its registers and occupancy are about the unfused kernel's.
+#: half the warps: past a few rows that costs more device time than the launch it saves on a step
+#: the host bounds (benchmarks/RESULTS_generate.md). At 2 rows its registers and occupancy are
+#: about the unfused kernel's.
 ROTATED_MAX_ROWS = 2
 
 # A warp a unit of two features: the query heads' units, the key heads', then the values'. A head

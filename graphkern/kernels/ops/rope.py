@@ -45,10 +45,10 @@ __all__ = ["ROPE", "ROPE_CUDA", "int_offset_array", "launch_freqs", "launch_offs
 
 #: Rows (heads, batch entries) one thread rotates at a position: their angles are computed once.
 ROWS_PER_THREAD = 4
-#: Threads that share a row's pairs, at least (narrower accesses otherwise): with 16-byte accesses a
-#: 16-bit partial rotation (64 of 128 features) gave each row 4 threads, 1.45x slower on an H200.
+#: Threads that share a row's pairs, at least: a partial rotation with 16-byte accesses would
+#: otherwise give each row fewer threads and narrower accesses (benchmarks/RESULTS_kernels.md).
 MIN_THREADS_PER_ROW = 8
-#: Threads a block (the fastest of 128-512 in a sweep on an H200).
+#: Threads a block, chosen by a sweep of block sizes (benchmarks/RESULTS_kernels.md).
 BLOCK = 128
 #: Inputs of at least this many elements take an int offset in a shape on CUDA (see _offset_array).
 SHAPED_OFFSET_SIZE = 2**20
@@ -353,8 +353,7 @@ def _offset_array(offset: int, in_shape: bool) -> mx.array:
 
     MLX passes input shapes to a CUDA kernel by value, while it keeps an array of at most 8 bytes in
     host-mapped managed memory (the small pool of mlx/backend/cuda/allocator.cpp), where reading
-    it from every warp costs a crossing to the host: 48 vs 38 us for a bfloat16 4x32x2048x128 RoPE,
-    19 vs 6 us for a float32 1x8x2048x128 one on an H200 (benchmarks/RESULTS_kernels.md).
+    it from every warp costs a crossing to the host (benchmarks/RESULTS_kernels.md has the times).
     A shape, though, is part of a launch's signature: each new offset would be a new launch to
     build, so only large inputs (``SHAPED_OFFSET_SIZE``), whose warps would wait longest, take it.
     """
