@@ -1,5 +1,6 @@
 import mlx.core as mx
 import networkx as nx
+import pytest
 
 import graphkern as gk
 from graphkern.tracing.capture import innermost_common_scope
@@ -22,6 +23,7 @@ def test_common_scope_of_merged_primitives():
     assert innermost_common_scope({"x", "y"}) == ""
 
 
+@pytest.mark.slow
 def test_very_deep_graphs_trace_without_overflowing_the_stack():
     # MLX's export recurses per primitive; the default 8 MiB stack dies near 50,000.
     def deep(x):

@@ -50,6 +50,7 @@ def test_a_clean_model_exits_0(models: str) -> None:
     assert code == 0 and "all values finite" in out
 
 
+@pytest.mark.slow
 def test_compare_names_the_first_divergence_and_exits_1(models: str, tmp_path) -> None:
     html, doc = tmp_path / "c.html", tmp_path / "c.json"
     code, out, _ = _run("debug", f"{models}:patched", "-i", "2,8:int32", "--compare", f"{models}:stock",

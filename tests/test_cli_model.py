@@ -420,6 +420,7 @@ def test_patching_what_is_not_a_module_is_a_model_error(function: str) -> None:
         call({"layer": 1})
 
 
+@pytest.mark.slow
 def test_an_unreachable_hub_id_says_so() -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "graphkern", "bench", "--model", "nobody/no-such-model"],
@@ -443,6 +444,7 @@ def mismatched(folders: dict[str, str], tmp_path_factory: pytest.TempPathFactory
     return str(folder)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["debug", "bench", "trace"])
 def test_a_token_id_past_the_embedding_exits_2_before_the_model_runs(mismatched: str, command: str) -> None:
     """MLX's gather does not check its indices: the process died of SIGSEGV (in a subprocess here
@@ -469,6 +471,7 @@ def test_measure_generation_checks_the_prompt_against_the_embedding(folders: dic
 NOT_UTF8 = "error: --prompt: not UTF-8 text (byte 0xff at character 3); give the text in UTF-8\n"
 
 
+@pytest.mark.slow
 def test_a_prompt_that_is_not_utf8_exits_2(folders: dict[str, str]) -> None:
     """The shell hands Python the bytes of an argument that is not UTF-8 as lone surrogates."""
     proc = subprocess.run([sys.executable, "-m", "graphkern", "debug", "--model", folders["float"],

@@ -69,6 +69,7 @@ def test_the_comparison_prints_draws_and_serialises(swiglu_off: gk.Comparison) -
     swiglu_off.b.lint()
 
 
+@pytest.mark.slow
 def test_the_same_model_twice_agrees_exactly() -> None:
     c = gk.compare(pb.llama(), pb.llama(), pb.TOKENS)
     assert c.ok and c.first_divergence is None and not c.unmatched_a and not c.unmatched_b
@@ -147,6 +148,7 @@ def deep_stock() -> object:
     return pb.deep_llama()
 
 
+@pytest.mark.slow
 def test_a_patched_bfloat16_model_is_within_rounding_where_a_plain_tolerance_fails(deep_stock) -> None:
     patched = pb.deep_llama()
     gk.patch(patched)
@@ -163,6 +165,7 @@ def test_a_patched_bfloat16_model_is_within_rounding_where_a_plain_tolerance_fai
     assert plain.rounding is None and plain.first_divergence.scope.startswith("model.layers.0.")
 
 
+@pytest.mark.slow
 def test_a_one_percent_error_in_layer_20_of_32_in_bfloat16_is_found_there(deep_stock) -> None:
     weight = "self_attn.o_proj"
     c = gk.compare(deep_stock, pb.deep_llama_scaled(weight=weight), pb.TOKENS)
@@ -215,6 +218,7 @@ def test_the_report_says_what_was_not_compared_in_words(swiglu_off: gk.Compariso
                                            "references): ")
 
 
+@pytest.mark.slow
 def test_rounding_is_the_default_only_in_half_precision() -> None:
     c = gk.compare(pb.llama(), pb.llama(), pb.TOKENS)
     assert c.rounding is None and all(r.rounding is None for r in c.rows)
@@ -225,6 +229,7 @@ def test_rounding_is_the_default_only_in_half_precision() -> None:
     assert mixed.rounding is None and mixed.parameters_differing  # the weights were rounded
 
 
+@pytest.mark.slow
 def test_a_weight_read_in_float32_is_cast_a_block_at_a_time(monkeypatch) -> None:
     from graphkern.debugging import values
 
@@ -250,6 +255,7 @@ def test_a_half_precision_overflow_in_one_side_is_always_beyond() -> None:
     assert rounding < 1e2  # the overflow is not counted as rounding
 
 
+@pytest.mark.slow
 def test_compare_reports_its_phases(capsys) -> None:
     gk.compare(pb.llama(mx.bfloat16), pb.llama(mx.bfloat16), pb.TOKENS, progress=True)
     err = capsys.readouterr().err  # not a terminal: one line a phase

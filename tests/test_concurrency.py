@@ -171,6 +171,7 @@ def run_threads(workers: list[Worker], calls: int) -> list[list[Any]]:
     return [r for r in results if r is not None]
 
 
+@pytest.mark.slow
 def test_eight_threads_match_the_serial_run_and_build_each_kernel_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRAPHKERN_BACKEND", "metal")

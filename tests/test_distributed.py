@@ -217,6 +217,7 @@ def test_an_abort_in_the_flight_folder_stops_the_next_watched_call(tmp_path: Pat
     assert Path(folder.path, "abort.json").exists()  # an aborted job's folder stays
 
 
+@pytest.mark.slow
 def test_an_earlier_jobs_abort_stops_no_later_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``mlx.launch -n 2`` writes the same hostfile every time: an aborted job's record must not
     stop the next job on the machine, and a job that ends cleanly leaves no folder."""
@@ -398,6 +399,7 @@ def killed_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dic
     return folder, run_scenario("killed", folder, timeout=90)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_every_rank_traces_its_collectives(models_job: Any, arch: str) -> None:
     _, ranks = models_job
@@ -414,6 +416,7 @@ def test_every_rank_traces_its_collectives(models_job: Any, arch: str) -> None:
                                             ranks[1][arch]["collectives"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_wrap_compile_and_patch_match_the_unsharded_model_on_every_rank(models_job: Any,
                                                                         arch: str) -> None:
@@ -429,6 +432,7 @@ def test_wrap_compile_and_patch_match_the_unsharded_model_on_every_rank(models_j
     assert ranks[0][arch]["patched_kernels"] == ranks[1][arch]["patched_kernels"]
 
 
+@pytest.mark.slow
 def test_inspect_runs_a_sharded_model_node_by_node_on_every_rank(models_job: Any) -> None:
     _, ranks = models_job
     for result in ranks:
@@ -437,6 +441,7 @@ def test_inspect_runs_a_sharded_model_node_by_node_on_every_rank(models_job: Any
         assert abs(seen["mean"] - seen["ref_mean"]) < 1e-5  # the logits' mean, as unsharded
 
 
+@pytest.mark.slow
 def test_a_pipelined_model_sends_and_receives(models_job: Any) -> None:
     _, (rank0, rank1) = models_job
     assert [c[0] for c in rank0["pipeline"]["collectives"]] == ["recv", "all_gather"]
@@ -445,6 +450,7 @@ def test_a_pipelined_model_sends_and_receives(models_job: Any) -> None:
     assert rank0["pipeline"]["wrap"] < ATOL and rank1["pipeline"]["wrap"] < ATOL
 
 
+@pytest.mark.slow
 def test_one_picture_of_the_job(models_job: Any) -> None:
     folder, _ = models_job
     files = [str(folder / f"llama_rank{r}.json") for r in (0, 1)]
@@ -469,6 +475,7 @@ def test_one_picture_of_the_job(models_job: Any) -> None:
     assert {g[0] for g in data["groups"] if g[3] == 0} == {"rank0", "rank1"}  # one lane per rank
 
 
+@pytest.mark.slow
 def test_a_failure_on_one_rank_is_refused_on_every_rank(refusals_job: Any) -> None:
     _, ranks = refusals_job
     for result in ranks:
@@ -480,6 +487,7 @@ def test_a_failure_on_one_rank_is_refused_on_every_rank(refusals_job: Any) -> No
         assert result["after_failure"] < ATOL  # the group is usable: the next signature runs
 
 
+@pytest.mark.slow
 def test_the_failed_rank_blast_radius_reaches_every_rank(refusals_job: Any) -> None:
     folder, _ = refusals_job
     job = gk.Graph.from_json((folder / "failed_job.json").read_text())  # gathered by the ranks
@@ -500,6 +508,7 @@ def test_the_failed_rank_blast_radius_reaches_every_rank(refusals_job: Any) -> N
         in result.output
 
 
+@pytest.mark.slow
 def test_mismatched_collective_sequences_are_refused(refusals_job: Any) -> None:
     _, ranks = refusals_job
     for result in ranks:
@@ -512,6 +521,7 @@ def test_mismatched_collective_sequences_are_refused(refusals_job: Any) -> None:
         assert result["mismatch_again"] == mismatch  # remembered: refused again without a collective
 
 
+@pytest.mark.slow
 def test_watched_calls_crossing_signatures_both_ranks_traced_are_refused(refusals_job: Any) -> None:
     """Both ranks traced both signatures (so no agreement is due); rank 0 calls one, rank 1 the
     other: the watched call's check refuses it on both ranks, and the group stays usable."""
@@ -524,6 +534,7 @@ def test_watched_calls_crossing_signatures_both_ranks_traced_are_refused(refusal
         assert max(result["crossed_ok"]) < ATOL and result["after_crossed"] < ATOL
 
 
+@pytest.mark.slow
 def test_the_flight_folder_is_the_jobs_own(refusals_job: Any) -> None:
     folder, _ = refusals_job
     [job] = list((folder / "flight").iterdir())  # one job, named after its token
@@ -531,6 +542,7 @@ def test_the_flight_folder_is_the_jobs_own(refusals_job: Any) -> None:
     assert json.loads((job / "abort.json").read_text())["kind"] == "timeout"
 
 
+@pytest.mark.slow
 def test_the_watchdog_turns_a_stall_into_an_error_on_every_rank(refusals_job: Any) -> None:
     _, (rank0, rank1) = refusals_job
     if "ended_by_watchdog" in rank0:
@@ -558,6 +570,7 @@ def test_the_watchdog_turns_a_stall_into_an_error_on_every_rank(refusals_job: An
     assert last1["state"] == "completed" and f"it never entered #{last1['seq'] + 1}" in stall["message"]
 
 
+@pytest.mark.slow
 def test_a_run_failure_is_attributed_on_its_rank_alone(runtime_job: Any) -> None:
     _, (rank0, rank1) = runtime_job
     first = rank1["first"]
@@ -574,6 +587,7 @@ def test_a_run_failure_is_attributed_on_its_rank_alone(runtime_job: Any) -> None
     assert "rank 1 failed while running" in second["message"]
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_named_and_its_jobs_flight_folder_stays(killed_job: Any) -> None:
     folder, (rank0, rank1) = killed_job
     assert rank1 == {"rank": 1, "killed_by": 9}

@@ -131,6 +131,7 @@ NUMPY_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_numpy_input_is_refused_by_name_and_the_process_exits_cleanly() -> None:
     for _ in range(2):  # the abort at exit came and went from run to run
         proc = subprocess.run([sys.executable, "-c", NUMPY_SCRIPT], capture_output=True, text=True,
@@ -203,6 +204,7 @@ def test_cli_a_factory_or_a_missing_input_says_what_to_fix(tmp_path: Path) -> No
     assert code == 1 and "it builds a model; trace the model it returns instead" in err
 
 
+@pytest.mark.slow
 def test_cli_diff_and_show_summarise_a_big_graph(tmp_path: Path) -> None:
     pytest.importorskip("mlx_lm")
     stock, patched = tmp_path / "stock.json", tmp_path / "patched.json"

@@ -264,6 +264,7 @@ def test_user_kernel_errors_name_the_body_line() -> None:
 # ----------------------------------------------------------------------------- the library
 
 
+@pytest.mark.slow
 def test_every_library_metal_source_compiles() -> None:
     report = check_library_metal(jobs=2)
     assert len(report.checks) > 500

@@ -34,6 +34,7 @@ def scale() -> dict[str, Any]:
     return memory_scale.compare(PRIMITIVES)
 
 
+@pytest.mark.slow
 def test_large_trace_builds_the_whole_graph(scale: dict[str, Any]) -> None:
     gk_run = scale["runs"]["graphkern"]
     assert gk_run["ok"] and gk_run["kernels"] == PRIMITIVES // memory_scale.PRIMS_PER_BLOCK
@@ -52,6 +53,7 @@ def test_trace_peak_memory_is_within_3x_of_mlx_export(scale: dict[str, Any]) -> 
     assert gk_peak <= BYTES_PER_PRIMITIVE * scale["primitives"], f"{gk_peak / 2**20:.1f} MiB"
 
 
+@pytest.mark.slow
 def test_repeated_traces_and_compiles_leak_nothing() -> None:
     leak = memory_scale.run_leak_child(ROUNDS, WARMUP, EVERY)
     samples = leak["samples"]

@@ -28,6 +28,9 @@ import viz_graphs as vg
 from graphkern.viz.graph_diff import diff
 from graphkern.viz.html import to_html
 
+#: a browser per module and a second or so a test: the full suite runs these, ``-m "not slow"`` not
+pytestmark = pytest.mark.slow
+
 CHROMIUM = os.environ.get("GRAPHKERN_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -152,6 +152,7 @@ def _slow_dot(tmp_path: Path, seconds: float) -> str:
     return f"{folder}{os.pathsep}{os.environ['PATH']}"
 
 
+@pytest.mark.slow
 @needs_dot
 def test_a_long_render_reports_progress(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", _slow_dot(tmp_path, 2.6))
@@ -161,6 +162,7 @@ def test_a_long_render_reports_progress(tmp_path, monkeypatch) -> None:
     assert lines[-1].endswith(" s") and "<svg" in (tmp_path / "g.svg").read_text()
 
 
+@pytest.mark.slow
 @needs_dot
 def test_a_render_past_its_time_limit_stops(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", _slow_dot(tmp_path, 30))
@@ -214,6 +216,7 @@ def test_real_llama_renders_whole(tmp_path) -> None:
     assert "×7 (identical, drawn once)" in svg and svg.count("<g id=\"node") > 40
 
 
+@pytest.mark.slow
 def test_dot_of_10000_nodes_is_fast() -> None:
     g = vg.big()
     t = time.perf_counter()

@@ -190,6 +190,7 @@ def test_view_starts_model_explorer_with_graph_and_overlays(monkeypatch, tmp_pat
     assert url["models"] == [{"url": path}]
 
 
+@pytest.mark.slow
 def test_export_of_10000_nodes_is_fast() -> None:
     g = vg.big()
     t = time.perf_counter()
