@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -112,3 +113,10 @@ def test_the_reader_of_imports_sees_relative_function_level_and_facade_imports(t
                      ("graphkern.low.thing", "graphkern.high", True, False),
                      ("graphkern.high", "graphkern.low.thing", False, True)}
     assert package_deps.cycles(package_deps.imports(tmp_path)) == [["graphkern.high", "graphkern.low.thing"]]
+
+
+def test_the_architecture_page_lists_this_order() -> None:
+    """docs/architecture.md tells the order and why; its ```layers block is this list."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    [block] = re.findall(r"```layers\n(.*?)```", page, flags=re.S)
+    assert block.split() == ORDER
