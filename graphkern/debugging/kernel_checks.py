@@ -192,14 +192,28 @@ def check(target: Kernel | str | LibraryEntry | None = None,
           **options: Any) -> CheckReport | MetalReport:
     """Run kernels on the active backend and their references on random inputs; report worst errors.
 
-    ``target``: a library kernel (``gk.kernels.RMS_NORM``), its name (``"rms_norm"``, ``"gk_gelu"``),
-    or None for the whole library. ``shapes`` are shapes of the main input (defaults per kernel),
-    ``dtypes`` default to float32, float16 and bfloat16; each shape also runs with strided
-    (non-contiguous) inputs unless ``strided_inputs=False``. Per-dtype tolerances: ``TOLERANCES``.
+    Each shape also runs with strided (non-contiguous) inputs unless ``strided_inputs=False``.
+    Per-dtype tolerances: ``TOLERANCES`` (a library entry may allow more). ``backend="metal"`` on a
+    machine without Metal checks the Metal sources instead: each is generated as MLX would and
+    parsed by clang's front end (:func:`check_metal_source`).
 
-    ``backend="metal"`` on a machine without Metal checks the Metal sources instead: each is
-    generated as MLX would and parsed by clang's front end (:func:`check_metal_source`), and a
-    :class:`~graphkern.metal_check.MetalReport` comes back.
+    Args:
+        target: a library kernel (``gk.kernels.RMS_NORM``), its name (``"rms_norm"``,
+            ``"gk_gelu"``), a ``LibraryEntry``, or None for the whole library; with
+            ``backend="metal"`` off a Mac also a kernel of your own, its launch given as
+            ``inputs=``, ``output_specs=`` and ``template=`` in ``options``.
+        shapes: shapes of the main input; None: each entry's own.
+        dtypes: None: float32, float16 and bfloat16.
+        seed: of the random inputs.
+        **options: ``backend=`` (None: the active one) and ``strided_inputs=``.
+
+    Returns:
+        A ``CheckReport`` (``ok``, ``cases`` with each case's worst errors; ``str()`` is a table),
+        or with ``backend="metal"`` off a Mac a :class:`~graphkern.metal_check.MetalReport`.
+
+    Raises:
+        KernelError: an unknown kernel name (``Status.INVALID_KERNEL``).
+        TypeError: ``target`` is none of the above.
 
     >>> report = check("rms_norm", shapes=[(4, 64)], dtypes=[mx.float32])
     >>> report.ok, len(report.cases), report.cases[0].backend in ("reference", "cuda", "metal")
