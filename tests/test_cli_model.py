@@ -237,6 +237,7 @@ def test_bench_measures_and_reports_each_run_as_it_ends(folders: dict[str, str])
     assert result.max_tokens == 6 and len(result.rounds) == 2
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_bench_exits_130_with_one_line(folders: dict[str, str]) -> None:
     import signal
     import time
@@ -287,6 +288,7 @@ def no_tokenizer(folders: dict[str, str], tmp_path_factory: pytest.TempPathFacto
     return str(folder)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["trace", "debug", "view", "bench"])
 def test_a_folder_without_a_tokenizer_says_so_and_how_to_run_without_a_prompt(no_tokenizer: str,
                                                                               command: str) -> None:

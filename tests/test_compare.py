@@ -180,6 +180,7 @@ def test_a_one_percent_error_in_layer_20_of_32_in_bfloat16_is_found_there(deep_s
     assert not c.marginal  # the error reaches the logits, many times what rounding explains
 
 
+@pytest.mark.slow
 def test_a_small_error_at_a_fused_kernel_is_called_a_marginal_signal() -> None:
     """A weight 0.4% off feeding a fused kernel (norm + gate and up products + SwiGLU, as an
     evaluating block decodes): found at its layer, but only 1.67x what rounding and tolerance

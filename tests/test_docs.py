@@ -78,6 +78,7 @@ def test_every_page_has_only_known_kinds_of_block() -> None:
 # ----------------------------------------------------------------------------- python
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p, "python")], ids=page_id)
 def test_python_blocks_run_in_order_in_one_fresh_process(page: Path, tmp_path: Path) -> None:
@@ -128,6 +129,7 @@ def test_shown_lines_match_as_the_pages_mean() -> None:
     assert commands("$ a  # exit 2\nerror: x\n$ b\n") == [("a  # exit 2", 2, ["error: x"]), ("b", 0, [])]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p, "console")], ids=page_id)
 def test_console_blocks_run_and_print_what_the_page_shows(page: Path, tmp_path: Path) -> None:
