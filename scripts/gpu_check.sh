@@ -8,6 +8,8 @@
 #   bash scripts/gpu_check.sh quantized-models  # patched quantized models against stock, then the
 #                                               # checkpoint-folder CLI on the GPU
 #   bash scripts/gpu_check.sh model-comparisons  # the CPU suite's patched-vs-stock model tests, run on the GPU
+#   bash scripts/gpu_check.sh suite    # every test part above at once, each its own process and PTX
+#                                      # cache, tests only (no benchmarks): the GPU suite in one call
 #   bash scripts/gpu_check.sh generate # mlx-lm generation, stock against patched (the large models, both
 #                                      # 16-bit dtypes, eager), then the host time a launch costs
 #   bash scripts/gpu_check.sh bench    # the full kernel benchmark (all sizes); arguments after it go
@@ -17,7 +19,7 @@
 # Logs and results go to the folder $OUT names, else ./gpu-results. Each part's tests stop after
 # GPU_PART_SECONDS (default 540, inside a 10-minute device call) and then list the tests that never ran.
 set -uo pipefail
-part=${1:?usage: gpu_check.sh kernels|rope|core|models|quantized|quantized-models|model-comparisons|generate|bench|tune [benchmark arguments]}
+part=${1:?usage: gpu_check.sh kernels|rope|core|models|quantized|quantized-models|model-comparisons|suite|generate|bench|tune [benchmark arguments]}
 shift
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -42,25 +44,30 @@ gpu_tests() {
     | tee "$ran"
   grep -oE '^[^ ]+::[^ ]+' "$ran" | sort -u | comm -23 "$collected" - > "$ran.missing"
   if [ -s "$ran.missing" ]; then
+    echo
     echo "NEVER RAN ($(wc -l < "$ran.missing") of $(wc -l < "$collected") tests; the time limit cut the part):"
     cat "$ran.missing"
   fi
 }
+# the parts' benchmarks, unless GPU_TESTS_ONLY is set (the suite part sets it: its parts share the GPU)
+benchmarks() { [ -z "${GPU_TESTS_ONLY:-}" ]; }
+TEST_PARTS="kernels rope core models quantized quantized-models model-comparisons"
 case "$part" in
   kernels)
     gpu_tests tests/gpu/test_kernels_gpu.py -k "not rope" | tee "$out/pytest_kernels.txt" | tail -15
-    python3 benchmarks/gpu_kernels.py --quick --json "$out/gpu_kernels.json" 2>&1 | tee "$out/gpu_kernels.txt" ;;
+    benchmarks && python3 benchmarks/gpu_kernels.py --quick --json "$out/gpu_kernels.json" 2>&1 \
+      | tee "$out/gpu_kernels.txt" ;;
   rope)
     gpu_tests tests/gpu/test_kernels_gpu.py -k rope tests/gpu/test_values_gpu.py \
       | tee "$out/pytest_rope_values.txt" | tail -15 ;;
   core)
     gpu_tests tests/gpu/test_conformance_gpu.py tests/gpu/test_failures_gpu.py \
       tests/gpu/test_precompiled_gpu.py | tee "$out/pytest_core.txt" | tail -15
-    python3 benchmarks/gpu_core.py --markdown "$out/gpu_core.md" --json "$out/gpu_core.json" 2>&1 \
+    benchmarks && python3 benchmarks/gpu_core.py --markdown "$out/gpu_core.md" --json "$out/gpu_core.json" 2>&1 \
       | tee "$out/gpu_core.txt" | grep -v "^|" ;;
   models)
     gpu_tests tests/gpu/test_models_gpu.py | tee "$out/pytest_models.txt" | tail -15
-    python3 benchmarks/models.py --sizes tiny,medium --length 128 --rounds 9 2>&1 | tee "$out/models.txt" ;;
+    benchmarks && python3 benchmarks/models.py --sizes tiny,medium --length 128 --rounds 9 2>&1 | tee "$out/models.txt" ;;
   quantized)
     gpu_tests tests/gpu/test_quantized_gpu.py -k "not patched" | tee "$out/pytest_quantized.txt" | tail -15 ;;
   quantized-models)
@@ -72,6 +79,20 @@ case "$part" in
     MLX_ENABLE_TF32=0 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_moe_route.py \
       tests/test_grad.py tests/test_fusions.py tests/test_segments.py 2>&1 \
       | tee "$out/pytest_model_comparisons.txt" | tail -15 ;;
+  suite)
+    scratch=$(mktemp -d)
+    for p in $TEST_PARTS; do
+      # each part its own copy of the PTX cache: NVRTC writes a variant's files as it compiles them
+      mkdir -p "$scratch/$p.ptx" && cp -r "$MLX_PTX_CACHE_DIR/." "$scratch/$p.ptx/"
+      OUT="$scratch/$p" MLX_PTX_CACHE_DIR="$scratch/$p.ptx" GPU_TESTS_ONLY=1 GRAPHKERN_PTX_ARCHIVE= \
+        bash "$0" "$p" > "$out/suite_$p.txt" 2>&1 &
+    done
+    wait
+    for p in $TEST_PARTS; do
+      cp -rn "$scratch/$p.ptx/." "$MLX_PTX_CACHE_DIR/"
+      echo "== $p: $(grep -E ' in [0-9.]+s' "$out/suite_$p.txt" | tail -1)"
+      grep -E '^(FAILED|ERROR) |NEVER RAN' "$out/suite_$p.txt"
+    done ;;
   generate)
     python3 benchmarks/generate.py --sizes large --dtypes bfloat16,float16 --modes eager --rounds 3 \
       --tokens 48 --prefill 256,2048 --breakdown --json "$out/generate.json" 2>&1 | tee "$out/generate.txt"
@@ -80,5 +101,5 @@ case "$part" in
     python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels_full.json" "$@" 2>&1 | tee "$out/gpu_kernels_full.txt" ;;
   tune)
     python3 benchmarks/gpu_row_configs.py --dtypes bfloat16,float32 "$@" 2>&1 | tee "$out/row_configs.txt" ;;
-  *) echo "unknown part '$part': use kernels, rope, core, models, quantized, quantized-models, model-comparisons, generate, bench or tune" >&2; exit 2 ;;
+  *) echo "unknown part '$part': use kernels, rope, core, models, quantized, quantized-models, model-comparisons, suite, generate, bench or tune" >&2; exit 2 ;;
 esac
