@@ -76,7 +76,7 @@ case "$part" in
   model-comparisons)  # written for the CPU; on a GPU they hold to the model tolerances (tests/helpers/model_comparisons.py).
     # MLX multiplies float32 matrices in TF32 on CUDA unless told not to: the stock side of a float32
     # comparison then rounds to about 1e-3, past those tolerances, while the kernels accumulate in float32
-    MLX_ENABLE_TF32=0 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_moe_route.py \
+    MLX_ENABLE_TF32=0 python3 -m pytest -v -p no:cacheprovider --tb=short tests/test_moe_route.py \
       tests/test_grad.py tests/test_fusions.py tests/test_segments.py 2>&1 \
       | tee "$out/pytest_model_comparisons.txt" | tail -15 ;;
   suite)
@@ -85,11 +85,13 @@ case "$part" in
       # each part its own copy of the PTX cache: NVRTC writes a variant's files as it compiles them
       mkdir -p "$scratch/$p.ptx" && cp -r "$MLX_PTX_CACHE_DIR/." "$scratch/$p.ptx/"
       OUT="$scratch/$p" MLX_PTX_CACHE_DIR="$scratch/$p.ptx" GPU_TESTS_ONLY=1 GRAPHKERN_PTX_ARCHIVE= \
-        bash "$0" "$p" > "$out/suite_$p.txt" 2>&1 &
+        bash "$0" "$p" > "$scratch/$p.log" 2>&1 &
     done
     wait
     for p in $TEST_PARTS; do
-      cp -rn "$scratch/$p.ptx/." "$MLX_PTX_CACHE_DIR/"
+      cp -rn "$scratch/$p.ptx/." "$MLX_PTX_CACHE_DIR/" 2>/dev/null
+      # the part's whole pytest log, then what the part itself printed (a crash's message)
+      cat "$scratch/$p"/pytest_*.txt "$scratch/$p.log" > "$out/suite_$p.txt"
       echo "== $p: $(grep -E ' in [0-9.]+s' "$out/suite_$p.txt" | tail -1)"
       grep -E '^(FAILED|ERROR) |NEVER RAN' "$out/suite_$p.txt"
     done ;;

@@ -42,7 +42,7 @@ MODELS = ["llama", "qwen2", "qwen3", "mixtral", "phi3", "gemma2"]
 
 def _patched(layer: nn.Module) -> nn.Module:
     model = nn.Sequential(layer)
-    [patched] = patch(model)
+    [patched] = patch(model, route="kernel")  # the kernel itself, on a GPU too
     assert patched.kernel == "rope" and model.layers[0].original is layer
     return model.layers[0]
 

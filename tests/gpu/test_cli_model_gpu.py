@@ -49,4 +49,4 @@ def test_model_commands_run_on_the_gpu(folders: dict[str, Path], kind: str) -> N
     assert code == 0, err
     runs = [line for line in out.splitlines() if line.startswith("round ")]
     assert len(runs) == 4 and all("Generation: 16 tokens, " in r for r in runs)
-    assert out.splitlines()[-1].startswith("patched / stock, median of 2 rounds: ")
+    assert out.splitlines()[-1].startswith("patched / stock, median of 2 rounds")

@@ -46,12 +46,14 @@ GPU_SHAPES: dict[str, list[tuple[int, ...]]] = {
     # (scalar)
     "norm_projections": [(1, 1, 2048), (8, 512), (3, 100), (2, 99)],
     "norm_swiglu": [(1, 1, 2048), (8, 512), (3, 100), (2, 99)],
-    # quantized weights (4-bit, groups of 64): one token of 2048, 8 rows of 1024, 3 rows of 256
-    # (tests/gpu/test_quantized_gpu.py takes the rest)
-    "quantized_norm_projections": [(1, 1, 2048), (8, 1024), (3, 256)],
-    "quantized_norm_swiglu": [(1, 1, 2048), (8, 1024), (3, 256)],
-    # the same with the RoPE of queries and keys: one token, 2 sequences of 4 tokens, 8 tokens
-    "quantized_norm_rope_projections": [(1, 1, 2048), (2, 4, 1024), (1, 8, 256)],
+    # quantized weights (4-bit, groups of 64): one token of 2048, 8 rows of 1024 (of 512 on Metal,
+    # whose 32 KB of threadgroup memory holds 8 float32 rows of 1024 but not the reduction's
+    # scratch beside them), 3 rows of 256 (tests/gpu/test_quantized_gpu.py takes the rest)
+    "quantized_norm_projections": [(1, 1, 2048), (8, 1024 if CUDA else 512), (3, 256)],
+    "quantized_norm_swiglu": [(1, 1, 2048), (8, 1024 if CUDA else 512), (3, 256)],
+    # the same with the RoPE of queries and keys: one token, 2 sequences of 4 tokens, 8 tokens (Metal
+    # as above)
+    "quantized_norm_rope_projections": [(1, 1, 2048), (2, 4, 1024 if CUDA else 512), (1, 8, 256)],
     # router logits: Mixtral's 8 experts (top 2 of the logits) at one token and at 2x37 (a partial
     # last block); Qwen 3 MoE's 128 and 1000 experts (top 8 of the softmax, several per lane)
     "moe_route": [(1, 1, 8), (2, 37, 8), (5, 128), (3, 1000)],

@@ -161,7 +161,11 @@ def test_evaluating_models_decode_through_fused_segments_on_device(arch: str) ->
         assert mx.allclose(got, expected, atol=atol, rtol=rtol).item(), mx.abs(got - expected).max().item()
         token = mx.argmax(expected[:, -1:], axis=-1)
         expected, got = stock(token, cache=cs), patched(token, cache=cp)
-    assert patched.model.layers[0].segments().traced() == ["enter", "leave"]
+    # the stack links the blocks: the first enters, the last leaves, one compiled link between each
+    blocks = len(patched.model.layers)
+    assert patched.model.layers[0].segments().traced() == ["enter"]
+    assert patched.model.layers[-1].segments().traced() == ["leave"]
+    assert patched.model.segments().traced() == [("link", i) for i in range(blocks - 1)]
     assert _generate(patched) == _generate(stock)
 
 
@@ -172,7 +176,7 @@ def test_a_long_prefill_runs_block_by_block_on_device_as_stock_does(arch: str,
     (graphkern.models.prefill): the same logits and cache as the kernels without pipelining, bit
     for bit, and stock's within the float16 tolerance (float32 products round in TF32 on CUDA,
     which over 521 positions reaches 2e-3 in the logits)."""
-    from graphkern.models import layers, prefill
+    from graphkern.models import prefill
     from graphkern.models.prefill import PIPELINE_TOKENS, start_on_device
 
     starts: list[bool] = []
@@ -180,7 +184,7 @@ def test_a_long_prefill_runs_block_by_block_on_device_as_stock_does(arch: str,
         starts.append(start_on_device(*arrays))
         return starts[-1]
 
-    monkeypatch.setattr(layers, "start_on_device", counted)
+    monkeypatch.setattr(prefill, "start_on_device", counted)
     stock, patched = tiny_model(arch), tiny_model(arch)
     patch(patched)
     stock.eval()
