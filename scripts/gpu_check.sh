@@ -9,7 +9,8 @@
 #                                               # checkpoint-folder CLI on the GPU
 #   bash scripts/gpu_check.sh model-comparisons  # the CPU suite's patched-vs-stock model tests, run on the GPU
 #   bash scripts/gpu_check.sh suite    # every test part above at once, each its own process and PTX
-#                                      # cache, tests only (no benchmarks): the GPU suite in one call
+#                                      # cache, tests only (no benchmarks): the GPU suite in one call;
+#                                      # suite models quantized: those parts only
 #   bash scripts/gpu_check.sh generate # mlx-lm generation, stock against patched (the large models, both
 #                                      # 16-bit dtypes, eager), then the host time a launch costs
 #   bash scripts/gpu_check.sh bench    # the full kernel benchmark (all sizes); arguments after it go
@@ -79,8 +80,9 @@ case "$part" in
     MLX_ENABLE_TF32=0 python3 -m pytest -v -p no:cacheprovider --tb=short tests/test_moe_route.py \
       tests/test_grad.py tests/test_fusions.py tests/test_segments.py 2>&1 \
       | tee "$out/pytest_model_comparisons.txt" | tail -15 ;;
-  suite)
+  suite)  # parts named after it (suite models quantized) run alone
     scratch=$(mktemp -d)
+    TEST_PARTS=${*:-$TEST_PARTS}
     for p in $TEST_PARTS; do
       # each part its own copy of the PTX cache: NVRTC writes a variant's files as it compiles them
       mkdir -p "$scratch/$p.ptx" && cp -r "$MLX_PTX_CACHE_DIR/." "$scratch/$p.ptx/"

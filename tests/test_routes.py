@@ -95,9 +95,13 @@ def test_kernels_run_only_where_a_segment_fuses_them(arch: str, gpu_decision: No
 
 def test_a_trace_records_a_kernel_node_for_every_patched_layer(gpu_decision: None) -> None:
     _, patched = _twins("gemma2")
-    graph = gk.trace(lambda tokens: patched(tokens), PROMPT)
+    graph = gk.trace(lambda tokens: patched(tokens), PROMPT[:, :routes.FUSED_MAX_ROWS])
     kernels = {graph.node(k)["kernel"] for k in graph.kernels()}
     assert {"gk_norm_projections", "gk_rope_qk", "gk_add_rms_norm", "gk_gelu"} <= kernels
+    # a call of more rows records what it runs there: the norms' kernels and stock's products
+    graph = gk.trace(lambda tokens: patched(tokens), PROMPT)
+    kernels = {graph.node(k)["kernel"] for k in graph.kernels()}
+    assert {"gk_rope_qk", "gk_add_rms_norm", "gk_gelu"} <= kernels and "gk_norm_projections" not in kernels
 
 
 @pytest.mark.parametrize("route, kernels_run", [("kernel", True), ("stock", False)])
@@ -128,3 +132,38 @@ def test_an_unknown_route_is_refused_by_name(call: Any) -> None:
     with pytest.raises(gk.KernelError, match="route is .*auto.*kernel.*stock"):
         call(model)
     assert type(model.layers[0]) is nn.RMSNorm
+
+
+def _decode_rows(model: nn.Module, rows: int) -> list[mx.array]:
+    """``rows`` sequences decoded together: the prompt, then three steps of one token each."""
+    cache = make_prompt_cache(model)
+    logits = [model(mx.repeat(PROMPT, rows, axis=0), cache=cache)]
+    for _ in range(3):
+        logits.append(model(mx.argmax(logits[-1][:, -1:], axis=-1), cache=cache))
+    mx.eval(logits)
+    return logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+@pytest.mark.parametrize("route, rows, fused", [("auto", 1, True), ("auto", routes.FUSED_MAX_ROWS, True),
+                                                ("auto", 8, False), ("kernel", 8, True)])
+def test_batch_decoding_takes_the_stock_products_past_the_fused_rows(
+        arch: str, route: str, rows: int, fused: bool, gpu_decision: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU a fused block's norm-fed projection kernels take up to FUSED_MAX_ROWS rows; past
+    them the block runs its norm kernel and stock's products, inside its compiled segments."""
+    stock, patched = _twins(arch, route=route)
+    calls = _spy_in_segments(monkeypatch, ("norm_projections", "norm_swiglu", "add_rms_norm"))
+    assert _same(_decode_rows(patched, rows), _decode_rows(stock, rows), atol=1e-5)
+    names = {name for name, inside in calls if inside}
+    assert ({"norm_projections", "norm_swiglu"} <= names) is fused
+    assert fused or "add_rms_norm" in names  # the residual adds stay fused into the norms
+
+
+def test_the_cpu_takes_the_fused_kernels_at_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off a GPU the kernels run their references, and every row count takes them (what the
+    reference backend is for: checking the kernels' paths)."""
+    stock, patched = _twins("llama")
+    calls = _spy_in_segments(monkeypatch, ("norm_projections", "norm_swiglu"))
+    assert _same(_decode_rows(patched, 8), _decode_rows(stock, 8), atol=1e-5)
+    assert {name for name, _ in calls} == {"norm_projections", "norm_swiglu"}

@@ -42,7 +42,7 @@ from graphkern.launching.context import current_recorder, state
 from graphkern.launching.launch_cache import track_function
 from graphkern.models.patterns import is_class
 from graphkern.models.prefill import BlockPipeline, prompt_mode, stock_layers
-from graphkern.models.routes import takes_stock
+from graphkern.models.routes import fused_rows, takes_stock
 from graphkern.models.segments import Segments, decoding, segments_apply
 
 __all__ = [
@@ -721,10 +721,13 @@ def quantized_note(module: nn.Module, names: tuple[str, ...], biased: bool = Fal
             f"(affine, bits {QUANTIZED_BITS}, groups {QUANTIZED_GROUP_SIZES}, no bias); stock products")
 
 
-def _fuses(norm: nn.Module, residual: mx.array | None, x: mx.array, group_size: int | None = None) -> bool:
+def _fuses(norm: nn.Module, residual: mx.array | None, x: mx.array, route: str,
+           group_size: int | None = None) -> bool:
     """Whether ``norm`` (with the residual add before it) can run inside a projection kernel on x
-    (a quantized one, for weights of ``group_size``)."""
+    (a quantized one, for weights of ``group_size``) for a block on ``route``."""
     if not isinstance(norm, KernelAddRMSNorm if residual is not None else KernelRMSNorm):
+        return False
+    if not fused_rows(route, x.size // x.shape[-1]):
         return False
     if norm["weight"].dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
         return False
@@ -858,11 +861,11 @@ class KernelResidualBlock(KernelLayer):
         outputs = None
         if "norm_projections" in self._gk_decoding:
             weights = _plain_weights(attention, names, x, biased=True)
-            if weights is not None and _fuses(norm, residual, x):
+            if weights is not None and _fuses(norm, residual, x, self._gk_call_route):
                 outputs = gkk.norm_projections(x, norm.scale(), weights, norm.eps, residual)
         if outputs is None and "quantized_norm_projections" in self._gk_decoding:
             quantized = _quantized_weights(attention, names, x, biased=True)
-            if quantized is not None and _fuses(norm, residual, x, quantized.group_size):
+            if quantized is not None and _fuses(norm, residual, x, self._gk_call_route, quantized.group_size):
                 if ("quantized_norm_rope_projections" in self._gk_decoding and not attention._gk_norms
                         and names == SEPARATE_QKV and not any(b is not None for b in biases)
                         and x.size // x.shape[-1] <= ROTATED_MAX_ROWS):
@@ -908,14 +911,14 @@ class KernelResidualBlock(KernelLayer):
         found = None
         if swiglu and "norm_swiglu" in self._gk_decoding:
             weights = _plain_weights(ffn, names, x)
-            if weights is not None and _fuses(norm, r, x):
+            if weights is not None and _fuses(norm, r, x, self._gk_call_route):
                 gate, up = _halves(weights[0]) if fused else weights
                 found = gkk.norm_swiglu(x, norm.scale(), gate, up, norm.eps, residual=r)
         if found is None and swiglu and "quantized_norm_swiglu" in self._gk_decoding:
             quantized = _quantized_weights(ffn, names, x)
             if fused and quantized is not None:
                 quantized = quantized._replace(weights=list(_quantized_halves(quantized.weights[0])))
-            if quantized is not None and _fuses(norm, r, x, quantized.group_size):
+            if quantized is not None and _fuses(norm, r, x, self._gk_call_route, quantized.group_size):
                 gate_q, up_q = quantized.weights
                 found = gkk.quantized_norm_swiglu(x, norm.scale(), gate_q, up_q, norm.eps, residual=r,
                                                   group_size=quantized.group_size, bits=quantized.bits)

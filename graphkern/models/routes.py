@@ -12,6 +12,9 @@ the host more than ``mx.fast``'s. So each patched layer has a route:
   still runs stock there, which ``mx.compile`` fuses); fused blocks, attention prologues, stacks
   and mixture-of-experts routers always run their kernels. On the CPU (``reference`` backend) the
   kernels run their pure-MLX references, and every layer runs them.
+  A fused block's norm-fed projection kernels take at most ``FUSED_MAX_ROWS`` token rows on a
+  GPU; a call of more (batch decoding) runs the norm's kernel and the stock products, still in
+  the block's compiled segments.
 - ``"kernel"``: always the kernel, as a benchmark of the kernel or a test of it wants.
 - ``"stock"``: always the stock forward, on the patched layer's own arrays.
 
@@ -30,10 +33,17 @@ from graphkern.launching.backends import on_gpu_backend
 from graphkern.launching.context import state
 from graphkern.nodes import Status
 
-__all__ = ["ROUTES", "check_route", "takes_stock"]
+__all__ = ["FUSED_MAX_ROWS", "ROUTES", "check_route", "fused_rows", "takes_stock"]
 
 #: The routes a patched layer can take (see the module's docstring).
 ROUTES = ("auto", "kernel", "stock")
+
+#: On a GPU, the most token rows a fused block's norm-fed projection kernels take unless the route
+#: is ``"kernel"``. Their warps keep a sum a row and read the normalized rows from shared memory
+#: for every weight vector: at a row or two one launch reads the weights once where stock launches
+#: a norm and three products, while at eight rows the kernel's device time is several times the
+#: stock products' (benchmarks/RESULTS_kernels.md), which batch decoding pays at every layer.
+FUSED_MAX_ROWS = 2
 
 
 def check_route(operation: str, route: Any) -> str:
@@ -50,3 +60,9 @@ def takes_stock(route: str, elementwise: bool = False) -> bool:
     if route == "auto":
         return state.recorder is None and (elementwise or not state.segment_depth) and on_gpu_backend()
     return route == "stock"
+
+
+def fused_rows(route: str, rows: int) -> bool:
+    """Whether a fused block on ``route`` runs its norm-fed projection kernels for a call of
+    ``rows`` token rows (see :data:`FUSED_MAX_ROWS`); the kernels' own limits apply besides."""
+    return route == "kernel" or rows <= FUSED_MAX_ROWS or not on_gpu_backend()

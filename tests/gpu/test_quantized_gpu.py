@@ -199,7 +199,7 @@ def test_a_patched_quantized_model_decodes_as_stock_on_device(arch: str, bits: i
     """Logits of the prompt and 6 decoding steps within the model tolerance of the dtype; in float32
     also 16 greedy tokens of mlx-lm's generate_step."""
     stock, patched = _model(arch, bits, group_size, dtype), _model(arch, bits, group_size, dtype)
-    patch(patched)
+    patch(patched, route="kernel")  # the prompt's 8 rows through the fused kernels too
     calls = spy_on_kernels(monkeypatch, ENTRIES)
     _decodes_as_stock(stock, patched, 6, dtype)
     assert set(calls) == DECODING[arch]
@@ -219,5 +219,5 @@ def test_a_patched_quantized_model_of_real_width_matches_stock_on_device(bits: i
     dims = {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
             "num_key_value_heads": 8, "vocab_size": 1024}
     stock, patched = (_model("llama", bits, 64, mx.float16, **dims) for _ in range(2))
-    patch(patched)
+    patch(patched, route="kernel")
     _decodes_as_stock(stock, patched, 4, mx.float16)
