@@ -291,6 +291,7 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
     result = {"model": label, "dtype": dtype_name, "weights": weights, "rows": rows}
     if args.agreement:
         result["agreement"] = token_agreement(stock, patched, short, args.agreement)
+        result["first_logits"] = first_logits(stock, patched, short, dtype)
     if args.breakdown:
         twins = (("stock", stock), ("patched", patched))
         result["breakdown"] = {name: breakdown(model, short, args.tokens) for name, model in twins}
@@ -308,6 +309,33 @@ def token_agreement(stock: Any, patched: Any, prompt: mx.array, tokens: int) -> 
     runs = [[int(t) for t, _ in generate_step(prompt, m, max_tokens=tokens, prompt_cache=_cache_for(m))]
             for m in (stock, patched)]
     return sum(a == b for a, b in zip(*runs)) / max(len(runs[0]), 1)
+
+
+def first_logits(stock: Any, patched: Any, prompt: mx.array, dtype: mx.Dtype) -> dict[str, Any]:
+    """The prompt's last logits, patched against stock: the largest difference, whether it is
+    within the model tolerance of ``dtype`` (``MODEL_TOLERANCES``), and stock's gap between its two
+    best tokens (random weights give flat logits, so greedy agreement in 16-bit turns on
+    differences far inside the tolerance)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from graphkern.models import MODEL_TOLERANCES
+
+    a, b = (m(prompt[None], cache=make_prompt_cache(m))[0, -1].astype(mx.float32) for m in (stock, patched))
+    atol, rtol = MODEL_TOLERANCES[dtype]
+    best, second = mx.sort(a)[-1].item(), mx.sort(a)[-2].item()
+    return {"max_diff": mx.abs(a - b).max().item(), "within": mx.allclose(b, a, atol=atol, rtol=rtol).item(),
+            "top2_gap": best - second}
+
+
+def agreement_line(result: dict[str, Any]) -> str:
+    """What a sweep prints of one model's agreement with stock."""
+    first = result.get("first_logits")
+    line = f"- greedy tokens agree: {result['agreement']:.0%}"
+    if first:
+        line += (f"; the prompt's last logits differ by {first['max_diff']:.3g} "
+                 f"({'within' if first['within'] else 'PAST'} the model tolerance), stock's two best "
+                 f"{first['top2_gap']:.3g} apart")
+    return line
 
 
 # ----------------------------------------------------------------------------- per-token breakdown
@@ -512,7 +540,7 @@ def run_sweep(args: argparse.Namespace) -> int:
                 print(f"\n## {label}: failed: {type(exc).__name__}: {exc}"[:300], flush=True)
                 continue
             results.append(result)
-            print(format_result(result), f"\n- greedy tokens agree: {result['agreement']:.0%}", flush=True)
+            print(format_result(result), "\n" + agreement_line(result), flush=True)
             mx.clear_cache()
     print(sweep_table(results), flush=True)
     if args.json:
