@@ -312,15 +312,19 @@ def token_agreement(stock: Any, patched: Any, prompt: mx.array, tokens: int) -> 
 
 
 def first_logits(stock: Any, patched: Any, prompt: mx.array, dtype: mx.Dtype) -> dict[str, Any]:
-    """The prompt's last logits, patched against stock: the largest difference, whether it is
-    within the model tolerance of ``dtype`` (``MODEL_TOLERANCES``), and stock's gap between its two
-    best tokens (random weights give flat logits, so greedy agreement in 16-bit turns on
-    differences far inside the tolerance)."""
+    """The logits of the first decoded token (stock's greedy choice after ``prompt``), patched
+    against stock: the largest difference, whether it is within the model tolerance of ``dtype``
+    (``MODEL_TOLERANCES``), and stock's gap between its two best tokens (random weights give flat
+    logits, so greedy agreement in 16-bit turns on differences far inside the tolerance). A
+    decoding step, not the prompt: a short prompt runs the stock layers."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from graphkern.models import MODEL_TOLERANCES
 
-    a, b = (m(prompt[None], cache=make_prompt_cache(m))[0, -1].astype(mx.float32) for m in (stock, patched))
+    caches = [make_prompt_cache(m) for m in (stock, patched)]
+    token = mx.argmax(stock(prompt[None], cache=caches[0])[:, -1:], axis=-1)
+    patched(prompt[None], cache=caches[1])
+    a, b = (m(token, cache=c)[0, -1].astype(mx.float32) for m, c in zip((stock, patched), caches))
     atol, rtol = MODEL_TOLERANCES[dtype]
     best, second = mx.sort(a)[-1].item(), mx.sort(a)[-2].item()
     return {"max_diff": mx.abs(a - b).max().item(), "within": mx.allclose(b, a, atol=atol, rtol=rtol).item(),
@@ -332,7 +336,7 @@ def agreement_line(result: dict[str, Any]) -> str:
     first = result.get("first_logits")
     line = f"- greedy tokens agree: {result['agreement']:.0%}"
     if first:
-        line += (f"; the prompt's last logits differ by {first['max_diff']:.3g} "
+        line += (f"; the first decoded token's logits differ by {first['max_diff']:.3g} "
                  f"({'within' if first['within'] else 'PAST'} the model tolerance), stock's two best "
                  f"{first['top2_gap']:.3g} apart")
     return line

@@ -24,6 +24,7 @@ from graphkern.kernels.base import LAUNCHES  # noqa: E402
 from graphkern.kernels.ops import rope as rope_module  # noqa: E402
 from graphkern.kernels.ops import rope_qk as rope_qk_module  # noqa: E402
 from graphkern.kernels.ops.rope_qk import stock_prologue  # noqa: E402
+from graphkern.launching.backends import on_gpu_backend  # noqa: E402
 from graphkern.models import check_model, kernel_names, patch, patched_layers, unpatch  # noqa: E402
 from graphkern.models.launch_count import decode_launches  # noqa: E402
 from graphkern.models.layers import (  # noqa: E402
@@ -143,7 +144,13 @@ def test_rope_qk_equals_the_stock_prologue(options: dict[str, Any]) -> None:
     with mx.stream(mx.cpu):  # mlx 0.32.4's CUDA RoPE reads a one-element offset array per batch entry
         stock = stock_prologue(q, k, 4, 2, dims, **options)
     for a, b in zip(ours, stock):
-        assert a.shape == b.shape and same_values(a, b)
+        if on_gpu_backend():
+            # the kernel on a GPU against stock on the CPU: their frequencies differ by an ulp
+            # (exp2 of log2 against exp of log), and a float32 angle near 32768 radians has an ulp
+            # of 0.004, so positions that far rotate apart by a few 1e-3
+            assert a.shape == b.shape and mx.allclose(a, b, atol=1e-2, rtol=0.0).item()
+        else:
+            assert a.shape == b.shape and same_values(a, b)
     assert ours[0].shape == (2, 4, 5, 64) and ours[1].shape == (2, 2, 5, 64)
 
 
@@ -436,7 +443,9 @@ def test_unpatch_after_quantizing_keeps_the_quantized_layers(arch: str) -> None:
     carries them back into the stock layers, so the model stays the quantized one."""
     model = tiny_model(arch)
     patch(model)
-    nn.quantize(model, group_size=64, bits=4)
+    # groups of 32, two a row: MLX 0.32.4's CUDA quantized_matmul of rows of one group gives
+    # garbage on Hopper, differently from call to call
+    nn.quantize(model, group_size=32, bits=4)
     quantized = model(TOKENS)
     patched_paths = {p for p, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
     unpatch(model)

@@ -95,13 +95,9 @@ def test_kernels_run_only_where_a_segment_fuses_them(arch: str, gpu_decision: No
 
 def test_a_trace_records_a_kernel_node_for_every_patched_layer(gpu_decision: None) -> None:
     _, patched = _twins("gemma2")
-    graph = gk.trace(lambda tokens: patched(tokens), PROMPT[:, :routes.FUSED_MAX_ROWS])
-    kernels = {graph.node(k)["kernel"] for k in graph.kernels()}
-    assert {"gk_norm_projections", "gk_rope_qk", "gk_add_rms_norm", "gk_gelu"} <= kernels
-    # a call of more rows records what it runs there: the norms' kernels and stock's products
     graph = gk.trace(lambda tokens: patched(tokens), PROMPT)
     kernels = {graph.node(k)["kernel"] for k in graph.kernels()}
-    assert {"gk_rope_qk", "gk_add_rms_norm", "gk_gelu"} <= kernels and "gk_norm_projections" not in kernels
+    assert {"gk_norm_projections", "gk_rope_qk", "gk_add_rms_norm", "gk_gelu"} <= kernels
 
 
 @pytest.mark.parametrize("route, kernels_run", [("kernel", True), ("stock", False)])
@@ -144,19 +140,36 @@ def _decode_rows(model: nn.Module, rows: int) -> list[mx.array]:
     return logits
 
 
+def _quantized_twins(arch: str, **options: Any) -> tuple[nn.Module, nn.Module]:
+    """:func:`_twins` with 4-bit weights in groups of 32, quantized before patching."""
+    stock, patched = tiny_model(arch), tiny_model(arch)
+    for model in (stock, patched):
+        nn.quantize(model, group_size=32, bits=4)
+        model.eval()
+    gk.patch(patched, **options)
+    return stock, patched
+
+
+QUANTIZED_LIMIT = routes.FUSED_MAX_ROWS["quantized"]
+
+
 @pytest.mark.parametrize("arch", ["llama", "phi3"])
-@pytest.mark.parametrize("route, rows, fused", [("auto", 1, True), ("auto", routes.FUSED_MAX_ROWS, True),
-                                                ("auto", 8, False), ("kernel", 8, True)])
+@pytest.mark.parametrize("quantized, route, rows, fused", [
+    (False, "auto", 8, True), (True, "auto", 1, True), (True, "auto", QUANTIZED_LIMIT, True),
+    (True, "auto", 8, False), (True, "kernel", 8, True)])
 def test_batch_decoding_takes_the_stock_products_past_the_fused_rows(
-        arch: str, route: str, rows: int, fused: bool, gpu_decision: None,
+        arch: str, quantized: bool, route: str, rows: int, fused: bool, gpu_decision: None,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU a fused block's norm-fed projection kernels take up to FUSED_MAX_ROWS rows; past
-    them the block runs its norm kernel and stock's products, inside its compiled segments."""
-    stock, patched = _twins(arch, route=route)
-    calls = _spy_in_segments(monkeypatch, ("norm_projections", "norm_swiglu", "add_rms_norm"))
+    """On a GPU a fused block's norm-fed projection kernels take up to FUSED_MAX_ROWS rows of their
+    kind of weights; past them the block runs its norm kernel and stock's products, inside its
+    compiled segments."""
+    stock, patched = (_quantized_twins if quantized else _twins)(arch, route=route)
+    prefix = "quantized_" if quantized else ""
+    swiglu = prefix + "norm_swiglu"
+    calls = _spy_in_segments(monkeypatch, (swiglu, "add_rms_norm"))
     assert _same(_decode_rows(patched, rows), _decode_rows(stock, rows), atol=1e-5)
     names = {name for name, inside in calls if inside}
-    assert ({"norm_projections", "norm_swiglu"} <= names) is fused
+    assert (swiglu in names) is fused
     assert fused or "add_rms_norm" in names  # the residual adds stay fused into the norms
 
 

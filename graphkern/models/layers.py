@@ -727,7 +727,7 @@ def _fuses(norm: nn.Module, residual: mx.array | None, x: mx.array, route: str,
     (a quantized one, for weights of ``group_size``) for a block on ``route``."""
     if not isinstance(norm, KernelAddRMSNorm if residual is not None else KernelRMSNorm):
         return False
-    if not fused_rows(route, x.size // x.shape[-1]):
+    if not fused_rows(route, x.size // x.shape[-1], quantized=group_size is not None):
         return False
     if norm["weight"].dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
         return False

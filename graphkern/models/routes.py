@@ -13,8 +13,8 @@ the host more than ``mx.fast``'s. So each patched layer has a route:
   and mixture-of-experts routers always run their kernels. On the CPU (``reference`` backend) the
   kernels run their pure-MLX references, and every layer runs them.
   A fused block's norm-fed projection kernels take at most ``FUSED_MAX_ROWS`` token rows on a
-  GPU; a call of more (batch decoding) runs the norm's kernel and the stock products, still in
-  the block's compiled segments.
+  GPU (fewer for quantized weights than for plain ones); a call of more (batch decoding) runs the
+  norm's kernel and the stock products, still in the block's compiled segments.
 - ``"kernel"``: always the kernel, as a benchmark of the kernel or a test of it wants.
 - ``"stock"``: always the stock forward, on the patched layer's own arrays.
 
@@ -39,12 +39,13 @@ __all__ = ["FUSED_MAX_ROWS", "ROUTES", "check_route", "fused_rows", "takes_stock
 ROUTES = ("auto", "kernel", "stock")
 
 #: On a GPU, the most token rows a fused block's norm-fed projection kernels take unless the route
-#: is ``"kernel"``. Their warps keep a sum a row and read the normalized rows from shared memory
-#: for every weight vector: at a row or two one launch reads the weights once where stock launches
-#: a norm and three products, while at eight rows the kernel's device time is several times the
-#: stock products' (benchmarks/RESULTS_kernels.md), which batch decoding pays at every layer.
-FUSED_MAX_ROWS = 2
-
+#: is ``"kernel"``, by the kind of weights they read. Their warps keep a sum a row and read the
+#: normalized rows from shared memory for every weight vector. For plain 16-bit weights that still
+#: pays at the kernels' own limit of eight rows (batch decoding of 8 sequences measured faster with
+#: them than with stock's products); the quantized kernels also dequantize each weight vector once a
+#: row group, and past two rows stock's quantized products measured faster
+#: (benchmarks/RESULTS_generate.md).
+FUSED_MAX_ROWS = {"plain": 8, "quantized": 2}
 
 def check_route(operation: str, route: Any) -> str:
     """``route`` if it is one of :data:`ROUTES`, else ``ModelError`` naming ``operation``."""
@@ -62,7 +63,9 @@ def takes_stock(route: str, elementwise: bool = False) -> bool:
     return route == "stock"
 
 
-def fused_rows(route: str, rows: int) -> bool:
-    """Whether a fused block on ``route`` runs its norm-fed projection kernels for a call of
-    ``rows`` token rows (see :data:`FUSED_MAX_ROWS`); the kernels' own limits apply besides."""
-    return route == "kernel" or rows <= FUSED_MAX_ROWS or not on_gpu_backend()
+def fused_rows(route: str, rows: int, quantized: bool = False) -> bool:
+    """Whether a fused block on ``route`` runs its norm-fed projection kernels (``quantized``: the
+    ones for quantized weights) for a call of ``rows`` token rows (see :data:`FUSED_MAX_ROWS`); the
+    kernels' own limits apply besides."""
+    limit = FUSED_MAX_ROWS["quantized" if quantized else "plain"]
+    return route == "kernel" or rows <= limit or not on_gpu_backend()
