@@ -274,8 +274,10 @@ def head_dim_of(module: nn.Module, path: str, counts: list[int], heads: str, kv_
 
 
 def build_attention(heads: str, kv_heads: str, norms: bool, projections: tuple[str, ...] = SEPARATE_QKV,
-               kind: type[KernelAttention] = KernelAttention) -> Callable[[nn.Module, str], KernelLayer]:
-    """An attention whose prologue (per-head norms, RoPE, layout) goes on ``rope_qk``, as a ``kind``."""
+               kind: type[KernelAttention] = KernelAttention,
+               norm_offset: float = 0.0) -> Callable[[nn.Module, str], KernelLayer]:
+    """An attention whose prologue (per-head norms, RoPE, layout) goes on ``rope_qk``, as a ``kind``;
+    ``norm_offset``: its per-head norms scale by ``norm_offset + weight`` (1 for Gemma 3's)."""
 
     def build(module: nn.Module, path: str) -> KernelLayer:
         counts = []
@@ -302,18 +304,22 @@ def build_attention(heads: str, kv_heads: str, norms: bool, projections: tuple[s
                 eps.append(norm.eps)
             check_same(path, "eps", ("q_norm", eps[0]), ("k_norm", eps[1]))
         sdpa = module_global(type(module), "scaled_dot_product_attention")
-        return kind(module, heads, kv_heads, rotary, norms, sdpa, projections)
+        return kind(module, heads, kv_heads, rotary, norms, sdpa, projections, norm_offset)
 
     return build
 
 
-def knows_rope_and_norms(norms: bool) -> Callable[[nn.Module], bool]:
+def knows_rope_and_norms(norms: bool, norm_offset: float = 0.0) -> Callable[[nn.Module], bool]:
+    """Whether an attention's RoPE is one a rule knows, and (``norms``) its ``q_norm`` and
+    ``k_norm`` are RMSNorms whose weight offset is ``norm_offset``."""
+
     def when(module: nn.Module) -> bool:
         rope = module.get("rope") if isinstance(module, dict) else None
         if not isinstance(rope, nn.Module) or (
                 not isinstance(rope, KernelRoPE) and not any(r.matches(rope) for r in ROPE_RULES)):
             return False
-        return not norms or all(rms_norm_offset(module.get(key)) == 0.0 for key in ("q_norm", "k_norm"))
+        return not norms or all(rms_norm_offset(module.get(key)) == norm_offset
+                                for key in ("q_norm", "k_norm"))
 
     return when
 
