@@ -374,7 +374,10 @@ def add_norm_of(block: nn.Module, key: str, path: str) -> KernelAddRMSNorm | Non
                            lambda: KernelAddRMSNorm(original, offset))
 
 
-def build_residual_block(layout: BlockLayout) -> Callable[[nn.Module, str], KernelLayer]:
+def build_residual_block(layout: BlockLayout, kind: type[KernelResidualBlock] = KernelResidualBlock
+                         ) -> Callable[[nn.Module, str], KernelLayer]:
+    """A pre-norm block of ``layout`` whose residual adds run inside its norms, as a ``kind``."""
+
     def build(module: nn.Module, path: str) -> KernelLayer:
         norm = add_norm_of(module, layout.pre_ffn_norm, path)
         assert norm is not None  # the rule's `when` checked it
@@ -382,7 +385,7 @@ def build_residual_block(layout: BlockLayout) -> Callable[[nn.Module, str], Kern
         for post in (layout.post_attention_norm, layout.post_ffn_norm):
             if post is not None:
                 child_of(module, post, path)
-        return KernelResidualBlock(module, layout, norm, add_norm_of(module, "input_layernorm", path))
+        return kind(module, layout, norm, add_norm_of(module, "input_layernorm", path))
 
     return build
 
