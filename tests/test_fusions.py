@@ -37,7 +37,9 @@ from graphkern.models.patching import PATCH  # noqa: E402
 from graphkern.models.tiny import DEEPSEEK_V3_CONFIG, TINY_CONFIGS, random_model, tiny_model  # noqa: E402
 
 TOKENS = mx.array([[3, 17, 42, 5, 99, 1, 7, 64], [8, 8, 120, 33, 2, 0, 71, 9]])
-MODELS = ["llama", "qwen2", "qwen3", "mixtral", "phi3", "gemma2"]
+MODELS = ["llama", "qwen2", "qwen3", "mixtral", "phi3", "gemma2", "gemma3"]
+#: The architectures whose blocks have Gemma 2's layout (post-norms) and tanh GeGLU.
+GEMMAS = ("gemma2", "gemma3")
 
 # ----------------------------------------------------------------------------- RoPE layers
 
@@ -242,9 +244,9 @@ def test_fused_model_equals_stock_logits_generation_and_gradients(arch: str) -> 
     assert mx.allclose(model(TOKENS), stock_logits, atol=1e-5, rtol=1e-5).item()
     assert _generate(model) == stock_tokens
     if arch != "mixtral" or STOCK_EXPERTS_DIFFERENTIATE:
-        # Gemma 2's tanh GELU kernel rounds apart from stock's formula: its loss by about 1.4e-6
+        # Gemma 2's and 3's tanh GELU kernel rounds apart from stock's formula: the loss by about 1.4e-6
         assert_same_gradients(stock_gradients, nn.value_and_grad(model, _loss)(model),
-                              loss_atol=1e-5 if arch == "gemma2" else 1e-6, atol=ATOL, rtol=RTOL)
+                              loss_atol=1e-5 if arch in GEMMAS else 1e-6, atol=ATOL, rtol=RTOL)
     unpatch(model)
     report = check_model(model, TOKENS, dtypes=[mx.float32])  # eager and compiled (gk.wrap)
     assert report.ok, str(report)
@@ -272,11 +274,11 @@ def test_the_trace_shows_the_fused_kernels_in_their_layers(arch: str) -> None:
     patch(model)
     graph = gk.trace(model, TOKENS)
     scopes = sorted((graph.node(k)["scope"], graph.node(k)["kernel"]) for k in graph.kernels()
-                    if graph.node(k)["kernel"] not in ("gk_swiglu", "gk_moe_route") or arch == "gemma2")
+                    if graph.node(k)["kernel"] not in ("gk_swiglu", "gk_moe_route") or arch in GEMMAS)
     routers = sorted(graph.node(k)["scope"] for k in graph.kernels()
                      if graph.node(k)["kernel"] == "gk_moe_route")
     assert routers == ([f"model.layers.{i}.block_sparse_moe" for i in range(2)] if arch == "mixtral" else [])
-    if arch == "gemma2":  # post-norms on the attention's and the feed-forward's outputs, plain
+    if arch in GEMMAS:  # post-norms on the attention's and the feed-forward's outputs, plain
         layers = [[(f"model.layers.{i}.input_layernorm", "gk_add_rms_norm" if i else "gk_rms_norm"),
                    (f"model.layers.{i}.mlp", "gk_gelu"),
                    (f"model.layers.{i}.post_attention_layernorm", "gk_rms_norm"),

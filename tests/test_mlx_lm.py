@@ -1,4 +1,4 @@
-"""Real models nobody here wrote: tiny random-weight mlx-lm models of eight architectures, wrapped and
+"""Real models nobody here wrote: tiny random-weight mlx-lm models of nine architectures, wrapped and
 patched. Logits match the stock model, compiled equals eager, and every layer has its kernel nodes
 in the right scope."""
 
@@ -27,11 +27,13 @@ EXPECTED_PER_LAYER = {
     "gemma": {**LLAMA_LAYER, "mlp": GELU},
     "gemma2": {"input_layernorm": RMS, "post_attention_layernorm": RMS, "pre_feedforward_layernorm": ADD_RMS,
                "post_feedforward_layernorm": RMS, "self_attn": ROPE_QK, "mlp": GELU},
+    "gemma3": {"input_layernorm": RMS, "post_attention_layernorm": RMS, "pre_feedforward_layernorm": ADD_RMS,
+               "post_feedforward_layernorm": RMS, "self_attn": ROPE_QK, "mlp": GELU},  # q/k norms in rope_qk
     "mixtral": {"input_layernorm": RMS, "post_attention_layernorm": ADD_RMS, "self_attn": ROPE_QK,
                 "block_sparse_moe": "gk_moe_route", "block_sparse_moe.switch_mlp.activation": SWIGLU},
 }
 #: Architectures whose decoder loop is fused: each residual add into the next RMSNorm.
-STACKS = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "phi3", "gemma2"}
+STACKS = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "phi3", "gemma2", "gemma3"}
 
 
 def close(a, b, dtype=mx.float32):
@@ -76,7 +78,7 @@ def test_wrap_and_patch(arch):
     assert mx.array_equal(model(TOKENS), stock).item()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])
 def test_low_precision_logits_within_tolerance(arch):
     model = tiny_model(arch)
     report = check_model(model, TOKENS, dtypes=[mx.float16, mx.bfloat16])

@@ -52,7 +52,7 @@ def _decode(model: nn.Module, steps: int = 6) -> list[mx.array]:
     return logits
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral", "phi3", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral", "phi3", "gemma2", "gemma3"])
 def test_an_evaluating_patched_model_decodes_through_segments_as_stock_does(arch: str) -> None:
     stock, patched = _pair(arch)
     for ours, theirs in zip(_decode(patched), _decode(stock)):

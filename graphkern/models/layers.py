@@ -442,9 +442,10 @@ _OUTPUT = (("o_proj",),)
 class KernelAttention(KernelLayer):
     """mlx-lm's Llama-style attention (Llama, Mistral, Qwen 2/3, Mixtral...) with its prologue on one
     ``rope_qk`` kernel: queries and keys go from ``q_proj``/``k_proj`` straight to attention's
-    ``(B, H, L, D)`` layout, normalized per head (Qwen 3's ``q_norm``/``k_norm``) and rotated; the
-    rest of the forward is the stock one. ``heads`` and ``kv_heads`` name the head-count attributes
-    (``n_heads`` or ``num_heads``...), read at each call; ``rope`` (a :class:`KernelRoPE` in this
+    ``(B, H, L, D)`` layout, normalized per head (Qwen 3's ``q_norm``/``k_norm``; Gemma 3's, whose
+    scale is ``norm_offset + weight``) and rotated; the rest of the forward is the stock one.
+    ``heads`` and ``kv_heads`` name the head-count attributes (``n_heads`` or ``num_heads``...),
+    read at each call; ``rope`` (a :class:`KernelRoPE` in this
     layer only) says how the stock RoPE rotates; ``sdpa`` is the model file's
     ``scaled_dot_product_attention``; ``projections`` names the query, key and value children
     (:data:`SEPARATE_QKV`, or :data:`FUSED_QKV` for one product split in three).
@@ -453,13 +454,15 @@ class KernelAttention(KernelLayer):
     kernel = "rope_qk"
 
     def __init__(self, original: nn.Module, heads: str, kv_heads: str, rope: KernelRoPE, norms: bool,
-                 sdpa: Callable[..., mx.array], projections: tuple[str, ...] = SEPARATE_QKV):
+                 sdpa: Callable[..., mx.array], projections: tuple[str, ...] = SEPARATE_QKV,
+                 norm_offset: float = 0.0):
         super().__init__(original)
         # tuples would go in the module's dict
         object.__setattr__(self, "_gk_heads", (heads, kv_heads))
         object.__setattr__(self, "projections", projections)
         self.rope = rope
         self._gk_norms = norms
+        self._gk_norm_offset = norm_offset
         self._gk_sdpa = sdpa
 
     def position(self, x: mx.array, cache: Any) -> tuple[Any, Rotary] | None:
@@ -502,6 +505,8 @@ class KernelAttention(KernelLayer):
         eps = 1e-5
         if self._gk_norms:
             q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+            if self._gk_norm_offset:  # as the stock norm makes its scale, in the weight's dtype
+                q_weight, k_weight = q_weight + self._gk_norm_offset, k_weight + self._gk_norm_offset
         queries, keys = gkk.rope_qk(queries, keys, heads, kv_heads, rotary.dims,
                                     traditional=rotary.traditional, base=rotary.base, scale=rotary.scale,
                                     offset=offset, freqs=rotary.freqs, input_scale=rotary.input_scale,

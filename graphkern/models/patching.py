@@ -30,7 +30,7 @@ from typing import Any
 import mlx.nn as nn
 
 from graphkern.errors import ModelError, PatchWarning
-from graphkern.models.families import gemma, llama, moe, phi3, qwen2
+from graphkern.models.families import gemma, gemma3, llama, moe, phi3, qwen2
 from graphkern.models.layers import KernelLayer, KernelResidualBlock
 from graphkern.models.routes import check_route
 from graphkern.models.rules import LAYER_RULES, PATCH, ROPE_RULES, Rule, building, one_per_module
@@ -73,7 +73,8 @@ class PatchReport(list[Patched]):
 
 
 #: Every rule, in the order they are tried: each family's, then those of layers every family shares.
-RULES: list[Rule] = [*llama.RULES, *qwen2.RULES, *phi3.RULES, *gemma.RULES, *moe.RULES, *LAYER_RULES]
+RULES: list[Rule] = [*llama.RULES, *qwen2.RULES, *phi3.RULES, *gemma.RULES, *gemma3.RULES, *moe.RULES,
+                     *LAYER_RULES]
 
 
 def kernel_names() -> list[str]:

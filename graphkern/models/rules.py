@@ -274,8 +274,10 @@ def head_dim_of(module: nn.Module, path: str, counts: list[int], heads: str, kv_
 
 
 def build_attention(heads: str, kv_heads: str, norms: bool, projections: tuple[str, ...] = SEPARATE_QKV,
-               kind: type[KernelAttention] = KernelAttention) -> Callable[[nn.Module, str], KernelLayer]:
-    """An attention whose prologue (per-head norms, RoPE, layout) goes on ``rope_qk``, as a ``kind``."""
+               kind: type[KernelAttention] = KernelAttention,
+               norm_offset: float = 0.0) -> Callable[[nn.Module, str], KernelLayer]:
+    """An attention whose prologue (per-head norms, RoPE, layout) goes on ``rope_qk``, as a ``kind``;
+    ``norm_offset``: its per-head norms scale by ``norm_offset + weight`` (1 for Gemma 3's)."""
 
     def build(module: nn.Module, path: str) -> KernelLayer:
         counts = []
@@ -302,18 +304,22 @@ def build_attention(heads: str, kv_heads: str, norms: bool, projections: tuple[s
                 eps.append(norm.eps)
             check_same(path, "eps", ("q_norm", eps[0]), ("k_norm", eps[1]))
         sdpa = module_global(type(module), "scaled_dot_product_attention")
-        return kind(module, heads, kv_heads, rotary, norms, sdpa, projections)
+        return kind(module, heads, kv_heads, rotary, norms, sdpa, projections, norm_offset)
 
     return build
 
 
-def knows_rope_and_norms(norms: bool) -> Callable[[nn.Module], bool]:
+def knows_rope_and_norms(norms: bool, norm_offset: float = 0.0) -> Callable[[nn.Module], bool]:
+    """Whether an attention's RoPE is one a rule knows, and (``norms``) its ``q_norm`` and
+    ``k_norm`` are RMSNorms whose weight offset is ``norm_offset``."""
+
     def when(module: nn.Module) -> bool:
         rope = module.get("rope") if isinstance(module, dict) else None
         if not isinstance(rope, nn.Module) or (
                 not isinstance(rope, KernelRoPE) and not any(r.matches(rope) for r in ROPE_RULES)):
             return False
-        return not norms or all(rms_norm_offset(module.get(key)) == 0.0 for key in ("q_norm", "k_norm"))
+        return not norms or all(rms_norm_offset(module.get(key)) == norm_offset
+                                for key in ("q_norm", "k_norm"))
 
     return when
 
@@ -368,7 +374,10 @@ def add_norm_of(block: nn.Module, key: str, path: str) -> KernelAddRMSNorm | Non
                            lambda: KernelAddRMSNorm(original, offset))
 
 
-def build_residual_block(layout: BlockLayout) -> Callable[[nn.Module, str], KernelLayer]:
+def build_residual_block(layout: BlockLayout, kind: type[KernelResidualBlock] = KernelResidualBlock
+                         ) -> Callable[[nn.Module, str], KernelLayer]:
+    """A pre-norm block of ``layout`` whose residual adds run inside its norms, as a ``kind``."""
+
     def build(module: nn.Module, path: str) -> KernelLayer:
         norm = add_norm_of(module, layout.pre_ffn_norm, path)
         assert norm is not None  # the rule's `when` checked it
@@ -376,7 +385,7 @@ def build_residual_block(layout: BlockLayout) -> Callable[[nn.Module, str], Kern
         for post in (layout.post_attention_norm, layout.post_ffn_norm):
             if post is not None:
                 child_of(module, post, path)
-        return KernelResidualBlock(module, layout, norm, add_norm_of(module, "input_layernorm", path))
+        return kind(module, layout, norm, add_norm_of(module, "input_layernorm", path))
 
     return build
 

@@ -35,6 +35,12 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
               "rope_theta": 1e6, "tie_word_embeddings": True},
     "gemma": {"model_type": "gemma", **_BASE, "head_dim": 16},
     "gemma2": {"model_type": "gemma2", **_BASE, "head_dim": 16, "query_pre_attn_scalar": 16.0},
+    # its two layers one sliding-window (a window of 4, shorter than most prompts) and one global,
+    # each with a RoPE of its own (the global one's scaled)
+    "gemma3": {"model_type": "gemma3_text", **_BASE, "head_dim": 16, "query_pre_attn_scalar": 16.0,
+               "sliding_window": 4, "sliding_window_pattern": 2, "rope_theta": 1e6,
+               "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+               "max_position_embeddings": 512},
     "phi3": {"model_type": "phi3", **_BASE},
     "mixtral": {"model_type": "mixtral", **_BASE, "num_local_experts": 4, "num_experts_per_tok": 2},
 }
