@@ -3,7 +3,8 @@
 What a user runs: random-weight mlx-lm models (llama, qwen3, mixtral) at two sizes, generated with
 mlx-lm's own loops: ``mlx_lm.generate.generate_step`` at batch 1 and ``BatchGenerator`` at batch 8.
 Each model is run stock and patched (``gk.patch`` on a second model object sharing the weights),
-both eagerly (how mlx-lm generates) and through ``gk.wrap``, taking turns within each round:
+both eagerly (how mlx-lm generates) and through ``gk.wrap``, taking turns within each round
+(stock first in even rounds, patched first in odd ones):
 
   decode b1 / b8   tokens per second after the first token (batch 8 counts all 8 sequences)
   ttft P           time to the first token of a P-token prompt (prefill), milliseconds: the
@@ -258,8 +259,11 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
     samples: dict[tuple[str, str], list[float]] = {}
     errors: dict[tuple[str, str], str] = {}
     for round_index in range(args.rounds + 1):  # round 0 warms up: kernels compile, traces run
+        # stock first in even rounds, patched first in odd ones: a host drifting within a round
+        # favours neither side over a pair of rounds
+        order = list(variants.items())[::-1 if round_index % 2 else 1]
         for task, run in tasks.items():
-            for name, model in variants.items():
+            for name, model in order:
                 if (task, name) in errors:
                     continue
                 try:

@@ -121,14 +121,15 @@ class KernelLayer(nn.Module):
     def __getattr__(self, key: str) -> Any:
         """A child or parameter by name (``nn.Module``'s lookup), else a property of the replaced
         layer's class read on this layer (Qwen 2's ``pipeline_layers``), as the stock layer has it."""
-        try:
-            return super().__getattr__(key)
-        except AttributeError:
-            held = self.__dict__.get("_gk_original")  # absent while copy.copy rebuilds a layer
-            found = getattr(type(held.module), key, None) if held is not None else None
-            if isinstance(found, property) and found.fget is not None:
-                return found.fget(self)
-            raise
+        # nn.Module's lookup inlined: a stock forward run on this layer reads its children and
+        # parameters through here on every call
+        if (value := self.get(key)) is not None:
+            return value
+        held = self.__dict__.get("_gk_original")  # absent while copy.copy rebuilds a layer
+        found = getattr(type(held.module), key, None) if held is not None else None
+        if isinstance(found, property) and found.fget is not None:
+            return found.fget(self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
 
     def replaced_arrays(self) -> dict[str, mx.array]:
         """This layer's arrays that are no longer the ones it shared with the original when built
