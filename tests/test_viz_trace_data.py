@@ -105,6 +105,32 @@ def test_a_module_the_trace_cannot_see_is_reported(mymodels: Any) -> None:
         gk.trace(lambda x: mx.exp(x) * 2, mx.ones((3,)))
 
 
+@pytest.mark.parametrize("refused", ["install", "removal"])
+def test_a_refused_profile_hook_only_loses_the_report(mymodels: Any, refused: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPython refuses sys.setprofile while it still installs one on the thread (seen with threads
+    tracing at once): the trace goes on, at worst without naming the module it could not see."""
+    import sys
+
+    real = sys.setprofile
+    calls: list[Any] = []
+
+    def setprofile(function: Any) -> None:
+        calls.append(function)
+        if (refused == "install" and len(calls) == 1) or (refused == "removal" and len(calls) == 2):
+            raise RuntimeError("Cannot install a profile function while another profile function "
+                               "is being installed")
+        real(function)
+
+    monkeypatch.setattr(sys, "setprofile", setprofile)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph = gk.trace(mymodels.hidden, TOKENS)
+    assert graph.nx.number_of_nodes() > 0 and sys.getprofile() is None
+    named = [w for w in caught if issubclass(w.category, gk.ScopeWarning)]
+    assert len(named) == (1 if refused == "removal" else 0)
+
+
 def test_a_compiled_function_on_a_global_model_sees_new_weights(mymodels: Any) -> None:
     compiled = gk.compile(mymodels.patched)
     assert mx.allclose(compiled(TOKENS), mymodels.model(TOKENS)).item()

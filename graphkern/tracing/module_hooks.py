@@ -105,21 +105,35 @@ def _stand_in(module: nn.Module, inputs: list[mx.array], args: Any, kwargs: Any)
 @contextlib.contextmanager
 def watch_modules(seen: list[str], enabled: bool) -> Iterator[None]:
     """While tracing a function in which no module was found, note the class of the first
-    ``nn.Module`` whose ``__call__`` runs (a profile hook on this thread, removed at once)."""
+    ``nn.Module`` whose ``__call__`` runs (a profile hook on this thread, removed at once).
+
+    Best effort, for a message: CPython refuses ``sys.setprofile`` while it is still putting a
+    profile function in place on the thread (``RuntimeError``), which threads tracing at once
+    have met; the watch then does nothing, or its hook stays inert until it is replaced."""
     if not enabled:
         yield
         return
     previous = sys.getprofile()
+    done = False
 
     def hook(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_name == "__call__":
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, nn.Module):
-                seen.append(type(owner).__name__)
+        nonlocal done
+        if done or event != "call" or frame.f_code.co_name != "__call__":
+            return
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module):
+            seen.append(type(owner).__name__)
+            done = True
+            with contextlib.suppress(RuntimeError):
                 sys.setprofile(previous)
 
-    sys.setprofile(hook)
+    try:
+        sys.setprofile(hook)
+    except RuntimeError:
+        done = True
     try:
         yield
     finally:
-        sys.setprofile(previous)
+        done = True
+        with contextlib.suppress(RuntimeError):
+            sys.setprofile(previous)
