@@ -5,7 +5,8 @@
 #   bash scripts/gpu_check.sh core     # conformance, NVRTC failures, precompiled kernels; gpu_core.py
 #   bash scripts/gpu_check.sh models   # patched mlx-lm models: gpu tests, then benchmarks/models.py
 #   bash scripts/gpu_check.sh quantized  # the quantized projection kernels against stock MLX
-#   bash scripts/gpu_check.sh quantized-models  # patched quantized models against stock, then the
+#   bash scripts/gpu_check.sh quantized-models  # patched tiny quantized models against stock
+#   bash scripts/gpu_check.sh model-commands    # quantized models of real width, and the
 #                                               # checkpoint-folder CLI on the GPU
 #   bash scripts/gpu_check.sh model-comparisons  # the CPU suite's patched-vs-stock model tests, run on the GPU
 #   bash scripts/gpu_check.sh suite    # every test part above at once, each its own process and PTX
@@ -20,7 +21,7 @@
 # Logs and results go to the folder $OUT names, else ./gpu-results. Each part's tests stop after
 # GPU_PART_SECONDS (default 540, inside a 10-minute device call) and then list the tests that never ran.
 set -uo pipefail
-part=${1:?usage: gpu_check.sh kernels|rope|core|models|quantized|quantized-models|model-comparisons|suite|generate|bench|tune [benchmark arguments]}
+part=${1:?usage: gpu_check.sh kernels|rope|core|models|quantized|quantized-models|model-commands|model-comparisons|suite|generate|bench|tune [benchmark arguments]}
 shift
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -52,7 +53,7 @@ gpu_tests() {
 }
 # the parts' benchmarks, unless GPU_TESTS_ONLY is set (the suite part sets it: its parts share the GPU)
 benchmarks() { [ -z "${GPU_TESTS_ONLY:-}" ]; }
-TEST_PARTS="kernels rope core models quantized quantized-models model-comparisons"
+TEST_PARTS="kernels rope core models quantized quantized-models model-commands model-comparisons"
 case "$part" in
   kernels)
     gpu_tests tests/gpu/test_kernels_gpu.py -k "not rope" | tee "$out/pytest_kernels.txt" | tail -15
@@ -72,8 +73,10 @@ case "$part" in
   quantized)
     gpu_tests tests/gpu/test_quantized_gpu.py -k "not patched" | tee "$out/pytest_quantized.txt" | tail -15 ;;
   quantized-models)
-    gpu_tests tests/gpu/test_quantized_gpu.py tests/gpu/test_cli_model_gpu.py -k "patched or model_commands" \
-      | tee "$out/pytest_quantized_models.txt" | tail -15 ;;
+    gpu_tests tests/gpu/test_quantized_gpu.py -k "decodes_as_stock" | tee "$out/pytest_quantized_models.txt" | tail -15 ;;
+  model-commands)
+    gpu_tests tests/gpu/test_quantized_gpu.py tests/gpu/test_cli_model_gpu.py -k "real_width or model_commands" \
+      | tee "$out/pytest_model_commands.txt" | tail -15 ;;
   model-comparisons)  # written for the CPU; on a GPU they hold to the model tolerances (tests/helpers/model_comparisons.py).
     # MLX multiplies float32 matrices in TF32 on CUDA unless told not to: the stock side of a float32
     # comparison then rounds to about 1e-3, past those tolerances, while the kernels accumulate in float32
@@ -90,13 +93,15 @@ case "$part" in
         bash "$0" "$p" > "$scratch/$p.log" 2>&1 &
     done
     wait
+    # one file for every part's log (a device call brings back a few files): each part's whole
+    # pytest log, then what the part itself printed (a crash's message)
     for p in $TEST_PARTS; do
       cp -rn "$scratch/$p.ptx/." "$MLX_PTX_CACHE_DIR/" 2>/dev/null
-      # the part's whole pytest log, then what the part itself printed (a crash's message)
-      cat "$scratch/$p"/pytest_*.txt "$scratch/$p.log" > "$out/suite_$p.txt"
-      echo "== $p: $(grep -E ' in [0-9.]+s' "$out/suite_$p.txt" | tail -1)"
-      grep -E '^(FAILED|ERROR) |NEVER RAN' "$out/suite_$p.txt"
-    done ;;
+      { echo "==================== $p"; cat "$scratch/$p"/pytest_*.txt "$scratch/$p.log"; } > "$scratch/$p.all"
+      echo "== $p: $(grep -E ' in [0-9.]+s' "$scratch/$p.all" | tail -1)"
+      grep -E '^(FAILED|ERROR) |NEVER RAN' "$scratch/$p.all"
+    done
+    for p in $TEST_PARTS; do cat "$scratch/$p.all"; done > "$out/suite.txt" ;;
   generate)
     python3 benchmarks/generate.py --sizes large --dtypes bfloat16,float16 --modes eager --rounds 3 \
       --tokens 48 --prefill 256,2048 --breakdown --json "$out/generate.json" 2>&1 | tee "$out/generate.txt"
@@ -105,5 +110,5 @@ case "$part" in
     python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels_full.json" "$@" 2>&1 | tee "$out/gpu_kernels_full.txt" ;;
   tune)
     python3 benchmarks/gpu_row_configs.py --dtypes bfloat16,float32 "$@" 2>&1 | tee "$out/row_configs.txt" ;;
-  *) echo "unknown part '$part': use kernels, rope, core, models, quantized, quantized-models, model-comparisons, suite, generate, bench or tune" >&2; exit 2 ;;
+  *) echo "unknown part '$part': use kernels, rope, core, models, quantized, quantized-models, model-commands, model-comparisons, suite, generate, bench or tune" >&2; exit 2 ;;
 esac
