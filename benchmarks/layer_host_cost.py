@@ -22,7 +22,7 @@ Each function is timed in rounds that alternate between all of them (a random or
 calling thread's CPU time, ``--number`` calls a sample); the figures are medians over rounds,
 "patched / stock op" the median of the round-by-round ratios.
 
-``--cuda-stand-in`` runs the launches on graphkern's CUDA path instead (``using_backend("cuda")``),
+``--cuda-stand-in`` runs the launches on graphkern's CUDA path instead (CUDA detected as on a GPU),
 with MLX's kernel object replaced by a stand-in that returns its first input: the kernel column
 is then graphkern's launch path to MLX's kernel call, and overhead is what the layer adds to that,
 as a GPU would see it less the kernel call itself (no GPU figure is measured here).
@@ -50,8 +50,10 @@ from _timing import header, interleaved_samples, paired_ratio  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 from graphkern.kernels import LIBRARY  # noqa: E402
-from graphkern.launching import mlx_kernels  # noqa: E402
-from graphkern.launching.backends import using_backend  # noqa: E402
+from graphkern.launching import (
+    backends,  # noqa: E402
+    mlx_kernels,  # noqa: E402
+)
 from graphkern.models import KernelLayer, patch, set_route  # noqa: E402
 from graphkern.models.layers import KernelAddRMSNorm  # noqa: E402
 
@@ -203,7 +205,9 @@ def main() -> None:
         if options.cuda_stand_in:
             stack.enter_context(mock.patch.object(mlx_kernels, "build_mlx_kernel",
                                                   lambda backend, kernel: stand_in))
-            stack.enter_context(using_backend("cuda"))
+            # detected as a GPU would be, not forced with using_backend: the auto route then reads
+            # the backend as it does on a GPU (no override to check)
+            stack.enter_context(mock.patch.object(backends, "_detected_backend", lambda: "cuda"))
         rows = [row for hidden in options.hidden for row in measure(hidden, options.rounds, options.number)]
     print(table(rows))
 

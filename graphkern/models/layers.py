@@ -91,7 +91,7 @@ class KernelLayer(nn.Module):
 
     kernel: ClassVar[str] = ""
     #: Whether the kernel stands alone in this layer, fusing nothing that pays for its launch plan:
-    #: such a layer takes the stock forward where its route says so (``graphkern.models.routes``).
+    #: a :class:`StandaloneLayer`, which takes the stock forward where its route says so.
     standalone: ClassVar[bool] = False
     #: Whether its kernel is elementwise (an activation), which ``mx.compile`` fuses from stock ops.
     elementwise: ClassVar[bool] = False
@@ -156,12 +156,10 @@ class KernelLayer(nn.Module):
         a model) its launches carry no custom vjp, as inside ``gk.without_vjp()``: an evaluating
         model is not differentiated, and the wrapper costs every launch host time. In training
         mode (``model.train()``) they are differentiable. Inside a forward that runs the stock
-        layers (a short prompt: ``graphkern.models.prefill``) it is the layer it replaced. A
-        :attr:`standalone` layer whose route takes this call stock runs :meth:`stock_call`."""
+        layers (a short prompt: ``graphkern.models.prefill``) it is the layer it replaced. (A
+        :class:`StandaloneLayer` first asks its route whether the call runs stock.)"""
         if state.stock_layers:  # stock_layers_run(), read directly: this runs on every call
             return self.original(*args, **kwargs)
-        if self.standalone and takes_stock(self._gk_call_route, self.elementwise):
-            return self.stock_call(*args, **kwargs)
         if self._training or not vjp_enabled():  # a layer inside an evaluating one: already plain
             return self.forward(*args, **kwargs)
         with without_vjp():
@@ -216,11 +214,37 @@ class KernelLayer(nn.Module):
         return self.shown_class_name() + super().__repr__()[len(type(self).__name__):]
 
 
-class KernelRMSNorm(KernelLayer):
+class StandaloneLayer(KernelLayer):
+    """A patched layer whose kernel fuses nothing that pays for its launch plan (a norm, a RoPE,
+    an activation, an MLP): where its route says so (``graphkern.models.routes.takes_stock``) a
+    call runs :meth:`stock_call`, for about what the replaced layer's own call costs the host.
+    Its first argument has a name, ``x``, as in every stock forward a rule matches it by, so a call
+    is not taken apart and put back together on the way."""
+
+    standalone = True
+    #: Whether :meth:`stock_call` is the replaced layer's forward as it is (a subclass that
+    #: overrides it is not), so a stock call can go straight to that forward.
+    _gk_plain_stock: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._gk_plain_stock = cls.stock_call is StandaloneLayer.stock_call
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if not state.stock_layers and takes_stock(self._gk_call_route, self.elementwise):
+            if self._gk_plain_stock:
+                return self._gk_stock_forward(self, x, *args, **kwargs)  # stock_call, one call fewer
+            return self.stock_call(x, *args, **kwargs)
+        return super().__call__(x, *args, **kwargs)
+
+    def stock_call(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._gk_stock_forward(self, x, *args, **kwargs)
+
+
+class KernelRMSNorm(StandaloneLayer):
     """``nn.RMSNorm`` (``offset=1``: Gemma's ``rms_norm(x, 1 + weight)``) on the ``rms_norm`` kernel."""
 
     kernel = "rms_norm"
-    standalone = True
 
     def __init__(self, original: nn.Module, offset: float = 0.0):
         super().__init__(original)
@@ -253,20 +277,19 @@ class KernelAddRMSNorm(KernelRMSNorm):
 
     def stock_call(self, x: mx.array, residual: mx.array | None = None) -> Any:  # type: ignore[override]
         if residual is None:
-            return self.stock(x)
+            return self._gk_stock_forward(self, x)
         h = x + residual
-        return h, self.stock(h)
+        return h, self._gk_stock_forward(self, h)
 
     def failed_output(self, x: mx.array, residual: mx.array | None = None) -> Any:
         """What a trace puts in place of a failed call (graphkern.trace): zeros of its outputs."""
         return mx.zeros_like(x) if residual is None else (mx.zeros_like(x), mx.zeros_like(x))
 
 
-class KernelLayerNorm(KernelLayer):
+class KernelLayerNorm(StandaloneLayer):
     """``nn.LayerNorm`` (with or without weight and bias) on the ``layer_norm`` kernel."""
 
     kernel = "layer_norm"
-    standalone = True
 
     def forward(self, x: mx.array) -> mx.array:
         weight = self.get("weight", None)
@@ -287,7 +310,7 @@ class Rotary(NamedTuple):
     input_scale: float = 1.0
 
 
-class KernelRoPE(KernelLayer):
+class KernelRoPE(StandaloneLayer):
     """``nn.RoPE`` on the ``rope`` kernel; ``offset`` is an int or an integer array, as for MLX.
 
     Subclasses stand in for mlx-lm's other RoPE layers: each says, in :meth:`rotary`, how the stock
@@ -295,7 +318,6 @@ class KernelRoPE(KernelLayer):
     """
 
     kernel = "rope"
-    standalone = True
 
     def rotary(self, length: int, offset: int | mx.array) -> Rotary | None:
         return Rotary(self.dims, self.traditional, self.base, None, self.scale)
@@ -362,33 +384,30 @@ class KernelDynamicRoPE(KernelRoPE):
         return Rotary(self.dims, self.traditional, base)
 
 
-class KernelSwiGLU(KernelLayer):
+class KernelSwiGLU(StandaloneLayer):
     """mlx-lm's ``SwiGLU`` activation module, ``(x, gate) -> silu(gate) * x``, on ``swiglu``."""
 
     kernel = "swiglu"
-    standalone = True
     elementwise = True
 
     def forward(self, x: mx.array, gate: mx.array) -> mx.array:
         return gkk.swiglu(gate, x)
 
 
-class KernelSwiGLUMLP(KernelLayer):
+class KernelSwiGLUMLP(StandaloneLayer):
     """A Llama-style MLP, ``down(silu(gate(x)) * up(x))``, with the gate on the ``swiglu`` kernel."""
 
     kernel = "swiglu"
-    standalone = True
     elementwise = True
 
     def forward(self, x: mx.array) -> mx.array:
         return self.down_proj(gkk.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-class KernelGateUpMLP(KernelLayer):
+class KernelGateUpMLP(StandaloneLayer):
     """A Phi-3-style MLP with one fused ``gate_up_proj``: ``down(silu(gate) * up)`` on ``swiglu``."""
 
     kernel = "swiglu"
-    standalone = True
     elementwise = True
 
     def forward(self, x: mx.array) -> mx.array:
@@ -396,11 +415,10 @@ class KernelGateUpMLP(KernelLayer):
         return self.down_proj(gkk.swiglu(gate, up))
 
 
-class KernelGeGLUMLP(KernelLayer):
+class KernelGeGLUMLP(StandaloneLayer):
     """A Gemma-style MLP, ``down(gelu(gate(x)) * up(x))``, with the GELU on the ``gelu`` kernel."""
 
     kernel = "gelu"
-    standalone = True
     elementwise = True
 
     def __init__(self, original: nn.Module, approx: bool = False):
@@ -411,22 +429,20 @@ class KernelGeGLUMLP(KernelLayer):
         return self.down_proj(gkk.gelu(self.gate_proj(x), approx=self._gk_approx) * self.up_proj(x))
 
 
-class KernelGELU(KernelLayer):
+class KernelGELU(StandaloneLayer):
     """``nn.GELU`` (exact, or ``approx="precise"``/``"tanh"``) on the ``gelu`` kernel."""
 
     kernel = "gelu"
-    standalone = True
     elementwise = True
 
     def forward(self, x: mx.array) -> mx.array:
         return gkk.gelu(x, approx=self._approx in ("precise", "tanh"))
 
 
-class KernelSoftmax(KernelLayer):
+class KernelSoftmax(StandaloneLayer):
     """``nn.Softmax`` (over the last axis) on the ``softmax`` kernel."""
 
     kernel = "softmax"
-    standalone = True
 
     def forward(self, x: mx.array) -> mx.array:
         return gkk.softmax(x)
