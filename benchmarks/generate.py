@@ -30,7 +30,7 @@ converter does (``nn.quantize``: embeddings and output layer included).
     python benchmarks/generate.py --preset llama-3.2-1b --quantize 4 --dtypes bfloat16
     python benchmarks/generate.py --sizes tiny --rounds 1           # a CPU smoke run
     python benchmarks/generate.py --preset qwen3-30b-a3b --quantize 4 --quick   # a preset's CPU smoke run
-    python benchmarks/generate.py --sweep --rounds 3 --tokens 32 --prefill 128   # every architecture
+    python benchmarks/generate.py --sweep --rounds 7 --tokens 32 --prefill 128   # every architecture
     python benchmarks/generate.py --sweep --quick --batches 1                    # the sweep's CPU smoke run
 """
 
