@@ -90,9 +90,6 @@ class KernelLayer(nn.Module):
     """
 
     kernel: ClassVar[str] = ""
-    #: Whether the kernel stands alone in this layer, fusing nothing that pays for its launch plan:
-    #: a :class:`StandaloneLayer`, which takes the stock forward where its route says so.
-    standalone: ClassVar[bool] = False
     #: Whether its kernel is elementwise (an activation), which ``mx.compile`` fuses from stock ops.
     elementwise: ClassVar[bool] = False
     #: This layer's route (``patch(route=...)``, ``set_route``): set per layer, past the module's items.
@@ -221,7 +218,6 @@ class StandaloneLayer(KernelLayer):
     Its first argument has a name, ``x``, as in every stock forward a rule matches it by, so a call
     is not taken apart and put back together on the way."""
 
-    standalone = True
     #: Whether :meth:`stock_call` is the replaced layer's forward as it is (a subclass that
     #: overrides it is not), so a stock call can go straight to that forward.
     _gk_plain_stock: ClassVar[bool] = True

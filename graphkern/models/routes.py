@@ -47,6 +47,7 @@ ROUTES = ("auto", "kernel", "stock")
 #: (benchmarks/RESULTS_generate.md).
 FUSED_MAX_ROWS = {"plain": 8, "quantized": 2}
 
+
 def check_route(operation: str, route: Any) -> str:
     """``route`` if it is one of :data:`ROUTES`, else ``ModelError`` naming ``operation``."""
     if route not in ROUTES:
