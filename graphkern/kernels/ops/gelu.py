@@ -14,11 +14,13 @@ from graphkern.kernels.elementwise import cuda_map_body, metal_map_body, plan_el
 from graphkern.kernels.headers import dual_header
 from graphkern.nodes import Kernel
 
-__all__ = ["GELU", "gelu", "gelu_reference", "plan_gelu"]
+__all__ = ["GELU", "GELU_CUDA", "GELU_METAL", "gelu", "gelu_float32", "gelu_reference", "plan_gelu"]
 
 # The formulas of mlx.nn.gelu / gelu_approx; x / sqrt(2) as x * (1 / sqrt(2)): an IEEE float
 # division costs more than the erf in a 16-bit kernel, and moves the argument by at most an ulp.
-_CUDA = r"""
+# ``gk::gelu<APPROX, ...>(float)`` of each backend, for any kernel's header (the gated projection
+# kernels' GeGLU takes it too).
+GELU_CUDA = r"""
 namespace gk {
 // erf for 16-bit outputs: Abramowitz & Stegun 7.1.26, |error| <= 1.5e-7 (far under an ulp of any
 // 16-bit result), one exp and no branch: erff makes a 16-bit GELU compute-bound.
@@ -42,7 +44,7 @@ __device__ __forceinline__ float gelu(float x) {
 }  // namespace gk
 """
 
-_METAL = r"""
+GELU_METAL = r"""
 namespace gk {
 template <bool APPROX>
 inline float gelu(float x) {
@@ -55,14 +57,21 @@ inline float gelu(float x) {
 """
 
 
+def gelu_float32(x: mx.array, approx: bool = False) -> mx.array:
+    """GELU of ``x`` computed in float32 (exact, or the tanh form with ``approx``), left in float32.
+
+    >>> [round(v, 4) for v in gelu_float32(mx.array([-1.0, 2.0]), approx=True).tolist()]
+    [-0.1588, 1.9546]
+    """
+    xf = x.astype(mx.float32)
+    if approx:
+        return 0.5 * xf * (1 + mx.tanh(math.sqrt(2 / math.pi) * (xf + 0.044715 * xf * xf * xf)))
+    return xf * (1 + mx.erf(xf / math.sqrt(2))) / 2
+
+
 def gelu_reference(x: mx.array, *, APPROX: bool = False) -> list[mx.array]:
     """Pure-MLX GELU in float32, cast back to x's dtype."""
-    xf = x.astype(mx.float32)
-    if APPROX:
-        y = 0.5 * xf * (1 + mx.tanh(math.sqrt(2 / math.pi) * (xf + 0.044715 * xf * xf * xf)))
-    else:
-        y = xf * (1 + mx.erf(xf / math.sqrt(2))) / 2
-    return [y.astype(x.dtype)]
+    return [gelu_float32(x, APPROX).astype(x.dtype)]
 
 
 GELU = Kernel(
@@ -71,7 +80,7 @@ GELU = Kernel(
     output_names=["out"],
     metal=metal_map_body(["x"], "gk::gelu<APPROX>(x)"),
     cuda=(_BODY := cuda_map_body(["x"], "gk::gelu<APPROX, (sizeof(T) < 4)>(x)")),
-    header=dual_header(_CUDA, _METAL, body=_BODY),
+    header=dual_header(GELU_CUDA, GELU_METAL, body=_BODY),
     reference=gelu_reference,
 )
 
