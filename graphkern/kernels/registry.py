@@ -101,8 +101,10 @@ WORDS: dict[str, str] = {
     "moe_route": "a mixture-of-experts router's top experts and their weights",
     "norm_projections": "an RMSNorm and the projections after it (an attention's q, k and v)",
     "norm_swiglu": "an RMSNorm, an MLP's gate and up products and silu(gate) * up",
+    "norm_geglu": "an RMSNorm, an MLP's gate and up products and gelu(gate) * up",
     "quantized_norm_projections": "an RMSNorm and the quantized projections after it (q, k and v)",
     "quantized_norm_swiglu": "an RMSNorm, an MLP's quantized gate and up products and silu(gate) * up",
+    "quantized_norm_geglu": "an RMSNorm, an MLP's quantized gate and up products and gelu(gate) * up",
     "quantized_norm_rope_projections":
         "an RMSNorm, the quantized q, k and v products and the RoPE of q and k",
 }

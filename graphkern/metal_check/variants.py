@@ -65,6 +65,8 @@ OPTIONS: dict[str, tuple[Callable[[Case], Case], ...]] = {
     "layer_norm": (_no_weight,),
     "norm_projections": (_without("residual"), lambda c: _no_weight(_without("residual")(c))),
     "norm_swiglu": (_without("residual"), lambda c: _no_weight(_without("residual")(c))),
+    "norm_geglu": (_without("residual"), lambda c: _no_weight(_without("residual")(c))),
+    "norm_geglu_approx": (_without("residual"), lambda c: _no_weight(_without("residual")(c))),
     "rope": (_with(freqs=_rope_freqs, base=None), _with(offset=_batch_offsets), _with(input_scale=0.5),
              _with(offset=mx.array(5, dtype=mx.int32)), _with(offset=3 << 20)),
     "rope_traditional": (_with(freqs=_rope_freqs, base=None), _with(offset=_batch_offsets)),

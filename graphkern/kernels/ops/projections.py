@@ -1,6 +1,7 @@
 """RMSNorm feeding the projections after it, for a few tokens at a time: one launch for
 ``rms_norm(x + residual) @ W.T`` over up to three weights (a block's query, key and value
-projections), or for ``silu(n @ Wg.T) * (n @ Wu.T)`` (its SwiGLU feed-forward's gate and up).
+projections), or for ``act(n @ Wg.T) * (n @ Wu.T)`` (its gated feed-forward's gate and up:
+``silu`` for SwiGLU, ``gelu`` or its tanh form for GeGLU).
 
 Decoding feeds a handful of token rows (``M = x.size / K``) through each layer, and then every
 launch costs the host more than the GPU spends on it. Stock MLX makes an add, a norm and three
@@ -8,11 +9,13 @@ matrix-vector products (or two and the gating) as separate launches; here each t
 normalizes the rows into shared memory (block 0 also writes the sum ``h``) and its warps each
 reduce one weight row against them: one launch, the weights read once, for ``M <= MAX_ROWS`` rows
 within the backend's threadgroup memory. The products round to the dtype as MLX's do before the
-gating, which is :func:`~graphkern.kernels.swiglu`'s.
+gating, which runs in float32. The SwiGLU and GeGLU kernels share one source, whose ``ACT`` template
+value picks the activation (:data:`ACTIVATIONS`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -30,11 +33,62 @@ from graphkern.kernels.norm_rows import (
     row_output_specs,
     stock_normed,
 )
+from graphkern.kernels.ops.gelu import GELU_CUDA, GELU_METAL, gelu_float32
 from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA, rms_norm_reference
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
-__all__ = ["DECODING_SHAPES", "NORM_PROJECTIONS", "NORM_SWIGLU", "norm_projections", "norm_swiglu",
-           "plan_norm_projections", "plan_norm_swiglu", "projections_fit"]
+__all__ = ["ACTIVATIONS", "ACTIVATION_CUDA", "ACTIVATION_METAL", "DECODING_SHAPES", "NORM_GEGLU",
+           "NORM_PROJECTIONS", "NORM_SWIGLU", "activation_float32", "geglu_act", "norm_geglu",
+           "norm_projections", "norm_swiglu", "plan_norm_geglu", "plan_norm_projections", "plan_norm_swiglu",
+           "projections_fit"]
+
+#: The gated kernels' activations, by their ``ACT`` template value: SiLU (SwiGLU), exact GELU
+#: (``nn.gelu``: Gemma's GeGLU) and the tanh GELU (``nn.gelu_approx``: Gemma 2's and 3's).
+ACTIVATIONS = ("silu", "gelu", "gelu_approx")
+
+#: ``gk::activation<ACT, T>(g)``: the gating's activation of a float32 product, for the gated
+#: kernels of both weight kinds; the GELUs are the ``gelu`` kernel's own device functions (its 16-bit
+#: erf for a 16-bit T).
+ACTIVATION_CUDA = GELU_CUDA + r"""
+namespace gk {
+template <int ACT, typename T>
+__device__ __forceinline__ float activation(float g) {
+  if constexpr (ACT == 0) {
+    return g * (1.0f / (1.0f + expf(-g)));
+  } else {
+    return gelu<ACT == 2, (sizeof(T) < 4)>(g);
+  }
+}
+}  // namespace gk
+"""
+
+ACTIVATION_METAL = GELU_METAL + r"""
+namespace gk {
+template <int ACT>
+inline float activation(float g) {
+  if (ACT == 0) {
+    return g * (1.0f / (1.0f + metal::precise::exp(-g)));
+  }
+  return gelu<ACT == 2>(g);
+}
+}  // namespace gk
+"""
+
+
+def activation_float32(g: mx.array, act: int) -> mx.array:
+    """``ACTIVATIONS[act]`` of ``g`` in float32, as the gated kernels compute it.
+
+    >>> [round(v, 4) for v in activation_float32(mx.array([1.0]), 0).tolist()]
+    [0.7311]
+    """
+    gf = g.astype(mx.float32)
+    return gf * mx.sigmoid(gf) if act == 0 else gelu_float32(gf, approx=act == 2)
+
+
+def geglu_act(approx: bool) -> int:
+    """The ``ACT`` value of a GeGLU kernel: 2 for the tanh GELU (``approx``), else 1."""
+    return 2 if approx else 1
+
 
 #: Threads a block, one weight row a warp: 8 warps, or 16 for more than 2 rows, where normalizing
 #: the rows (which each block does) costs more and fewer blocks do it.
@@ -189,7 +243,8 @@ _CUDA_PROJECTIONS = _cuda_body(
       }
     }""")
 
-_CUDA_SWIGLU = _cuda_body(
+# The gated body, of SwiGLU and GeGLU alike: ACT picks the activation of the rounded gate product.
+_CUDA_GATED = _cuda_body(
     "gk::aligned<V>(x) && gk::aligned<V>(residual) && gk::aligned<V>(w) && gk::aligned<V>(h) && "
     "gk::aligned<V>(gate) && gk::aligned<V>(up)", r"""
     const int n = gate_shape[0];
@@ -203,7 +258,7 @@ _CUDA_SWIGLU = _cuda_body(
         for (int m = 0; m < M; ++m) {
           const float gm = gk::round_to<T>(g[m]);
           out[static_cast<long long>(m) * n + row] =
-              static_cast<T>(gm * (1.0f / (1.0f + expf(-gm))) * gk::round_to<T>(u[m]));
+              static_cast<T>(gk::activation<ACT, T>(gm) * gk::round_to<T>(u[m]));
         }
       }
     }""")
@@ -268,7 +323,7 @@ _METAL_PROJECTIONS = _METAL_START + r"""
   }
 """
 
-_METAL_SWIGLU = _METAL_START + r"""
+_METAL_GATED = _METAL_START + r"""
   const int n = gate_shape[0];
   if (row < n) {
     float u[M];
@@ -277,8 +332,7 @@ _METAL_SWIGLU = _METAL_START + r"""
     if (lane == 0) {
       for (int m = 0; m < M; ++m) {
         const float g = gk::round_to<T>(acc[m]);
-        out[size_t(m) * n + row] = static_cast<T>(
-            g * (1.0f / (1.0f + metal::precise::exp(-g))) * gk::round_to<T>(u[m]));
+        out[size_t(m) * n + row] = static_cast<T>(gk::activation<ACT>(g) * gk::round_to<T>(u[m]));
       }
     }
   }
@@ -311,13 +365,14 @@ def norm_projections_reference(x: mx.array, residual: mx.array, w: mx.array, w0:
     return [h if RESID else absent, *outputs]
 
 
-def norm_swiglu_reference(x: mx.array, residual: mx.array, w: mx.array, gate: mx.array, up: mx.array, *,
-                          EPS: int, RESID: bool, HAS_W: bool) -> list[mx.array]:
-    """Pure-MLX ``h`` and ``silu(n @ gate.T) * (n @ up.T)`` (products rounded, gating in float32)."""
+def norm_gated_reference(x: mx.array, residual: mx.array, w: mx.array, gate: mx.array, up: mx.array, *,
+                         EPS: int, RESID: bool, HAS_W: bool, ACT: int) -> list[mx.array]:
+    """Pure-MLX ``h`` and ``act(n @ gate.T) * (n @ up.T)``, ``act`` as ``ACT`` says (products
+    rounded, gating in float32)."""
     h, normed = _normed(x, residual, w, EPS, RESID, HAS_W)
-    g = _product(normed, gate).astype(mx.float32)
+    g = activation_float32(_product(normed, gate), ACT)
     u = _product(normed, up).astype(mx.float32)
-    return [h if RESID else mx.zeros((1,), x.dtype), (g * mx.sigmoid(g) * u).astype(x.dtype)]
+    return [h if RESID else mx.zeros((1,), x.dtype), (g * u).astype(x.dtype)]
 
 
 NORM_PROJECTIONS = Kernel(
@@ -330,15 +385,24 @@ NORM_PROJECTIONS = Kernel(
     reference=norm_projections_reference,
 )
 
-NORM_SWIGLU = Kernel(
-    "gk_norm_swiglu",
-    input_names=["x", "residual", "w", "gate", "up"],
-    output_names=["h", "out"],
-    metal=_METAL_SWIGLU,
-    cuda=_CUDA_SWIGLU,
-    header=dual_header(RMS_SCALE_CUDA + _CUDA, _METAL, body=_CUDA_SWIGLU),
-    reference=norm_swiglu_reference,
-)
+
+
+def _gated_kernel(name: str) -> Kernel:
+    """A gated kernel named ``name``: the one gated source, its activation the ``ACT`` template value."""
+    return Kernel(
+        name,
+        input_names=["x", "residual", "w", "gate", "up"],
+        output_names=["h", "out"],
+        metal=_METAL_GATED,
+        cuda=_CUDA_GATED,
+        header=dual_header(RMS_SCALE_CUDA + _CUDA + ACTIVATION_CUDA, _METAL + ACTIVATION_METAL,
+                           body=_CUDA_GATED),
+        reference=norm_gated_reference,
+    )
+
+
+NORM_SWIGLU = _gated_kernel("gk_norm_swiglu")
+NORM_GEGLU = _gated_kernel("gk_norm_geglu")
 
 
 def _threadgroup_parts(rows: int, k: int, dtype: mx.Dtype) -> dict[str, int]:
@@ -359,8 +423,9 @@ def projections_fit(x: mx.array) -> bool:
 
 
 def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weight: mx.array | None,
-          eps: float, matrices: Sequence[mx.array], names: Sequence[str], gated: bool) -> Plan:
-    """A launch of ``kernel``: one output per matrix (``gated``: one output, gate and up together)."""
+          eps: float, matrices: Sequence[mx.array], names: Sequence[str], gated: bool, act: int = 0) -> Plan:
+    """A launch of ``kernel``: one output per matrix (``gated``: one output, gate and up together,
+    gated by ``ACTIVATIONS[act]``)."""
     rows = norm_rows(op, x, residual, weight, lambda m, k: (_threadgroup_parts(m, k, x.dtype), None))
     k = rows.k
     for name, matrix in zip(names, matrices):
@@ -382,7 +447,7 @@ def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weigh
     inputs = (*rows.inputs, *matrices, *(rows.unused,) * pad)
     block = BLOCK if rows.rows <= 2 else WIDE_BLOCK
     template = (*norm_rows_template(op, x, rows, block, residual, weight, eps),
-                *(() if gated else (template_arg("NW", len(matrices)),)))
+                template_arg("ACT", act) if gated else template_arg("NW", len(matrices)))
     blocks = grid_blocks(sum(out_rows), block)
     return Plan(kernel, inputs, specs, (blocks * block, 1, 1), (block, 1, 1), template)
 
@@ -395,13 +460,16 @@ def _make_projection_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array
     return Case((x, w, mats), {"eps": 1e-5, "residual": r})
 
 
-def _make_swiglu_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
+def _make_gated_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array,
+                       approx: bool | None = None) -> Case:
+    """Arguments for a gated call: gate and up of 80 rows; ``approx`` given for a GeGLU one."""
     x, r, w, rest = random_rows(shape, dtype, key)
     k = shape[-1]
     kg, ku = mx.random.split(rest)
     gate = (2.0 * mx.random.normal((80, k), key=kg) / k**0.5).astype(dtype)
     up = (mx.random.normal((80, k), key=ku) / k**0.5).astype(dtype)
-    return Case((x, w, gate, up), {"eps": 1e-5, "residual": r})
+    options = {"eps": 1e-5, "residual": r}
+    return Case((x, w, gate, up), options if approx is None else {**options, "approx": approx})
 
 
 def _stock_projections(x: mx.array, weight: mx.array | None, projections: Sequence[mx.array],
@@ -418,6 +486,16 @@ def _stock_swiglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.a
 
     h, normed = stock_normed(x, weight, eps, residual)
     out = nn.silu(normed @ gate.T) * (normed @ up.T)
+    return out if residual is None else (h, out)
+
+
+def _stock_geglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.array, eps: float = 1e-5,
+                 residual: mx.array | None = None, *,
+                 approx: bool = False) -> mx.array | tuple[mx.array, mx.array]:
+    import mlx.nn as nn
+
+    h, normed = stock_normed(x, weight, eps, residual)
+    out = (nn.gelu_approx if approx else nn.gelu)(normed @ gate.T) * (normed @ up.T)
     return out if residual is None else (h, out)
 
 
@@ -458,7 +536,7 @@ def norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence
     return (outputs[0], *found) if residual is not None else tuple(found)
 
 
-@declare(NORM_SWIGLU, stock=_stock_swiglu, make_inputs=_make_swiglu_inputs, shapes=DECODING_SHAPES,
+@declare(NORM_SWIGLU, stock=_stock_swiglu, make_inputs=_make_gated_inputs, shapes=DECODING_SHAPES,
          description="residual add + RMSNorm + SwiGLU gate/up projections, for up to 8 rows (decoding)")
 def plan_norm_swiglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.array, eps: float = 1e-5,
                      residual: mx.array | None = None) -> Plan:
@@ -479,3 +557,39 @@ def norm_swiglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.arr
     """
     h, out = plan_norm_swiglu.launch(x, weight, gate, up, eps, residual)
     return (h, out) if residual is not None else out
+
+
+@declare(NORM_GEGLU, stock=_stock_geglu, make_inputs=functools.partial(_make_gated_inputs, approx=False),
+         shapes=DECODING_SHAPES,
+         description="residual add + RMSNorm + GeGLU gate/up projections (exact GELU), for up to 8 rows "
+                     "(decoding)")
+def plan_norm_geglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.array, eps: float = 1e-5,
+                    residual: mx.array | None = None, *, approx: bool = False) -> Plan:
+    """The launch :func:`norm_geglu` makes (validated)."""
+    return _plan("norm_geglu", NORM_GEGLU, x, residual, weight, eps, (gate, up), ("gate", "up"), gated=True,
+                 act=geglu_act(approx))
+
+
+@plan_norm_geglu.layer
+def norm_geglu(x: mx.array, weight: mx.array | None, gate: mx.array, up: mx.array, eps: float = 1e-5,
+               residual: mx.array | None = None, *,
+               approx: bool = False) -> mx.array | tuple[mx.array, mx.array]:
+    """``n = rms_norm(x, weight, eps)`` (of ``x + residual`` when given) and ``gelu(n @ gate.T) *
+    (n @ up.T)`` in one launch, for up to ``MAX_ROWS`` rows: a GeGLU feed-forward's input side, with
+    ``nn.gelu`` or, with ``approx=True``, ``nn.gelu_approx`` (Gemma 2's and 3's). Returns it, or
+    ``(h, it)`` with ``h = x + residual`` when a residual is given.
+
+    >>> out = norm_geglu(mx.ones((1, 4)), None, mx.ones((2, 4)), mx.ones((2, 4)), eps=0.0)
+    >>> [round(v, 4) for v in out[0].tolist()]
+    [15.9995, 15.9995]
+    >>> out = norm_geglu(mx.ones((1, 4)), None, mx.full((2, 4), -0.25), mx.ones((2, 4)), eps=0.0, approx=True)
+    >>> [round(v, 4) for v in out[0].tolist()]
+    [-0.6352, -0.6352]
+    """
+    h, out = plan_norm_geglu.launch(x, weight, gate, up, eps, residual, bool(approx))
+    return (h, out) if residual is not None else out
+
+
+plan_norm_geglu.variant("norm_geglu_approx", make_inputs=functools.partial(_make_gated_inputs, approx=True),
+                        description="residual add + RMSNorm + GeGLU gate/up projections (tanh GELU), for up "
+                                    "to 8 rows (decoding)")

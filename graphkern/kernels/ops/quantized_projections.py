@@ -1,6 +1,8 @@
 """RMSNorm feeding quantized projections, for the few token rows of a decoding step: one launch for
 ``rms_norm(x + residual)`` and its products with up to three affine-quantized weights (a block's
-query, key and value projections), or with a gate and an up weight and the SwiGLU between them.
+query, key and value projections), or with a gate and an up weight and the gating between them
+(SwiGLU's SiLU, or GeGLU's GELU: one source, the ``ACT`` template value picks it, as in
+``graphkern.kernels.ops.projections``).
 
 The weights are MLX's affine quantization, as ``nn.QuantizedLinear`` holds them (``mx.quantize``):
 ``weight`` is uint32 ``(N, K * bits / 32)``, ``bits``-wide values packed along the input axis, low
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import mlx.core as mx
@@ -50,17 +52,24 @@ from graphkern.kernels.norm_rows import (
     row_output_specs,
     stock_normed,
 )
-from graphkern.kernels.ops.projections import DECODING_SHAPES
+from graphkern.kernels.ops.projections import (
+    ACTIVATION_CUDA,
+    ACTIVATION_METAL,
+    ACTIVATIONS,
+    DECODING_SHAPES,
+    geglu_act,
+)
 from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA
 from graphkern.launching.launch_cache import memoized
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
-__all__ = ["QUANTIZED_BITS", "QUANTIZED_CUDA", "QUANTIZED_GROUP_SIZES", "QUANTIZED_METAL",
-           "QUANTIZED_METAL_START", "QUANTIZED_NORM_PROJECTIONS", "QUANTIZED_NORM_SWIGLU", "QuantizedWeight",
-           "Rotation",
-           "plan_quantized_norm_projections", "plan_quantized_norm_swiglu", "plan_quantized_rows",
-           "quantized_case", "quantized_cuda_rows", "quantized_norm_projections", "quantized_norm_swiglu",
-           "quantized_product", "quantized_projections_fit", "random_quantized"]
+__all__ = ["GATED_TOLERANCES", "QUANTIZED_BITS", "QUANTIZED_CUDA", "QUANTIZED_GROUP_SIZES",
+           "QUANTIZED_METAL", "QUANTIZED_METAL_START", "QUANTIZED_NORM_GEGLU", "QUANTIZED_NORM_PROJECTIONS",
+           "QUANTIZED_NORM_SWIGLU", "QuantizedWeight", "Rotation",
+           "plan_quantized_norm_geglu", "plan_quantized_norm_projections", "plan_quantized_norm_swiglu",
+           "plan_quantized_rows", "quantized_case", "quantized_cuda_rows", "quantized_norm_geglu",
+           "quantized_norm_projections", "quantized_norm_swiglu", "quantized_product",
+           "quantized_projections_fit", "random_quantized"]
 
 #: The affine quantizations the kernels read.
 QUANTIZED_BITS = (4, 8)
@@ -341,7 +350,8 @@ _CUDA_PROJECTIONS = quantized_cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1
       }
     }""")
 
-_CUDA_SWIGLU = quantized_cuda_rows("gk::aligned<4>(gate) && gk::aligned<4>(up)", r"""
+# The gated body, of SwiGLU and GeGLU alike: ACT picks the activation of the rounded gate product.
+_CUDA_GATED = quantized_cuda_rows("gk::aligned<4>(gate) && gk::aligned<4>(up)", r"""
     constexpr int WORDS = K * BITS / 32;
     constexpr int G = K / GS;
     const int n = gate_shape[0];
@@ -358,7 +368,7 @@ _CUDA_SWIGLU = quantized_cuda_rows("gk::aligned<4>(gate) && gk::aligned<4>(up)",
         for (int m = 0; m < M; ++m) {
           const float gm = gk::round_to<T>(g[m]);
           out[static_cast<long long>(m) * n + row] =
-              static_cast<T>(gm * (1.0f / (1.0f + expf(-gm))) * gk::round_to<T>(u[m]));
+              static_cast<T>(gk::activation<ACT, T>(gm) * gk::round_to<T>(u[m]));
         }
       }
     }""")
@@ -441,7 +451,7 @@ _METAL_PROJECTIONS = QUANTIZED_METAL_START + r"""
   }
 """
 
-_METAL_SWIGLU = QUANTIZED_METAL_START + r"""
+_METAL_GATED = QUANTIZED_METAL_START + r"""
   const int n = gate_shape[0];
   if (row < n) {
     float u[M];
@@ -452,8 +462,7 @@ _METAL_SWIGLU = QUANTIZED_METAL_START + r"""
     if (lane == 0) {
       for (int m = 0; m < M; ++m) {
         const float g = gk::round_to<T>(acc[m]);
-        out[size_t(m) * n + row] = static_cast<T>(
-            g * (1.0f / (1.0f + metal::precise::exp(-g))) * gk::round_to<T>(u[m]));
+        out[size_t(m) * n + row] = static_cast<T>(gk::activation<ACT>(g) * gk::round_to<T>(u[m]));
       }
     }
   }
@@ -484,18 +493,24 @@ def quantized_norm_projections_reference(
     return [h if RESID else absent, *outputs]
 
 
-def quantized_norm_swiglu_reference(
-        x: mx.array, residual: mx.array, w: mx.array, gate: mx.array, gate_scales: mx.array,
-        gate_biases: mx.array, up: mx.array, up_scales: mx.array, up_biases: mx.array, *, EPS: int,
-        RESID: bool, HAS_W: bool, BITS: int, GS: int, **_: Any) -> list[mx.array]:
-    """Stock MLX: ``h`` and ``silu(n @ gate) * (n @ up)`` with ``mx.quantized_matmul`` products and
-    ``nn.silu`` (what mlx-lm's ``swiglu`` computes)."""
+def _stock_activation(act: int) -> Callable[[mx.array], mx.array]:
+    """The ``mlx.nn`` function of ``ACTIVATIONS[act]``: ``nn.silu``, ``nn.gelu`` or ``nn.gelu_approx``."""
     import mlx.nn as nn
 
+    return getattr(nn, ACTIVATIONS[act])  # type: ignore[no-any-return]
+
+
+def quantized_norm_gated_reference(
+        x: mx.array, residual: mx.array, w: mx.array, gate: mx.array, gate_scales: mx.array,
+        gate_biases: mx.array, up: mx.array, up_scales: mx.array, up_biases: mx.array, *, EPS: int,
+        RESID: bool, HAS_W: bool, BITS: int, GS: int, ACT: int, **_: Any) -> list[mx.array]:
+    """Stock MLX: ``h`` and ``act(n @ gate) * (n @ up)`` with ``mx.quantized_matmul`` products and
+    the ``mlx.nn`` activation ``ACT`` names (``nn.silu``: what mlx-lm's ``swiglu`` computes;
+    ``nn.gelu``, ``nn.gelu_approx``: Gemma's GeGLU)."""
     h, normed = stock_normed(x, w if HAS_W else None, float_from_bits(EPS), residual if RESID else None)
     g = quantized_product(normed, (gate, gate_scales, gate_biases), GS, BITS)
     u = quantized_product(normed, (up, up_scales, up_biases), GS, BITS)
-    return [h if RESID else mx.zeros((1,), x.dtype), nn.silu(g) * u]
+    return [h if RESID else mx.zeros((1,), x.dtype), _stock_activation(ACT)(g) * u]
 
 
 QUANTIZED_NORM_PROJECTIONS = Kernel(
@@ -509,15 +524,26 @@ QUANTIZED_NORM_PROJECTIONS = Kernel(
     reference=quantized_norm_projections_reference,
 )
 
-QUANTIZED_NORM_SWIGLU = Kernel(
-    "gk_quantized_norm_swiglu",
-    input_names=["x", "residual", "w", "gate", "gate_scales", "gate_biases", "up", "up_scales", "up_biases"],
-    output_names=["h", "out"],
-    metal=_METAL_SWIGLU,
-    cuda=_CUDA_SWIGLU,
-    header=dual_header(RMS_SCALE_CUDA + QUANTIZED_CUDA, QUANTIZED_METAL, body=_CUDA_SWIGLU),
-    reference=quantized_norm_swiglu_reference,
-)
+
+
+def _gated_kernel(name: str) -> Kernel:
+    """A quantized gated kernel named ``name``: the one gated source, its activation the ``ACT``
+    template value."""
+    return Kernel(
+        name,
+        input_names=["x", "residual", "w", "gate", "gate_scales", "gate_biases", "up", "up_scales",
+                     "up_biases"],
+        output_names=["h", "out"],
+        metal=_METAL_GATED,
+        cuda=_CUDA_GATED,
+        header=dual_header(RMS_SCALE_CUDA + QUANTIZED_CUDA + ACTIVATION_CUDA,
+                           QUANTIZED_METAL + ACTIVATION_METAL, body=_CUDA_GATED),
+        reference=quantized_norm_gated_reference,
+    )
+
+
+QUANTIZED_NORM_SWIGLU = _gated_kernel("gk_quantized_norm_swiglu")
+QUANTIZED_NORM_GEGLU = _gated_kernel("gk_quantized_norm_geglu")
 
 
 @memoized("plan parts", maxsize=256)
@@ -604,9 +630,10 @@ class Rotation(NamedTuple):
 
 def plan_quantized_rows(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None,
                         weight: mx.array | None, eps: float, matrices: Sequence[Any], names: Sequence[str],
-                        gated: bool, group_size: int, bits: int, rotation: Rotation | None = None) -> Plan:
-    """A launch of ``kernel``: one output per matrix (``gated``: one output, gate and up together;
-    ``rotation``: queries and keys rotated, in attention's layouts)."""
+                        gated: bool, group_size: int, bits: int, rotation: Rotation | None = None,
+                        act: int = 0) -> Plan:
+    """A launch of ``kernel``: one output per matrix (``gated``: one output, gate and up together,
+    gated by ``ACTIVATIONS[act]``; ``rotation``: queries and keys rotated, in attention's layouts)."""
     check_dtype(op, x)
     _check_quantization(op, group_size, bits, x.shape[-1])
     rows = norm_rows(op, x, residual, weight, lambda m, k: _shared_parts(m, k, group_size, x.dtype))
@@ -623,7 +650,8 @@ def plan_quantized_rows(op: str, kernel: Kernel, x: mx.array, residual: mx.array
     # two products a warp (gated, or a rotated pair) take twice the registers: 8 warps a block
     block = BLOCK if m <= 2 or gated or rotation is not None else WIDE_BLOCK
     template = (*norm_rows_template(op, x, rows, block, residual, weight, eps), template_arg("BITS", bits),
-                template_arg("GS", group_size), *(() if gated else (template_arg("NW", len(checked)),)))
+                template_arg("GS", group_size),
+                template_arg("ACT", act) if gated else template_arg("NW", len(checked)))
     warps = sum(out_rows)
     if rotation is not None:
         specs, warps = _rotated_specs(op, x, specs, out_rows, rotation)
@@ -660,12 +688,15 @@ def random_quantized(n: int, k: int, dtype: mx.Dtype, key: mx.array, group_size:
 
 
 def quantized_case(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, *, gated: bool, group_size: int = 64,
-                   bits: int = 4) -> Case:
+                   bits: int = 4, approx: bool | None = None) -> Case:
     """Arguments for one call: ``gated`` ones for :func:`quantized_norm_swiglu` (gate and up of 80
-    rows), else for :func:`quantized_norm_projections` (three weights of 96, 32 and 32 rows)."""
+    rows; with ``approx`` given, for :func:`quantized_norm_geglu`), else for
+    :func:`quantized_norm_projections` (three weights of 96, 32 and 32 rows)."""
     x, r, w, rest = random_rows(shape, dtype, key)
     k = shape[-1]
-    options = {"eps": 1e-5, "residual": r, "group_size": group_size, "bits": bits}
+    options: dict[str, Any] = {"eps": 1e-5, "residual": r, "group_size": group_size, "bits": bits}
+    if approx is not None:
+        options["approx"] = approx
     if gated:
         kg, ku = mx.random.split(rest)
         gate = random_quantized(80, k, dtype, kg, group_size, bits, gain=2.0)
@@ -690,6 +721,18 @@ def _stock_swiglu(x: mx.array, weight: mx.array | None, gate: Any, up: Any, eps:
 
     h, normed = stock_normed(x, weight, eps, residual)
     out = nn.silu(quantized_product(normed, gate, group_size, bits)) * quantized_product(
+        normed, up, group_size, bits)
+    return out if residual is None else (h, out)
+
+
+def _stock_geglu(x: mx.array, weight: mx.array | None, gate: Any, up: Any, eps: float = 1e-5,
+                 residual: mx.array | None = None, *, group_size: int = 64, bits: int = 4,
+                 approx: bool = False) -> mx.array | tuple[mx.array, mx.array]:
+    import mlx.nn as nn
+
+    h, normed = stock_normed(x, weight, eps, residual)
+    gelu = nn.gelu_approx if approx else nn.gelu
+    out = gelu(quantized_product(normed, gate, group_size, bits)) * quantized_product(
         normed, up, group_size, bits)
     return out if residual is None else (h, out)
 
@@ -773,3 +816,46 @@ def quantized_norm_swiglu(x: mx.array, weight: mx.array | None, gate: Any, up: A
     """
     h, out = plan_quantized_norm_swiglu.launch(x, weight, gate, up, eps, residual, group_size, bits)
     return (h, out) if residual is not None else out
+
+
+@declare(QUANTIZED_NORM_GEGLU, stock=_stock_geglu,
+         make_inputs=functools.partial(quantized_case, gated=True, approx=False), shapes=DECODING_SHAPES,
+         last_dim_multiple=64, tolerances=GATED_TOLERANCES,
+         description="residual add + RMSNorm + affine-quantized GeGLU gate/up projections (exact GELU; "
+                     "4-bit, group 64), for up to 8 rows (decoding)")
+def plan_quantized_norm_geglu(x: mx.array, weight: mx.array | None, gate: Any, up: Any, eps: float = 1e-5,
+                              residual: mx.array | None = None, *, group_size: int = 64, bits: int = 4,
+                              approx: bool = False) -> Plan:
+    """The launch :func:`quantized_norm_geglu` makes (validated)."""
+    return plan_quantized_rows("quantized_norm_geglu", QUANTIZED_NORM_GEGLU, x, residual, weight, eps,
+                               (gate, up), ("gate", "up"), True, group_size, bits, act=geglu_act(approx))
+
+
+@plan_quantized_norm_geglu.layer
+def quantized_norm_geglu(x: mx.array, weight: mx.array | None, gate: Any, up: Any, eps: float = 1e-5,
+                         residual: mx.array | None = None, *, group_size: int = 64, bits: int = 4,
+                         approx: bool = False) -> mx.array | tuple[mx.array, mx.array]:
+    """``n = rms_norm(x, weight, eps)`` (of ``x + residual`` when given) and ``gelu(n @ gate) *
+    (n @ up)`` for affine-quantized ``gate`` and ``up`` (``(weight, scales, biases)`` each), in one
+    launch, for up to ``MAX_ROWS`` rows: a quantized GeGLU feed-forward's input side, with
+    ``nn.gelu`` or, with ``approx=True``, ``nn.gelu_approx`` (Gemma 2's and 3's). Returns it, or
+    ``(h, it)`` with ``h = x + residual`` when a residual is given.
+
+    >>> gate = mx.quantize(mx.full((2, 64), -0.03125), group_size=64, bits=8)   # n @ gate: -2
+    >>> up = mx.quantize(mx.full((2, 64), 0.03125), group_size=64, bits=8)      # n @ up: 2
+    >>> out = quantized_norm_geglu(mx.ones((1, 64)), None, gate, up, bits=8)
+    >>> [round(v, 4) for v in out[0].tolist()]
+    [-0.091, -0.091]
+    >>> out = quantized_norm_geglu(mx.ones((1, 64)), None, gate, up, bits=8, approx=True)
+    >>> [round(v, 4) for v in out[0].tolist()]
+    [-0.0908, -0.0908]
+    """
+    h, out = plan_quantized_norm_geglu.launch(x, weight, gate, up, eps, residual, group_size, bits,
+                                              bool(approx))
+    return (h, out) if residual is not None else out
+
+
+plan_quantized_norm_geglu.variant(
+    "quantized_norm_geglu_approx", make_inputs=functools.partial(quantized_case, gated=True, approx=True),
+    description="residual add + RMSNorm + affine-quantized GeGLU gate/up projections (tanh GELU; 4-bit, "
+                "group 64), for up to 8 rows (decoding)")
