@@ -332,7 +332,11 @@ def patched_line(patched: list[Any]) -> str:
     width = max((len(k) for k in counts), default=0)
     lines += [f"  {k:<{width}}  {in_words(k)}" for k in sorted(counts) if in_words(k)]
     if any(str(record.rule).startswith("pre-norm block") for record in patched):
+        # a GeGLU feed-forward (Gemma's, patched as gelu) decodes through norm_geglu
+        geglu = "gelu" in counts and "swiglu" not in counts
+        gated, activation = ("geglu", "gelu") if geglu else ("swiglu", "swiglu")
         lines.append("  an evaluating block runs a call of up to 16 tokens (a short prompt, decoding) with "
                      "its norms fused into the products after them: a trace then shows gk_norm_projections "
-                     "and gk_norm_swiglu (or gk_quantized_*) where the block's add_rms_norm and swiglu were")
+                     f"and gk_norm_{gated} (or gk_quantized_*) where the block's add_rms_norm and "
+                     f"{activation} were")
     return "\n".join(lines)

@@ -412,7 +412,9 @@ class KernelGateUpMLP(StandaloneLayer):
 
 
 class KernelGeGLUMLP(StandaloneLayer):
-    """A Gemma-style MLP, ``down(gelu(gate(x)) * up(x))``, with the GELU on the ``gelu`` kernel."""
+    """A Gemma-style MLP, ``down(gelu(gate(x)) * up(x))``, with the GELU on the ``gelu`` kernel
+    (``approx``: the tanh form); a fused block decoding a few rows takes its gate and up products and
+    the GELU into ``norm_geglu`` instead."""
 
     kernel = "gelu"
     elementwise = True
@@ -799,8 +801,9 @@ class KernelResidualBlock(KernelLayer):
     kernel = "add_rms_norm"
     #: The kernels a block can also decode with, when ``patch`` selects them: the plain ones for
     #: ``nn.Linear`` projections, the quantized ones for ``nn.QuantizedLinear`` ones.
-    DECODING_KERNELS = frozenset({"norm_projections", "norm_swiglu", "quantized_norm_projections",
-                                  "quantized_norm_rope_projections", "quantized_norm_swiglu"})
+    DECODING_KERNELS = frozenset({"norm_projections", "norm_swiglu", "norm_geglu",
+                                  "quantized_norm_projections", "quantized_norm_rope_projections",
+                                  "quantized_norm_swiglu", "quantized_norm_geglu"})
 
     def __init__(self, original: nn.Module, layout: BlockLayout, norm: KernelAddRMSNorm,
                  input_norm: KernelAddRMSNorm | None = None):
@@ -860,10 +863,15 @@ class KernelResidualBlock(KernelLayer):
         return self.input_layernorm(x, residual)  # type: ignore[no-any-return]
 
     def _after_attention(self, x: mx.array, r: mx.array, alone: bool) -> Any:
-        """The residual add fused into the second norm, the feed-forward, and the block's last add
-        when called ``alone`` (else left to the next norm)."""
+        """The attention's output ``r`` through its post-norm (if any), the residual add fused into
+        the second norm, the feed-forward, and the block's last add when called ``alone`` (else left
+        to the next norm)."""
+        return self._feed_forward(x, self._post_norm(self.layout.post_attention_norm, r), alone)
+
+    def _feed_forward(self, x: mx.array, r: mx.array, alone: bool) -> Any:
+        """:meth:`_after_attention` from the residual ``r`` after the attention's post-norm."""
         layout = self.layout
-        h, normed = self[layout.pre_ffn_norm](x, self._post_norm(layout.post_attention_norm, r))
+        h, normed = self[layout.pre_ffn_norm](x, r)
         out = self._post_norm(layout.post_ffn_norm, self[self._gk_ffn](normed))
         return h + out if alone else (h, out)
 
@@ -915,36 +923,52 @@ class KernelResidualBlock(KernelLayer):
         return (outputs[0] if residual is not None else x, queries, keys, self.self_attn.value_heads(values))
 
     def leave(self, x: mx.array, attended: mx.array, alone: bool) -> Any:
-        """The second segment, after attention: ``o_proj``, the residual add fused into the norm,
-        the feed-forward; its own last add made here when called ``alone``, else left to the next.
-        For a few rows, a SwiGLU feed-forward's norm, gate and up are one ``norm_swiglu`` launch."""
-        r = self.self_attn.output(attended)
+        """The second segment, after attention: ``o_proj`` (and the attention's post-norm, if any),
+        the residual add fused into the norm, the feed-forward (and its post-norm); its own last add
+        made here when called ``alone``, else left to the next. For a few rows, a gated
+        feed-forward's norm, gate and up are one launch (:meth:`_gated_products`)."""
+        layout = self.layout
+        r = self._post_norm(layout.post_attention_norm, self.self_attn.output(attended))
         ffn = self[self._gk_ffn]
-        if self.layout != LLAMA_BLOCK:  # post-norms: the fused feed-forward kernels have none
-            return self._after_attention(x, r, alone)
+        found = self._gated_products(x, r, ffn)
+        if found is None:
+            return self._feed_forward(x, r, alone)
+        h, gated = found
+        out = self._post_norm(layout.post_ffn_norm, ffn.down_proj(gated))
+        return h + out if alone else (h, out)
+
+    def _gated_products(self, x: mx.array, r: mx.array, ffn: nn.Module) -> tuple[mx.array, mx.array] | None:
+        """``(x + r, act(gate(n)) * up(n))`` with ``n`` the feed-forward's norm of ``x + r``, from one
+        launch: ``norm_swiglu`` for a SwiGLU feed-forward, ``norm_geglu`` for a GeGLU one (its GELU
+        exact or tanh, as the layer's), or their quantized forms; None where no selected kernel
+        takes this call (another feed-forward, other weights, too many rows)."""
         norm = self[self.layout.pre_ffn_norm]
         fused = isinstance(ffn, KernelGateUpMLP)
+        options: dict[str, Any] = {}
+        if fused or isinstance(ffn, KernelSwiGLUMLP):
+            plain, quantized_kernel = "norm_swiglu", "quantized_norm_swiglu"
+        elif isinstance(ffn, KernelGeGLUMLP):
+            plain, quantized_kernel = "norm_geglu", "quantized_norm_geglu"
+            options["approx"] = ffn._gk_approx
+        else:
+            return None
         names = ("gate_up_proj",) if fused else ("gate_proj", "up_proj")
-        swiglu = fused or isinstance(ffn, KernelSwiGLUMLP)
-        found = None
-        if swiglu and "norm_swiglu" in self._gk_decoding:
+        if plain in self._gk_decoding:
             weights = _plain_weights(ffn, names, x)
             if weights is not None and _fuses(norm, r, x, self._gk_call_route):
                 gate, up = _halves(weights[0]) if fused else weights
-                found = gkk.norm_swiglu(x, norm.scale(), gate, up, norm.eps, residual=r)
-        if found is None and swiglu and "quantized_norm_swiglu" in self._gk_decoding:
+                return getattr(gkk, plain)(x, norm.scale(), gate, up, norm.eps,  # type: ignore[no-any-return]
+                                           residual=r, **options)
+        if quantized_kernel in self._gk_decoding:
             quantized = _quantized_weights(ffn, names, x)
             if fused and quantized is not None:
                 quantized = quantized._replace(weights=list(_quantized_halves(quantized.weights[0])))
             if quantized is not None and _fuses(norm, r, x, self._gk_call_route, quantized.group_size):
                 gate_q, up_q = quantized.weights
-                found = gkk.quantized_norm_swiglu(x, norm.scale(), gate_q, up_q, norm.eps, residual=r,
-                                                  group_size=quantized.group_size, bits=quantized.bits)
-        if found is None:
-            return self._after_attention(x, r, alone)
-        h, gated = found
-        out = ffn.down_proj(gated)
-        return h + out if alone else (h, out)
+                return getattr(gkk, quantized_kernel)(  # type: ignore[no-any-return]
+                    x, norm.scale(), gate_q, up_q, norm.eps, residual=r, group_size=quantized.group_size,
+                    bits=quantized.bits, **options)
+        return None
 
     def note(self) -> str:
         """What ``patch`` reports of this block: quantized projections whose quantization the

@@ -79,7 +79,7 @@ RULES: list[Rule] = [*llama.RULES, *qwen2.RULES, *phi3.RULES, *gemma.RULES, *gem
 
 def kernel_names() -> list[str]:
     """The kernel names ``patch(kernels=...)`` accepts: those of the rules, and those fused blocks
-    also decode with (``norm_projections``, ``norm_swiglu`` and their quantized forms)."""
+    also decode with (``norm_projections``, ``norm_swiglu``, ``norm_geglu`` and their quantized forms)."""
     return sorted({rule.kernel for rule in RULES} | KernelResidualBlock.DECODING_KERNELS)
 
 

@@ -5,7 +5,10 @@ root of the hidden size.
 
 Its blocks decode as Llama's do, one compiled call a block: the residual add after the attention's
 post-norm runs inside the feed-forward's norm, and the one after the feed-forward's post-norm inside
-the next block's input norm (``add_rms_norm``); its norms' ``1 + weight`` is the kernels' scale.
+the next block's input norm (``add_rms_norm``); its norms' ``1 + weight`` is the kernels' scale. For a
+few rows, that norm, the GeGLU's gate and up products and its GELU (exact for Gemma, tanh for Gemma
+2) are one ``norm_geglu`` launch (``quantized_norm_geglu`` for quantized weights), between the
+post-norms.
 """
 
 from __future__ import annotations

@@ -8,11 +8,13 @@ ones) and its own mask; its embedding is scaled by ``sqrt(hidden_size)`` rounded
 
 Its blocks decode as Gemma 2's do, one compiled call a block: the residual add after the
 attention's post-norm runs inside the feed-forward's norm, the one after the feed-forward's
-post-norm inside the next block's input norm (``add_rms_norm``), and the q/k norms inside the
-RoPE kernel (``rope_qk``). Its residual adds are ``clip_residual``'s: a plain add, except in float16,
-where the sum is made in float32 and clipped to float16's range. The kernels add in the dtype, so a
-block of float16 weights stays stock (the block rule's condition), and a float16 call of a fused
-block or stack runs the stock block (its adds), block by block.
+post-norm inside the next block's input norm (``add_rms_norm``), the q/k norms inside the
+RoPE kernel (``rope_qk``), and for a few rows the feed-forward's norm, gate and up products and tanh
+GELU inside one ``norm_geglu`` launch (``quantized_norm_geglu`` for quantized weights). Its residual
+adds are ``clip_residual``'s: a plain add, except in float16, where the sum is made in float32 and
+clipped to float16's range. The kernels add in the dtype, so a block of float16 weights stays stock
+(the block rule's condition), and a float16 call of a fused block or stack runs the stock block
+(its adds), block by block.
 """
 
 from __future__ import annotations
