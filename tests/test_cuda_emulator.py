@@ -4,6 +4,7 @@ needs no GPU; it needs a host C++ compiler."""
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -13,6 +14,7 @@ import cuda_emulate  # noqa: E402 - a script, not a package module
 
 from graphkern.debugging.tolerance import TOLERANCES, worst_errors  # noqa: E402
 from graphkern.kernels.base import apply_plan  # noqa: E402
+from graphkern.kernels.ops.projections import ACTIVATIONS, activation_float32  # noqa: E402
 from graphkern.kernels.ops.quantized_projections import quantized_case  # noqa: E402
 from graphkern.kernels.ops.quantized_rope_projections import rotated_case  # noqa: E402
 from graphkern.kernels.registry import LIBRARY  # noqa: E402
@@ -26,8 +28,12 @@ def test_a_row_kernel_matches_its_reference() -> None:
     assert cuda_emulate.compare("rms_norm", (3, 96), mx.float32)[2]
 
 
-@pytest.mark.parametrize("name", ["quantized_norm_projections", "quantized_norm_swiglu",
-                                  "quantized_norm_rope_projections"])
+#: The gated quantized entries and the arguments each takes besides its gate and up.
+GATED = {"quantized_norm_swiglu": {}, "quantized_norm_geglu": {"approx": False},
+         "quantized_norm_geglu_approx": {"approx": True}}
+
+
+@pytest.mark.parametrize("name", ["quantized_norm_projections", *GATED, "quantized_norm_rope_projections"])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_rows_of_one_quantization_group_match_the_reference(name: str, bits: int) -> None:
     """Eight rows of 128 features in groups of 128, float32: where MLX's own CUDA product is wrong
@@ -36,16 +42,17 @@ def test_rows_of_one_quantization_group_match_the_reference(name: str, bits: int
     if name == "quantized_norm_rope_projections":
         case = rotated_case((1, 8, 128), mx.float32, key, group_size=128, bits=bits)
     else:
-        case = quantized_case((8, 128), mx.float32, key, gated=name.endswith("swiglu"), group_size=128,
-                              bits=bits)
+        case = quantized_case((8, 128), mx.float32, key, gated=name in GATED, group_size=128, bits=bits,
+                              **GATED.get(name, {}))
     with using_backend("cuda"):
         plan = LIBRARY[name].plan(*case.args, **case.kwargs)
     atol, rtol = TOLERANCES[mx.float32]
     assert worst_errors(cuda_emulate.emulate(plan), apply_plan(plan, "reference"), rtol=rtol, atol=atol)[2]
 
 
-@pytest.mark.parametrize("name", ["norm_projections", "norm_swiglu", "quantized_norm_projections",
-                                  "quantized_norm_swiglu", "quantized_norm_rope_projections"])
+@pytest.mark.parametrize("name", ["norm_projections", "norm_swiglu", "norm_geglu",
+                                  "quantized_norm_projections", "quantized_norm_swiglu",
+                                  "quantized_norm_geglu_approx", "quantized_norm_rope_projections"])
 def test_warps_looping_over_weight_rows_cover_every_row(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With several weight rows a warp (``CUDA_ROWS_PER_WARP``), fewer blocks than rows loop a grid
     apart: every output row is still written once (outputs start as NaN), the last round partial."""
@@ -56,7 +63,8 @@ def test_warps_looping_over_weight_rows_cover_every_row(name: str, monkeypatch: 
     if name == "quantized_norm_rope_projections":
         case = rotated_case((1, 3, 128), mx.float32, key, group_size=64, bits=4)
     elif name.startswith("quantized"):
-        case = quantized_case((3, 128), mx.float32, key, gated=name.endswith("swiglu"), group_size=64, bits=4)
+        case = quantized_case((3, 128), mx.float32, key, gated=name in GATED, group_size=64, bits=4,
+                              **GATED.get(name, {}))
     else:
         case = LIBRARY[name].make_inputs((3, 128), mx.float32, key)
     with using_backend("cuda"):
@@ -67,3 +75,39 @@ def test_warps_looping_over_weight_rows_cover_every_row(name: str, monkeypatch: 
     assert plan.grid[0] < one_a_warp.grid[0]
     atol, rtol = TOLERANCES[mx.float32]
     assert worst_errors(cuda_emulate.emulate(plan), apply_plan(plan, "reference"), rtol=rtol, atol=atol)[2]
+
+
+@pytest.mark.parametrize("name", ["norm_swiglu", "norm_geglu", "norm_geglu_approx", "quantized_norm_swiglu",
+                                  "quantized_norm_geglu", "quantized_norm_geglu_approx"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=lambda d: str(d).split(".")[-1])
+def test_the_gated_bodies_gate_with_their_own_activation(name: str, dtype: mx.Dtype) -> None:
+    """SiLU, exact and tanh GELU, plain and quantized weights, each dtype, at one token of 2048 and 8
+    rows of 256: against the float32 truth of what the kernels compute, the products rounded to the
+    dtype, the activation and gating in float32, rounded once. (The quantized references are
+    stock's, whose CPU products of 16-bit rows sum in the dtype; the kernels sum in float32.)"""
+    entry = LIBRARY[name]
+    for shape in ((1, 1, 2048), (8, 256)):
+        case = entry.make_inputs(shape, dtype, mx.random.key(len(shape)))
+        with using_backend("cuda"):
+            plan = entry.plan(*case.args, **case.kwargs)
+        out = cuda_emulate.emulate(plan)
+        expected = [apply_plan(plan, "reference")[0], _gated_truth(case, plan.template_values["ACT"])]
+        atol, rtol = TOLERANCES[dtype]
+        assert worst_errors(out, expected, rtol=rtol, atol=atol)[2], (name, shape)
+        assert plan.template_values["ACT"] == ACTIVATIONS.index(
+            "silu" if "swiglu" in name else "gelu_approx" if name.endswith("approx") else "gelu")
+
+
+def _gated_truth(case: Any, act: int) -> mx.array:
+    """A gated call's output from float32 products of its rows normalized in the dtype."""
+    x, w, gate, up = case.args
+    dtype = x.dtype
+    normed = mx.fast.rms_norm(x + case.kwargs["residual"], w, case.kwargs["eps"]).astype(mx.float32)
+    if "bits" in case.kwargs:
+        group_size, bits = case.kwargs["group_size"], case.kwargs["bits"]
+        g, u = (mx.quantized_matmul(normed, q, s.astype(mx.float32), b.astype(mx.float32), transpose=True,
+                                    group_size=group_size, bits=bits) for q, s, b in (gate, up))
+    else:
+        g, u = normed @ gate.astype(mx.float32).T, normed @ up.astype(mx.float32).T
+    gated = activation_float32(g.astype(dtype), act) * u.astype(dtype).astype(mx.float32)
+    return gated.astype(dtype)

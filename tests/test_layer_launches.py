@@ -214,8 +214,10 @@ def test_a_kept_signature_never_lets_a_bad_argument_past_its_checks() -> None:
     quantized = mx.quantize(rows, group_size=64, bits=4)
     calls = [lambda r: gkk.norm_projections(x, w, [rows], residual=r),
              lambda r: gkk.norm_swiglu(x, w, rows, rows, residual=r),
+             lambda r: gkk.norm_geglu(x, w, rows, rows, residual=r, approx=True),
              lambda r: gkk.quantized_norm_projections(x, w, [quantized], residual=r),
-             lambda r: gkk.quantized_norm_swiglu(x, w, quantized, quantized, residual=r)]
+             lambda r: gkk.quantized_norm_swiglu(x, w, quantized, quantized, residual=r),
+             lambda r: gkk.quantized_norm_geglu(x, w, quantized, quantized, residual=r)]
     for call in calls:
         call(mx.ones((1, 64)))  # kept
         for bad, needle in ((mx.array([1.0]), r"residual is \(1,\) float32"),

@@ -25,28 +25,41 @@ from graphkern.models import MODEL_TOLERANCES  # noqa: E402
 from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
 
 PROMPT = mx.array([3, 17, 42, 5, 99, 1, 7, 64])
-KERNELS = ("norm_projections", "norm_swiglu", "quantized_norm_projections", "quantized_norm_rope_projections",
-           "quantized_norm_swiglu")
+KERNELS = ("norm_projections", "norm_swiglu", "norm_geglu", "quantized_norm_projections",
+           "quantized_norm_rope_projections", "quantized_norm_swiglu", "quantized_norm_geglu")
 #: What a patched quantized block runs an 8-token prompt and then single tokens with: a Llama-style
 #: attention's whole prologue in one launch for a token (up to ``ROTATED_MAX_ROWS`` rows), its
-#: projections apart from ``rope_qk`` for the prompt; Qwen 3's (whose heads are normalized before
-#: the RoPE), Qwen 2's (biases added after the products) and Phi-3's (one fused ``qkv_proj``, split
-#: after the product) always apart. Gemma 2's
-#: feed-forward (GeGLU, between post-norms) keeps stock products.
+#: projections apart from ``rope_qk`` for the prompt; Qwen 3's and Gemma 3's (whose heads are
+#: normalized before the RoPE), Qwen 2's (biases added after the products) and Phi-3's (one fused
+#: ``qkv_proj``, split after the product) always apart. Gemma's feed-forwards (GeGLU; Gemma 2's and
+#: 3's between post-norms) run on the GeGLU kernel.
 DECODING = {"llama": {"quantized_norm_projections", "quantized_norm_rope_projections",
                       "quantized_norm_swiglu"},
             "qwen3": {"quantized_norm_projections", "quantized_norm_swiglu"},
             "phi3": {"quantized_norm_projections", "quantized_norm_swiglu"},
-            "gemma2": {"quantized_norm_projections", "quantized_norm_rope_projections"},
+            "gemma": {"quantized_norm_projections", "quantized_norm_rope_projections",
+                      "quantized_norm_geglu"},
+            "gemma2": {"quantized_norm_projections", "quantized_norm_rope_projections",
+                       "quantized_norm_geglu"},
+            "gemma3": {"quantized_norm_projections", "quantized_norm_geglu"},
             "qwen2": {"quantized_norm_projections", "quantized_norm_swiglu"}}
+#: The gated entries, and the arguments each takes besides its gate and up.
+GATED = {"quantized_norm_swiglu": {}, "quantized_norm_geglu": {"approx": False},
+         "quantized_norm_geglu_approx": {"approx": True}}
+
+
+def _case(name: str, shape: tuple[int, ...], dtype: mx.Dtype, key: mx.array, group_size: int,
+          bits: int) -> gkk.Case:
+    """Arguments for the quantized entry ``name``: gated ones for a gated entry."""
+    return quantized_case(shape, dtype, key, gated=name in GATED, group_size=group_size, bits=bits,
+                          **GATED.get(name, {}))
 
 
 @pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 64), (8, 128)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_the_kernels_give_stock_mlx_products(bits: int, group_size: int, dtype: mx.Dtype) -> None:
-    for entry in (gkk.LIBRARY["quantized_norm_projections"], gkk.LIBRARY["quantized_norm_swiglu"]):
-        case = quantized_case((2, 1, 256), dtype, mx.random.key(1), gated=entry.name.endswith("swiglu"),
-                              group_size=group_size, bits=bits)
+    for entry in (gkk.LIBRARY[name] for name in ("quantized_norm_projections", *GATED)):
+        case = _case(entry.name, (2, 1, 256), dtype, mx.random.key(1), group_size, bits)
         ours, stock = entry(case), entry.stock_outputs(case)
         assert [o.shape for o in ours] == [s.shape for s in stock]
         assert all(mx.array_equal(o, s).item() for o, s in zip(ours, stock)), entry.name
@@ -59,14 +72,14 @@ def test_rows_of_one_group_give_stock_mlx_products(group_size: int, bits: int, d
     """Rows exactly one quantization group long, one and several of them: an edge where a product
     loop over groups runs once. The rotating kernel's RoPE rounds apart from stock's: it agrees
     within the entry's tolerance, the others exactly."""
-    for entry in (gkk.LIBRARY[name] for name in KERNELS if name.startswith("quantized")):
+    for entry in (gkk.LIBRARY[name] for name in (*KERNELS, "quantized_norm_geglu_approx")
+                  if name.startswith("quantized")):
         for rows in (1, 8):
             if entry.name == "quantized_norm_rope_projections":
                 case = rotated_case((1, rows, group_size), dtype, mx.random.key(rows), group_size=group_size,
                                     bits=bits)
             else:
-                case = quantized_case((rows, group_size), dtype, mx.random.key(rows),
-                                      gated=entry.name.endswith("swiglu"), group_size=group_size, bits=bits)
+                case = _case(entry.name, (rows, group_size), dtype, mx.random.key(rows), group_size, bits)
             ours, stock = entry(case), entry.stock_outputs(case)
             if entry.name == "quantized_norm_rope_projections":
                 atol, rtol = entry.tolerances.get(dtype, TOLERANCES[dtype])
@@ -147,7 +160,8 @@ def _greedy(model: nn.Module, tokens: int = 16) -> list[int]:
 @pytest.mark.parametrize("arch, bits, group_size", [
     ("llama", 4, 64), ("llama", 4, 32), ("llama", 8, 128), ("qwen3", 4, 64), ("qwen3", 8, 32),
     ("qwen3", 4, 128), ("llama", 8, 64), ("phi3", 4, 64), ("phi3", 8, 128),
-    ("gemma2", 4, 64), ("qwen2", 4, 64), ("qwen2", 8, 32),
+    ("gemma", 4, 64), ("gemma2", 4, 64), ("gemma2", 8, 32), ("gemma3", 4, 64), ("qwen2", 4, 64),
+    ("qwen2", 8, 32),
 ])
 def test_a_patched_quantized_model_decodes_through_the_quantized_kernels_as_stock(
         arch: str, bits: int, group_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,9 +169,9 @@ def test_a_patched_quantized_model_decodes_through_the_quantized_kernels_as_stoc
     report = gk.patch(patched)
     assert not any(p.note for p in report)
     calls = spy_on_kernels(monkeypatch, KERNELS)
-    atol = 1e-5 if arch == "gemma2" else 0.0  # its tanh GELU kernel rounds apart from stock's formula
+    # equal, Gemma's too: its feed-forward's GELU is the GeGLU kernel's reference, stock's formula
     for ours, theirs in zip(_logits(patched), _logits(stock)):
-        assert mx.allclose(ours, theirs, atol=atol, rtol=0.0).item()
+        assert mx.array_equal(ours, theirs).item()
     assert set(calls) == DECODING[arch]
     assert _greedy(patched) == _greedy(stock)
 

@@ -21,7 +21,7 @@ import graphkern.models.routes as routes  # noqa: E402
 from graphkern.models.tiny import TINY_CONFIGS, tiny_model  # noqa: E402
 
 STANDALONE = ("rms_norm", "add_rms_norm", "rope", "swiglu", "gelu", "layer_norm", "softmax")
-FUSED = ("norm_projections", "norm_swiglu", "rope_qk")
+FUSED = ("norm_projections", "norm_swiglu", "norm_geglu", "rope_qk")
 PROMPT = mx.array([[3, 17, 42, 5, 99, 1, 7, 64]])
 
 
@@ -91,6 +91,8 @@ def test_kernels_run_only_where_a_segment_fuses_them(arch: str, gpu_decision: No
     assert _same(_decode(patched), _decode(stock), atol=1e-5)
     assert calls and all(inside for _, inside in calls)
     assert not {name for name, _ in calls} & {"gelu", "swiglu"}
+    if arch.startswith("gemma"):  # Gemma's GeGLU feed-forwards, Gemma 2's and 3's between post-norms
+        assert "norm_geglu" in {name for name, _ in calls}
 
 
 def test_a_trace_records_a_kernel_node_for_every_patched_layer(gpu_decision: None) -> None:
@@ -154,7 +156,7 @@ def _quantized_twins(arch: str, **options: Any) -> tuple[nn.Module, nn.Module]:
 QUANTIZED_LIMIT = routes.FUSED_MAX_ROWS["quantized"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma2"])
 @pytest.mark.parametrize("quantized, route, rows, fused", [
     (False, "auto", 8, True), (True, "auto", 1, True), (True, "auto", QUANTIZED_LIMIT, True),
     (True, "auto", 8, False), (True, "kernel", 8, True)])
@@ -166,11 +168,11 @@ def test_batch_decoding_takes_the_stock_products_past_the_fused_rows(
     compiled segments."""
     stock, patched = (_quantized_twins if quantized else _twins)(arch, route=route)
     prefix = "quantized_" if quantized else ""
-    swiglu = prefix + "norm_swiglu"
-    calls = _spy_in_segments(monkeypatch, (swiglu, "add_rms_norm"))
+    gated = prefix + ("norm_geglu" if arch.startswith("gemma") else "norm_swiglu")
+    calls = _spy_in_segments(monkeypatch, (gated, "add_rms_norm"))
     assert _same(_decode_rows(patched, rows), _decode_rows(stock, rows), atol=1e-5)
     names = {name for name, inside in calls if inside}
-    assert (swiglu in names) is fused
+    assert (gated in names) is fused
     assert fused or "add_rms_norm" in names  # the residual adds stay fused into the norms
 
 
