@@ -46,11 +46,16 @@ GPU_SHAPES: dict[str, list[tuple[int, ...]]] = {
     # (scalar)
     "norm_projections": [(1, 1, 2048), (8, 512), (3, 100), (2, 99)],
     "norm_swiglu": [(1, 1, 2048), (8, 512), (3, 100), (2, 99)],
+    # the same body as norm_swiglu's, gating with the exact and the tanh GELU
+    "norm_geglu": [(1, 1, 2048), (8, 512), (3, 100), (2, 99)],
+    "norm_geglu_approx": [(1, 1, 2048), (8, 512), (2, 99)],
     # quantized weights (4-bit, groups of 64): one token of 2048, 8 rows of 1024 (of 512 on Metal,
     # whose 32 KB of threadgroup memory holds 8 float32 rows of 1024 but not the reduction's
     # scratch beside them), 3 rows of 256 (tests/gpu/test_quantized_gpu.py takes the rest)
     "quantized_norm_projections": [(1, 1, 2048), (8, 1024 if CUDA else 512), (3, 256)],
     "quantized_norm_swiglu": [(1, 1, 2048), (8, 1024 if CUDA else 512), (3, 256)],
+    "quantized_norm_geglu": [(1, 1, 2048), (8, 1024 if CUDA else 512), (3, 256)],
+    "quantized_norm_geglu_approx": [(1, 1, 2048), (8, 1024 if CUDA else 512), (3, 256)],
     # the same with the RoPE of queries and keys: one token, 2 sequences of 4 tokens, 8 tokens (Metal
     # as above)
     "quantized_norm_rope_projections": [(1, 1, 2048), (2, 4, 1024 if CUDA else 512), (1, 8, 256)],
@@ -81,7 +86,7 @@ def _misaligned(a: mx.array) -> mx.array:
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "layer_norm", "add_rms_norm", "softmax", "swiglu", "gelu",
-                                  "rope", "rope_qk_norm", "norm_swiglu"])
+                                  "rope", "rope_qk_norm", "norm_swiglu", "norm_geglu_approx"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_misaligned_pointers_take_the_scalar_path(name: str, dtype: mx.Dtype) -> None:
     entry = LIBRARY[name]

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from model_comparisons import assert_same_gradients, count_layer_launches  # noqa: E402
+from model_comparisons import assert_same_gradients, count_layer_launches, spy_on_kernels  # noqa: E402
 
 from graphkern.models import MODEL_TOLERANCES, check_model, patch, unpatch, wrap  # noqa: E402
 from graphkern.models.launch_count import decode_launches  # noqa: E402
@@ -167,6 +167,30 @@ def test_evaluating_models_decode_through_fused_segments_on_device(arch: str) ->
     assert patched.model.layers[-1].segments().traced() == ["leave"]
     assert patched.model.segments().traced() == [("link", i) for i in range(blocks - 1)]
     assert _generate(patched) == _generate(stock)
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_evaluating_gemmas_decode_through_norm_geglu_on_device(arch: str, dtype: mx.Dtype,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each Gemma block's feed-forward norm, gate and up products and GELU (Gemma 2's and 3's between
+    post-norms) in one norm_geglu launch: logits at each step against stock within the dtype's
+    model tolerance, and in float32 16 generated tokens."""
+    stock, patched = tiny_model(arch, dtype), tiny_model(arch, dtype)
+    patch(patched)
+    stock.eval()
+    patched.eval()
+    calls = spy_on_kernels(monkeypatch, ["norm_geglu"])
+    cs, cp = make_prompt_cache(stock), make_prompt_cache(patched)
+    expected, got = stock(TOKENS[:1], cache=cs), patched(TOKENS[:1], cache=cp)
+    atol, rtol = MODEL_TOLERANCES[dtype]
+    for _ in range(6):
+        assert mx.allclose(got, expected, atol=atol, rtol=rtol).item(), mx.abs(got - expected).max().item()
+        token = mx.argmax(expected[:, -1:], axis=-1)
+        expected, got = stock(token, cache=cs), patched(token, cache=cp)
+    assert calls
+    if dtype == mx.float32:
+        assert _generate(patched) == _generate(stock)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral"])

@@ -36,14 +36,25 @@ from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-ENTRIES = ["quantized_norm_projections", "quantized_norm_swiglu", "quantized_norm_rope_projections"]
+ENTRIES = ["quantized_norm_projections", "quantized_norm_swiglu", "quantized_norm_geglu",
+           "quantized_norm_geglu_approx", "quantized_norm_rope_projections"]
+#: The layer functions of ENTRIES (the tanh GELU's entry is a variant of quantized_norm_geglu's).
+KERNELS = [name for name in ENTRIES if not name.endswith("_approx")]
+#: The gated entries, and the arguments each takes besides its gate and up.
+GATED = {"quantized_norm_swiglu": {}, "quantized_norm_geglu": {"approx": False},
+         "quantized_norm_geglu_approx": {"approx": True}}
 #: What a patched quantized block runs an 8-token prompt and then single tokens with: a Llama-style
 #: attention's whole prologue in one launch for a token (up to ``ROTATED_MAX_ROWS`` rows), its
-#: projections apart from ``rope_qk`` for the prompt; Qwen 3's (whose heads are normalized before
-#: the RoPE) always apart.
+#: projections apart from ``rope_qk`` for the prompt; Qwen 3's and Gemma 3's (whose heads are
+#: normalized before the RoPE) always apart; Gemma's GeGLU feed-forwards on the GeGLU kernel.
 DECODING = {"llama": {"quantized_norm_projections", "quantized_norm_rope_projections",
                       "quantized_norm_swiglu"},
-            "qwen3": {"quantized_norm_projections", "quantized_norm_swiglu"}}
+            "qwen3": {"quantized_norm_projections", "quantized_norm_swiglu"},
+            "gemma": {"quantized_norm_projections", "quantized_norm_rope_projections",
+                      "quantized_norm_geglu"},
+            "gemma2": {"quantized_norm_projections", "quantized_norm_rope_projections",
+                       "quantized_norm_geglu"},
+            "gemma3": {"quantized_norm_projections", "quantized_norm_geglu"}}
 #: Stock's products differ from the kernels' by their own rounding: MLX's CUDA 4-bit qmv rounds each
 #: dequantized weight to the dtype and sums 16-bit inputs in the dtype before float32.
 STOCK_TOL = {mx.float32: (1e-4, 1e-4), mx.float16: (4e-3, 2e-3), mx.bfloat16: (3e-2, 2e-2)}
@@ -81,8 +92,8 @@ def _agree(name: str, shape: tuple[int, ...], dtype: mx.Dtype, bits: int, group_
     if name == "quantized_norm_rope_projections":
         case = rotated_case(shape, dtype, key, group_size=group_size, bits=bits, traditional=bits == 8)
     else:
-        case = quantized_case(shape, dtype, key, gated=name.endswith("swiglu"), group_size=group_size,
-                              bits=bits)
+        case = quantized_case(shape, dtype, key, gated=name in GATED, group_size=group_size, bits=bits,
+                              **GATED.get(name, {}))
     ours = entry(case)
     stock = _float32_truth(entry, case, dtype) if truth else entry.stock_outputs(case)
     atol, rtol = (TRUTH_TOL if truth else STOCK_TOL)[dtype]
@@ -134,7 +145,8 @@ def test_misaligned_rows_and_weights_take_the_narrow_loads(name: str) -> None:
     if name == "quantized_norm_rope_projections":
         base = rotated_case((2, 1, 512), mx.float16, mx.random.key(5))
     else:
-        base = quantized_case((2, 512), mx.float16, mx.random.key(5), gated=name.endswith("swiglu"))
+        base = quantized_case((2, 512), mx.float16, mx.random.key(5), gated=name in GATED,
+                              **GATED.get(name, {}))
     args = tuple([tuple(_shifted(a) for a in m) for m in arg] if isinstance(arg, list)
                  else tuple(_shifted(a) for a in arg) if isinstance(arg, tuple) else _shifted(arg)
                  for arg in base.args)
@@ -200,7 +212,7 @@ def test_a_patched_quantized_model_decodes_as_stock_on_device(arch: str, bits: i
     also 16 greedy tokens of mlx-lm's generate_step."""
     stock, patched = _model(arch, bits, group_size, dtype), _model(arch, bits, group_size, dtype)
     patch(patched, route="kernel")  # the prompt's 8 rows through the fused kernels too
-    calls = spy_on_kernels(monkeypatch, ENTRIES)
+    calls = spy_on_kernels(monkeypatch, KERNELS)
     _decodes_as_stock(stock, patched, 6, dtype)
     assert set(calls) == DECODING[arch]
     if dtype == mx.float32:
@@ -208,6 +220,22 @@ def test_a_patched_quantized_model_decodes_as_stock_on_device(arch: str, bits: i
                                                     prompt_cache=make_prompt_cache(m))]
                   for m in (patched, stock)]
         assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("arch, dtype", [("gemma", mx.float32), ("gemma", mx.float16), ("gemma2", mx.float32),
+                                         ("gemma2", mx.float16), ("gemma3", mx.float32)])
+def test_a_patched_quantized_gemma_decodes_as_stock_through_the_geglu_kernel_on_device(
+        arch: str, dtype: mx.Dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma's GeGLU feed-forwards (Gemma 2's and 3's between post-norms) on quantized_norm_geglu,
+    4-bit weights in groups of 64: logits of the prompt and 6 decoding steps within the model
+    tolerance of the dtype. (Not bfloat16, nor a float16 Gemma 3, whose blocks stay stock: there, on
+    the CPU too, the tiny quantized models' logits move past the model tolerance from stock's with
+    or without the GeGLU kernels, by up to 0.3 and 0.05.)"""
+    stock, patched = _model(arch, 4, 64, dtype), _model(arch, 4, 64, dtype)
+    patch(patched, route="kernel")
+    calls = spy_on_kernels(monkeypatch, KERNELS)
+    _decodes_as_stock(stock, patched, 6, dtype)
+    assert set(calls) == DECODING[arch]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
