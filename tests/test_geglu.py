@@ -250,3 +250,12 @@ def test_a_float16_gemma3_keeps_its_stock_blocks_and_products(monkeypatch: pytes
     assert calls == []
     _decode(_twins("gemma3")[1], 1)  # in float32 the same blocks fuse
     assert calls
+
+
+def test_the_patch_summary_names_the_kernel_a_gemma_block_decodes_with() -> None:
+    from graphkern.cli.model import patched_line
+
+    summary = patched_line(gk.patch(tiny_model("gemma2")))
+    assert "gk_norm_geglu (or gk_quantized_*) where the block's add_rms_norm and gelu were" in summary
+    assert "gk_norm_swiglu (or gk_quantized_*)" in patched_line(gk.patch(tiny_model("llama")))
+    assert {"norm_geglu", "quantized_norm_geglu"} <= set(kernel_names())
