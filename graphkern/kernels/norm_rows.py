@@ -23,29 +23,17 @@ from graphkern.kernels.base import (
     check_vector,
     eps_template,
     output_spec,
-    runs_on_cuda,
     template_arg,
     unused_input,
     vector_width,
 )
 from graphkern.nodes import KernelError, OutputSpec, Status, TemplateArg, dtype_name
 
-__all__ = ["CUDA_ROWS_PER_WARP", "MAX_ROWS", "METAL_NORM_ROWS", "NormRows", "grid_blocks", "norm_rows",
-           "norm_rows_template", "random_rows", "row_output_specs", "stock_normed"]
+__all__ = ["MAX_ROWS", "METAL_NORM_ROWS", "NormRows", "norm_rows", "norm_rows_template", "random_rows",
+           "row_output_specs", "stock_normed"]
 
 #: Most token rows a launch takes (each warp keeps one float sum per row in registers).
 MAX_ROWS = 8
-#: CUDA: the weight rows each warp takes in turn (the kernels loop over rows a grid apart), so that
-#: a block pays for normalizing the token rows once for several weight rows, and the loads of one
-#: row overlap the reduction of the last. Metal launches a warp a row.
-CUDA_ROWS_PER_WARP = 1
-
-
-def grid_blocks(warps: int, block: int) -> int:
-    """Blocks of ``block`` threads for ``warps`` weight rows (or units of work), one warp each, or
-    :data:`CUDA_ROWS_PER_WARP` each on CUDA."""
-    blocks = -(-warps // (block // 32))
-    return -(-blocks // CUDA_ROWS_PER_WARP) if runs_on_cuda() else blocks
 
 #: Metal: the M rows of x (+ r, rounded to T, block 0 writing the sum to h) RMS-normalized into
 #: the threadgroup rows xs, rounded as rms_norm rounds.

@@ -26,7 +26,6 @@ from graphkern.kernels.headers import dual_header
 from graphkern.kernels.norm_rows import (
     MAX_ROWS,
     METAL_NORM_ROWS,
-    grid_blocks,
     norm_rows,
     norm_rows_template,
     random_rows,
@@ -215,7 +214,7 @@ _CUDA_START = r"""
   __shared__ __align__(16) unsigned char xs_bytes[M * K * sizeof(T)];
   T* xs = reinterpret_cast<T*>(xs_bytes);
   const float eps = __int_as_float(EPS);
-  const int first_row = blockIdx.x * (NT / 32) + threadIdx.x / 32;"""
+  const int row = blockIdx.x * (NT / 32) + threadIdx.x / 32;"""
 
 
 def _cuda_body(aligned: str, work: str) -> str:
@@ -233,14 +232,12 @@ _CUDA_PROJECTIONS = _cuda_body(
     const int n0 = w0_shape[0];
     const int n1 = NW > 1 ? w1_shape[0] : 0;
     const int n2 = NW > 2 ? w2_shape[0] : 0;
-    for (int row = first_row; row < n0 + n1 + n2; row += gridDim.x * (NT / 32)) {
-      if (row < n0) {
-        gk::project_row<T, M, K, VA>(w0, y0, row, n0, xs);
-      } else if (row < n0 + n1) {
-        gk::project_row<T, M, K, VA>(w1, y1, row - n0, n1, xs);
-      } else {
-        gk::project_row<T, M, K, VA>(w2, y2, row - n0 - n1, n2, xs);
-      }
+    if (row < n0) {
+      gk::project_row<T, M, K, VA>(w0, y0, row, n0, xs);
+    } else if (row < n0 + n1) {
+      gk::project_row<T, M, K, VA>(w1, y1, row - n0, n1, xs);
+    } else if (row < n0 + n1 + n2) {
+      gk::project_row<T, M, K, VA>(w2, y2, row - n0 - n1, n2, xs);
     }""")
 
 # The gated body, of SwiGLU and GeGLU alike: ACT picks the activation of the rounded gate product.
@@ -248,7 +245,7 @@ _CUDA_GATED = _cuda_body(
     "gk::aligned<V>(x) && gk::aligned<V>(residual) && gk::aligned<V>(w) && gk::aligned<V>(h) && "
     "gk::aligned<V>(gate) && gk::aligned<V>(up)", r"""
     const int n = gate_shape[0];
-    for (int row = first_row; row < n; row += gridDim.x * (NT / 32)) {
+    if (row < n) {
       float g[M];
       float u[M];
       gk::row_dot<T, M, K, VA>(gate + static_cast<long long>(row) * K, xs, g);
@@ -448,7 +445,7 @@ def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weigh
     block = BLOCK if rows.rows <= 2 else WIDE_BLOCK
     template = (*norm_rows_template(op, x, rows, block, residual, weight, eps),
                 template_arg("ACT", act) if gated else template_arg("NW", len(matrices)))
-    blocks = grid_blocks(sum(out_rows), block)
+    blocks = -(-sum(out_rows) // (block // 32))
     return Plan(kernel, inputs, specs, (blocks * block, 1, 1), (block, 1, 1), template)
 
 

@@ -45,7 +45,6 @@ from graphkern.kernels.headers import dual_header
 from graphkern.kernels.norm_rows import (
     MAX_ROWS,
     METAL_NORM_ROWS,
-    grid_blocks,
     norm_rows,
     norm_rows_template,
     random_rows,
@@ -320,7 +319,7 @@ _CUDA_START = r"""
   float* xs = gk_quantized_rows;
   float* xsum = gk_quantized_rows + M * K;
   const float eps = __int_as_float(EPS);
-  const int first_row = blockIdx.x * (NT / 32) + threadIdx.x / 32;
+  const int row = blockIdx.x * (NT / 32) + threadIdx.x / 32;
   if (gk::aligned<V>(x) && gk::aligned<V>(residual) && gk::aligned<V>(w) && gk::aligned<V>(h)) {
     gk::norm_rows_float<T, M, K, V, NT, GS, RESID, HAS_W>(x, residual, w, h, xs, xsum, eps, red);
   } else {
@@ -339,15 +338,13 @@ _CUDA_PROJECTIONS = quantized_cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1
     const int n0 = w0_shape[0];
     const int n1 = NW > 1 ? w1_shape[0] : 0;
     const int n2 = NW > 2 ? w2_shape[0] : 0;
-    for (int row = first_row; row < n0 + n1 + n2; row += gridDim.x * (NT / 32)) {
-      if (row < n0) {
-        gk::quantized_project_row<T, M, K, BITS, GS, WV>(w0, scales0, biases0, y0, row, n0, xs, xsum);
-      } else if (row < n0 + n1) {
-        gk::quantized_project_row<T, M, K, BITS, GS, WV>(w1, scales1, biases1, y1, row - n0, n1, xs, xsum);
-      } else {
-        gk::quantized_project_row<T, M, K, BITS, GS, WV>(w2, scales2, biases2, y2, row - n0 - n1, n2, xs,
-                                                         xsum);
-      }
+    if (row < n0) {
+      gk::quantized_project_row<T, M, K, BITS, GS, WV>(w0, scales0, biases0, y0, row, n0, xs, xsum);
+    } else if (row < n0 + n1) {
+      gk::quantized_project_row<T, M, K, BITS, GS, WV>(w1, scales1, biases1, y1, row - n0, n1, xs, xsum);
+    } else if (row < n0 + n1 + n2) {
+      gk::quantized_project_row<T, M, K, BITS, GS, WV>(w2, scales2, biases2, y2, row - n0 - n1, n2, xs,
+                                                       xsum);
     }""")
 
 # The gated body, of SwiGLU and GeGLU alike: ACT picks the activation of the rounded gate product.
@@ -355,7 +352,7 @@ _CUDA_GATED = quantized_cuda_rows("gk::aligned<4>(gate) && gk::aligned<4>(up)", 
     constexpr int WORDS = K * BITS / 32;
     constexpr int G = K / GS;
     const int n = gate_shape[0];
-    for (int row = first_row; row < n; row += gridDim.x * (NT / 32)) {
+    if (row < n) {
       float g[M];
       float u[M];
       const long long wo = static_cast<long long>(row) * WORDS;
@@ -657,7 +654,7 @@ def plan_quantized_rows(op: str, kernel: Kernel, x: mx.array, residual: mx.array
         specs, warps = _rotated_specs(op, x, specs, out_rows, rotation)
         inputs += rotation.inputs
         template += (*rotation.template, template_arg("D", rotation.head_dim), template_arg("L", x.shape[1]))
-    blocks = grid_blocks(warps, block)
+    blocks = -(-warps // (block // 32))
     if runs_on_cuda():
         kernel = _with_shared(kernel, _cuda_row_bytes(m, k, group_size))
     return Plan(kernel, inputs, specs, (blocks * block, 1, 1), (block, 1, 1), template)

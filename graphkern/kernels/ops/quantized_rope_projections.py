@@ -102,7 +102,7 @@ _CUDA_ROTATED = quantized_cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1) &&
     const int hk = w1_shape[0] / D;
     const int qk_units = (hq + hk) * (D / 2);
     const int lane = threadIdx.x & 31;
-    for (int row = first_row; row < qk_units + w2_shape[0] / 2; row += gridDim.x * (NT / 32)) {
+    if (row < qk_units + w2_shape[0] / 2) {
       const gk::RotatedUnit unit = gk::rotated_unit<D, HALF, TRADITIONAL>(row, hq, hk);
       const int kind = unit.kind;
       const int head = unit.head;
