@@ -17,6 +17,9 @@
 #   bash scripts/gpu_check.sh sweep    # generation at every architecture's checkpoint dimensions, stock
 #                                      # against patched (benchmarks/generate.py --sweep, 7 rounds);
 #                                      # arguments after it go to it: sweep --preset phi-3-mini,gemma-2-2b
+#   bash scripts/gpu_check.sh projections  # the decoding projection kernels with weights read from
+#                                          # memory at checkpoint dimensions (benchmarks/block_projections.py);
+#                                          # arguments after it go to it: projections --models phi-3-mini
 #   bash scripts/gpu_check.sh bench    # the full kernel benchmark (all sizes); arguments after it go
 #                                      # to it: bench --kernels swiglu,gelu --dtypes float32
 #   bash scripts/gpu_check.sh tune     # launch-shape sweep of the row kernels (benchmarks/gpu_row_configs.py);
@@ -24,7 +27,7 @@
 # Logs and results go to the folder $OUT names, else ./gpu-results. Each part's tests stop after
 # GPU_PART_SECONDS (default 540, inside a 10-minute device call) and then list the tests that never ran.
 set -uo pipefail
-part=${1:?usage: gpu_check.sh kernels|rope|core|models|quantized|quantized-models|model-commands|model-comparisons|suite|generate|sweep|bench|tune [benchmark arguments]}
+part=${1:?usage: gpu_check.sh kernels|rope|core|models|quantized|quantized-models|model-commands|model-comparisons|suite|generate|sweep|projections|bench|tune [benchmark arguments]}
 shift
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -112,9 +115,12 @@ case "$part" in
   sweep)
     python3 benchmarks/generate.py --sweep --rounds 7 --tokens 32 --prefill 128 --dtypes bfloat16 \
       --json "$out/sweep.json" "$@" 2>&1 | tee "$out/sweep.txt" ;;
+  projections)
+    python3 benchmarks/block_projections.py --json "$out/block_projections.json" "$@" 2>&1 \
+      | tee "$out/block_projections.txt" ;;
   bench)
     python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels_full.json" "$@" 2>&1 | tee "$out/gpu_kernels_full.txt" ;;
   tune)
     python3 benchmarks/gpu_row_configs.py --dtypes bfloat16,float32 "$@" 2>&1 | tee "$out/row_configs.txt" ;;
-  *) echo "unknown part '$part': use kernels, rope, core, models, quantized, quantized-models, model-commands, model-comparisons, suite, generate, sweep, bench or tune" >&2; exit 2 ;;
+  *) echo "unknown part '$part': use kernels, rope, core, models, quantized, quantized-models, model-commands, model-comparisons, suite, generate, sweep, projections, bench or tune" >&2; exit 2 ;;
 esac
