@@ -7,8 +7,8 @@ blocks, each with its own weights (far more bytes than L2 holds), runs the two l
 block makes before its attention and feed-forward:
 
 - ours: ``norm_projections`` (residual add, RMSNorm, query/key/value products; Phi-3's one fused
-  ``qkv`` weight) and ``norm_swiglu`` (residual add, RMSNorm, SwiGLU's gate and up products), or
-  their quantized forms;
+  ``qkv`` weight) and ``norm_swiglu`` (residual add, RMSNorm, SwiGLU's gate and up products;
+  ``norm_geglu`` with the tanh GELU for Gemma 2), or their quantized forms;
 - stock: the add, ``mx.fast.rms_norm`` and the products (``mx.quantized_matmul`` for quantized
   weights) and the gating, compiled;
 
@@ -46,13 +46,17 @@ MODELS: dict[str, tuple[int, tuple[int, ...], int]] = {
     "llama-3.2-1b": (2048, (2048, 512, 512), 8192),
     "qwen2.5-1.5b": (1536, (1536, 256, 256), 8960),
     "phi-3-mini": (3072, (9216,), 8192),
+    "gemma-2-2b": (2304, (2048, 1024, 1024), 9216),
     "mistral-7b": (4096, (4096, 1024, 1024), 14336),
 }
+#: Models whose feed-forward is a GeGLU with the tanh GELU (``norm_geglu``); the others' a SwiGLU.
+GEGLU = {"gemma-2-2b"}
 WEIGHTS = ("bf16", "4bit", "8bit")
 GROUP_SIZE = 64
 REPEATS = 5
 
 Layer = dict[str, Any]
+Block = Callable[[mx.array, mx.array, Layer], tuple[mx.array, ...]]
 
 
 def _layer(hidden: int, outs: Sequence[int], inner: int, weights: str, key: mx.array) -> Layer:
@@ -90,32 +94,36 @@ def _product(n: mx.array, w: Any, bits: int) -> mx.array:
     return n @ w.T
 
 
-def block_ours(bits: int) -> Callable[[mx.array, mx.array, Layer], tuple[mx.array, ...]]:
-    """The fused block's two launches: ``(x, residual, layer) -> (h, *products, gated)``."""
+def block_ours(bits: int, geglu: bool = False) -> Block:
+    """The fused block's two launches: ``(x, residual, layer) -> (h, *products, gated)``; ``geglu``:
+    the feed-forward's launch is ``norm_geglu``'s (tanh GELU), else ``norm_swiglu``'s."""
     def run(x: mx.array, r: mx.array, layer: Layer) -> tuple[mx.array, ...]:
+        gating = {"approx": True} if geglu else {}
         if bits:
-            q = dict(group_size=GROUP_SIZE, bits=bits)
+            q: dict[str, Any] = dict(group_size=GROUP_SIZE, bits=bits)
+            gated_fn = gkk.quantized_norm_geglu if geglu else gkk.quantized_norm_swiglu
             h, *found = gkk.quantized_norm_projections(x, layer["norm"], layer["projections"], 1e-5,
                                                        residual=r, **q)
-            h2, gated = gkk.quantized_norm_swiglu(h, layer["ffn_norm"], layer["gate"], layer["up"], 1e-5,
-                                                  residual=r, **q)
+            h2, gated = gated_fn(h, layer["ffn_norm"], layer["gate"], layer["up"], 1e-5, residual=r, **q,
+                                 **gating)
         else:
+            plain_fn = gkk.norm_geglu if geglu else gkk.norm_swiglu
             h, *found = gkk.norm_projections(x, layer["norm"], layer["projections"], 1e-5, residual=r)
-            h2, gated = gkk.norm_swiglu(h, layer["ffn_norm"], layer["gate"], layer["up"], 1e-5,
-                                        residual=r)
+            h2, gated = plain_fn(h, layer["ffn_norm"], layer["gate"], layer["up"], 1e-5, residual=r, **gating)
         return (h2, *found, gated)
     return run
 
 
-def block_stock(bits: int) -> Callable[[mx.array, mx.array, Layer], tuple[mx.array, ...]]:
+def block_stock(bits: int, geglu: bool = False) -> Block:
     """What stock MLX runs for the same: adds, ``mx.fast.rms_norm``, products, gating."""
+    act = nn.gelu_approx if geglu else nn.silu
     def run(x: mx.array, r: mx.array, layer: Layer) -> tuple[mx.array, ...]:
         h = x + r
         n = mx.fast.rms_norm(h, layer["norm"], 1e-5)
         found = [_product(n, w, bits) for w in layer["projections"]]
         h2 = h + r
         n2 = mx.fast.rms_norm(h2, layer["ffn_norm"], 1e-5)
-        gated = nn.silu(_product(n2, layer["gate"], bits)) * _product(n2, layer["up"], bits)
+        gated = act(_product(n2, layer["gate"], bits)) * _product(n2, layer["up"], bits)
         return (h2, *found, gated)
     return run
 
@@ -178,8 +186,8 @@ def measure(model: str, weights: str, rows: int, n_layers: int) -> dict[str, Any
     x = mx.random.normal((rows, hidden), key=mx.random.key(100)).astype(mx.bfloat16)
     r = (0.1 * mx.random.normal((rows, hidden), key=mx.random.key(101))).astype(mx.bfloat16)
     mx.eval(x, r)
-    stock = mx.compile(block_stock(bits))
-    ours = block_ours(bits)
+    stock = mx.compile(block_stock(bits, model in GEGLU))
+    ours = block_ours(bits, model in GEGLU)
     result: dict[str, Any] = {"model": model, "weights": weights, "rows": rows, "layers": n_layers,
                               "weight_MB_per_block": _nbytes(layers[0]) / 1e6}
     for name, block in (("stock", stock), ("ours", ours)):

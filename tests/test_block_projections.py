@@ -16,16 +16,17 @@ import block_projections  # noqa: E402
 SMALL = {"separate": (128, (128, 32, 32), 256), "fused": (128, (384,), 256)}
 
 
+@pytest.mark.parametrize("geglu", [False, True], ids=["swiglu", "geglu"])
 @pytest.mark.parametrize("weights", ["bf16", "4bit", "8bit"])
 @pytest.mark.parametrize("layout", list(SMALL))
-def test_the_fused_and_the_stock_block_agree(layout: str, weights: str) -> None:
+def test_the_fused_and_the_stock_block_agree(layout: str, weights: str, geglu: bool) -> None:
     hidden, outs, inner = SMALL[layout]
     bits = 0 if weights == "bf16" else int(weights[0])
     layers = [block_projections._layer(hidden, outs, inner, weights, mx.random.key(i)) for i in range(2)]
     x = mx.random.normal((2, hidden), key=mx.random.key(7)).astype(mx.bfloat16)
     r = (0.1 * mx.random.normal((2, hidden), key=mx.random.key(8))).astype(mx.bfloat16)
-    ours = block_projections._stack(block_projections.block_ours(bits), x, r, layers)
-    stock = block_projections._stack(block_projections.block_stock(bits), x, r, layers)
+    ours = block_projections._stack(block_projections.block_ours(bits, geglu), x, r, layers)
+    stock = block_projections._stack(block_projections.block_stock(bits, geglu), x, r, layers)
     assert [a.shape for a in ours] == [b.shape for b in stock]
     for a, b in zip(ours, stock):  # bfloat16 outputs up to 5: within two ulp at that scale (1/64)
         assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), atol=2**-5, rtol=0).item()
