@@ -144,6 +144,31 @@ def test_a_numpy_input_is_refused_by_name_and_the_process_exits_cleanly() -> Non
         assert lines == [f"{name} {message}" for name in ("trace", "inspect", "compare")] + ["OK"]
 
 
+def test_a_model_called_with_an_mlx_lm_cache_is_refused_by_name_with_the_way_that_works() -> None:
+    """A KV cache holds its arrays in attributes, which MLX's capture cannot take as inputs: the
+    trace says which argument, what it holds, and that ``gk.wrap`` traces such a step; the
+    wrapped model then traces that very call, and the same model traces without the cache."""
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from graphkern.models.tiny import tiny_model
+
+    model = tiny_model("llama")
+    cache = make_prompt_cache(model)
+    model(mx.array([[1, 2, 3]]), cache=cache)
+    for call in (gk.trace, gk.inspect):
+        with pytest.raises(gk.KernelError) as info:
+            call(model, mx.array([[4]]), cache=cache)
+        message = str(info.value)
+        assert "argument 'cache[0]' of Model is a KVCache holding MLX arrays (keys, values)" in message
+        assert "gk.wrap(model)" in message
+    assert cache[0].offset == 3  # refused before the model ran: the cache did not move
+    wrapped = gk.wrap(model)
+    wrapped(mx.array([[4]]), cache=cache)
+    assert {"inputs", "cache[0].keys"} <= set(wrapped.graph.nodes("input"))
+    assert gk.trace(model, mx.array([[4]])).status.name == "OK"
+
+
 # ----------------------------------------------------------------------------- inspect
 
 

@@ -141,7 +141,24 @@ class Flat:
         >>> Flat.of((mx.ones(2), [np.ones(2)]), {}, ["x", "y"]).foreign_arrays(["x", "y"])
         [('y[0]', 'numpy.ndarray')]
         """
-        found: list[tuple[str, str]] = []
+        return [(path, kind) for path, kind, attrs in self._opaque_leaves(arg_names) if not attrs]
+
+    def array_holders(self, arg_names: list[str]) -> list[tuple[str, str, list[str]]]:
+        """``(argument path, type, attributes)`` of each object among the arguments that holds MLX
+        arrays in its attributes (an mlx-lm KV cache, say): a trace takes arrays, lists, tuples and
+        dicts of them as inputs, and cannot see arrays inside other objects.
+
+        >>> class Box:
+        ...     def __init__(self): self.keys = mx.zeros(1)
+        >>> Flat.of((mx.ones(2), [Box()]), {}, ["x", "cache"]).array_holders(["x", "cache"])
+        [('cache[0]', 'Box', ['keys'])]
+        """
+        return [(path, kind, attrs) for path, kind, attrs in self._opaque_leaves(arg_names) if attrs]
+
+    def _opaque_leaves(self, arg_names: list[str]) -> list[tuple[str, str, list[str]]]:
+        """The arguments' leaves a trace cannot take: another library's arrays (no attributes
+        listed) and objects holding MLX arrays (the attributes that hold them)."""
+        found: list[tuple[str, str, list[str]]] = []
 
         def walk(tree: Any, path: str) -> None:
             if isinstance(tree, (list, tuple)):
@@ -150,15 +167,32 @@ class Flat:
             elif isinstance(tree, dict):
                 for key, item in tree.items():
                     walk(item, f"{path}.{key}" if path else str(key))
-            elif (not isinstance(tree, (_Leaf, mx.array, numbers.Number))
-                  and (hasattr(tree, "__array__") or hasattr(tree, "__dlpack__"))):
-                found.append((path, f"{type(tree).__module__}.{type(tree).__qualname__}"))
+            elif isinstance(tree, (_Leaf, mx.array, numbers.Number, str, nn.Module, type)) or tree is None:
+                return
+            elif hasattr(tree, "__array__") or hasattr(tree, "__dlpack__"):
+                found.append((path, f"{type(tree).__module__}.{type(tree).__qualname__}", []))
+            else:
+                attrs = [name for name, value in vars(tree).items() if _holds_arrays(value)] \
+                    if hasattr(tree, "__dict__") else []
+                if attrs:
+                    found.append((path, type(tree).__qualname__, attrs))
 
         spec_args, spec_kwargs = self.spec
         for i, tree in enumerate(spec_args):
             walk(tree, arg_names[i] if i < len(arg_names) else f"args[{i}]")
         walk(spec_kwargs, "")
         return found
+
+
+def _holds_arrays(value: Any) -> bool:
+    """Whether ``value`` is an MLX array or a list, tuple or dict with one among its items."""
+    if isinstance(value, mx.array):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_arrays(v) for v in value)
+    if isinstance(value, dict) and not isinstance(value, nn.Module):
+        return any(_holds_arrays(v) for v in value.values())
+    return False
 
 
 def flatten_outputs(out: Any) -> tuple[list[mx.array], Any]:

@@ -68,19 +68,28 @@ class Traceable:
             raise KernelError(_TRACE, f"{self.name} returned no arrays", Status.INVALID_INPUT)
         return outputs
 
-    def refuse_foreign_arrays(self, flat: Flat) -> None:
-        """A numpy array (or another library's) among the arguments is refused before tracing:
-        inside the trace it would fail on some op far from the argument that caused it."""
+    def refuse_untraceable(self, flat: Flat) -> None:
+        """Arguments a trace cannot take are refused before tracing, by name: a numpy array (or
+        another library's), which would fail on some op far from the argument that caused it, and
+        an object holding MLX arrays (an mlx-lm KV cache), whose arrays MLX's capture cannot see."""
         found = flat.foreign_arrays(self.arg_names)
         if found:
             path, kind = found[0]
             raise KernelError(_TRACE, f"argument {path!r} of {self.name} is a {kind}, not an MLX "
                               f"array: pass mx.array({path}) instead", Status.INVALID_INPUT)
+        holders = flat.array_holders(self.arg_names)
+        if holders:
+            path, kind, attrs = holders[0]
+            raise KernelError(_TRACE, f"argument {path!r} of {self.name} is a {kind} holding MLX arrays "
+                              f"({', '.join(attrs)}), which a trace cannot take as inputs: pass arrays, or "
+                              "lists, tuples and dicts of them. A model's step with an mlx-lm cache: "
+                              "gk.wrap(model), call it with cache=, and read its .graph",
+                              Status.INVALID_INPUT)
 
     def call_recorded(self, flat: Flat, recorder: TraceRecorder, backend: str | None = None) -> Any:
         """Call ``fn`` eagerly on ``flat``'s arrays with ``recorder`` seeing its kernel and module
         calls (as a trace would, in the same order), on this thread."""
-        self.refuse_foreign_arrays(flat)
+        self.refuse_untraceable(flat)
         owners = ModuleHooks.install([m for _, m in self.state.modules.values()])
         try:
             with recording(recorder), backends.using_backend(backend):
@@ -93,7 +102,7 @@ class Traceable:
         """Capture one call as a ``Graph``; returns it with the output tree spec. ``used``, if
         given, receives the kernel objects the call launched; ``wiring`` how to run the graph
         node by node (see ``capture.Wiring``)."""
-        self.refuse_foreign_arrays(flat)
+        self.refuse_untraceable(flat)
         n_args = len(flat.arrays)
         state_arrays = self.state.arrays()
         recorder = self.recorder()
