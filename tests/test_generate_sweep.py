@@ -1,8 +1,10 @@
 """benchmarks/generate.py's sweep at its CPU smoke size: every architecture it measures builds, is
-patched, decodes stock and patched (the kernels as their references), and agrees with stock."""
+patched, decodes stock and patched (the kernels as their references), and agrees with stock in
+float32 and is as accurate as stock in bfloat16."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -29,3 +31,23 @@ def test_every_architecture_of_the_sweep_decodes_as_stock_in_float32(
     assert all(r.rstrip(" |").endswith("100%") for r in rows), rows
     agreements = [line for line in out.splitlines() if line.startswith("- greedy tokens agree")]
     assert len(agreements) == len(rows) and all("(within the model tolerance)" in a for a in agreements)
+
+
+def test_every_architecture_of_the_sweep_is_as_accurate_as_stock_in_bfloat16(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same sweep in bfloat16: 16-bit rounding alone moves some random-weight models' logits
+    past the model tolerance (stock's own, against the step in float32), so each patched model is
+    held to at most ``NO_WORSE`` times stock's distance from that float32 step. Only the mixtures
+    of experts in plain bfloat16 do not run here: MLX's CPU ``gather_mm`` takes float32 alone."""
+    out_json = tmp_path / "sweep.json"
+    assert generate.main(["--sweep", "--quick", "--rounds", "1", "--tokens", "2", "--prefill", "8",
+                          "--batches", "1", "--dtypes", "bfloat16", "--json", str(out_json)]) == 0
+    failed = [line for line in capsys.readouterr().out.splitlines() if ": failed:" in line]
+    assert [f.split(" (quick size)")[0].lstrip("# ") for f in failed] == ["mixtral-8x7b", "qwen3-30b-a3b"]
+    assert all("[GatherMM::eval] Currently only supports float32" in f for f in failed)
+    results = json.loads(out_json.read_text())
+    assert len(results) == 2 * len(generate.SWEEP) - 2
+    for r in results:
+        first = r["first_logits"]
+        assert first["no_worse"], (r["model"], r["weights"], first)
+        assert first["patched_vs_float32"] <= generate.NO_WORSE * first["stock_vs_float32"]
