@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh rope     # the RoPE kernels' gpu tests (every mlx-lm RoPE layer), values
 #   bash scripts/gpu_check.sh core     # conformance, NVRTC failures, precompiled kernels; gpu_core.py
 #   bash scripts/gpu_check.sh models   # patched mlx-lm models: gpu tests, then benchmarks/models.py
-#   bash scripts/gpu_check.sh quantized  # the quantized projection kernels against stock MLX
+#   bash scripts/gpu_check.sh quantized  # the quantized projection kernels against stock MLX (GeGLU's aside)
+#   bash scripts/gpu_check.sh quantized-geglu  # the quantized GeGLU kernels against stock MLX
 #   bash scripts/gpu_check.sh quantized-models  # patched tiny quantized models against stock
 #   bash scripts/gpu_check.sh model-commands    # quantized models of real width, and the
 #                                               # checkpoint-folder CLI on the GPU
@@ -27,7 +28,7 @@
 # Logs and results go to the folder $OUT names, else ./gpu-results. Each part's tests stop after
 # GPU_PART_SECONDS (default 540, inside a 10-minute device call) and then list the tests that never ran.
 set -uo pipefail
-part=${1:?usage: gpu_check.sh kernels|rope|core|models|quantized|quantized-models|model-commands|model-comparisons|suite|generate|sweep|projections|bench|tune [benchmark arguments]}
+part=${1:?usage: gpu_check.sh kernels|rope|core|models|quantized|quantized-geglu|quantized-models|model-commands|model-comparisons|suite|generate|sweep|projections|bench|tune [benchmark arguments]}
 shift
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -59,7 +60,7 @@ gpu_tests() {
 }
 # the parts' benchmarks, unless GPU_TESTS_ONLY is set (the suite part sets it: its parts share the GPU)
 benchmarks() { [ -z "${GPU_TESTS_ONLY:-}" ]; }
-TEST_PARTS="kernels rope core models quantized quantized-models model-commands model-comparisons"
+TEST_PARTS="kernels rope core models quantized quantized-geglu quantized-models model-commands model-comparisons"
 case "$part" in
   kernels)
     gpu_tests tests/gpu/test_kernels_gpu.py -k "not rope" | tee "$out/pytest_kernels.txt" | tail -15
@@ -76,8 +77,12 @@ case "$part" in
   models)
     gpu_tests tests/gpu/test_models_gpu.py | tee "$out/pytest_models.txt" | tail -15
     benchmarks && python3 benchmarks/models.py --sizes tiny,medium --length 128 --rounds 9 2>&1 | tee "$out/models.txt" ;;
-  quantized)
-    gpu_tests tests/gpu/test_quantized_gpu.py -k "not patched" | tee "$out/pytest_quantized.txt" | tail -15 ;;
+  quantized)  # GeGLU's variants are a part of their own: together they would not finish in one call
+    gpu_tests tests/gpu/test_quantized_gpu.py -k "not patched and not geglu" | tee "$out/pytest_quantized.txt" \
+      | tail -15 ;;
+  quantized-geglu)
+    gpu_tests tests/gpu/test_quantized_gpu.py -k "not patched and geglu" | tee "$out/pytest_quantized_geglu.txt" \
+      | tail -15 ;;
   quantized-models)
     gpu_tests tests/gpu/test_quantized_gpu.py -k "decodes_as_stock" | tee "$out/pytest_quantized_models.txt" | tail -15 ;;
   model-commands)
@@ -122,5 +127,5 @@ case "$part" in
     python3 benchmarks/gpu_kernels.py --json "$out/gpu_kernels_full.json" "$@" 2>&1 | tee "$out/gpu_kernels_full.txt" ;;
   tune)
     python3 benchmarks/gpu_row_configs.py --dtypes bfloat16,float32 "$@" 2>&1 | tee "$out/row_configs.txt" ;;
-  *) echo "unknown part '$part': use kernels, rope, core, models, quantized, quantized-models, model-commands, model-comparisons, suite, generate, sweep, projections, bench or tune" >&2; exit 2 ;;
+  *) echo "unknown part '$part': use kernels, rope, core, models, quantized, quantized-geglu, quantized-models, model-commands, model-comparisons, suite, generate, sweep, projections, bench or tune" >&2; exit 2 ;;
 esac
