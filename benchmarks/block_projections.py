@@ -15,9 +15,8 @@ block makes before its attention and feed-forward:
 at 1, 2 and 8 token rows. GPU time per block is the sum of the kernels' durations (CUPTI, through
 ``torch.profiler``), divided by the blocks, and their span (first start to last end: a CUDA graph
 runs independent kernels side by side, which the sum counts twice); wall time is the chain's
-evaluation, host and GPU; GB/s counts the weights' bytes (scales and biases
-included), each read once, over the span. Ratios (span's, wall's) are stock / ours (> 1: ours is
-faster).
+evaluation, host and GPU; GB/s counts the weights' bytes (scales and biases included), each read
+once, over the span. Ratios (span's, wall's) are stock / ours (> 1: ours is faster).
 
     python benchmarks/block_projections.py [--models phi-3-mini,llama-3.2-1b] [--rows 1,8]
                                            [--weights bf16,4bit] [--layers 8] [--json out.json]
