@@ -33,7 +33,7 @@ EXPECTED_PER_LAYER = {
                 "block_sparse_moe": "gk_moe_route", "block_sparse_moe.switch_mlp.activation": SWIGLU},
 }
 #: Architectures whose decoder loop is fused: each residual add into the next RMSNorm.
-STACKS = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "phi3", "gemma2", "gemma3"}
+STACKS = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "phi3", "gemma", "gemma2", "gemma3"}
 
 
 def close(a, b, dtype=mx.float32):

@@ -1,7 +1,8 @@
 """Gemma and Gemma 2. Gemma's blocks are Llama's (``families.llama`` takes them) with a GeGLU
 feed-forward and norms of ``1 + weight``. Gemma 2's have four norms a block (after the attention
-and the feed-forward too), soft-capped attention scores, and an embedding scaled by the square
-root of the hidden size.
+and the feed-forward too) and soft-capped attention scores. Both scale the embedding by the square
+root of the hidden size, and their stacks are linked: each block's last residual add runs inside
+the next block's input norm.
 
 Its blocks decode as Llama's do, one compiled call a block: the residual add after the attention's
 post-norm runs inside the feed-forward's norm, and the one after the feed-forward's post-norm inside
@@ -31,8 +32,8 @@ from graphkern.models.rules import (
     stack_rule,
 )
 
-__all__ = ["ATTENTION", "BLOCK", "GEMMA2_BLOCK", "MODEL", "RULES", "KernelScaledDecoderStack",
-           "KernelSoftcapAttention"]
+__all__ = ["ATTENTION", "BLOCK", "GEMMA2_BLOCK", "GEMMA_MODEL", "MODEL", "RULES", "KernelGemma2DecoderStack",
+           "KernelScaledDecoderStack", "KernelSoftcapAttention"]
 
 _MX = {"mx": "mlx.core"}
 
@@ -77,16 +78,24 @@ ATTENTION = Forward(
     "    output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)\n"
     "    return self.o_proj(output)\n", _MX)
 
-MODEL = Forward(
-    "def __call__(self, inputs, cache=None):\n"
-    "    h = self.embed_tokens(inputs)\n"
-    "    h = h * (self.args.hidden_size**0.5)\n"
-    "    if cache is None:\n"
-    "        cache = [None] * len(self.layers)\n"
-    "    mask = create_attention_mask(h, cache[0], return_array=True)\n"
-    "    for layer, c in zip(self.layers, cache):\n"
-    "        h = layer(h, mask, c)\n"
-    "    return self.norm(h)\n", {"create_attention_mask": "mlx_lm.models.base:create_attention_mask"})
+def _scaled_model(mask_arguments: str) -> Forward:
+    """``GemmaModel.__call__``: the embedding scaled by the square root of the hidden size, one mask
+    made with ``mask_arguments``."""
+    return Forward(
+        "def __call__(self, inputs, cache=None):\n"
+        "    h = self.embed_tokens(inputs)\n"
+        "    h = h * (self.args.hidden_size**0.5)\n"
+        "    if cache is None:\n"
+        "        cache = [None] * len(self.layers)\n"
+        f"    mask = create_attention_mask({mask_arguments})\n"
+        "    for layer, c in zip(self.layers, cache):\n"
+        "        h = layer(h, mask, c)\n"
+        "    return self.norm(h)\n", {"create_attention_mask": "mlx_lm.models.base:create_attention_mask"})
+
+
+#: Gemma's model; Gemma 2's, whose mask is an array.
+GEMMA_MODEL = _scaled_model("h, cache[0]")
+MODEL = _scaled_model("h, cache[0], return_array=True")
 
 
 class KernelSoftcapAttention(KernelAttention):
@@ -116,12 +125,16 @@ class KernelSoftcapAttention(KernelAttention):
 
 
 class KernelScaledDecoderStack(KernelDecoderStack):
-    """Gemma 2's ``GemmaModel``: a :class:`KernelDecoderStack` whose embedding is scaled by
-    ``sqrt(hidden_size)`` (in the embedding's dtype, as stock) and whose masks are arrays."""
+    """Gemma's ``GemmaModel``: a :class:`KernelDecoderStack` whose embedding is scaled by
+    ``sqrt(hidden_size)`` (in the embedding's dtype, as stock)."""
 
     def _embed(self, inputs: mx.array, cache: Any, input_embeddings: mx.array | None) -> tuple[mx.array, Any]:
         h, cache = super()._embed(inputs, cache, input_embeddings)
         return h * (self.args.hidden_size**0.5), cache
+
+
+class KernelGemma2DecoderStack(KernelScaledDecoderStack):
+    """Gemma 2's ``GemmaModel``: Gemma's, its masks arrays."""
 
     def _masks(self, h: mx.array, cache: Any) -> Any:
         mask = self._gk_create_mask(h, cache[0], return_array=True)
@@ -130,7 +143,9 @@ class KernelScaledDecoderStack(KernelDecoderStack):
 
 RULES: list[Rule] = [
     stack_rule("decoder stack (Gemma 2): each residual add fused into the next RMSNorm",
-               KernelScaledDecoderStack, MODEL),
+               KernelGemma2DecoderStack, MODEL),
+    stack_rule("decoder stack (Gemma): each residual add fused into the next RMSNorm",
+               KernelScaledDecoderStack, GEMMA_MODEL),
     Rule("pre-norm block with post-norms (Gemma 2): residual adds fused into the next RMSNorm",
          "add_rms_norm", build_residual_block(GEMMA2_BLOCK), forwards=(BLOCK,),
          when=lambda m: rms_norm_offset(m.get("pre_feedforward_layernorm")) is not None),
