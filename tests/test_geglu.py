@@ -14,8 +14,7 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from model_comparisons import ATOL, RTOL  # noqa: E402
+from model_comparisons import ATOL, PROMPT, RTOL, eval_twins, greedy_logits  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 import graphkern.kernels as gkk  # noqa: E402
@@ -45,7 +44,6 @@ ENTRIES = ["norm_geglu", "norm_geglu_approx", "quantized_norm_geglu", "quantized
 #: The plain kernels against stock MLX: their GELU runs in float32 on the rounded products, where
 #: stock's rounds every step of its formula to the dtype (tests/test_kernels.py's tolerance).
 STOCK_TOL = {mx.float32: (2e-5, 2e-5), mx.float16: (4e-3, 2e-3), mx.bfloat16: (3e-2, 2e-2)}
-PROMPT = mx.array([[3, 17, 42, 5, 99, 1, 7, 64]])
 #: Each Gemma's GELU: exact for Gemma, the tanh form for Gemma 2 and 3.
 APPROX = {"gemma": False, "gemma2": True, "gemma3": True}
 
@@ -150,21 +148,8 @@ def test_bad_arguments_are_refused_naming_the_kernel(call: Any, op: str, says: s
 # ----------------------------------------------------------------------------- patched Gemmas
 
 
-def _twins(arch: str, dtype: mx.Dtype = mx.float32, **options: Any) -> tuple[nn.Module, nn.Module]:
-    stock, patched = tiny_model(arch, dtype), tiny_model(arch, dtype)
-    stock.eval()
-    patched.eval()
-    gk.patch(patched, **options)
-    return stock, patched
-
-
 def _decode(model: nn.Module, steps: int = 6) -> list[mx.array]:
-    cache = make_prompt_cache(model)
-    logits = [model(PROMPT, cache=cache)]
-    for _ in range(steps):
-        logits.append(model(mx.argmax(logits[-1][:, -1:], axis=-1), cache=cache))
-    mx.eval(logits)
-    return logits
+    return greedy_logits(model, steps)
 
 
 def _spy_geglu(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool, bool]]:
@@ -201,7 +186,7 @@ def test_a_patched_gemma_decodes_through_norm_geglu_as_stock(arch: str, dtype: m
     """Every block's feed-forward (its GELU the model's own) runs as one ``norm_geglu`` launch inside
     the block's compiled segments, which read only the subtrees they declare; logits agree with
     stock's (float32: within rounding; bfloat16: the model tolerance) and so do greedy tokens."""
-    stock, patched = _twins(arch, dtype)
+    stock, patched = eval_twins(arch, dtype)
     calls = _spy_geglu(monkeypatch)
     assert _close(_decode(patched), _decode(stock), dtype)
     assert calls and set(calls) == {("norm_geglu", APPROX[arch], True)}
@@ -212,7 +197,7 @@ def test_a_patched_gemma_decodes_through_norm_geglu_as_stock(arch: str, dtype: m
 
 
 def test_a_block_with_post_norms_declares_what_its_leave_reads() -> None:
-    _, patched = _twins("gemma2")
+    _, patched = eval_twins("gemma2")
     block = patched.model.layers[0]
     assert block.segment_reads("leave") == (
         ("self_attn", "o_proj"), ("pre_feedforward_layernorm",), ("post_attention_layernorm",),
@@ -227,8 +212,8 @@ def test_one_launch_a_block_replaces_the_norm_the_products_and_the_gelu(arch: st
     """Per block and decoded token, ``norm_geglu`` stands for the feed-forward's ``add_rms_norm``,
     gate and up products, GELU and multiply: four launches fewer than the block with the GeGLU
     kernels left out of ``patch``."""
-    _, fused = _twins(arch)
-    _, apart = _twins(arch, kernels=[k for k in kernel_names() if k != "norm_geglu"])
+    _, fused = eval_twins(arch)
+    _, apart = eval_twins(arch, kernels=[k for k in kernel_names() if k != "norm_geglu"])
     ours, theirs = decode_launches(fused), decode_launches(apart)
     layers = len(fused.model.layers)
     assert ours.kinds["gk_norm_geglu"] == layers and "gk_gelu" not in ours.kinds, str(ours)
@@ -241,14 +226,14 @@ def test_a_float16_gemma3_keeps_its_stock_blocks_and_products(monkeypatch: pytes
     """clip_residual's float16 adds are not the kernels': a float16 Gemma 3 keeps stock blocks, and
     one patched in float32 and cast to float16 runs its fused blocks' stock calls, never norm_geglu."""
     calls = _spy_geglu(monkeypatch)
-    stock, patched = _twins("gemma3", mx.float16)
+    stock, patched = eval_twins("gemma3", mx.float16)
     assert _close(_decode(patched, 3), _decode(stock, 3), mx.float16)
-    stock, patched = _twins("gemma3")
+    stock, patched = eval_twins("gemma3")
     for model in (stock, patched):
         model.set_dtype(mx.float16)
     assert _close(_decode(patched, 3), _decode(stock, 3), mx.float16)
     assert calls == []
-    _decode(_twins("gemma3")[1], 1)  # in float32 the same blocks fuse
+    _decode(eval_twins("gemma3")[1], 1)  # in float32 the same blocks fuse
     assert calls
 
 

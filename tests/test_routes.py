@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from model_comparisons import spy_on_kernels  # noqa: E402
+from model_comparisons import PROMPT, eval_twins, greedy_logits, spy_on_kernels  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 import graphkern.models.routes as routes  # noqa: E402
@@ -22,7 +22,6 @@ from graphkern.models.tiny import TINY_CONFIGS, tiny_model  # noqa: E402
 
 STANDALONE = ("rms_norm", "add_rms_norm", "rope", "swiglu", "gelu", "layer_norm", "softmax")
 FUSED = ("norm_projections", "norm_swiglu", "norm_geglu", "rope_qk")
-PROMPT = mx.array([[3, 17, 42, 5, 99, 1, 7, 64]])
 
 
 @pytest.fixture
@@ -31,21 +30,8 @@ def gpu_decision(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(routes, "on_gpu_backend", lambda: True)
 
 
-def _twins(arch: str, **options: Any) -> tuple[nn.Module, nn.Module]:
-    stock, patched = tiny_model(arch), tiny_model(arch)
-    stock.eval()
-    patched.eval()
-    gk.patch(patched, **options)
-    return stock, patched
-
-
 def _decode(model: nn.Module, steps: int = 3) -> list[mx.array]:
-    cache = make_prompt_cache(model)
-    logits = [model(PROMPT, cache=cache)]
-    for _ in range(steps):
-        logits.append(model(mx.argmax(logits[-1][:, -1:], axis=-1), cache=cache))
-    mx.eval(logits)
-    return logits
+    return greedy_logits(model, steps)
 
 
 def _same(a: list[mx.array], b: list[mx.array], atol: float = 0.0) -> bool:
@@ -86,7 +72,7 @@ def test_kernels_run_only_where_a_segment_fuses_them(arch: str, gpu_decision: No
     """Blocks decode through compiled segments, where their norms still run as kernels (traced
     once), and activations as stock ops ``mx.compile`` fuses; outside them (a stack's final norm)
     a standalone layer is stock's ops."""
-    stock, patched = _twins(arch)
+    stock, patched = eval_twins(arch)
     calls = _spy_in_segments(monkeypatch, STANDALONE + FUSED)
     assert _same(_decode(patched), _decode(stock), atol=1e-5)
     assert calls and all(inside for _, inside in calls)
@@ -96,7 +82,7 @@ def test_kernels_run_only_where_a_segment_fuses_them(arch: str, gpu_decision: No
 
 
 def test_a_trace_records_a_kernel_node_for_every_patched_layer(gpu_decision: None) -> None:
-    _, patched = _twins("gemma2")
+    _, patched = eval_twins("gemma2")
     graph = gk.trace(lambda tokens: patched(tokens), PROMPT)
     kernels = {graph.node(k)["kernel"] for k in graph.kernels()}
     # the GeGLU feed-forward's gate, up and GELU inside its block's norm_geglu launch
@@ -106,7 +92,7 @@ def test_a_trace_records_a_kernel_node_for_every_patched_layer(gpu_decision: Non
 @pytest.mark.parametrize("route, kernels_run", [("kernel", True), ("stock", False)])
 def test_a_route_forces_one_way(route: str, kernels_run: bool, gpu_decision: None,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    stock, patched = _twins("gemma2", route=route)
+    stock, patched = eval_twins("gemma2", route=route)
     calls = spy_on_kernels(monkeypatch, STANDALONE)
     # fused blocks run their kernels on either route: on a GPU they round apart from stock's ops
     assert _same(_decode(patched, 1), _decode(stock, 1), atol=1e-5)
@@ -115,7 +101,7 @@ def test_a_route_forces_one_way(route: str, kernels_run: bool, gpu_decision: Non
 
 def test_set_route_changes_every_patched_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU (reference backend) auto runs the kernels; "stock" then turns them off."""
-    _, patched = _twins("gemma2")
+    _, patched = eval_twins("gemma2")
     calls = spy_on_kernels(monkeypatch, STANDALONE)
     _decode(patched, 1)
     assert calls
@@ -144,7 +130,7 @@ def _decode_rows(model: nn.Module, rows: int) -> list[mx.array]:
 
 
 def _quantized_twins(arch: str, **options: Any) -> tuple[nn.Module, nn.Module]:
-    """:func:`_twins` with 4-bit weights in groups of 32, quantized before patching."""
+    """:func:`eval_twins` with 4-bit weights in groups of 32, quantized before patching."""
     stock, patched = tiny_model(arch), tiny_model(arch)
     for model in (stock, patched):
         nn.quantize(model, group_size=32, bits=4)
@@ -166,7 +152,7 @@ def test_batch_decoding_takes_the_stock_products_past_the_fused_rows(
     """On a GPU a fused block's norm-fed projection kernels take up to FUSED_MAX_ROWS rows of their
     kind of weights; past them the block runs its norm kernel and stock's products, inside its
     compiled segments."""
-    stock, patched = (_quantized_twins if quantized else _twins)(arch, route=route)
+    stock, patched = (_quantized_twins if quantized else eval_twins)(arch, route=route)
     prefix = "quantized_" if quantized else ""
     gated = prefix + ("norm_geglu" if arch.startswith("gemma") else "norm_swiglu")
     calls = _spy_in_segments(monkeypatch, (gated, "add_rms_norm"))
@@ -179,7 +165,7 @@ def test_batch_decoding_takes_the_stock_products_past_the_fused_rows(
 def test_the_cpu_takes_the_fused_kernels_at_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """Off a GPU the kernels run their references, and every row count takes them (what the
     reference backend is for: checking the kernels' paths)."""
-    stock, patched = _twins("llama")
+    stock, patched = eval_twins("llama")
     calls = _spy_in_segments(monkeypatch, ("norm_projections", "norm_swiglu"))
     assert _same(_decode_rows(patched, 8), _decode_rows(stock, 8), atol=1e-5)
     assert {name for name, _ in calls} == {"norm_projections", "norm_swiglu"}

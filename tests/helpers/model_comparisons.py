@@ -97,3 +97,32 @@ def batch_generate(model: Any, prompts: list[list[int]], max_tokens: int) -> dic
         return tokens
     finally:
         generator.close()
+
+
+#: The prompt the decoding comparisons start from.
+PROMPT = mx.array([[3, 17, 42, 5, 99, 1, 7, 64]])
+
+
+def eval_twins(arch: str, dtype: mx.Dtype = mx.float32, **options: Any) -> tuple[Any, Any]:
+    """A stock tiny ``arch`` model and a patched one (``gk.patch(**options)``) of the same weights,
+    both in evaluation mode, as ``mlx_lm.load`` leaves a model."""
+    import graphkern as gk
+    from graphkern.models.tiny import tiny_model
+
+    stock, patched = tiny_model(arch, dtype), tiny_model(arch, dtype)
+    stock.eval()
+    patched.eval()
+    gk.patch(patched, **options)
+    return stock, patched
+
+
+def greedy_logits(model: Any, steps: int = 3, prompt: mx.array = PROMPT) -> list[mx.array]:
+    """The logits of ``prompt`` and of ``steps`` greedy decoding steps after it, on a fresh cache."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = [model(prompt, cache=cache)]
+    for _ in range(steps):
+        logits.append(model(mx.argmax(logits[-1][:, -1:], axis=-1), cache=cache))
+    mx.eval(logits)
+    return logits
