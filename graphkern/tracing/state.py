@@ -132,32 +132,19 @@ class Flat:
         """Structure, static values, shapes and dtypes: what forces a new trace when it changes."""
         return (_spec_key(self.spec), tuple((a.shape, a.dtype) for a in self.arrays))
 
-    def foreign_arrays(self, arg_names: list[str]) -> list[tuple[str, str]]:
-        """``(argument path, type)`` of each array of another library (a numpy array, a torch
-        tensor...) among the arguments: not an MLX array, so it would be baked into a trace as
-        a constant, or fail inside it.
+    def untraceable(self, arg_names: list[str]) -> list[tuple[str, str, list[str]]]:
+        """``(argument path, type, attributes)`` of each argument a trace cannot take: another
+        library's array (a numpy array, a torch tensor...: no attributes listed), which would be
+        baked into a trace as a constant or fail inside it, and an object holding MLX arrays in
+        its attributes (an mlx-lm KV cache: the attributes that hold them), whose arrays MLX's
+        capture cannot see.
 
         >>> import numpy as np
-        >>> Flat.of((mx.ones(2), [np.ones(2)]), {}, ["x", "y"]).foreign_arrays(["x", "y"])
-        [('y[0]', 'numpy.ndarray')]
-        """
-        return [(path, kind) for path, kind, attrs in self._opaque_leaves(arg_names) if not attrs]
-
-    def array_holders(self, arg_names: list[str]) -> list[tuple[str, str, list[str]]]:
-        """``(argument path, type, attributes)`` of each object among the arguments that holds MLX
-        arrays in its attributes (an mlx-lm KV cache, say): a trace takes arrays, lists, tuples and
-        dicts of them as inputs, and cannot see arrays inside other objects.
-
         >>> class Box:
         ...     def __init__(self): self.keys = mx.zeros(1)
-        >>> Flat.of((mx.ones(2), [Box()]), {}, ["x", "cache"]).array_holders(["x", "cache"])
-        [('cache[0]', 'Box', ['keys'])]
+        >>> Flat.of((mx.ones(2), [np.ones(2), Box()]), {}, ["x", "y"]).untraceable(["x", "y"])
+        [('y[0]', 'numpy.ndarray', []), ('y[1]', 'Box', ['keys'])]
         """
-        return [(path, kind, attrs) for path, kind, attrs in self._opaque_leaves(arg_names) if attrs]
-
-    def _opaque_leaves(self, arg_names: list[str]) -> list[tuple[str, str, list[str]]]:
-        """The arguments' leaves a trace cannot take: another library's arrays (no attributes
-        listed) and objects holding MLX arrays (the attributes that hold them)."""
         found: list[tuple[str, str, list[str]]] = []
 
         def walk(tree: Any, path: str) -> None:

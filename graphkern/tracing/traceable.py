@@ -72,14 +72,10 @@ class Traceable:
         """Arguments a trace cannot take are refused before tracing, by name: a numpy array (or
         another library's), which would fail on some op far from the argument that caused it, and
         an object holding MLX arrays (an mlx-lm KV cache), whose arrays MLX's capture cannot see."""
-        found = flat.foreign_arrays(self.arg_names)
-        if found:
-            path, kind = found[0]
-            raise KernelError(_TRACE, f"argument {path!r} of {self.name} is a {kind}, not an MLX "
-                              f"array: pass mx.array({path}) instead", Status.INVALID_INPUT)
-        holders = flat.array_holders(self.arg_names)
-        if holders:
-            path, kind, attrs = holders[0]
+        for path, kind, attrs in flat.untraceable(self.arg_names)[:1]:
+            if not attrs:
+                raise KernelError(_TRACE, f"argument {path!r} of {self.name} is a {kind}, not an MLX "
+                                  f"array: pass mx.array({path}) instead", Status.INVALID_INPUT)
             raise KernelError(_TRACE, f"argument {path!r} of {self.name} is a {kind} holding MLX arrays "
                               f"({', '.join(attrs)}), which a trace cannot take as inputs: pass arrays, or "
                               "lists, tuples and dicts of them. A model's step with an mlx-lm cache: "
