@@ -27,6 +27,29 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 7, warmup: int = 1, num
     return statistics.median(samples)
 
 
+def cupti_seconds(build: Callable[[], Any], repeats: int = 3) -> tuple[float, float]:
+    """Medians over ``repeats`` of the GPU time of evaluating ``build()``'s arrays, as CUPTI (through
+    ``torch.profiler``, which sees every kernel of the process, MLX's included) records it: the
+    kernels' summed durations, and their span from the first start to the last end (a CUDA graph
+    runs independent kernels side by side, which the sum counts twice). NaN without torch."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return float("nan"), float("nan")
+    busy, span = [], []
+    for _ in range(repeats):
+        out = build()
+        mx.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            mx.eval(out)
+            mx.synchronize()
+        kernels = [(e.start_ns(), e.duration_ns()) for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+                   if str(e.device_type()).endswith("CUDA")]
+        busy.append(sum(d for _, d in kernels) / 1e9)
+        span.append((max(s + d for s, d in kernels) - min(s for s, _ in kernels)) / 1e9 if kernels else 0.0)
+    return statistics.median(busy), statistics.median(span)
+
+
 def interleaved_samples(fns: dict[str, Callable[[], Any]], rounds: int = 7, number: int = 1,
                         warmup: int = 1, shuffle: bool = False,
                         clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:

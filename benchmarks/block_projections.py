@@ -30,14 +30,19 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
-import graphkern.kernels as gkk
-from graphkern.kernels.ops.projections import projections_fit
-from graphkern.kernels.ops.quantized_projections import quantized_projections_fit, random_quantized
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import cupti_seconds  # noqa: E402
+
+import graphkern.kernels as gkk  # noqa: E402
+from graphkern.kernels.ops.projections import projections_fit  # noqa: E402
+from graphkern.kernels.ops.quantized_projections import quantized_projections_fit, random_quantized  # noqa: E402
 
 #: hidden size, the attention's projections' output sizes (one fused weight for Phi-3), the
 #: feed-forward's intermediate size: published checkpoints' dimensions.
@@ -77,13 +82,9 @@ def _layer(hidden: int, outs: Sequence[int], inner: int, weights: str, key: mx.a
 
 
 def _nbytes(layer: Layer) -> int:
-    return sum(a.nbytes for a in _leaves([layer["projections"], layer["gate"], layer["up"]]))
-
-
-def _leaves(tree: Any) -> list[mx.array]:
-    if isinstance(tree, mx.array):
-        return [tree]
-    return [leaf for item in tree for leaf in _leaves(item)]
+    weights = [layer["projections"], layer["gate"], layer["up"]]
+    arrays = cast(list[tuple[str, mx.array]], tree_flatten(weights))
+    return sum(a.nbytes for _, a in arrays)
 
 
 def _product(n: mx.array, w: Any, bits: int) -> mx.array:
@@ -137,28 +138,6 @@ def _stack(block: Callable[..., tuple[mx.array, ...]], x: mx.array, r: mx.array,
     return [x, *outputs]
 
 
-def _gpu_seconds(fn: Callable[[], list[mx.array]]) -> tuple[float, float]:
-    """Medians of the summed kernel durations (CUPTI) of evaluating ``fn()`` and of their span, first
-    start to last end (kernels a CUDA graph runs side by side count once in the span); NaN without
-    torch."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-    except ImportError:
-        return float("nan"), float("nan")
-    busy, span = [], []
-    for _ in range(REPEATS):
-        out = fn()
-        mx.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            mx.eval(out)
-            mx.synchronize()
-        kernels = [(e.start_ns(), e.duration_ns()) for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
-                   if str(e.device_type()).endswith("CUDA")]
-        busy.append(sum(d for _, d in kernels) / 1e9)
-        span.append((max(s + d for s, d in kernels) - min(s for s, _ in kernels)) / 1e9 if kernels else 0.0)
-    return statistics.median(busy), statistics.median(span)
-
-
 def _wall_seconds(fn: Callable[[], list[mx.array]]) -> float:
     samples = []
     for _ in range(REPEATS):
@@ -193,7 +172,7 @@ def measure(model: str, weights: str, rows: int, n_layers: int) -> dict[str, Any
         def fn(block: Callable[..., tuple[mx.array, ...]] = block) -> list[mx.array]:
             return _stack(block, x, r, layers)
         mx.eval(fn())  # warm-up: compiles, and NVRTC for ours
-        busy, span = _gpu_seconds(fn)
+        busy, span = cupti_seconds(fn, REPEATS)
         result[f"{name}_gpu_us"], result[f"{name}_span_us"] = busy / n_layers * 1e6, span / n_layers * 1e6
         result[f"{name}_wall_us"] = _wall_seconds(fn) / n_layers * 1e6
     result["gpu_ratio"] = result["stock_span_us"] / result["ours_span_us"]

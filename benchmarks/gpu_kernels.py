@@ -26,13 +26,17 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-import graphkern.kernels as gkk
-from graphkern.kernels.ops.projections import projections_fit
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import cupti_seconds  # noqa: E402
+
+import graphkern.kernels as gkk  # noqa: E402
+from graphkern.kernels.ops.projections import projections_fit  # noqa: E402
 
 Wanted = Callable[[str], bool]  # is this kernel to be measured?
 
@@ -65,21 +69,7 @@ def _time_chain(step: Callable[[Any], Any], init: Any) -> float:
 def _gpu_time(step: Callable[[Any], Any], init: Any) -> float:
     """Median GPU seconds per call of ``step``: the summed durations of the kernels CUPTI saw
     while a chain of CHAIN calls ran (NaN when torch's profiler is unavailable)."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-    except ImportError:
-        return float("nan")
-    samples = []
-    for _ in range(3):
-        state = _chain(step, init)
-        mx.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            mx.eval(state)
-            mx.synchronize()
-        ns = sum(e.duration_ns() for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
-                 if str(e.device_type()).endswith("CUDA"))
-        samples.append(ns / 1e9 / CHAIN)
-    return statistics.median(samples)
+    return cupti_seconds(lambda: _chain(step, init))[0] / CHAIN
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> dict[str, float]:
