@@ -29,11 +29,35 @@ from graphkern.kernels.base import (
 )
 from graphkern.nodes import KernelError, OutputSpec, Status, TemplateArg, dtype_name
 
-__all__ = ["MAX_ROWS", "METAL_NORM_ROWS", "NormRows", "norm_rows", "norm_rows_template", "random_rows",
-           "row_output_specs", "stock_normed"]
+__all__ = ["CUDA_PREFETCH", "MAX_ROWS", "METAL_NORM_ROWS", "NormRows", "norm_rows", "norm_rows_template",
+           "random_rows", "row_output_specs", "stock_normed"]
 
 #: Most token rows a launch takes (each warp keeps one float sum per row in registers).
 MAX_ROWS = 8
+
+#: CUDA: a warp asks L2 for its weight row before its block normalizes the token rows, so the row
+#: streams in from memory while that prologue (loads, a reduction, two barriers) runs instead of
+#: after it; the products then read it from L2. A hint: no registers, no effect on results.
+CUDA_PREFETCH = r"""
+namespace gk {
+
+// The first PREFETCH_BYTES of [p, p + bytes) requested into L2, a 128-byte line a lane. What the
+// memory delivers while a block normalizes is a few KB a warp; asking for whole rows of a large
+// projection would ask for more than L2 holds, and lines evicted before their read are read twice.
+constexpr long long PREFETCH_BYTES = 2048;
+
+__device__ __forceinline__ void prefetch_l2(const void* p, long long bytes) {
+#ifdef __CUDA_ARCH__
+  const char* c = static_cast<const char*>(p);
+  const long long n = bytes < PREFETCH_BYTES ? bytes : PREFETCH_BYTES;
+  for (long long i = (threadIdx.x & 31) * 128LL; i < n; i += 32 * 128) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + i));
+  }
+#endif
+}
+
+}  // namespace gk
+"""
 
 #: Metal: the M rows of x (+ r, rounded to T, block 0 writing the sum to h) RMS-normalized into
 #: the threadgroup rows xs, rounded as rms_norm rounds.

@@ -24,6 +24,7 @@ from graphkern.kernels.base import THREADGROUP_MEMORY, Case, Plan, template_arg,
 from graphkern.kernels.declaration import declare
 from graphkern.kernels.headers import dual_header
 from graphkern.kernels.norm_rows import (
+    CUDA_PREFETCH,
     MAX_ROWS,
     METAL_NORM_ROWS,
     norm_rows,
@@ -217,21 +218,30 @@ _CUDA_START = r"""
   const int row = blockIdx.x * (NT / 32) + threadIdx.x / 32;"""
 
 
-def _cuda_body(aligned: str, work: str) -> str:
-    """A body that runs ``work`` (which names ``VA``, the vector width it may use) V-wide when the
-    ``aligned`` pointers are, else one element at a time."""
+def _cuda_body(aligned: str, prefetch: str, work: str) -> str:
+    """A body that asks L2 for this warp's weight rows (``prefetch``), then runs ``work`` (which
+    names ``VA``, the vector width it may use) V-wide when the ``aligned`` pointers are, else one
+    element at a time."""
     run = r"""
     gk::norm_rows<T, M, K, VA, NT, RESID, HAS_W>(x, residual, w, h, xs, eps, red);""" + work
-    return (_CUDA_START + f"\n  if ({aligned}) {{\n    constexpr int VA = V;" + run + "\n  } else {\n"
-            "    constexpr int VA = 1;" + run + "\n  }\n")
+    return (_CUDA_START + prefetch + f"\n  if ({aligned}) {{\n    constexpr int VA = V;" + run
+            + "\n  } else {\n    constexpr int VA = 1;" + run + "\n  }\n")
 
 
 _CUDA_PROJECTIONS = _cuda_body(
     "gk::aligned<V>(x) && gk::aligned<V>(residual) && gk::aligned<V>(w) && gk::aligned<V>(h) && "
     "gk::aligned<V>(w0) && gk::aligned<V>(w1) && gk::aligned<V>(w2)", r"""
-    const int n0 = w0_shape[0];
-    const int n1 = NW > 1 ? w1_shape[0] : 0;
-    const int n2 = NW > 2 ? w2_shape[0] : 0;
+  const int n0 = w0_shape[0];
+  const int n1 = NW > 1 ? w1_shape[0] : 0;
+  const int n2 = NW > 2 ? w2_shape[0] : 0;
+  constexpr long long ROW_BYTES = K * sizeof(T);
+  if (row < n0) {
+    gk::prefetch_l2(w0 + static_cast<long long>(row) * K, ROW_BYTES);
+  } else if (row < n0 + n1) {
+    gk::prefetch_l2(w1 + static_cast<long long>(row - n0) * K, ROW_BYTES);
+  } else if (row < n0 + n1 + n2) {
+    gk::prefetch_l2(w2 + static_cast<long long>(row - n0 - n1) * K, ROW_BYTES);
+  }""", r"""
     if (row < n0) {
       gk::project_row<T, M, K, VA>(w0, y0, row, n0, xs);
     } else if (row < n0 + n1) {
@@ -244,7 +254,11 @@ _CUDA_PROJECTIONS = _cuda_body(
 _CUDA_GATED = _cuda_body(
     "gk::aligned<V>(x) && gk::aligned<V>(residual) && gk::aligned<V>(w) && gk::aligned<V>(h) && "
     "gk::aligned<V>(gate) && gk::aligned<V>(up)", r"""
-    const int n = gate_shape[0];
+  const int n = gate_shape[0];
+  if (row < n) {
+    gk::prefetch_l2(gate + static_cast<long long>(row) * K, K * sizeof(T));
+    gk::prefetch_l2(up + static_cast<long long>(row) * K, K * sizeof(T));
+  }""", r"""
     if (row < n) {
       float g[M];
       float u[M];
@@ -378,7 +392,7 @@ NORM_PROJECTIONS = Kernel(
     output_names=["h", "y0", "y1", "y2"],
     metal=_METAL_PROJECTIONS,
     cuda=_CUDA_PROJECTIONS,
-    header=dual_header(RMS_SCALE_CUDA + _CUDA, _METAL, body=_CUDA_PROJECTIONS),
+    header=dual_header(RMS_SCALE_CUDA + CUDA_PREFETCH + _CUDA, _METAL, body=_CUDA_PROJECTIONS),
     reference=norm_projections_reference,
 )
 
@@ -392,8 +406,8 @@ def _gated_kernel(name: str) -> Kernel:
         output_names=["h", "out"],
         metal=_METAL_GATED,
         cuda=_CUDA_GATED,
-        header=dual_header(RMS_SCALE_CUDA + _CUDA + ACTIVATION_CUDA, _METAL + ACTIVATION_METAL,
-                           body=_CUDA_GATED),
+        header=dual_header(RMS_SCALE_CUDA + CUDA_PREFETCH + _CUDA + ACTIVATION_CUDA,
+                           _METAL + ACTIVATION_METAL, body=_CUDA_GATED),
         reference=norm_gated_reference,
     )
 

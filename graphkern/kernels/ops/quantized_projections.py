@@ -43,6 +43,7 @@ from graphkern.kernels.base import (
 from graphkern.kernels.declaration import declare
 from graphkern.kernels.headers import dual_header
 from graphkern.kernels.norm_rows import (
+    CUDA_PREFETCH,
     MAX_ROWS,
     METAL_NORM_ROWS,
     norm_rows,
@@ -67,7 +68,7 @@ __all__ = ["GATED_TOLERANCES", "QUANTIZED_BITS", "QUANTIZED_CUDA", "QUANTIZED_GR
            "QUANTIZED_NORM_SWIGLU", "QuantizedWeight", "Rotation",
            "plan_quantized_norm_geglu", "plan_quantized_norm_projections", "plan_quantized_norm_swiglu",
            "plan_quantized_rows", "quantized_case", "quantized_cuda_rows", "quantized_norm_geglu",
-           "quantized_norm_projections", "quantized_norm_swiglu", "quantized_product",
+           "quantized_norm_projections", "quantized_norm_swiglu", "quantized_prefetch", "quantized_product",
            "quantized_projections_fit", "random_quantized"]
 
 #: The affine quantizations the kernels read.
@@ -95,7 +96,7 @@ class QuantizedWeight(NamedTuple):
     biases: mx.array
 
 
-QUANTIZED_CUDA = r"""
+QUANTIZED_CUDA = CUDA_PREFETCH + r"""
 namespace gk {
 
 __device__ __forceinline__ float lane_sum(float v) {
@@ -319,25 +320,45 @@ _CUDA_START = r"""
   float* xs = gk_quantized_rows;
   float* xsum = gk_quantized_rows + M * K;
   const float eps = __int_as_float(EPS);
-  const int row = blockIdx.x * (NT / 32) + threadIdx.x / 32;
+  const int row = blockIdx.x * (NT / 32) + threadIdx.x / 32;"""
+
+_CUDA_NORM = r"""
   if (gk::aligned<V>(x) && gk::aligned<V>(residual) && gk::aligned<V>(w) && gk::aligned<V>(h)) {
     gk::norm_rows_float<T, M, K, V, NT, GS, RESID, HAS_W>(x, residual, w, h, xs, xsum, eps, red);
   } else {
     gk::norm_rows_float<T, M, K, 1, NT, GS, RESID, HAS_W>(x, residual, w, h, xs, xsum, eps, red);
   }"""
 
+#: A quantized weight row's bytes: its packed words, then its scales' and biases' (the same).
+QUANTIZED_ROW_BYTES = r"""
+  constexpr long long WORD_BYTES = K * BITS / 8;
+  constexpr long long GROUP_BYTES = (K / GS) * sizeof(T);"""
 
-def quantized_cuda_rows(aligned: str, work: str) -> str:
-    """The body after the opening: ``work`` (naming ``WV``, the words a lane loads at a time) with
-    16-byte loads when the ``aligned`` weights allow, else one word at a time."""
-    return (_CUDA_START + f"\n  if ({aligned}) {{\n    constexpr int WV = 4;" + work
+
+def quantized_cuda_rows(aligned: str, prefetch: str, work: str) -> str:
+    """The body: this warp's weight rows asked of L2 (``prefetch``, before the token rows are
+    normalized), then ``work`` (naming ``WV``, the words a lane loads at a time) with 16-byte loads
+    when the ``aligned`` weights allow, else one word at a time."""
+    return (_CUDA_START + QUANTIZED_ROW_BYTES + prefetch + _CUDA_NORM
+            + f"\n  if ({aligned}) {{\n    constexpr int WV = 4;" + work
             + "\n  } else {\n    constexpr int WV = 1;" + work + "\n  }\n")
 
 
+def quantized_prefetch(weight: str, scales: str, biases: str, row: str) -> str:
+    """CUDA statements asking L2 for row ``row`` of one quantized weight (its words, scales, biases)."""
+    return (f"\n    gk::prefetch_l2({weight} + static_cast<long long>({row}) * (WORD_BYTES / 4), WORD_BYTES);"
+            f"\n    gk::prefetch_l2({scales} + static_cast<long long>({row}) * (K / GS), GROUP_BYTES);"
+            f"\n    gk::prefetch_l2({biases} + static_cast<long long>({row}) * (K / GS), GROUP_BYTES);")
+
+
 _CUDA_PROJECTIONS = quantized_cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1) && gk::aligned<4>(w2)", r"""
-    const int n0 = w0_shape[0];
-    const int n1 = NW > 1 ? w1_shape[0] : 0;
-    const int n2 = NW > 2 ? w2_shape[0] : 0;
+  const int n0 = w0_shape[0];
+  const int n1 = NW > 1 ? w1_shape[0] : 0;
+  const int n2 = NW > 2 ? w2_shape[0] : 0;
+  if (row < n0) {""" + quantized_prefetch("w0", "scales0", "biases0", "row") + r"""
+  } else if (row < n0 + n1) {""" + quantized_prefetch("w1", "scales1", "biases1", "row - n0") + r"""
+  } else if (row < n0 + n1 + n2) {""" + quantized_prefetch("w2", "scales2", "biases2", "row - n0 - n1") + r"""
+  }""", r"""
     if (row < n0) {
       gk::quantized_project_row<T, M, K, BITS, GS, WV>(w0, scales0, biases0, y0, row, n0, xs, xsum);
     } else if (row < n0 + n1) {
@@ -349,9 +370,12 @@ _CUDA_PROJECTIONS = quantized_cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1
 
 # The gated body, of SwiGLU and GeGLU alike: ACT picks the activation of the rounded gate product.
 _CUDA_GATED = quantized_cuda_rows("gk::aligned<4>(gate) && gk::aligned<4>(up)", r"""
+  const int n = gate_shape[0];
+  if (row < n) {""" + quantized_prefetch("gate", "gate_scales", "gate_biases", "row")
+    + quantized_prefetch("up", "up_scales", "up_biases", "row") + r"""
+  }""", r"""
     constexpr int WORDS = K * BITS / 32;
     constexpr int G = K / GS;
-    const int n = gate_shape[0];
     if (row < n) {
       float g[M];
       float u[M];

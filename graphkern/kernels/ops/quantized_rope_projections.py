@@ -36,6 +36,7 @@ from graphkern.kernels.ops.quantized_projections import (
     quantized_case,
     quantized_cuda_rows,
     quantized_norm_projections_reference,
+    quantized_prefetch,
     quantized_product,
 )
 from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA
@@ -96,6 +97,17 @@ QUALIFIER RotatedUnit rotated_unit(int row, int hq, int hk) {
 # Every warp runs the same two products: NVRTC given a branch with a third copy of them spills
 # registers from 4 rows on.
 _CUDA_ROTATED = quantized_cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1) && gk::aligned<4>(w2)", r"""
+  const int heads = w0_shape[0] / D;
+  const int kv_heads = w1_shape[0] / D;
+  if (row < (heads + kv_heads) * (D / 2) + w2_shape[0] / 2) {
+    const gk::RotatedUnit unit = gk::rotated_unit<D, HALF, TRADITIONAL>(row, heads, kv_heads);
+    const uint32_t* wq = unit.kind == 0 ? w0 : unit.kind == 1 ? w1 : w2;
+    const T* sc = unit.kind == 0 ? scales0 : unit.kind == 1 ? scales1 : scales2;
+    const T* bi = unit.kind == 0 ? biases0 : unit.kind == 1 ? biases1 : biases2;
+    const long long r1 = static_cast<long long>(unit.head) * D + unit.d1;
+    const long long r2 = static_cast<long long>(unit.head) * D + unit.d2;"""
+    + quantized_prefetch("wq", "sc", "bi", "r1") + quantized_prefetch("wq", "sc", "bi", "r2") + r"""
+  }""", r"""
     constexpr int WORDS = K * BITS / 32;
     constexpr int G = K / GS;
     const int hq = w0_shape[0] / D;
