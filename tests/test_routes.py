@@ -146,12 +146,12 @@ QUANTIZED_LIMIT = routes.FUSED_MAX_ROWS["quantized"]
 @pytest.mark.parametrize("quantized, route, rows, fused", [
     (False, "auto", 8, True), (True, "auto", 1, True), (True, "auto", QUANTIZED_LIMIT, True),
     (True, "auto", 8, False), (True, "kernel", 8, True)])
-def test_batch_decoding_takes_the_stock_products_past_the_fused_rows(
+def test_batch_decoding_past_the_fused_rows_runs_the_stock_layers(
         arch: str, quantized: bool, route: str, rows: int, fused: bool, gpu_decision: None,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU a fused block's norm-fed projection kernels take up to FUSED_MAX_ROWS rows of their
-    kind of weights; past them the block runs its norm kernel and stock's products, inside its
-    compiled segments."""
+    kind of weights; a dense stack decoding more rows than that runs its stock layers (no kernel
+    at all), whose ops cost the host less than norm kernels beside stock's products."""
     stock, patched = (_quantized_twins if quantized else eval_twins)(arch, route=route)
     prefix = "quantized_" if quantized else ""
     gated = prefix + ("norm_geglu" if arch.startswith("gemma") else "norm_swiglu")
@@ -159,7 +159,34 @@ def test_batch_decoding_takes_the_stock_products_past_the_fused_rows(
     assert _same(_decode_rows(patched, rows), _decode_rows(stock, rows), atol=1e-5)
     names = {name for name, inside in calls if inside}
     assert (gated in names) is fused
-    assert fused or "add_rms_norm" in names  # the residual adds stay fused into the norms
+    assert fused or not calls
+
+
+def test_wide_plain_weights_take_the_quantized_row_limit(gpu_decision: None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain weights wider than WIDE_HIDDEN decode through the fused kernels only up to the
+    quantized limit of rows; past it the stack runs stock, and narrower ones still fuse."""
+    stock, patched = eval_twins("llama")
+    width = patched.model.layers[0].input_layernorm.weight.shape[-1]
+    calls = _spy_in_segments(monkeypatch, ("norm_swiglu",))
+    cases = [(width, 8, True), (width - 1, 8, False), (width - 1, QUANTIZED_LIMIT, True)]
+    for wide_above, rows, fused in cases:
+        monkeypatch.setattr(routes, "WIDE_HIDDEN", wide_above)
+        calls.clear()
+        assert _same(_decode_rows(patched, rows), _decode_rows(stock, rows), atol=1e-5)
+        assert bool(calls) is fused, (wide_above, rows)
+
+
+def test_a_sparse_stack_keeps_its_norm_kernels_past_the_fused_rows(gpu_decision: None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stack with mixture-of-experts blocks (whose router kernel pays at any row count) decodes
+    more rows than the quantized kernels take through each block's norm kernel and stock's
+    products, inside its compiled segments."""
+    stock, patched = _quantized_twins("mixtral")
+    calls = _spy_in_segments(monkeypatch, ("quantized_norm_projections", "add_rms_norm"))
+    assert _same(_decode_rows(patched, 8), _decode_rows(stock, 8), atol=1e-5)
+    names = {name for name, inside in calls if inside}
+    assert "add_rms_norm" in names and "quantized_norm_projections" not in names
 
 
 def test_the_cpu_takes_the_fused_kernels_at_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:

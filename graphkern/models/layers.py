@@ -42,7 +42,7 @@ from graphkern.launching.context import current_recorder, state
 from graphkern.launching.launch_cache import track_function
 from graphkern.models.patterns import is_class
 from graphkern.models.prefill import BlockPipeline, prompt_mode, stock_layers
-from graphkern.models.routes import fused_rows, takes_stock
+from graphkern.models.routes import fused_rows, stack_row_limit, takes_stock
 from graphkern.models.segments import Segments, decoding, segments_apply
 
 __all__ = [
@@ -989,8 +989,9 @@ class KernelDecoderStack(KernelLayer):
     final norm as a :class:`KernelAddRMSNorm`; ``create_mask`` the model file's
     ``create_attention_mask``. A layer that is not a chaining :class:`KernelResidualBlock` is called
     as in the stock loop, after the pending add. An evaluating call on a short prompt runs the stock
-    layers; on a long one each block but the last starts on the device as soon as it is built
-    (``graphkern.models.prefill``).
+    layers, and so does a decoding call of more token rows than the blocks' fused kernels take on
+    a GPU (``graphkern.models.routes.stack_row_limit``); on a long prompt each block but the last
+    starts on the device as soon as it is built (``graphkern.models.prefill``).
     """
 
     kernel = "add_rms_norm"
@@ -1091,7 +1092,8 @@ class KernelDecoderStack(KernelLayer):
 
     def forward(self, inputs: mx.array, cache: Any = None,
                  input_embeddings: mx.array | None = None) -> mx.array:
-        mode = prompt_mode(inputs if input_embeddings is None else input_embeddings, self.sparse)
+        mode = prompt_mode(inputs if input_embeddings is None else input_embeddings, self.sparse,
+                           self._decode_rows())
         if mode == "stock":  # every patched layer in the stock forward runs the layer it replaced
             with stock_layers():
                 if input_embeddings is None:  # Phi-3's model takes no input_embeddings
@@ -1099,6 +1101,22 @@ class KernelDecoderStack(KernelLayer):
                 return self.original(inputs, cache, input_embeddings)  # type: ignore[no-any-return]
         h, cache = self._embed(inputs, cache, input_embeddings)
         return self._blocks(h, cache, self._masks(h, cache), mode == "pipelined")
+
+    def _decode_rows(self) -> int | None:
+        """The most token rows a decoding call takes through the blocks' fused kernels
+        (``graphkern.models.routes.stack_row_limit``), by the first block's weights; None for no
+        limit, and for a stack with mixture-of-experts blocks, whose router kernel pays at every
+        row count."""
+        layers = self["layers"]  # items, not attributes: this runs at every token
+        if not layers or self.sparse:
+            return None
+        block = layers[0]
+        attention, norm = block.get("self_attn"), block.get("input_layernorm")
+        if attention is None or norm is None or not isinstance(norm.get("weight"), mx.array):
+            return None
+        projection = attention.get("q_proj", attention.get("qkv_proj"))
+        return stack_row_limit(self._gk_call_route, isinstance(projection, nn.QuantizedLinear),
+                               norm["weight"].shape[-1])
 
     def _masks(self, h: mx.array, cache: Any) -> Callable[[nn.Module], Any]:
         """Each block's attention mask, by block."""

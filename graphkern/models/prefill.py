@@ -19,7 +19,9 @@ device work to gain from this at fewer tokens.
 
 All of this applies to evaluating calls only (no vjp: an evaluating model, or
 ``gk.without_vjp()``) outside graphkern traces, which always record the kernels. Decoding calls
-(up to ``MAX_SEGMENT_TOKENS`` tokens) run the kernels' compiled segments. Inside a graph
+(up to ``MAX_SEGMENT_TOKENS`` tokens) run the kernels' compiled segments, unless they hold more token
+rows than the blocks' fused kernels take on a GPU (``graphkern.models.routes.stack_row_limit``):
+those run the stock layers too. Inside a graph
 transformation (``mx.compile``, ``mx.vmap``, an export) ``mx.async_eval`` refuses, and the forward
 goes on lazily. ``kernels_only()`` makes every call run the kernels (``check_model`` does).
 """
@@ -54,10 +56,12 @@ STOCK_PROMPT_BACKENDS = frozenset({"cuda"})
 PromptMode = Literal["kernels", "stock", "pipelined"]
 
 
-def prompt_mode(tokens: mx.array, sparse: bool = False) -> PromptMode:
+def prompt_mode(tokens: mx.array, sparse: bool = False, decode_rows: int | None = None) -> PromptMode:
     """How an evaluating decoder stack (``sparse``: with mixture-of-experts blocks) runs a call on
     ``tokens`` (``(B, L)`` token ids or ``(B, L, D)`` embeddings): on the kernels, on the stock
-    layers, or on the kernels with each block started on the device as soon as it is built.
+    layers, or on the kernels with each block started on the device as soon as it is built. A
+    decoding call of more token rows than ``decode_rows`` (the most its fused kernels take:
+    ``graphkern.models.routes.stack_row_limit``; None: no limit) runs the stock layers.
 
     >>> from graphkern import without_vjp
     >>> with without_vjp():  # as an evaluating patched model runs its layers
@@ -69,10 +73,14 @@ def prompt_mode(tokens: mx.array, sparse: bool = False) -> PromptMode:
     if state.recorder is not None or vjp_enabled() or tokens.ndim < 2:
         return "kernels"
     length = tokens.shape[1]
-    if tokens.shape[0] * length >= (SPARSE_PIPELINE_TOKENS if sparse else PIPELINE_TOKENS):
+    rows = tokens.shape[0] * length
+    if rows >= (SPARSE_PIPELINE_TOKENS if sparse else PIPELINE_TOKENS):
         return "pipelined"
-    if (length > MAX_SEGMENT_TOKENS and not state.kernels_only
-            and active_backend() in STOCK_PROMPT_BACKENDS):
+    if state.kernels_only:
+        return "kernels"
+    if decode_rows is not None and length <= MAX_SEGMENT_TOKENS and rows > decode_rows:
+        return "stock"
+    if length > MAX_SEGMENT_TOKENS and active_backend() in STOCK_PROMPT_BACKENDS:
         return "stock"
     return "kernels"
 

@@ -14,7 +14,10 @@ the host more than ``mx.fast``'s. So each patched layer has a route:
   kernels run their pure-MLX references, and every layer runs them.
   A fused block's norm-fed projection kernels take at most ``FUSED_MAX_ROWS`` token rows on a
   GPU (fewer for quantized weights than for plain ones); a call of more (batch decoding) runs the
-  norm's kernel and the stock products, still in the block's compiled segments.
+  norm's kernel and the stock products, still in the block's compiled segments. A decoder stack
+  of such blocks (no mixture of experts) runs a decoding call of more rows than its blocks' kernels
+  take (:func:`stack_row_limit`) on the stock layers: with the products stock's, the norm
+  kernels' launches cost the host more than stock's ops.
 - ``"kernel"``: always the kernel, as a benchmark of the kernel or a test of it wants.
 - ``"stock"``: always the stock forward, on the patched layer's own arrays.
 
@@ -33,7 +36,8 @@ from graphkern.launching.backends import on_gpu_backend
 from graphkern.launching.context import state
 from graphkern.nodes import Status
 
-__all__ = ["FUSED_MAX_ROWS", "ROUTES", "check_route", "fused_rows", "takes_stock"]
+__all__ = ["FUSED_MAX_ROWS", "ROUTES", "WIDE_HIDDEN", "check_route", "fused_rows", "stack_row_limit",
+           "takes_stock"]
 
 #: The routes a patched layer can take (see the module's docstring).
 ROUTES = ("auto", "kernel", "stock")
@@ -46,6 +50,12 @@ ROUTES = ("auto", "kernel", "stock")
 #: row group, and past two rows stock's quantized products measured faster
 #: (benchmarks/RESULTS_generate.md).
 FUSED_MAX_ROWS = {"plain": 8, "quantized": 2}
+#: A dense decoder stack of plain weights wider than this takes the plain kernels for at most
+#: ``FUSED_MAX_ROWS["quantized"]`` rows: there the weights are large enough that reading them
+#: through the kernels' many-row form costs the GPU more than the launches save the host
+#: (batch decoding of 8 sequences at the widths of Phi-3 mini and Mistral 7B measured slower than
+#: stock, at Llama 3.2 1B's and narrower faster: benchmarks/RESULTS_generate.md).
+WIDE_HIDDEN = 2048
 
 
 def check_route(operation: str, route: Any) -> str:
@@ -70,3 +80,16 @@ def fused_rows(route: str, rows: int, quantized: bool = False) -> bool:
     kernels' own limits apply besides."""
     limit = FUSED_MAX_ROWS["quantized" if quantized else "plain"]
     return route == "kernel" or rows <= limit or not on_gpu_backend()
+
+
+def stack_row_limit(route: str, quantized: bool, hidden: int) -> int | None:
+    """The most token rows a dense decoder stack on ``route`` decodes through its blocks' fused
+    kernels (``quantized``: their quantized forms; ``hidden``: the model's width), or None for no
+    limit (the ``"kernel"`` route, or off a GPU). A decoding call of more runs the stock layers.
+
+    >>> stack_row_limit("kernel", quantized=True, hidden=4096) is None
+    True
+    """
+    if route == "kernel" or not on_gpu_backend():
+        return None
+    return FUSED_MAX_ROWS["quantized" if quantized or hidden > WIDE_HIDDEN else "plain"]
