@@ -18,8 +18,9 @@ True
 from __future__ import annotations
 
 import functools
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import mlx.core as mx
@@ -505,11 +506,17 @@ class KernelAttention(KernelLayer):
         fused product is split where the heads say."""
         if len(products) == 3:
             return products[0], products[1], products[2]
-        heads, kv_heads = self.head_counts()
         fused = products[0]
-        d = fused.shape[-1] // (heads + 2 * kv_heads)
-        queries, keys, values = mx.split(fused, [heads * d, (heads + kv_heads) * d], axis=-1)
+        q, k, _ = self.qkv_sizes(fused.shape[-1])
+        queries, keys, values = mx.split(fused, [q, q + k], axis=-1)
         return queries, keys, values
+
+    def qkv_sizes(self, features: int) -> tuple[int, int, int]:
+        """How the ``features`` of a fused product (the rows of its weight) divide into queries,
+        keys and values: ``heads`` and ``kv_heads`` heads of one size, then the values."""
+        heads, kv_heads = self.head_counts()
+        d = features // (heads + 2 * kv_heads)
+        return heads * d, kv_heads * d, features - (heads + kv_heads) * d
 
     def rotate(self, queries: mx.array, keys: mx.array, values: mx.array, offset: Any,
                rotary: Rotary) -> tuple[mx.array, mx.array, mx.array]:
@@ -754,16 +761,21 @@ def _fuses(norm: nn.Module, residual: mx.array | None, x: mx.array, route: str,
     return projections_fit(x) if group_size is None else quantized_projections_fit(x, group_size)
 
 
-def _halves(weight: mx.array) -> tuple[mx.array, mx.array]:
-    """A fused ``gate_up_proj`` weight's gate rows and up rows (views: contiguous row ranges)."""
-    rows = weight.shape[0] // 2
-    return weight[:rows], weight[rows:]
+def _row_ranges(weight: mx.array, sizes: Sequence[int]) -> list[mx.array]:
+    """``weight``'s consecutive ranges of ``sizes`` rows (views: contiguous row ranges), as a fused
+    weight holds its parts: ``gate_up_proj``'s gate and up, ``qkv_proj``'s queries, keys and values."""
+    ends = list(itertools.accumulate(sizes))
+    return [weight[end - size:end] for size, end in zip(sizes, ends)]
 
 
-def _quantized_halves(fused: QuantizedWeight) -> tuple[QuantizedWeight, QuantizedWeight]:
-    """:func:`_halves` of a quantized weight: its packed rows, scales and biases alike."""
-    gates, ups = zip(*(_halves(part) for part in fused))
-    return QuantizedWeight(*gates), QuantizedWeight(*ups)
+def _quantized_row_ranges(fused: QuantizedWeight, sizes: Sequence[int]) -> list[QuantizedWeight]:
+    """:func:`_row_ranges` of a quantized weight: its packed rows, scales and biases alike."""
+    return [QuantizedWeight(*parts) for parts in zip(*(_row_ranges(part, sizes) for part in fused))]
+
+
+def _halves(rows: int) -> tuple[int, int]:
+    """The gate rows and up rows of a fused ``gate_up_proj`` weight of ``rows`` rows."""
+    return rows // 2, rows // 2
 
 
 #: The residual a block is called without: a stock call, not a link of a fused chain.
@@ -956,13 +968,15 @@ class KernelResidualBlock(KernelLayer):
         if plain in self._gk_decoding:
             weights = _plain_weights(ffn, names, x)
             if weights is not None and _fuses(norm, r, x, self._gk_call_route):
-                gate, up = _halves(weights[0]) if fused else weights
+                gate, up = _row_ranges(weights[0], _halves(weights[0].shape[0])) if fused else weights
                 return getattr(gkk, plain)(x, norm.scale(), gate, up, norm.eps,  # type: ignore[no-any-return]
                                            residual=r, **options)
         if quantized_kernel in self._gk_decoding:
             quantized = _quantized_weights(ffn, names, x)
             if fused and quantized is not None:
-                quantized = quantized._replace(weights=list(_quantized_halves(quantized.weights[0])))
+                fused_weight = quantized.weights[0]
+                quantized = quantized._replace(
+                    weights=_quantized_row_ranges(fused_weight, _halves(fused_weight.weight.shape[0])))
             if quantized is not None and _fuses(norm, r, x, self._gk_call_route, quantized.group_size):
                 gate_q, up_q = quantized.weights
                 return getattr(gkk, quantized_kernel)(  # type: ignore[no-any-return]
