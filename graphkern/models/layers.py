@@ -905,7 +905,7 @@ class KernelResidualBlock(KernelLayer):
             quantized = _quantized_weights(attention, names, x, biased=True)
             if quantized is not None and _fuses(norm, residual, x, self._gk_call_route, quantized.group_size):
                 if ("quantized_norm_rope_projections" in self._gk_decoding and not attention._gk_norms
-                        and names == SEPARATE_QKV and not any(b is not None for b in biases)
+                        and not any(b is not None for b in biases)
                         and x.size // x.shape[-1] <= ROTATED_MAX_ROWS):
                     return self._rotated_quantized(x, residual, quantized, offset, rotary)
                 outputs = gkk.quantized_norm_projections(
@@ -923,16 +923,21 @@ class KernelResidualBlock(KernelLayer):
     def _rotated_quantized(self, x: mx.array, residual: mx.array | None, quantized: Quantized,
                            offset: mx.array, rotary: Rotary) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """:meth:`enter` in one ``quantized_norm_rope_projections`` launch: the input norm, the
-        quantized query, key and value products and the RoPE (an attention without head norms)."""
+        quantized query, key and value products and the RoPE (an attention without head norms). A
+        fused ``qkv_proj`` goes in as its query, key and value row ranges."""
         norm = self.input_layernorm
-        heads, kv_heads = self.self_attn.head_counts()
+        attention = self.self_attn
+        heads, kv_heads = attention.head_counts()
+        weights = quantized.weights
+        if len(weights) == 1:
+            weights = _quantized_row_ranges(weights[0], attention.qkv_sizes(weights[0].weight.shape[0]))
         outputs = gkk.quantized_norm_rope_projections(
-            x, norm.scale(), quantized.weights, heads, kv_heads, rotary.dims, norm.eps, residual,
+            x, norm.scale(), weights, heads, kv_heads, rotary.dims, norm.eps, residual,
             group_size=quantized.group_size, bits=quantized.bits, traditional=rotary.traditional,
             base=rotary.base, scale=rotary.scale, offset=offset, freqs=rotary.freqs,
             input_scale=rotary.input_scale)
         queries, keys, values = outputs[-3:]
-        return (outputs[0] if residual is not None else x, queries, keys, self.self_attn.value_heads(values))
+        return (outputs[0] if residual is not None else x, queries, keys, attention.value_heads(values))
 
     def leave(self, x: mx.array, attended: mx.array, alone: bool) -> Any:
         """The second segment, after attention: ``o_proj`` (and the attention's post-norm, if any),
