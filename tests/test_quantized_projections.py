@@ -18,25 +18,27 @@ from model_comparisons import batch_generate, spy_on_kernels  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 import graphkern.kernels as gkk  # noqa: E402
+import graphkern.models.routes as routes  # noqa: E402
 from graphkern.debugging.tolerance import TOLERANCES, worst_errors  # noqa: E402
 from graphkern.kernels.ops.quantized_projections import quantized_case, random_quantized  # noqa: E402
 from graphkern.kernels.ops.quantized_rope_projections import rotated_case  # noqa: E402
-from graphkern.models import MODEL_TOLERANCES  # noqa: E402
+from graphkern.models import MODEL_TOLERANCES, decode_launches  # noqa: E402
 from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
 
 PROMPT = mx.array([3, 17, 42, 5, 99, 1, 7, 64])
 KERNELS = ("norm_projections", "norm_swiglu", "norm_geglu", "quantized_norm_projections",
            "quantized_norm_rope_projections", "quantized_norm_swiglu", "quantized_norm_geglu")
 #: What a patched quantized block runs an 8-token prompt and then single tokens with: a Llama-style
-#: attention's whole prologue in one launch for a token (up to ``ROTATED_MAX_ROWS`` rows), its
-#: projections apart from ``rope_qk`` for the prompt; Qwen 3's and Gemma 3's (whose heads are
-#: normalized before the RoPE), Qwen 2's (biases added after the products) and Phi-3's (one fused
-#: ``qkv_proj``, split after the product) always apart. Gemma's feed-forwards (GeGLU; Gemma 2's and
-#: 3's between post-norms) run on the GeGLU kernel.
+#: attention's whole prologue in one launch for a token (up to ``ROTATED_MAX_ROWS`` rows; Phi-3's
+#: one fused ``qkv_proj`` as its query, key and value row ranges), its projections apart from
+#: ``rope_qk`` for the prompt; Qwen 3's and Gemma 3's (whose heads are normalized before the RoPE)
+#: and Qwen 2's (biases added after the products) always apart. Gemma's feed-forwards (GeGLU;
+#: Gemma 2's and 3's between post-norms) run on the GeGLU kernel.
 DECODING = {"llama": {"quantized_norm_projections", "quantized_norm_rope_projections",
                       "quantized_norm_swiglu"},
             "qwen3": {"quantized_norm_projections", "quantized_norm_swiglu"},
-            "phi3": {"quantized_norm_projections", "quantized_norm_swiglu"},
+            "phi3": {"quantized_norm_projections", "quantized_norm_rope_projections",
+                     "quantized_norm_swiglu"},
             "gemma": {"quantized_norm_projections", "quantized_norm_rope_projections",
                       "quantized_norm_geglu"},
             "gemma2": {"quantized_norm_projections", "quantized_norm_rope_projections",
@@ -237,6 +239,32 @@ def test_a_quantized_llama_decodes_its_attention_prologue_in_one_launch(
     assert set(calls) == {"rope_qk", "quantized_norm_rope_projections", "quantized_norm_swiglu"}
 
 
+@pytest.mark.parametrize("bits, group_size", [(4, 64), (8, 128)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_quantized_phi3_decodes_its_fused_qkv_prologue_in_one_launch(
+        bits: int, group_size: int, dtype: mx.Dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phi-3's one ``qkv_proj`` goes into ``quantized_norm_rope_projections`` as its query, key and
+    value row ranges: each token decoded on the warm cache gives stock's logits (equal in float32,
+    within the model tolerance in bfloat16) from that launch, without ``rope_qk``; and a decode step
+    on a GPU's routes launches it once a block, with no ``rope_qk`` and no split."""
+    stock, patched = (_quantized_model("phi3", bits, group_size, dtype=dtype) for _ in range(2))
+    gk.patch(patched)
+    atol, rtol = (0.0, 0.0) if dtype == mx.float32 else MODEL_TOLERANCES[dtype]
+    caches = [make_prompt_cache(m) for m in (patched, stock)]
+    ours, theirs = patched(PROMPT[None], cache=caches[0]), stock(PROMPT[None], cache=caches[1])
+    calls = spy_on_kernels(monkeypatch, [*KERNELS, "rope_qk"])
+    for _ in range(4):
+        assert mx.allclose(ours, theirs, atol=atol, rtol=rtol).item(), mx.abs(ours - theirs).max().item()
+        token = mx.argmax(theirs[:, -1:], axis=-1)
+        ours, theirs = patched(token, cache=caches[0]), stock(token, cache=caches[1])
+    assert mx.allclose(ours, theirs, atol=atol, rtol=rtol).item()
+    assert set(calls) == {"quantized_norm_rope_projections", "quantized_norm_swiglu"}
+    monkeypatch.setattr(routes, "on_gpu_backend", lambda: True)
+    kinds = decode_launches(patched).kinds
+    assert kinds["gk_quantized_norm_rope_projections"] == len(patched.model.layers)
+    assert not {"gk_rope_qk", "gk_quantized_norm_projections", "Split"} & set(kinds)
+
+
 def test_rows_past_two_decode_through_the_projections_and_rope_qk_apart(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch of 4 tokens (4 rows): the two kernels apart, each with its full warps a row."""
@@ -292,7 +320,7 @@ def test_the_rotating_kernel_refuses_bad_arguments_by_name(call: Any, says: str)
 
 
 def test_the_fused_prologue_saves_one_launch_a_block() -> None:
-    from graphkern.models import decode_launches, kernel_names
+    from graphkern.models import kernel_names
 
     counts = {}
     for fused in (True, False):

@@ -18,8 +18,9 @@ True
 from __future__ import annotations
 
 import functools
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import mlx.core as mx
@@ -505,11 +506,17 @@ class KernelAttention(KernelLayer):
         fused product is split where the heads say."""
         if len(products) == 3:
             return products[0], products[1], products[2]
-        heads, kv_heads = self.head_counts()
         fused = products[0]
-        d = fused.shape[-1] // (heads + 2 * kv_heads)
-        queries, keys, values = mx.split(fused, [heads * d, (heads + kv_heads) * d], axis=-1)
+        q, k, _ = self.qkv_sizes(fused.shape[-1])
+        queries, keys, values = mx.split(fused, [q, q + k], axis=-1)
         return queries, keys, values
+
+    def qkv_sizes(self, features: int) -> tuple[int, int, int]:
+        """How the ``features`` of a fused product (the rows of its weight) divide into queries,
+        keys and values: ``heads`` and ``kv_heads`` heads of one size, then the values."""
+        heads, kv_heads = self.head_counts()
+        d = features // (heads + 2 * kv_heads)
+        return heads * d, kv_heads * d, features - (heads + kv_heads) * d
 
     def rotate(self, queries: mx.array, keys: mx.array, values: mx.array, offset: Any,
                rotary: Rotary) -> tuple[mx.array, mx.array, mx.array]:
@@ -754,16 +761,21 @@ def _fuses(norm: nn.Module, residual: mx.array | None, x: mx.array, route: str,
     return projections_fit(x) if group_size is None else quantized_projections_fit(x, group_size)
 
 
-def _halves(weight: mx.array) -> tuple[mx.array, mx.array]:
-    """A fused ``gate_up_proj`` weight's gate rows and up rows (views: contiguous row ranges)."""
-    rows = weight.shape[0] // 2
-    return weight[:rows], weight[rows:]
+def _row_ranges(weight: mx.array, sizes: Sequence[int]) -> list[mx.array]:
+    """``weight``'s consecutive ranges of ``sizes`` rows (views: contiguous row ranges), as a fused
+    weight holds its parts: ``gate_up_proj``'s gate and up, ``qkv_proj``'s queries, keys and values."""
+    ends = list(itertools.accumulate(sizes))
+    return [weight[end - size:end] for size, end in zip(sizes, ends)]
 
 
-def _quantized_halves(fused: QuantizedWeight) -> tuple[QuantizedWeight, QuantizedWeight]:
-    """:func:`_halves` of a quantized weight: its packed rows, scales and biases alike."""
-    gates, ups = zip(*(_halves(part) for part in fused))
-    return QuantizedWeight(*gates), QuantizedWeight(*ups)
+def _quantized_row_ranges(fused: QuantizedWeight, sizes: Sequence[int]) -> list[QuantizedWeight]:
+    """:func:`_row_ranges` of a quantized weight: its packed rows, scales and biases alike."""
+    return [QuantizedWeight(*parts) for parts in zip(*(_row_ranges(part, sizes) for part in fused))]
+
+
+def _halves(rows: int) -> tuple[int, int]:
+    """The gate rows and up rows of a fused ``gate_up_proj`` weight of ``rows`` rows."""
+    return rows // 2, rows // 2
 
 
 #: The residual a block is called without: a stock call, not a link of a fused chain.
@@ -893,7 +905,7 @@ class KernelResidualBlock(KernelLayer):
             quantized = _quantized_weights(attention, names, x, biased=True)
             if quantized is not None and _fuses(norm, residual, x, self._gk_call_route, quantized.group_size):
                 if ("quantized_norm_rope_projections" in self._gk_decoding and not attention._gk_norms
-                        and names == SEPARATE_QKV and not any(b is not None for b in biases)
+                        and not any(b is not None for b in biases)
                         and x.size // x.shape[-1] <= ROTATED_MAX_ROWS):
                     return self._rotated_quantized(x, residual, quantized, offset, rotary)
                 outputs = gkk.quantized_norm_projections(
@@ -911,16 +923,21 @@ class KernelResidualBlock(KernelLayer):
     def _rotated_quantized(self, x: mx.array, residual: mx.array | None, quantized: Quantized,
                            offset: mx.array, rotary: Rotary) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """:meth:`enter` in one ``quantized_norm_rope_projections`` launch: the input norm, the
-        quantized query, key and value products and the RoPE (an attention without head norms)."""
+        quantized query, key and value products and the RoPE (an attention without head norms). A
+        fused ``qkv_proj`` goes in as its query, key and value row ranges."""
         norm = self.input_layernorm
-        heads, kv_heads = self.self_attn.head_counts()
+        attention = self.self_attn
+        heads, kv_heads = attention.head_counts()
+        weights = quantized.weights
+        if len(weights) == 1:
+            weights = _quantized_row_ranges(weights[0], attention.qkv_sizes(weights[0].weight.shape[0]))
         outputs = gkk.quantized_norm_rope_projections(
-            x, norm.scale(), quantized.weights, heads, kv_heads, rotary.dims, norm.eps, residual,
+            x, norm.scale(), weights, heads, kv_heads, rotary.dims, norm.eps, residual,
             group_size=quantized.group_size, bits=quantized.bits, traditional=rotary.traditional,
             base=rotary.base, scale=rotary.scale, offset=offset, freqs=rotary.freqs,
             input_scale=rotary.input_scale)
         queries, keys, values = outputs[-3:]
-        return (outputs[0] if residual is not None else x, queries, keys, self.self_attn.value_heads(values))
+        return (outputs[0] if residual is not None else x, queries, keys, attention.value_heads(values))
 
     def leave(self, x: mx.array, attended: mx.array, alone: bool) -> Any:
         """The second segment, after attention: ``o_proj`` (and the attention's post-norm, if any),
@@ -956,13 +973,15 @@ class KernelResidualBlock(KernelLayer):
         if plain in self._gk_decoding:
             weights = _plain_weights(ffn, names, x)
             if weights is not None and _fuses(norm, r, x, self._gk_call_route):
-                gate, up = _halves(weights[0]) if fused else weights
+                gate, up = _row_ranges(weights[0], _halves(weights[0].shape[0])) if fused else weights
                 return getattr(gkk, plain)(x, norm.scale(), gate, up, norm.eps,  # type: ignore[no-any-return]
                                            residual=r, **options)
         if quantized_kernel in self._gk_decoding:
             quantized = _quantized_weights(ffn, names, x)
             if fused and quantized is not None:
-                quantized = quantized._replace(weights=list(_quantized_halves(quantized.weights[0])))
+                fused_weight = quantized.weights[0]
+                quantized = quantized._replace(
+                    weights=_quantized_row_ranges(fused_weight, _halves(fused_weight.weight.shape[0])))
             if quantized is not None and _fuses(norm, r, x, self._gk_call_route, quantized.group_size):
                 gate_q, up_q = quantized.weights
                 return getattr(gkk, quantized_kernel)(  # type: ignore[no-any-return]

@@ -44,11 +44,14 @@ KERNELS = [name for name in ENTRIES if not name.endswith("_approx")]
 GATED = {"quantized_norm_swiglu": {}, "quantized_norm_geglu": {"approx": False},
          "quantized_norm_geglu_approx": {"approx": True}}
 #: What a patched quantized block runs an 8-token prompt and then single tokens with: a Llama-style
-#: attention's whole prologue in one launch for a token (up to ``ROTATED_MAX_ROWS`` rows), its
-#: projections apart from ``rope_qk`` for the prompt; Qwen 3's and Gemma 3's (whose heads are
-#: normalized before the RoPE) always apart; Gemma's GeGLU feed-forwards on the GeGLU kernel.
+#: attention's whole prologue in one launch for a token (up to ``ROTATED_MAX_ROWS`` rows; Phi-3's
+#: fused ``qkv_proj`` as its query, key and value row ranges), its projections apart from
+#: ``rope_qk`` for the prompt; Qwen 3's and Gemma 3's (whose heads are normalized before the RoPE)
+#: always apart; Gemma's GeGLU feed-forwards on the GeGLU kernel.
 DECODING = {"llama": {"quantized_norm_projections", "quantized_norm_rope_projections",
                       "quantized_norm_swiglu"},
+            "phi3": {"quantized_norm_projections", "quantized_norm_rope_projections",
+                     "quantized_norm_swiglu"},
             "qwen3": {"quantized_norm_projections", "quantized_norm_swiglu"},
             "gemma": {"quantized_norm_projections", "quantized_norm_rope_projections",
                       "quantized_norm_geglu"},
@@ -202,7 +205,7 @@ def _decodes_as_stock(stock: nn.Module, patched: nn.Module, steps: int, dtype: m
 PROMPT = mx.array([3, 17, 42, 5, 99, 1, 7, 64])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
 @pytest.mark.parametrize("bits, group_size", [(4, 64), (8, 32), (4, 128), (8, 128)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_a_patched_quantized_model_decodes_as_stock_on_device(arch: str, bits: int, group_size: int,
