@@ -169,3 +169,32 @@ def test_the_cpu_takes_the_fused_kernels_at_every_row_count(monkeypatch: pytest.
     calls = _spy_in_segments(monkeypatch, ("norm_projections", "norm_swiglu"))
     assert _same(_decode_rows(patched, 8), _decode_rows(stock, 8), atol=1e-5)
     assert {name for name, _ in calls} == {"norm_projections", "norm_swiglu"}
+
+
+class _Recorder:
+    """A recorder that is never called: the layers below never launch."""
+
+
+def test_thread_settings_keep_plain_up_to_date() -> None:
+    """``state.plain`` is whether none of the settings it sums up is set, through nested
+    changes and back."""
+    from graphkern.launching.backends import using_backend
+    from graphkern.launching.context import recording, state
+    from graphkern.models.prefill import stock_layers
+
+    def plain() -> bool:
+        return (state.recorder is None and state.backend is None and not state.stock_layers
+                and not state.segment_depth)
+
+    assert state.plain and plain()
+    with using_backend("reference"):
+        assert not state.plain
+        with recording(_Recorder()):  # type: ignore[arg-type]
+            assert not state.plain
+            with stock_layers():
+                assert not state.plain
+            assert not state.plain
+        assert not state.plain
+    with using_backend(None):
+        assert state.plain
+    assert state.plain and plain()
