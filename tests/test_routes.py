@@ -175,6 +175,112 @@ class _Recorder:
     """A recorder that is never called: the layers below never launch."""
 
 
+class _Holder(nn.Module):
+    """A module whose compiled segment ``run`` calls its patched norm."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def run(self, x: mx.array) -> mx.array:
+        return self.norm(x)  # type: ignore[no-any-return]
+
+
+def _in_segment(layer: nn.Module, x: mx.array) -> Any:
+    from graphkern.models.segments import Segments
+
+    holder = _Holder(layer)  # the segments hold it weakly
+    return Segments(holder)("run", x)
+
+
+def _on_a_thread(settings: Any, layer: nn.Module, x: mx.array) -> None:
+    import threading
+
+    from graphkern.launching.context import adopted
+
+    def work() -> None:
+        with adopted(settings):
+            layer(x)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+
+
+def _setting(name: str, layer: nn.Module, x: mx.array, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One call of ``layer`` under the thread setting (or route, or environment) ``name``."""
+    from graphkern.launching.backends import using_backend
+    from graphkern.launching.context import recording, snapshot
+    from graphkern.models.prefill import stock_layers
+
+    if name == "nothing":
+        layer(x)
+    elif name == "recording":
+        with recording(_Recorder()):  # type: ignore[arg-type]
+            layer(x)
+    elif name == "stock layers":
+        with stock_layers():
+            layer(x)
+    elif name.startswith("using_backend "):
+        with using_backend(name.split()[1]):
+            layer(x)
+    elif name.startswith("GRAPHKERN_BACKEND="):
+        with monkeypatch.context() as patch:
+            patch.setenv("GRAPHKERN_BACKEND", name.split("=")[1])
+            layer(x)
+    elif name == "segment":
+        mx.eval(_in_segment(layer, x))
+    elif name == "adopted recording":
+        with recording(_Recorder()):  # type: ignore[arg-type]
+            settings = snapshot()
+        _on_a_thread(settings, layer, x)
+    elif name == "another thread":
+        _on_a_thread(snapshot(), layer, x)
+    elif name.startswith("route "):
+        gk.set_route(nn.Sequential(layer), name.split()[1])
+        layer(x)
+        gk.set_route(nn.Sequential(layer), "auto")
+
+
+@pytest.mark.parametrize("setting, runs", [
+    ("nothing", "stock"), ("recording", "kernel"), ("stock layers", "original"),
+    ("using_backend reference", "kernel"), ("using_backend cuda", "stock"),
+    ("GRAPHKERN_BACKEND=reference", "kernel"), ("GRAPHKERN_BACKEND=cuda", "stock"),
+    ("segment", "kernel"), ("adopted recording", "kernel"), ("another thread", "stock"),
+    ("route kernel", "kernel"), ("route stock", "stock")])
+def test_with_a_gpu_detected_the_auto_route_sees_every_setting(setting: str, runs: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a GPU backend detected (before patching: a layer reads it when it takes its route),
+    a standalone layer on the auto route runs the stock forward on its own arrays unless a trace
+    records, a compiled segment traces, the stock layers run or a backend is forced, on this
+    thread or through GRAPHKERN_BACKEND; each setting undone, the next call runs stock again."""
+    from graphkern.launching import backends
+    from graphkern.launching.context import state
+    from graphkern.models.layers import KernelRMSNorm
+
+    ran: list[str] = []
+
+    def stock_forward(self: nn.Module, x: mx.array) -> mx.array:
+        ran.append("original" if type(self) is nn.RMSNorm else "stock")
+        return x
+
+    def forward(self: nn.Module, x: mx.array) -> mx.array:
+        ran.append("kernel")
+        return x
+
+    monkeypatch.setattr(backends, "_detected_backend", lambda: "cuda")
+    monkeypatch.setattr(nn.RMSNorm, "__call__", stock_forward)
+    monkeypatch.setattr(KernelRMSNorm, "forward", forward)
+    model = nn.Sequential(nn.RMSNorm(8))
+    gk.patch(model)
+    layer, x = model.layers[0], mx.ones((1, 1, 8))
+    assert isinstance(layer, KernelRMSNorm)
+    _setting(setting, layer, x, monkeypatch)
+    assert state.plain
+    layer(x)
+    assert ran == [runs, "stock"]
+
+
 def test_thread_settings_keep_plain_up_to_date() -> None:
     """``state.plain`` is whether none of the settings it sums up is set, through nested
     changes and back."""

@@ -36,9 +36,11 @@ from graphkern.kernels.ops.quantized_projections import (
 )
 from graphkern.kernels.ops.quantized_rope_projections import ROTATED_MAX_ROWS
 from graphkern.kernels.ops.rope import int_offset_array
+from graphkern.launching import backends
 from graphkern.launching.autodiff import vjp_enabled, without_vjp
 from graphkern.launching.backends import active_backend
 from graphkern.launching.context import current_recorder, state
+from graphkern.launching.fastpaths import BACKEND_VARIABLE, environ_get
 from graphkern.launching.launch_cache import track_function
 from graphkern.models.patterns import is_class
 from graphkern.models.prefill import BlockPipeline, prompt_mode, stock_layers
@@ -165,6 +167,11 @@ class KernelLayer(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
+    def use_route(self, route: str) -> None:
+        """Take ``route`` (``graphkern.models.routes``) from the next call on: ``patch(route=...)``
+        and ``set_route`` set it through here."""
+        object.__setattr__(self, "_gk_call_route", route)
+
     def stock(self, *args: Any, **kwargs: Any) -> Any:
         """The replaced layer's own forward on this layer's arrays: for calls the kernel does not
         take (a norm weight in another dtype, which ``mx.fast`` promotes; a block sharded since
@@ -221,12 +228,37 @@ class StandaloneLayer(KernelLayer):
     #: Whether :meth:`stock_call` is the replaced layer's forward as it is (a subclass that
     #: overrides it is not), so a stock call can go straight to that forward.
     _gk_plain_stock: ClassVar[bool] = True
+    #: The function a stock call runs (the replaced layer's forward, or this class's
+    #: ``stock_call`` where it overrides it; called with the layer first) when the route is
+    #: ``"auto"`` and a GPU backend is detected, else None (:meth:`use_route` keeps it).
+    _gk_auto_stock: Callable[..., Any] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._gk_plain_stock = cls.stock_call is StandaloneLayer.stock_call
 
+    def __init__(self, original: nn.Module):
+        super().__init__(original)
+        self.use_route(self._gk_call_route)
+
+    def use_route(self, route: str) -> None:
+        super().use_route(route)
+        # the detected backend cannot change in a process: read once here, not on every call
+        gpu = backends._detected_backend() != "reference"
+        stock = self._gk_stock_forward if self._gk_plain_stock else type(self).stock_call
+        object.__setattr__(self, "_gk_auto_stock", stock if route == "auto" and gpu else None)
+
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        stock = self._gk_auto_stock
+        if stock is not None and state.plain and not environ_get(BACKEND_VARIABLE):
+            # takes_stock's answer on the auto route with a GPU detected, no backend forced and
+            # nothing set on this thread (decoding on a GPU), from the fewest reads; a call of
+            # one or two positional arguments goes on without packing them
+            if not (args or kwargs):
+                return stock(self, x)
+            if len(args) == 1 and not kwargs:
+                return stock(self, x, args[0])
+            return stock(self, x, *args, **kwargs)
         if not state.stock_layers and takes_stock(self._gk_call_route, self.elementwise):
             if self._gk_plain_stock:
                 return self._gk_stock_forward(self, x, *args, **kwargs)  # stock_call, one call fewer
