@@ -84,6 +84,36 @@ class _Held:
         self.module = module
 
 
+_dict_get = dict.get
+
+
+def _item(name: str) -> Any:
+    """A name stock forwards read as an attribute (``self.weight``, ``self.down_proj``): the
+    layer's item of that name, looked up in its dict first. ``nn.Module`` finds an item only in
+    ``__getattr__``, after Python's own lookup failed (an AttributeError made and dropped on
+    every read). Without such an item the name is an ordinary attribute: the instance's, else
+    what the layer's ``__getattr__`` finds."""
+
+    def get(layer: Any) -> Any:
+        if (value := _dict_get(layer, name)) is not None:
+            return value
+        try:
+            return layer.__dict__[name]
+        except KeyError:
+            raise AttributeError(name) from None  # Python then asks __getattr__
+
+    def set_(layer: Any, value: Any) -> None:
+        layer.__dict__[name] = value
+
+    def delete(layer: Any) -> None:
+        try:
+            del layer.__dict__[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    return property(get, set_, delete)
+
+
 class KernelLayer(nn.Module):
     """A stock layer whose forward runs a graphkern library kernel; built from the layer it replaces.
 
@@ -232,6 +262,16 @@ class StandaloneLayer(KernelLayer):
     #: ``stock_call`` where it overrides it; called with the layer first) when the route is
     #: ``"auto"`` and a GPU backend is detected, else None (:meth:`use_route` keeps it).
     _gk_auto_stock: Callable[..., Any] | None = None
+
+    # items the replaced layers' forwards read as attributes (mlx's norms and mlx-lm's MLPs and
+    # RoPEs), found without nn.Module.__getattr__
+    weight = _item("weight")
+    bias = _item("bias")
+    gate_proj = _item("gate_proj")
+    up_proj = _item("up_proj")
+    down_proj = _item("down_proj")
+    gate_up_proj = _item("gate_up_proj")
+    _freqs = _item("_freqs")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
