@@ -304,3 +304,36 @@ def test_thread_settings_keep_plain_up_to_date() -> None:
     with using_backend(None):
         assert state.plain
     assert state.plain and plain()
+
+
+def _rope_calls() -> list[tuple[str, dict[str, Any]]]:
+    from rope_layers import ROPES, YARN_CALL_ARGUMENTS
+
+    calls: list[tuple[str, dict[str, Any]]] = []
+    for name in sorted(ROPES):
+        calls += [(name, {}), (name, {"offset": 30}), (name, {"offset": 30, "positional": True})]
+    if YARN_CALL_ARGUMENTS:
+        calls += [("yarn", {"offset": 30, "scale": 0.5}), ("yarn", {"offset": 30, "inverse": True}),
+                  ("yarn", {"offset": 30, "positional": True, "inverse": True})]
+    return calls
+
+
+@pytest.mark.parametrize("name, call", _rope_calls())
+def test_with_a_gpu_detected_a_rope_runs_stock_with_the_arguments_given(
+        name: str, call: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A patched RoPE names its offset (mlx-lm passes it by keyword): given by keyword, by
+    position or not at all, with or without more arguments, the stock layer gets it as given."""
+    from rope_layers import ROPES
+
+    from graphkern.launching import backends
+
+    monkeypatch.setattr(backends, "_detected_backend", lambda: "cuda")
+    stock = ROPES[name](False)
+    model = nn.Sequential(ROPES[name](False))
+    gk.patch(model)
+    calls = spy_on_kernels(monkeypatch, ("rope",))
+    x = mx.random.normal((1, 2, 4, 64), key=mx.random.key(5))
+    kwargs = dict(call)
+    args = (kwargs.pop("offset"),) if kwargs.pop("positional", False) else ()
+    assert mx.array_equal(model.layers[0](x, *args, **kwargs), stock(x, *args, **kwargs)).item()
+    assert calls == []

@@ -367,6 +367,10 @@ class KernelLayerNorm(StandaloneLayer):
         return gkk.layer_norm(x, weight, bias, self.eps)
 
 
+#: A RoPE call's offset when the caller gave none (the stock layer's default applies).
+_NO_OFFSET: Any = object()
+
+
 class Rotary(NamedTuple):
     """One RoPE call as the library kernels take it (``gkk.rope`` and ``gkk.rope_qk`` arguments)."""
 
@@ -386,6 +390,16 @@ class KernelRoPE(StandaloneLayer):
     """
 
     kernel = "rope"
+
+    def __call__(self, x: Any, offset: Any = _NO_OFFSET, *args: Any, **kwargs: Any) -> Any:
+        # StandaloneLayer.__call__ with the offset named: mlx-lm passes it by keyword, which
+        # would otherwise go into a dict and out of it again on every call
+        stock = self._gk_auto_stock
+        if stock is not None and not (args or kwargs) and state.plain and not environ_get(BACKEND_VARIABLE):
+            return stock(self, x) if offset is _NO_OFFSET else stock(self, x, offset)
+        if offset is _NO_OFFSET:
+            return super().__call__(x, *args, **kwargs)
+        return super().__call__(x, offset, *args, **kwargs)
 
     def rotary(self, length: int, offset: int | mx.array) -> Rotary | None:
         return Rotary(self.dims, self.traditional, self.base, None, self.scale)
