@@ -397,9 +397,11 @@ class KernelRoPE(StandaloneLayer):
         stock = self._gk_auto_stock
         if stock is not None and not (args or kwargs) and state.plain and not environ_get(BACKEND_VARIABLE):
             return stock(self, x) if offset is _NO_OFFSET else stock(self, x, offset)
-        if offset is _NO_OFFSET:
-            return super().__call__(x, *args, **kwargs)
-        return super().__call__(x, offset, *args, **kwargs)
+        if offset is not _NO_OFFSET:
+            args = (offset, *args)
+        if not state.stock_layers and takes_stock(self._gk_call_route, self.elementwise):
+            return self.stock_call(x, *args, **kwargs)
+        return KernelLayer.__call__(self, x, *args, **kwargs)
 
     def rotary(self, length: int, offset: int | mx.array) -> Rotary | None:
         return Rotary(self.dims, self.traditional, self.base, None, self.scale)
