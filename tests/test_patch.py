@@ -277,3 +277,53 @@ def test_a_norm_shared_by_two_blocks_gets_one_fused_replacement():
         model.model.layers[1].post_attention_layernorm.weight = weight
     prompt = mx.array([[3, 17, 42, 5, 99, 1, 7, 64]])
     assert mx.allclose(patched(prompt), stock(prompt), atol=1e-5).item()
+
+
+def _attribute_story(layer, new_bias, new_weight, newer_weight, projection):
+    """What reading, setting and deleting item names as attributes does to ``layer``: after each
+    step, each name's value (an object's identity), whether it is an item, and what raised."""
+    steps = [
+        lambda: None,
+        lambda: setattr(layer, "bias", None),
+        lambda: delattr(layer, "bias"),
+        lambda: delattr(layer, "bias"),
+        lambda: setattr(layer, "bias", new_bias),
+        lambda: setattr(layer, "weight", new_weight),
+        lambda: layer.update({"weight": newer_weight}),
+        lambda: setattr(layer, "down_proj", projection),
+        lambda: setattr(layer, "eps", 0.5),
+    ]
+    story = []
+    for step in steps:
+        try:
+            step()
+            raised = None
+        except Exception as exc:
+            raised = type(exc).__name__
+        seen = []
+        for name in ("weight", "bias", "down_proj", "up_proj", "eps"):
+            value = getattr(layer, name, "absent")
+            seen.append((name, value if value is None or isinstance(value, (str, float)) else id(value),
+                         name in layer, hasattr(layer, name)))
+        story.append((raised, seen))
+    return story
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LayerNorm(8), lambda: nn.LayerNorm(8, bias=False),
+                                  lambda: nn.LayerNorm(8, affine=False), MLP, nn.GELU, lambda: nn.RMSNorm(8)])
+def test_item_names_read_and_written_as_attributes_behave_as_on_the_stock_layer(make):
+    """A patched layer answers the item names stock forwards read as attributes (``self.weight``,
+    ``self.down_proj``) from its items first: reads, writes and deletions of them (arrays,
+    modules, plain values) end as on the stock layer, and the stock route computes with what
+    is there now."""
+    stock = make()
+    model = nn.Sequential(make())
+    patch(model, route="stock")
+    patched = model.layers[0]
+    assert isinstance(patched, KernelLayer)
+    patched.update(stock.parameters())  # the same arrays as the stock layer
+    patched.update_modules({k: v for k, v in stock.items() if isinstance(v, nn.Module)})
+    new = (mx.full((8,), 2.0), mx.full((8,), 3.0), mx.full((8,), 4.0), nn.Linear(16, 8, bias=False))
+    assert _attribute_story(patched, *new) == _attribute_story(stock, *new)
+    x = mx.random.normal((2, 3, 8), key=mx.random.key(1))
+    assert mx.array_equal(patched(x), stock(x)).item()

@@ -196,3 +196,171 @@ def test_the_cpu_takes_the_fused_kernels_at_every_row_count(monkeypatch: pytest.
     calls = _spy_in_segments(monkeypatch, ("norm_projections", "norm_swiglu"))
     assert _same(_decode_rows(patched, 8), _decode_rows(stock, 8), atol=1e-5)
     assert {name for name, _ in calls} == {"norm_projections", "norm_swiglu"}
+
+
+class _Recorder:
+    """A recorder that is never called: the layers below never launch."""
+
+
+class _Holder(nn.Module):
+    """A module whose compiled segment ``run`` calls its patched norm."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def run(self, x: mx.array) -> mx.array:
+        return self.norm(x)  # type: ignore[no-any-return]
+
+
+def _in_segment(layer: nn.Module, x: mx.array) -> Any:
+    from graphkern.models.segments import Segments
+
+    holder = _Holder(layer)  # the segments hold it weakly
+    return Segments(holder)("run", x)
+
+
+def _on_a_thread(settings: Any, layer: nn.Module, x: mx.array) -> None:
+    import threading
+
+    from graphkern.launching.context import adopted
+
+    def work() -> None:
+        with adopted(settings):
+            layer(x)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+
+
+def _setting(name: str, layer: nn.Module, x: mx.array, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One call of ``layer`` under the thread setting (or route, or environment) ``name``."""
+    from graphkern.launching.backends import using_backend
+    from graphkern.launching.context import recording, snapshot
+    from graphkern.models.prefill import stock_layers
+
+    if name == "nothing":
+        layer(x)
+    elif name == "recording":
+        with recording(_Recorder()):  # type: ignore[arg-type]
+            layer(x)
+    elif name == "stock layers":
+        with stock_layers():
+            layer(x)
+    elif name.startswith("using_backend "):
+        with using_backend(name.split()[1]):
+            layer(x)
+    elif name.startswith("GRAPHKERN_BACKEND="):
+        with monkeypatch.context() as patch:
+            patch.setenv("GRAPHKERN_BACKEND", name.split("=")[1])
+            layer(x)
+    elif name == "segment":
+        mx.eval(_in_segment(layer, x))
+    elif name == "adopted recording":
+        with recording(_Recorder()):  # type: ignore[arg-type]
+            settings = snapshot()
+        _on_a_thread(settings, layer, x)
+    elif name == "another thread":
+        _on_a_thread(snapshot(), layer, x)
+    elif name.startswith("route "):
+        gk.set_route(nn.Sequential(layer), name.split()[1])
+        layer(x)
+        gk.set_route(nn.Sequential(layer), "auto")
+
+
+@pytest.mark.parametrize("setting, runs", [
+    ("nothing", "stock"), ("recording", "kernel"), ("stock layers", "original"),
+    ("using_backend reference", "kernel"), ("using_backend cuda", "stock"),
+    ("GRAPHKERN_BACKEND=reference", "kernel"), ("GRAPHKERN_BACKEND=cuda", "stock"),
+    ("segment", "kernel"), ("adopted recording", "kernel"), ("another thread", "stock"),
+    ("route kernel", "kernel"), ("route stock", "stock")])
+def test_with_a_gpu_detected_the_auto_route_sees_every_setting(setting: str, runs: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a GPU backend detected (before patching: a layer reads it when it takes its route),
+    a standalone layer on the auto route runs the stock forward on its own arrays unless a trace
+    records, a compiled segment traces, the stock layers run or a backend is forced, on this
+    thread or through GRAPHKERN_BACKEND; each setting undone, the next call runs stock again."""
+    from graphkern.launching import backends
+    from graphkern.launching.context import state
+    from graphkern.models.layers import KernelRMSNorm
+
+    ran: list[str] = []
+
+    def stock_forward(self: nn.Module, x: mx.array) -> mx.array:
+        ran.append("original" if type(self) is nn.RMSNorm else "stock")
+        return x
+
+    def forward(self: nn.Module, x: mx.array) -> mx.array:
+        ran.append("kernel")
+        return x
+
+    monkeypatch.setattr(backends, "_detected_backend", lambda: "cuda")
+    monkeypatch.setattr(nn.RMSNorm, "__call__", stock_forward)
+    monkeypatch.setattr(KernelRMSNorm, "forward", forward)
+    model = nn.Sequential(nn.RMSNorm(8))
+    gk.patch(model)
+    layer, x = model.layers[0], mx.ones((1, 1, 8))
+    assert isinstance(layer, KernelRMSNorm)
+    _setting(setting, layer, x, monkeypatch)
+    assert state.plain
+    layer(x)
+    assert ran == [runs, "stock"]
+
+
+def test_thread_settings_keep_plain_up_to_date() -> None:
+    """``state.plain`` is whether none of the settings it sums up is set, through nested
+    changes and back."""
+    from graphkern.launching.backends import using_backend
+    from graphkern.launching.context import recording, state
+    from graphkern.models.prefill import stock_layers
+
+    def plain() -> bool:
+        return (state.recorder is None and state.backend is None and not state.stock_layers
+                and not state.segment_depth)
+
+    assert state.plain and plain()
+    with using_backend("reference"):
+        assert not state.plain
+        with recording(_Recorder()):  # type: ignore[arg-type]
+            assert not state.plain
+            with stock_layers():
+                assert not state.plain
+            assert not state.plain
+        assert not state.plain
+    with using_backend(None):
+        assert state.plain
+    assert state.plain and plain()
+
+
+def _rope_calls() -> list[tuple[str, dict[str, Any]]]:
+    from rope_layers import ROPES, YARN_CALL_ARGUMENTS
+
+    calls: list[tuple[str, dict[str, Any]]] = []
+    for name in sorted(ROPES):
+        calls += [(name, {}), (name, {"offset": 30}), (name, {"offset": 30, "positional": True})]
+    if YARN_CALL_ARGUMENTS:
+        calls += [("yarn", {"offset": 30, "scale": 0.5}), ("yarn", {"offset": 30, "inverse": True}),
+                  ("yarn", {"offset": 30, "positional": True, "inverse": True})]
+    return calls
+
+
+@pytest.mark.parametrize("name, call", _rope_calls())
+def test_with_a_gpu_detected_a_rope_runs_stock_with_the_arguments_given(
+        name: str, call: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A patched RoPE names its offset (mlx-lm passes it by keyword): given by keyword, by
+    position or not at all, with or without more arguments, the stock layer gets it as given."""
+    from rope_layers import ROPES
+
+    from graphkern.launching import backends
+
+    monkeypatch.setattr(backends, "_detected_backend", lambda: "cuda")
+    stock = ROPES[name](False)
+    model = nn.Sequential(ROPES[name](False))
+    gk.patch(model)
+    calls = spy_on_kernels(monkeypatch, ("rope",))
+    x = mx.random.normal((1, 2, 4, 64), key=mx.random.key(5))
+    kwargs = dict(call)
+    args = (kwargs.pop("offset"),) if kwargs.pop("positional", False) else ()
+    assert mx.array_equal(model.layers[0](x, *args, **kwargs), stock(x, *args, **kwargs)).item()
+    assert calls == []

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from ..errors import BackendError
 from ..nodes import Kernel, Status
-from .context import state
+from .context import settings_changed, state
 from .fastpaths import BACKEND_VARIABLE, environ_get
 
 __all__ = [
@@ -69,10 +69,12 @@ def using_backend(backend: str | None) -> Iterator[None]:
             raise BackendError("choose a graphkern backend",
                               f"{backend!r} is not one of {list(BACKENDS)}", Status.BACKEND_UNAVAILABLE)
         state.backend = backend
+        settings_changed()
     try:
         yield
     finally:
         state.backend = previous
+        settings_changed()
 
 
 def active_backend() -> str:

@@ -29,7 +29,7 @@ import mlx.core as mx
 from .launch_cache import LaunchCache
 
 __all__ = ["Recorder", "Settings", "adopted", "current_recorder", "inside_inspection_trace", "mlx_thread",
-           "recording", "release_streams", "snapshot", "state"]
+           "recording", "release_streams", "settings_changed", "snapshot", "state"]
 
 #: The most compiled launch forms a thread keeps (each holds an ``mx.compile``d function).
 THREAD_FORMS = 1024
@@ -130,6 +130,10 @@ class _ThreadState(threading.local):
     #: nesting depth of compiled segments being traced on this thread (``models.segments``;
     #: not a setting: a trace runs on the thread that calls it)
     segment_depth: int = 0
+    #: none of ``recorder``, ``backend``, ``stock_layers``, ``segment_depth`` is set: a patched
+    #: standalone layer reads this one value on every call instead of the four. Whatever sets one
+    #: of them calls :func:`settings_changed` after.
+    plain: bool = True
 
     def __init__(self) -> None:  # runs once in each thread that reads the state
         # the thread's compiled forms: MLX keeps one compile cache a thread, so a compiled
@@ -146,6 +150,13 @@ class _ThreadState(threading.local):
 
 
 state = _ThreadState()
+
+
+def settings_changed() -> None:
+    """Bring ``state.plain`` up to date with the settings it sums up, after one of them changed."""
+    state.plain = (state.recorder is None and state.backend is None and not state.stock_layers
+                   and not state.segment_depth)
+
 
 #: The settings a snapshot carries (what a launch or a patched layer reads).
 _SETTINGS = ("recorder", "backend", "vjp_off", "stock_layers", "kernels_only")
@@ -175,11 +186,13 @@ def adopted(settings: Settings) -> Iterator[None]:
     previous = snapshot()
     for name, value in zip(_SETTINGS, settings):
         setattr(state, name, value)
+    settings_changed()
     try:
         yield
     finally:
         for name, value in zip(_SETTINGS, previous):
             setattr(state, name, value)
+        settings_changed()
 
 
 class Recorder(Protocol):
@@ -204,10 +217,12 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
     """Route this thread's ``apply_in_graph`` calls to ``recorder`` for the duration."""
     previous = state.recorder
     state.recorder = recorder
+    settings_changed()
     try:
         yield recorder
     finally:
         state.recorder = previous
+        settings_changed()
 
 
 def inside_inspection_trace() -> bool:

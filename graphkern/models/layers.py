@@ -37,9 +37,11 @@ from graphkern.kernels.ops.quantized_projections import (
 )
 from graphkern.kernels.ops.quantized_rope_projections import ROTATED_MAX_ROWS
 from graphkern.kernels.ops.rope import int_offset_array
+from graphkern.launching import backends
 from graphkern.launching.autodiff import vjp_enabled, without_vjp
 from graphkern.launching.backends import active_backend
 from graphkern.launching.context import current_recorder, state
+from graphkern.launching.fastpaths import BACKEND_VARIABLE, environ_get
 from graphkern.launching.launch_cache import track_function
 from graphkern.models.patterns import is_class
 from graphkern.models.prefill import BlockPipeline, prompt_mode, stock_layers
@@ -81,6 +83,36 @@ class _Held:
 
     def __init__(self, module: Any):
         self.module = module
+
+
+_dict_get = dict.get
+
+
+def _item(name: str) -> Any:
+    """A name stock forwards read as an attribute (``self.weight``, ``self.down_proj``): the
+    layer's item of that name, looked up in its dict first. ``nn.Module`` finds an item only in
+    ``__getattr__``, after Python's own lookup failed (an AttributeError made and dropped on
+    every read). Without such an item the name is an ordinary attribute: the instance's, else
+    what the layer's ``__getattr__`` finds."""
+
+    def get(layer: Any) -> Any:
+        if (value := _dict_get(layer, name)) is not None:
+            return value
+        try:
+            return layer.__dict__[name]
+        except KeyError:
+            raise AttributeError(name) from None  # Python then asks __getattr__
+
+    def set_(layer: Any, value: Any) -> None:
+        layer.__dict__[name] = value
+
+    def delete(layer: Any) -> None:
+        try:
+            del layer.__dict__[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    return property(get, set_, delete)
 
 
 class KernelLayer(nn.Module):
@@ -166,6 +198,11 @@ class KernelLayer(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
+    def use_route(self, route: str) -> None:
+        """Take ``route`` (``graphkern.models.routes``) from the next call on: ``patch(route=...)``
+        and ``set_route`` set it through here."""
+        object.__setattr__(self, "_gk_call_route", route)
+
     def stock(self, *args: Any, **kwargs: Any) -> Any:
         """The replaced layer's own forward on this layer's arrays: for calls the kernel does not
         take (a norm weight in another dtype, which ``mx.fast`` promotes; a block sharded since
@@ -222,12 +259,47 @@ class StandaloneLayer(KernelLayer):
     #: Whether :meth:`stock_call` is the replaced layer's forward as it is (a subclass that
     #: overrides it is not), so a stock call can go straight to that forward.
     _gk_plain_stock: ClassVar[bool] = True
+    #: The function a stock call runs (the replaced layer's forward, or this class's
+    #: ``stock_call`` where it overrides it; called with the layer first) when the route is
+    #: ``"auto"`` and a GPU backend is detected, else None (:meth:`use_route` keeps it).
+    _gk_auto_stock: Callable[..., Any] | None = None
+
+    # items the replaced layers' forwards read as attributes (mlx's norms and mlx-lm's MLPs and
+    # RoPEs), found without nn.Module.__getattr__
+    weight = _item("weight")
+    bias = _item("bias")
+    gate_proj = _item("gate_proj")
+    up_proj = _item("up_proj")
+    down_proj = _item("down_proj")
+    gate_up_proj = _item("gate_up_proj")
+    _freqs = _item("_freqs")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._gk_plain_stock = cls.stock_call is StandaloneLayer.stock_call
 
+    def __init__(self, original: nn.Module):
+        super().__init__(original)
+        self.use_route(self._gk_call_route)
+
+    def use_route(self, route: str) -> None:
+        super().use_route(route)
+        # the detected backend cannot change in a process: read once here, not on every call
+        gpu = backends._detected_backend() != "reference"
+        stock = self._gk_stock_forward if self._gk_plain_stock else type(self).stock_call
+        object.__setattr__(self, "_gk_auto_stock", stock if route == "auto" and gpu else None)
+
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        stock = self._gk_auto_stock
+        if stock is not None and state.plain and not environ_get(BACKEND_VARIABLE):
+            # takes_stock's answer on the auto route with a GPU detected, no backend forced and
+            # nothing set on this thread (decoding on a GPU), from the fewest reads; a call of
+            # one or two positional arguments goes on without packing them
+            if not (args or kwargs):
+                return stock(self, x)
+            if len(args) == 1 and not kwargs:
+                return stock(self, x, args[0])
+            return stock(self, x, *args, **kwargs)
         if not state.stock_layers and takes_stock(self._gk_call_route, self.elementwise):
             if self._gk_plain_stock:
                 return self._gk_stock_forward(self, x, *args, **kwargs)  # stock_call, one call fewer
@@ -296,6 +368,10 @@ class KernelLayerNorm(StandaloneLayer):
         return gkk.layer_norm(x, weight, bias, self.eps)
 
 
+#: A RoPE call's offset when the caller gave none (the stock layer's default applies).
+_NO_OFFSET: Any = object()
+
+
 class Rotary(NamedTuple):
     """One RoPE call as the library kernels take it (``gkk.rope`` and ``gkk.rope_qk`` arguments)."""
 
@@ -315,6 +391,18 @@ class KernelRoPE(StandaloneLayer):
     """
 
     kernel = "rope"
+
+    def __call__(self, x: Any, offset: Any = _NO_OFFSET, *args: Any, **kwargs: Any) -> Any:
+        # StandaloneLayer.__call__ with the offset named: mlx-lm passes it by keyword, which
+        # would otherwise go into a dict and out of it again on every call
+        stock = self._gk_auto_stock
+        if stock is not None and not (args or kwargs) and state.plain and not environ_get(BACKEND_VARIABLE):
+            return stock(self, x) if offset is _NO_OFFSET else stock(self, x, offset)
+        if offset is not _NO_OFFSET:
+            args = (offset, *args)
+        if not state.stock_layers and takes_stock(self._gk_call_route, self.elementwise):
+            return self.stock_call(x, *args, **kwargs)
+        return KernelLayer.__call__(self, x, *args, **kwargs)
 
     def rotary(self, length: int, offset: int | mx.array) -> Rotary | None:
         return Rotary(self.dims, self.traditional, self.base, None, self.scale)

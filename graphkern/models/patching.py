@@ -222,7 +222,7 @@ def _route_layer(layer: KernelLayer, route: str) -> None:
     """``layer`` and the kernel layers it built inside itself (a block's norms) take ``route``."""
     for _, module in layer.named_modules():
         if isinstance(module, KernelLayer):
-            object.__setattr__(module, "_gk_call_route", route)
+            module.use_route(route)
 
 
 def set_route(model: nn.Module, route: str) -> int:
@@ -242,7 +242,7 @@ def set_route(model: nn.Module, route: str) -> int:
     check_route("set the route of patched layers", route)
     layers = [m for _, m in model.named_modules() if isinstance(m, KernelLayer)]
     for layer in layers:
-        object.__setattr__(layer, "_gk_call_route", route)
+        layer.use_route(route)
     return len(layers)
 
 

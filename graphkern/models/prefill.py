@@ -36,7 +36,7 @@ import mlx.core as mx
 
 from graphkern.launching.autodiff import vjp_enabled
 from graphkern.launching.backends import active_backend
-from graphkern.launching.context import state
+from graphkern.launching.context import settings_changed, state
 from graphkern.models.segments import MAX_SEGMENT_TOKENS
 
 __all__ = ["PIPELINE_TOKENS", "SPARSE_PIPELINE_TOKENS", "STOCK_PROMPT_BACKENDS", "kernels_only",
@@ -94,10 +94,12 @@ def stock_layers_run() -> bool:
 def stock_layers() -> Iterator[None]:
     """Every patched layer called on this thread runs the layer it replaced, for the duration."""
     previous, state.stock_layers = state.stock_layers, True
+    settings_changed()
     try:
         yield
     finally:
         state.stock_layers = previous
+        settings_changed()
 
 
 @contextlib.contextmanager

@@ -51,7 +51,7 @@ from typing import Any
 import mlx.core as mx
 
 from graphkern.launching.autodiff import vjp_enabled
-from graphkern.launching.context import state
+from graphkern.launching.context import settings_changed, state
 from graphkern.launching.launch_cache import LaunchCache
 from graphkern.tracing.guards import AttributeGuard, modules_under
 
@@ -168,10 +168,12 @@ def _traced(layer_ref: weakref.ReferenceType[Any], name: str | tuple[Any, ...],
         live = layer_ref()
         held = _holding(live, trees) if paths is None else _pruned(live, paths, trees)
         state.segment_depth += 1  # the layers it calls run their kernels: here they fuse
+        settings_changed()
         try:
             return getattr(held, method)(*constants, *args)
         finally:
             state.segment_depth -= 1
+            settings_changed()
 
     return traced
 
