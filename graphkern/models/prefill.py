@@ -19,11 +19,11 @@ device work to gain from this at fewer tokens.
 
 All of this applies to evaluating calls only (no vjp: an evaluating model, or
 ``gk.without_vjp()``) outside graphkern traces, which always record the kernels. Decoding calls
-(up to ``MAX_SEGMENT_TOKENS`` tokens) run the kernels' compiled segments, unless they hold more token
-rows than the blocks' fused kernels take on a GPU (``graphkern.models.routes.stack_row_limit``):
-those run the stock layers too. Inside a graph
-transformation (``mx.compile``, ``mx.vmap``, an export) ``mx.async_eval`` refuses, and the forward
-goes on lazily. ``kernels_only()`` makes every call run the kernels (``check_model`` does).
+(up to ``MAX_SEGMENT_TOKENS`` tokens) run the kernels' compiled segments, unless they hold more
+token rows than the blocks' fused kernels take on a GPU (``graphkern.models.routes.stack_row_limit``):
+those run the stock layers too. Inside a graph transformation (``mx.compile``, ``mx.vmap``, an
+export) ``mx.async_eval`` refuses, and the forward goes on lazily. ``kernels_only()`` makes every
+call run the kernels (``check_model`` does).
 """
 
 from __future__ import annotations
