@@ -262,7 +262,7 @@ def test_a_quantized_phi3_decodes_its_fused_qkv_prologue_in_one_launch(
     monkeypatch.setattr(routes, "on_gpu_backend", lambda: True)
     kinds = decode_launches(patched).kinds
     assert kinds["gk_quantized_norm_rope_projections"] == len(patched.model.layers)
-    assert not {"gk_rope_qk", "gk_quantized_norm_projections", "Split"} & set(kinds)
+    assert not {"gk_rope_qk", "gk_quantized_norm_projections"} & set(kinds)
 
 
 def test_rows_past_two_decode_through_the_projections_and_rope_qk_apart(

@@ -32,9 +32,10 @@ from graphkern.runtime import launch
 
 __all__ = ["VIEWS", "Launches", "decode_launches", "fused_ops_as_nodes"]
 
-#: Ops that make a view of their input on a GPU (no kernel), as decoding meets them.
+#: Ops that make a view of their input on a GPU (no kernel), as decoding meets them; ``Split``'s
+#: outputs are slices of its input's buffer, as ``Slice``'s.
 VIEWS = frozenset({"Reshape", "Transpose", "Flatten", "Unflatten", "ExpandDims", "Squeeze", "Broadcast",
-                   "Slice", "AsStrided", "StopGradient"})
+                   "Slice", "Split", "AsStrided", "StopGradient"})
 _FAST = ("rms_norm", "layer_norm", "rope", "scaled_dot_product_attention")
 
 
