@@ -25,6 +25,7 @@ __all__ = [
     "active_backend",
     "backend_setting",
     "generated_name",
+    "gpu_detected",
     "mlx_kernel_name",
     "resolve_backend",
     "using_backend",
@@ -41,6 +42,12 @@ def _detected_backend() -> str:
     if mx.cuda.is_available():
         return "cuda"
     return "reference"
+
+
+def gpu_detected() -> bool:
+    """Whether MLX has a GPU backend (Metal or CUDA) in this process: found once, since it cannot
+    change while the process runs, and what a thread uses unless a backend is set for it."""
+    return _detected_backend() != "reference"
 
 
 def backend_setting() -> Any:
@@ -97,7 +104,7 @@ def on_gpu_backend() -> bool:
     """Whether kernels run on a GPU backend (metal or cuda) on this thread now: what
     :func:`active_backend` says, read cheaply enough for a patched layer's every call."""
     if not (state.backend or environ_get(BACKEND_VARIABLE)):
-        return _detected_backend() != "reference"
+        return gpu_detected()
     return active_backend() != "reference"
 
 

@@ -285,7 +285,7 @@ class StandaloneLayer(KernelLayer):
     def use_route(self, route: str) -> None:
         super().use_route(route)
         # the detected backend cannot change in a process: read once here, not on every call
-        gpu = backends._detected_backend() != "reference"
+        gpu = backends.gpu_detected()
         stock = self._gk_stock_forward if self._gk_plain_stock else type(self).stock_call
         object.__setattr__(self, "_gk_auto_stock", stock if route == "auto" and gpu else None)
 
