@@ -74,12 +74,20 @@ def takes_stock(route: str, elementwise: bool = False) -> bool:
     return route == "stock"
 
 
+def _row_limit(route: str, kind: str) -> int | None:
+    """``FUSED_MAX_ROWS[kind]`` on ``route``, or None for no limit (the ``"kernel"`` route, or off
+    a GPU)."""
+    if route == "kernel" or not on_gpu_backend():
+        return None
+    return FUSED_MAX_ROWS[kind]
+
+
 def fused_rows(route: str, rows: int, quantized: bool = False) -> bool:
     """Whether a fused block on ``route`` runs its norm-fed projection kernels (``quantized``: the
     ones for quantized weights) for a call of ``rows`` token rows (see :data:`FUSED_MAX_ROWS`); the
     kernels' own limits apply besides."""
-    limit = FUSED_MAX_ROWS["quantized" if quantized else "plain"]
-    return route == "kernel" or rows <= limit or not on_gpu_backend()
+    limit = _row_limit(route, "quantized" if quantized else "plain")
+    return limit is None or rows <= limit
 
 
 def stack_row_limit(route: str, quantized: bool, hidden: int) -> int | None:
@@ -90,6 +98,4 @@ def stack_row_limit(route: str, quantized: bool, hidden: int) -> int | None:
     >>> stack_row_limit("kernel", quantized=True, hidden=4096) is None
     True
     """
-    if route == "kernel" or not on_gpu_backend():
-        return None
-    return FUSED_MAX_ROWS["quantized" if quantized or hidden > WIDE_HIDDEN else "plain"]
+    return _row_limit(route, "quantized" if quantized or hidden > WIDE_HIDDEN else "plain")
