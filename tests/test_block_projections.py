@@ -28,8 +28,10 @@ def test_the_fused_and_the_stock_block_agree(layout: str, weights: str, geglu: b
     ours = block_projections._stack(block_projections.block_ours(bits, geglu), x, r, layers)
     stock = block_projections._stack(block_projections.block_stock(bits, geglu), x, r, layers)
     assert [a.shape for a in ours] == [b.shape for b in stock]
-    for a, b in zip(ours, stock):  # bfloat16 outputs up to 5: within two ulp at that scale (1/64)
-        assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), atol=2**-5, rtol=0).item()
+    # bfloat16 outputs up to 5, after two blocks: within four ulp at that scale (1/64). The plain
+    # kernels normalize in float32 where stock rounds the normalized rows to bfloat16.
+    for a, b in zip(ours, stock):
+        assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), atol=2**-4, rtol=0).item()
 
 
 def test_the_weights_bytes_count_every_array_read() -> None:

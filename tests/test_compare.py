@@ -182,11 +182,11 @@ def test_a_one_percent_error_in_layer_20_of_32_in_bfloat16_is_found_there(deep_s
 
 @pytest.mark.slow
 def test_a_small_error_at_a_fused_kernel_is_called_a_marginal_signal() -> None:
-    """A weight 0.4% off feeding a fused kernel (norm + gate and up products + SwiGLU, as an
-    evaluating block decodes): found at its layer, but only 1.67x what rounding and tolerance
+    """A weight 0.3% off feeding a fused kernel (norm + gate and up products + SwiGLU, as an
+    evaluating block decodes): found at its layer, but under twice what rounding and tolerance
     allow, and the logits within the rule. The report says the signal is marginal and how to
     make it plain; in float32 the same error is far beyond the rule."""
-    stock, changed = pb.deep_llama(), pb.deep_llama_scaled(weight="mlp.gate_proj", factor=1.004)
+    stock, changed = pb.deep_llama(), pb.deep_llama_scaled(weight="mlp.gate_proj", factor=1.003)
     gk.patch(changed)
     stock.eval()
     changed.eval()

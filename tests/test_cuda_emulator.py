@@ -72,15 +72,36 @@ def test_the_gated_bodies_gate_with_their_own_activation(name: str, dtype: mx.Dt
 
 
 def _gated_truth(case: Any, act: int) -> mx.array:
-    """A gated call's output from float32 products of its rows normalized in the dtype."""
+    """A gated call's output from float32 products of its rows normalized as the kernels normalize
+    them: the quantized kernels in the dtype (``mx.fast.rms_norm``), the plain ones in float32,
+    never rounded."""
     x, w, gate, up = case.args
     dtype = x.dtype
-    normed = mx.fast.rms_norm(x + case.kwargs["residual"], w, case.kwargs["eps"]).astype(mx.float32)
+    h = (x + case.kwargs["residual"]).astype(mx.float32)
     if "bits" in case.kwargs:
+        normed = mx.fast.rms_norm(h.astype(dtype), w, case.kwargs["eps"]).astype(mx.float32)
         group_size, bits = case.kwargs["group_size"], case.kwargs["bits"]
         g, u = (mx.quantized_matmul(normed, q, s.astype(mx.float32), b.astype(mx.float32), transpose=True,
                                     group_size=group_size, bits=bits) for q, s, b in (gate, up))
     else:
+        inv = mx.rsqrt(mx.mean(h * h, axis=-1, keepdims=True) + case.kwargs["eps"])
+        normed = h * inv * w.astype(mx.float32)
         g, u = normed @ gate.astype(mx.float32).T, normed @ up.astype(mx.float32).T
     gated = activation_float32(g.astype(dtype), act) * u.astype(dtype).astype(mx.float32)
     return gated.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=lambda d: str(d).split(".")[-1])
+def test_the_projection_body_matches_its_reference_in_both_forms(dtype: mx.Dtype) -> None:
+    """``norm_projections`` at one and two token rows (each warp normalizing as it streams its
+    weight row), three and eight (the rows staged in shared memory once a block), and features that
+    take the vector path (256) and the scalar one (100): each form against the reference, the norm
+    and products in float32, every output rounded once."""
+    entry = LIBRARY["norm_projections"]
+    for shape in ((1, 1, 256), (2, 256), (3, 100), (8, 256), (2, 100)):
+        case = entry.make_inputs(shape, dtype, mx.random.key(shape[0]))
+        with using_backend("cuda"):
+            plan = entry.plan(*case.args, **case.kwargs)
+        atol, rtol = TOLERANCES[dtype]
+        assert worst_errors(cuda_emulate.emulate(plan), apply_plan(plan, "reference"), rtol=rtol,
+                            atol=atol)[2], shape

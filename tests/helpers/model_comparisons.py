@@ -116,13 +116,18 @@ def eval_twins(arch: str, dtype: mx.Dtype = mx.float32, **options: Any) -> tuple
     return stock, patched
 
 
-def greedy_logits(model: Any, steps: int = 3, prompt: mx.array = PROMPT) -> list[mx.array]:
-    """The logits of ``prompt`` and of ``steps`` greedy decoding steps after it, on a fresh cache."""
+def greedy_logits(model: Any, steps: int = 3, prompt: mx.array = PROMPT,
+                  follow: list[mx.array] | None = None) -> list[mx.array]:
+    """The logits of ``prompt`` and of ``steps`` greedy decoding steps after it, on a fresh cache.
+    With ``follow`` (another run's logits) each step feeds that run's greedy token instead of this
+    model's own, so two models' logits compare step by step even where a near tie parts their
+    choices."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     logits = [model(prompt, cache=cache)]
-    for _ in range(steps):
-        logits.append(model(mx.argmax(logits[-1][:, -1:], axis=-1), cache=cache))
+    for step in range(steps):
+        source = logits[-1] if follow is None else follow[step]
+        logits.append(model(mx.argmax(source[:, -1:], axis=-1), cache=cache))
     mx.eval(logits)
     return logits

@@ -5,12 +5,18 @@ projections), or for ``act(n @ Wg.T) * (n @ Wu.T)`` (its gated feed-forward's ga
 
 Decoding feeds a handful of token rows (``M = x.size / K``) through each layer, and then every
 launch costs the host more than the GPU spends on it. Stock MLX makes an add, a norm and three
-matrix-vector products (or two and the gating) as separate launches; here each thread block
-normalizes the rows into shared memory (block 0 also writes the sum ``h``) and its warps each
-reduce one weight row against them: one launch, the weights read once, for ``M <= MAX_ROWS`` rows
-within the backend's threadgroup memory. The products round to the dtype as MLX's do before the
-gating, which runs in float32. The SwiGLU and GeGLU kernels share one source, whose ``ACT`` template
-value picks the activation (:data:`ACTIVATIONS`).
+matrix-vector products (or two and the gating) as separate launches; here one launch does it, the
+weights read once, each warp reducing one weight row (a gated one, a gate row and an up row) against
+the token rows, for ``M <= MAX_ROWS`` rows within the backend's threadgroup memory.
+
+The norm is linear in its scale, ``rms_norm(h) . W = inv * sum(h * w * W)``, so the kernels take
+the normalized rows in float32 and never round them to the dtype; each output rounds once (stock
+rounds the normalized rows too, an ulp apart). On CUDA, for one token row (``STREAM_ROWS``), each warp
+forms ``h = x + residual`` and its sum of squares as it streams its weights, with no prologue before
+its first weight load, as MLX's own ``gemv`` starts; more rows are staged in shared memory once a
+block (block 0 also writes ``h``). The products round to the dtype as MLX's do before the gating,
+which runs in float32. The SwiGLU and GeGLU kernels share one source, whose ``ACT`` template value
+picks the activation (:data:`ACTIVATIONS`).
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ from graphkern.kernels.headers import dual_header
 from graphkern.kernels.norm_rows import (
     CUDA_PREFETCH,
     MAX_ROWS,
-    METAL_NORM_ROWS,
     norm_rows,
     norm_rows_template,
     random_rows,
@@ -34,8 +39,7 @@ from graphkern.kernels.norm_rows import (
     stock_normed,
 )
 from graphkern.kernels.ops.gelu import GELU_CUDA, GELU_METAL, gelu_float32
-from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA, rms_norm_reference
-from graphkern.nodes import Kernel, KernelError, Status, dtype_name
+from graphkern.nodes import Kernel, KernelError, Status, dtype_name, float_from_bits
 
 __all__ = ["ACTIVATIONS", "ACTIVATION_CUDA", "ACTIVATION_METAL", "DECODING_SHAPES", "NORM_GEGLU",
            "NORM_PROJECTIONS", "NORM_SWIGLU", "activation_float32", "geglu_act", "norm_geglu",
@@ -95,7 +99,17 @@ def geglu_act(approx: bool) -> int:
 BLOCK = 256
 WIDE_BLOCK = 512
 
-_CUDA = r"""
+#: The most token rows the streaming form takes: past it, each warp's reads of the token rows (from
+#: L1, every warp of a block reading them all) cost more than one staging a block into shared memory
+#: (two rows measured slower streamed than staged on an H100: benchmarks/RESULTS_kernels.md).
+STREAM_ROWS = 1
+
+_CUDA = f"""
+namespace gk {{
+
+constexpr int STREAM_ROWS = {STREAM_ROWS};
+}}  // namespace gk
+""" + r"""
 namespace gk {
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -106,12 +120,15 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// The M rows of x (+ r, rounded to T, block 0 writing the sum to h) RMS-normalized into xs, rounded
-// as rms_norm rounds: T(T(v * inv) * w). One pass of V-wide loads, one reduction for all M rows.
+// The norm's product, unrounded: a row of W against the M token rows h (the rows of xs), each
+// rms_norm(h) . W = inv * sum_k W[k] * h[k] * w[k] with inv = rsqrt(mean(h^2) + eps). The rows are
+// normalized in float32 and never rounded to T, so each output rounds once.
+
+// The M rows of h = T(x + r) into xs (block 0 writing them to h) and each row's scale into inv.
 // Every thread of the block takes part; red holds M * NT / 32 floats.
-template <typename T, int M, int K, int V, int NT, bool RESID, bool HAS_W>
-__device__ __forceinline__ void norm_rows(const T* x, const T* r, const T* w, T* h, T* xs, float eps,
-                                          float* red) {
+template <typename T, int M, int K, int V, int NT, bool RESID>
+__device__ __forceinline__ void stage_rows(const T* x, const T* r, T* h, T* xs, float eps, float* red,
+                                           float* inv) {
   constexpr int WARPS = NT / 32;
   float ss[M];
 #pragma unroll
@@ -146,61 +163,92 @@ __device__ __forceinline__ void norm_rows(const T* x, const T* r, const T* w, T*
     }
   }
   __syncthreads();
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
+  if (threadIdx.x < M) {
     float total = 0.0f;
 #pragma unroll
     for (int i = 0; i < WARPS; ++i) {
-      total += red[m * WARPS + i];
+      total += red[threadIdx.x * WARPS + i];
     }
-    const float inv = rsqrtf(total / K + eps);
-    for (int i = threadIdx.x * V; i < K; i += NT * V) {  // each thread rereads only what it wrote
-      float v[V];
-      load<T, V>(xs + m * K, i, v);
-      rms_scale<T, V, HAS_W>(v, w, i, inv);
-      store<T, V>(xs + m * K, i, v);
-    }
+    inv[threadIdx.x] = rsqrtf(total / K + eps);
   }
   __syncthreads();
 }
 
-// acc[m] += row . xs[m] over this warp's lanes (each V elements at a time), then summed over the warp.
-template <typename T, int M, int K, int V>
-__device__ __forceinline__ void row_dot(const T* row, const T* xs, float (&acc)[M]) {
+// acc[n][m] = rms_norm(h_m) . rows[n] for NR weight rows, this warp's lanes V elements at a time,
+// summed over the warp. h_m: row m of xs (staged) or, up to STREAM_ROWS rows, T(x + r) formed here from the
+// token rows (every warp of a block reads the same ones, from L1), its scale from its sum of squares
+// taken in the same pass (the warp given h writes the rows to it). The latter, the streaming form,
+// has no prologue: a warp's weights stream from its first instruction, as gemv's do.
+template <typename T, int M, int K, int V, int NR, bool RESID, bool HAS_W>
+__device__ __forceinline__ void normed_dot(const T* const (&rows)[NR], const T* xs, const float* inv,
+                                           const T* x, const T* r, const T* w, T* h, float eps,
+                                           float (&acc)[NR][M]) {
   const int lane = threadIdx.x & 31;
+  constexpr bool stream = M <= STREAM_ROWS;
+  float ss[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) {
-    acc[m] = 0.0f;
+    ss[m] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < NR; ++n) {
+      acc[n][m] = 0.0f;
+    }
   }
-#pragma unroll 4
+#pragma unroll 2
   for (int k = lane * V; k < K; k += 32 * V) {
-    float wv[V];
-    load<T, V>(row, k, wv);
+    float wv[NR][V];
+#pragma unroll
+    for (int n = 0; n < NR; ++n) {
+      load<T, V>(rows[n], k, wv[n]);
+    }
+    float nw[V];
+    if constexpr (HAS_W) {
+      load<T, V>(w, k, nw);
+    }
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      float xv[V];
-      load<T, V>(xs + m * K, k, xv);
+      float v[V];
+      if constexpr (stream) {
+        load<T, V>(x + m * K, k, v);
+        if constexpr (RESID) {
+          float rv[V];
+          load<T, V>(r + m * K, k, rv);
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            v[j] = round_to<T>(v[j] + rv[j]);
+          }
+          if (h != nullptr) {
+            store<T, V>(h + m * K, k, v);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          ss[m] += v[j] * v[j];
+        }
+      } else {
+        load<T, V>(xs + m * K, k, v);
+      }
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        acc[m] += wv[j] * xv[j];
+        const float s = HAS_W ? v[j] * nw[j] : v[j];
+#pragma unroll
+        for (int n = 0; n < NR; ++n) {
+          acc[n][m] += wv[n][j] * s;
+        }
       }
     }
   }
 #pragma unroll
   for (int m = 0; m < M; ++m) {
-    acc[m] = warp_sum(acc[m]);
-  }
-}
-
-// y[m, r] = xs[m] . W[r] for the r-th row of one projection of n rows.
-template <typename T, int M, int K, int V>
-__device__ __forceinline__ void project_row(const T* W, T* y, int r, int n, const T* xs) {
-  float acc[M];
-  row_dot<T, M, K, V>(W + static_cast<long long>(r) * K, xs, acc);
-  if ((threadIdx.x & 31) == 0) {
+    float scale;
+    if constexpr (stream) {
+      scale = rsqrtf(warp_sum(ss[m]) / K + eps);
+    } else {
+      scale = inv[m];
+    }
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      y[static_cast<long long>(m) * n + r] = static_cast<T>(acc[m]);
+    for (int n = 0; n < NR; ++n) {
+      acc[n][m] = warp_sum(acc[n][m]) * scale;
     }
   }
 }
@@ -208,88 +256,137 @@ __device__ __forceinline__ void project_row(const T* W, T* y, int r, int n, cons
 }  // namespace gk
 """
 
-# The shared opening: the normalized rows in shared memory, and this warp's weight row. Rows of
-# V-aligned pointers take V-wide accesses throughout, others the scalar path (``VA``).
-_CUDA_START = r"""
-  __shared__ float red[M * (NT / 32)];
-  __shared__ __align__(16) unsigned char xs_bytes[M * K * sizeof(T)];
-  T* xs = reinterpret_cast<T*>(xs_bytes);
+# Every body's opening: this warp's row of the weights stacked, and the norm's epsilon.
+_CUDA_ROW = r"""
   const float eps = __int_as_float(EPS);
   const int row = blockIdx.x * (NT / 32) + threadIdx.x / 32;"""
 
 
-def _cuda_body(aligned: str, prefetch: str, work: str) -> str:
-    """A body that asks L2 for this warp's weight rows (``prefetch``), then runs ``work`` (which
-    names ``VA``, the vector width it may use) V-wide when the ``aligned`` pointers are, else one
-    element at a time."""
-    run = r"""
-    gk::norm_rows<T, M, K, VA, NT, RESID, HAS_W>(x, residual, w, h, xs, eps, red);""" + work
-    return (_CUDA_START + prefetch + f"\n  if ({aligned}) {{\n    constexpr int VA = V;" + run
-            + "\n  } else {\n    constexpr int VA = 1;" + run + "\n  }\n")
+def _cuda_body(opening: str, aligned: str, write: str) -> str:
+    """A body: ``opening`` names this warp's ``NR`` weight ``rows`` (pointers) and whether it has
+    any (``has_row``); the warp reduces them against the normalized token rows and ``write`` stores
+    ``acc`` (``float[NR][M]``). V-wide where the ``aligned`` pointers are, else one element at a time.
+    Up to ``STREAM_ROWS`` token rows take the streaming form; more are staged into shared memory
+    once a block, while each warp asks L2 for its weight rows."""
+    work = r"""
+      if (has_row) {
+        float acc[NR][M];
+        gk::normed_dot<T, M, K, VA, NR, RESID, HAS_W>(rows, xs, inv, x, residual, w, h_out, eps,
+                                                      acc);""" + write + r"""
+      }"""
+
+    def widths(stage: str) -> str:
+        return (f"\n    if ({aligned}) {{\n      constexpr int VA = V;" + stage + work
+                + "\n    } else {\n      constexpr int VA = 1;" + stage + work + "\n    }")
+
+    return (_CUDA_ROW + opening + r"""
+  if constexpr (M <= gk::STREAM_ROWS) {
+    const T* const xs = nullptr;
+    const float* const inv = nullptr;
+    T* const h_out = RESID && row == 0 ? h : nullptr;""" + widths("") + r"""
+  } else {
+    __shared__ float red[M * (NT / 32)];
+    __shared__ float inv[M];
+    __shared__ __align__(16) unsigned char xs_bytes[M * K * sizeof(T)];
+    T* const xs = reinterpret_cast<T*>(xs_bytes);
+    T* const h_out = nullptr;
+    if (has_row) {
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        gk::prefetch_l2(rows[i], K * sizeof(T));
+      }
+    }""" + widths(r"""
+      gk::stage_rows<T, M, K, VA, NT, RESID>(x, residual, h, xs, eps, red, inv);""") + "\n  }\n")
 
 
-_CUDA_PROJECTIONS = _cuda_body(
-    "gk::aligned<V>(x) && gk::aligned<V>(residual) && gk::aligned<V>(w) && gk::aligned<V>(h) && "
-    "gk::aligned<V>(w0) && gk::aligned<V>(w1) && gk::aligned<V>(w2)", r"""
+# This warp's weight row: the row-th of the three weights stacked (absent ones have no rows).
+_CUDA_PICK = r"""
   const int n0 = w0_shape[0];
   const int n1 = NW > 1 ? w1_shape[0] : 0;
   const int n2 = NW > 2 ? w2_shape[0] : 0;
-  constexpr long long ROW_BYTES = K * sizeof(T);
-  if (row < n0) {
-    gk::prefetch_l2(w0 + static_cast<long long>(row) * K, ROW_BYTES);
-  } else if (row < n0 + n1) {
-    gk::prefetch_l2(w1 + static_cast<long long>(row - n0) * K, ROW_BYTES);
-  } else if (row < n0 + n1 + n2) {
-    gk::prefetch_l2(w2 + static_cast<long long>(row - n0 - n1) * K, ROW_BYTES);
-  }""", r"""
-    if (row < n0) {
-      gk::project_row<T, M, K, VA>(w0, y0, row, n0, xs);
-    } else if (row < n0 + n1) {
-      gk::project_row<T, M, K, VA>(w1, y1, row - n0, n1, xs);
-    } else if (row < n0 + n1 + n2) {
-      gk::project_row<T, M, K, VA>(w2, y2, row - n0 - n1, n2, xs);
-    }""")
+  const int pick = row < n0 ? 0 : row < n0 + n1 ? 1 : row < n0 + n1 + n2 ? 2 : 3;
+  const bool has_row = pick < 3;
+  const int r = row - (pick > 0 ? n0 : 0) - (pick > 1 ? n1 : 0);
+  const int n = pick == 0 ? n0 : pick == 1 ? n1 : n2;
+  T* const y = pick == 0 ? y0 : pick == 1 ? y1 : y2;
+  constexpr int NR = 1;
+  const T* const rows[NR] = {(pick == 0 ? w0 : pick == 1 ? w1 : w2) + static_cast<long long>(r) * K};"""
+
+_CUDA_PROJECTIONS = _cuda_body(
+    _CUDA_PICK,
+    "gk::aligned<V>(x) && gk::aligned<V>(residual) && gk::aligned<V>(w) && gk::aligned<V>(h) && "
+    "gk::aligned<V>(w0) && gk::aligned<V>(w1) && gk::aligned<V>(w2)", r"""
+        if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+            y[static_cast<long long>(m) * n + r] = static_cast<T>(acc[0][m]);
+          }
+        }""")
 
 # The gated body, of SwiGLU and GeGLU alike: ACT picks the activation of the rounded gate product.
-_CUDA_GATED = _cuda_body(
+_CUDA_GATED = _cuda_body(r"""
+  const int n = gate_shape[0];
+  const bool has_row = row < n;
+  constexpr int NR = 2;
+  const long long at = static_cast<long long>(row) * K;
+  const T* const rows[NR] = {gate + at, up + at};""",
     "gk::aligned<V>(x) && gk::aligned<V>(residual) && gk::aligned<V>(w) && gk::aligned<V>(h) && "
     "gk::aligned<V>(gate) && gk::aligned<V>(up)", r"""
-  const int n = gate_shape[0];
-  if (row < n) {
-    gk::prefetch_l2(gate + static_cast<long long>(row) * K, K * sizeof(T));
-    gk::prefetch_l2(up + static_cast<long long>(row) * K, K * sizeof(T));
-  }""", r"""
-    if (row < n) {
-      float g[M];
-      float u[M];
-      gk::row_dot<T, M, K, VA>(gate + static_cast<long long>(row) * K, xs, g);
-      gk::row_dot<T, M, K, VA>(up + static_cast<long long>(row) * K, xs, u);
-      if ((threadIdx.x & 31) == 0) {
+        if ((threadIdx.x & 31) == 0) {
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const float gm = gk::round_to<T>(g[m]);
-          out[static_cast<long long>(m) * n + row] =
-              static_cast<T>(gk::activation<ACT, T>(gm) * gk::round_to<T>(u[m]));
-        }
-      }
-    }""")
+          for (int m = 0; m < M; ++m) {
+            const float g = gk::round_to<T>(acc[0][m]);
+            out[static_cast<long long>(m) * n + row] =
+                static_cast<T>(gk::activation<ACT, T>(g) * gk::round_to<T>(acc[1][m]));
+          }
+        }""")
 
 _METAL = r"""
 namespace gk {
-""" + METAL_NORM_ROWS + r"""
-template <typename T, int M, int K, typename PW>
-inline void row_dot(PW row, threadgroup const T* xs, uint lane, thread float (&acc)[M]) {
+
+// The M rows of h = T(x + r) into xs (block 0 writing them to h) and each row's norm scale
+// rsqrt(mean(h^2) + eps) into inv. Each pointer has its own type (MLX passes an input of fewer
+// than 8 elements in constant memory, others in device memory).
+template <typename T, int M, int K, int NT, bool RESID, typename PX, typename PR, typename PH>
+inline void stage_rows(PX x, PR r, PH h, threadgroup T* xs, threadgroup float* inv, float eps, uint tid,
+                       uint lane, uint sg, uint block, threadgroup float* red) {
+  for (int m = 0; m < M; ++m) {
+    float ss = 0.0f;
+    for (int i = tid; i < K; i += NT) {
+      float v = static_cast<float>(x[m * K + i]);
+      if (RESID) {
+        v = round_to<T>(v + static_cast<float>(r[m * K + i]));
+        if (block == 0) {
+          h[m * K + i] = static_cast<T>(v);
+        }
+      }
+      xs[m * K + i] = static_cast<T>(v);
+      ss += v * v;
+    }
+    const float total = block_reduce<NT>(ss, red, lane, sg, Sum());
+    if (tid == 0) {
+      inv[m] = metal::precise::rsqrt(total / K + eps);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// acc[m] = rms_norm(h_m) . row = inv[m] * sum_k row[k] * h_m[k] * w[k], in float32, unrounded.
+template <typename T, int M, int K, bool HAS_W, typename PR, typename PW>
+inline void normed_dot(PR row, PW w, threadgroup const T* xs, threadgroup const float* inv, uint lane,
+                       thread float (&acc)[M]) {
   for (int m = 0; m < M; ++m) {
     acc[m] = 0.0f;
   }
   for (int k = lane; k < K; k += 32) {
     const float wv = static_cast<float>(row[k]);
+    const float nw = HAS_W ? static_cast<float>(w[k]) : 1.0f;
     for (int m = 0; m < M; ++m) {
-      acc[m] += wv * static_cast<float>(xs[m * K + k]);
+      acc[m] += wv * (static_cast<float>(xs[m * K + k]) * nw);
     }
   }
   for (int m = 0; m < M; ++m) {
-    acc[m] = metal::simd_sum(acc[m]);
+    acc[m] = metal::simd_sum(acc[m]) * inv[m];
   }
 }
 
@@ -298,9 +395,10 @@ inline void row_dot(PW row, threadgroup const T* xs, uint lane, thread float (&a
 
 _METAL_START = r"""
   threadgroup float red[32];
+  threadgroup float inv[M];
   threadgroup T xs[M * K];
   const uint lane = thread_index_in_simdgroup;
-  gk::norm_rows<T, M, K, NT, RESID, HAS_W>(x, residual, w, h, xs, as_type<float>(EPS),
+  gk::stage_rows<T, M, K, NT, RESID>(x, residual, h, xs, inv, as_type<float>(EPS),
       thread_position_in_threadgroup.x, lane, simdgroup_index_in_threadgroup,
       threadgroup_position_in_grid.x, red);
   const int row = threadgroup_position_in_grid.x * (NT / 32) + simdgroup_index_in_threadgroup;
@@ -313,15 +411,15 @@ _METAL_PROJECTIONS = _METAL_START + r"""
   int r = row;
   int n = n0;
   if (row < n0) {
-    gk::row_dot<T, M, K>(w0 + size_t(r) * K, xs, lane, acc);
+    gk::normed_dot<T, M, K, HAS_W>(w0 + size_t(r) * K, w, xs, inv, lane, acc);
   } else if (row < n0 + n1) {
     r = row - n0;
     n = n1;
-    gk::row_dot<T, M, K>(w1 + size_t(r) * K, xs, lane, acc);
+    gk::normed_dot<T, M, K, HAS_W>(w1 + size_t(r) * K, w, xs, inv, lane, acc);
   } else if (row < n0 + n1 + n2) {
     r = row - n0 - n1;
     n = n2;
-    gk::row_dot<T, M, K>(w2 + size_t(r) * K, xs, lane, acc);
+    gk::normed_dot<T, M, K, HAS_W>(w2 + size_t(r) * K, w, xs, inv, lane, acc);
   } else {
     return;
   }
@@ -338,8 +436,8 @@ _METAL_GATED = _METAL_START + r"""
   const int n = gate_shape[0];
   if (row < n) {
     float u[M];
-    gk::row_dot<T, M, K>(gate + size_t(row) * K, xs, lane, acc);
-    gk::row_dot<T, M, K>(up + size_t(row) * K, xs, lane, u);
+    gk::normed_dot<T, M, K, HAS_W>(gate + size_t(row) * K, w, xs, inv, lane, acc);
+    gk::normed_dot<T, M, K, HAS_W>(up + size_t(row) * K, w, xs, inv, lane, u);
     if (lane == 0) {
       for (int m = 0; m < M; ++m) {
         const float g = gk::round_to<T>(acc[m]);
@@ -351,25 +449,29 @@ _METAL_GATED = _METAL_START + r"""
 
 
 def _product(normed: mx.array, weight: mx.array) -> mx.array:
-    """``normed @ weight.T`` in the inputs' precision. MLX's CUDA backend multiplies float32 matrices
-    of more than one row on TF32 tensor cores (errors near 1e-3), so a float32 oracle runs its
-    product on the CPU, whose float32 products are exact."""
-    if normed.dtype == mx.float32 and mx.default_device() == mx.gpu and not mx.metal.is_available():
-        return mx.matmul(normed, weight.T, stream=mx.cpu)
-    return normed @ weight.T
+    """``normed @ weight.T`` in float32 (``normed`` is), rounded once to the weight's dtype. MLX's CUDA
+    backend multiplies float32 matrices of more than one row on TF32 tensor cores (errors near
+    1e-3), so there the product runs on the CPU, whose float32 products are exact."""
+    on_cuda = mx.default_device() == mx.gpu and not mx.metal.is_available()
+    product = mx.matmul(normed, weight.astype(mx.float32).T, stream=mx.cpu if on_cuda else None)
+    return product.astype(weight.dtype)
 
 
 def _normed(x: mx.array, residual: mx.array, w: mx.array, EPS: int, RESID: bool,
             HAS_W: bool) -> tuple[mx.array, mx.array]:
+    """``h = x + residual`` (when RESID) and ``rms_norm(h)`` in float32, never rounded to the dtype:
+    the rows the kernels' products take."""
     h = x + residual if RESID else x
-    return h, rms_norm_reference(h, w, EPS=EPS, HAS_W=HAS_W)[0]
+    hf = h.astype(mx.float32)
+    normed = hf * mx.rsqrt(mx.mean(mx.square(hf), axis=-1, keepdims=True) + float_from_bits(EPS))
+    return h, normed * w.astype(mx.float32) if HAS_W else normed
 
 
 def norm_projections_reference(x: mx.array, residual: mx.array, w: mx.array, w0: mx.array, w1: mx.array,
                                w2: mx.array, *, EPS: int, RESID: bool, HAS_W: bool,
                                NW: int) -> list[mx.array]:
-    """Pure-MLX ``h = x + residual`` (when RESID) and ``rms_norm(h) @ W.T`` for the NW weights; an
-    absent output is a one-element zero."""
+    """Pure-MLX ``h = x + residual`` (when RESID) and ``rms_norm(h) @ W.T`` for the NW weights, the
+    norm and products in float32, each output rounded once; an absent output is a one-element zero."""
     h, normed = _normed(x, residual, w, EPS, RESID, HAS_W)
     absent = mx.zeros((1,), x.dtype)
     outputs = [_product(normed, weight) if i < NW else absent for i, weight in enumerate((w0, w1, w2))]
@@ -378,8 +480,8 @@ def norm_projections_reference(x: mx.array, residual: mx.array, w: mx.array, w0:
 
 def norm_gated_reference(x: mx.array, residual: mx.array, w: mx.array, gate: mx.array, up: mx.array, *,
                          EPS: int, RESID: bool, HAS_W: bool, ACT: int) -> list[mx.array]:
-    """Pure-MLX ``h`` and ``act(n @ gate.T) * (n @ up.T)``, ``act`` as ``ACT`` says (products
-    rounded, gating in float32)."""
+    """Pure-MLX ``h`` and ``act(n @ gate.T) * (n @ up.T)``, ``act`` as ``ACT`` says (the norm in
+    float32, products rounded to the dtype as MLX's are, gating in float32)."""
     h, normed = _normed(x, residual, w, EPS, RESID, HAS_W)
     g = activation_float32(_product(normed, gate), ACT)
     u = _product(normed, up).astype(mx.float32)
@@ -392,7 +494,7 @@ NORM_PROJECTIONS = Kernel(
     output_names=["h", "y0", "y1", "y2"],
     metal=_METAL_PROJECTIONS,
     cuda=_CUDA_PROJECTIONS,
-    header=dual_header(RMS_SCALE_CUDA + CUDA_PREFETCH + _CUDA, _METAL, body=_CUDA_PROJECTIONS),
+    header=dual_header(CUDA_PREFETCH + _CUDA, _METAL, body=_CUDA_PROJECTIONS),
     reference=norm_projections_reference,
 )
 
@@ -406,7 +508,7 @@ def _gated_kernel(name: str) -> Kernel:
         output_names=["h", "out"],
         metal=_METAL_GATED,
         cuda=_CUDA_GATED,
-        header=dual_header(RMS_SCALE_CUDA + CUDA_PREFETCH + _CUDA + ACTIVATION_CUDA,
+        header=dual_header(CUDA_PREFETCH + _CUDA + ACTIVATION_CUDA,
                            _METAL + ACTIVATION_METAL, body=_CUDA_GATED),
         reference=norm_gated_reference,
     )
@@ -417,11 +519,12 @@ NORM_GEGLU = _gated_kernel("gk_norm_geglu")
 
 
 def _threadgroup_parts(rows: int, k: int, dtype: mx.Dtype) -> dict[str, int]:
-    """The threadgroup arrays of a launch for ``rows`` rows of ``k``: the normalized rows, and the
-    reduction scratch (CUDA: a float per row and warp; Metal: 32 floats)."""
+    """The threadgroup arrays of a launch for ``rows`` rows of ``k``: the token rows, their scales and
+    the reduction scratch (CUDA: a float per row and warp; Metal: 32 floats). CUDA's streaming form
+    declares them and leaves them unused."""
     block = BLOCK if rows <= 2 else WIDE_BLOCK
     reduction = rows * (block // 32) * 4 if threadgroup_backend() == "cuda" else 32 * 4
-    return {"normalized rows": rows * k * dtype.size, "reduction": reduction}
+    return {"token rows": rows * k * dtype.size, "row scales": rows * 4, "reduction": reduction}
 
 
 def projections_fit(x: mx.array) -> bool:
