@@ -13,10 +13,11 @@ both eagerly (how mlx-lm generates) and through ``gk.wrap``, taking turns within
                    included (MB); its ratio is patched over stock
 
 ``--breakdown`` adds, per decoded token at batch 1, GPU kernel launches (all of them, and
-graphkern's), GPU busy time against wall time, and wall time per launch: CUPTI's kernel records
-through ``torch.profiler``, as ``gpu_kernels.py`` reads them; and, for the longest prompt, the time
-to the first token taken apart (building the prefill's graph, evaluating it, mlx-lm's
-``mx.clear_cache()``, the first step) with the prefill's peak memory.
+graphkern's), GPU busy time against wall time, wall time per launch, and the kernels taking the
+most GPU time by name (stock's beside patched's: where a patched model's GPU time goes): CUPTI's
+kernel records through ``torch.profiler``, as ``gpu_kernels.py`` reads them; and, for the longest
+prompt, the time to the first token taken apart (building the prefill's graph, evaluating it,
+mlx-lm's ``mx.clear_cache()``, the first step) with the prefill's peak memory.
 
 ``--preset`` takes models at the dimensions of real checkpoints instead (``PRESETS``: Llama 3.2 1B and
 3.1 8B, Mistral 7B, Qwen 2.5 1.5B, Qwen3 0.6B and 30B-A3B, Phi-3 mini, Gemma 2 2B, Gemma 3 1B, Mixtral
@@ -402,8 +403,13 @@ def _kernel_records() -> Iterator[list[Any]]:
                  if e.device_type().name == "CUDA")
 
 
-def breakdown(model: Any, prompt: mx.array, tokens: int) -> dict[str, float]:
-    """Per decoded token at batch 1: launches, graphkern launches, GPU busy and wall time (us)."""
+#: The kernels ``--breakdown`` lists by GPU time a decoded token, longest first.
+TOP_KERNELS = 12
+
+
+def breakdown(model: Any, prompt: mx.array, tokens: int) -> dict[str, Any]:
+    """Per decoded token at batch 1: launches, graphkern launches, GPU busy and wall time (us), and
+    under ``"kernels"`` the ``TOP_KERNELS`` kernel names by their GPU time (us, launches)."""
     from mlx_lm.generate import generate_step
 
     steps = generate_step(prompt, model, max_tokens=tokens, prompt_cache=_cache_for(model))
@@ -421,8 +427,15 @@ def breakdown(model: Any, prompt: mx.array, tokens: int) -> dict[str, float]:
     ours = sum(1 for r in kernels if "gk_" in r.name())
     busy = sum(r.duration_ns() for r in kernels) / 1e3
     launches = len(kernels) / count
+    by_name: dict[str, list[float]] = {}
+    for r in kernels:
+        entry = by_name.setdefault(r.name()[:80], [0.0, 0.0])
+        entry[0] += r.duration_ns() / 1e3 / count
+        entry[1] += 1 / count
+    top = sorted(by_name.items(), key=lambda item: -item[1][0])[:TOP_KERNELS]
     return {"launches": launches, "graphkern_launches": ours / count, "gpu_busy_us": busy / count,
-            "wall_us": 1e6 * wall / count, "wall_us_per_launch": 1e6 * wall / count / launches}
+            "wall_us": 1e6 * wall / count, "wall_us_per_launch": 1e6 * wall / count / launches,
+            "kernels": {name: {"us": us, "launches": n} for name, (us, n) in top}}
 
 
 def prefill_breakdown(model: Any, prompt: mx.array, repeats: int = TTFT_REPEATS) -> dict[str, float]:
@@ -478,7 +491,9 @@ def format_result(result: dict[str, Any]) -> str:
         lines += [f"|  | error | {e} | | | |" for e in row["errors"]]
     for name, b in result.get("breakdown", {}).items():
         lines.append(f"- per decoded token, {name}: " + ", ".join(
-            f"{k} {v:.2f}" for k, v in b.items()))
+            f"{k} {v:.2f}" for k, v in b.items() if k != "kernels"))
+        lines += [f"  - {k['us']:8.1f} us, {k['launches']:5.1f} launches: {kernel}"
+                  for kernel, k in b.get("kernels", {}).items()]
     for name, b in result.get("prefill_breakdown", {}).items():
         lines.append(f"- to the first token, {name}: " + ", ".join(
             f"{k} {v:.2f}" for k, v in b.items()))
