@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
@@ -18,7 +19,7 @@ from model_comparisons import ATOL, RTOL, count_layer_launches  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 from graphkern.launching.backends import active_backend  # noqa: E402
-from graphkern.models import prefill  # noqa: E402
+from graphkern.models import KernelLayer, prefill  # noqa: E402
 from graphkern.models.prefill import PIPELINE_TOKENS, SPARSE_PIPELINE_TOKENS, start_on_device  # noqa: E402
 from graphkern.models.tiny import tiny_model  # noqa: E402
 
@@ -192,3 +193,28 @@ def test_a_stack_of_experts_pipelines_from_fewer_tokens(launches: list[int], sta
     ours = sparse(prompt)
     assert starts == [True] * (len(sparse.model.layers) - 1) and launches[0] > 0
     assert mx.allclose(ours, stock(prompt), atol=ATOL, rtol=RTOL).item()
+
+
+def test_a_short_prompt_calls_the_replaced_blocks_straight_and_follows_changes_to_the_stack(
+        launches: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the stock layers the replaced stack calls the replaced blocks themselves (no patched
+    block's call in between); a block put in the list later, and weights loaded into the patched
+    model, are what the next stock forward runs."""
+    stock, patched = _pair()
+    calls: list[str] = []
+    real = KernelLayer.__call__
+
+    def spy(self: KernelLayer, *args: Any, **kwargs: Any) -> Any:
+        calls.append(type(self).__name__)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(KernelLayer, "__call__", spy)
+    assert mx.array_equal(patched(SHORT), stock(SHORT)).item()
+    assert len(calls) == 1 and calls[0].endswith("DecoderStack") and launches == [0]
+    for model in (stock, patched):  # the first block twice: the stock forward must follow
+        model.model.layers[1] = model.model.layers[0]
+    assert mx.array_equal(patched(SHORT), stock(SHORT)).item()
+    scaled = [(name, 1.5 * p) for name, p in tree_flatten(stock.parameters())]
+    for model in (stock, patched):
+        model.load_weights(scaled)
+    assert mx.array_equal(patched(SHORT), stock(SHORT)).item()

@@ -270,7 +270,7 @@ def _setting(name: str, layer: nn.Module, x: mx.array, monkeypatch: pytest.Monke
 
 
 @pytest.mark.parametrize("setting, runs", [
-    ("nothing", "stock"), ("recording", "kernel"), ("stock layers", "original"),
+    ("nothing", "stock"), ("recording", "kernel"), ("stock layers", "stock"),
     ("using_backend reference", "kernel"), ("using_backend cuda", "stock"),
     ("GRAPHKERN_BACKEND=reference", "kernel"), ("GRAPHKERN_BACKEND=cuda", "stock"),
     ("segment", "kernel"), ("adopted recording", "kernel"), ("another thread", "stock"),
@@ -279,8 +279,9 @@ def test_with_a_gpu_detected_the_auto_route_sees_every_setting(setting: str, run
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """With a GPU backend detected (before patching: a layer reads it when it takes its route),
     a standalone layer on the auto route runs the stock forward on its own arrays unless a trace
-    records, a compiled segment traces, the stock layers run or a backend is forced, on this
-    thread or through GRAPHKERN_BACKEND; each setting undone, the next call runs stock again."""
+    records, a compiled segment traces or a backend is forced, on this thread or through
+    GRAPHKERN_BACKEND; inside the stock layers it runs that forward too, never the replaced module
+    object (whose weights may predate a load); each setting undone, the next call runs stock again."""
     from graphkern.launching import backends
     from graphkern.launching.context import state
     from graphkern.models.layers import KernelRMSNorm

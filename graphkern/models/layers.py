@@ -17,9 +17,11 @@ True
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -87,6 +89,40 @@ class _Held:
 
 _dict_get = dict.get
 
+#: Items of patched layers replaced so far, in this process (see ``KernelLayer.__setitem__``).
+_item_replacements = 0
+
+
+def item_replacements() -> int:
+    """How many items of patched layers have been replaced in this process: a forward built from
+    the layers they replaced holds their items as of its count."""
+    return _item_replacements
+
+
+def _stock_tree(node: Any) -> Any:
+    """``node`` (a module, list or dict) as the stock layers run it: each patched layer the layer
+    it replaced, a shallow copy holding the patched layer's current items under the replaced
+    layer's names (weights loaded or trained since patching included); a stock module or
+    container with a patched layer under it copied over its stock children; the rest itself."""
+    if isinstance(node, list):
+        items = [_stock_tree(v) for v in node]
+        return items if any(a is not b for a, b in zip(items, node)) else node
+    if not isinstance(node, dict):
+        return node
+    if isinstance(node, KernelLayer):
+        replaced = copy.copy(node.original)
+        for key in list(replaced):
+            if key in node:
+                dict.__setitem__(replaced, key, _stock_tree(node[key]))
+        return replaced
+    found = {key: _stock_tree(value) for key, value in node.items()}
+    if all(found[key] is value for key, value in node.items()):
+        return node
+    twin = copy.copy(node)
+    for key, value in found.items():
+        dict.__setitem__(twin, key, value)
+    return twin
+
 
 def _item(name: str) -> Any:
     """A name stock forwards read as an attribute (``self.weight``, ``self.down_proj``): the
@@ -148,6 +184,15 @@ class KernelLayer(nn.Module):
         """The module this one replaced."""
         return self._gk_original.module
 
+    def __setitem__(self, key: str, value: Any) -> None:
+        """An item set (``update``, ``load_weights``, an optimizer step, a child swapped in); one
+        that replaces an item counts toward :func:`item_replacements`, which tells a stock forward
+        built from the replaced layers that it must take this layer's items again."""
+        global _item_replacements
+        if key in self:
+            _item_replacements += 1
+        dict.__setitem__(self, key, value)
+
     def __getattr__(self, key: str) -> Any:
         """A child or parameter by name (``nn.Module``'s lookup), else a property of the replaced
         layer's class read on this layer (Qwen 2's ``pipeline_layers``), as the stock layer has it."""
@@ -186,10 +231,11 @@ class KernelLayer(nn.Module):
         a model) its launches carry no custom vjp, as inside ``gk.without_vjp()``: an evaluating
         model is not differentiated, and the wrapper costs every launch host time. In training
         mode (``model.train()``) they are differentiable. Inside a forward that runs the stock
-        layers (a short prompt: ``graphkern.models.prefill``) it is the layer it replaced. (A
+        layers (a short prompt: ``graphkern.models.prefill``) it is the replaced layer's forward on
+        this layer's items (:meth:`stock`). (A
         :class:`StandaloneLayer` first asks its route whether the call runs stock.)"""
         if state.stock_layers:  # stock_layers_run(), read directly: this runs on every call
-            return self.original(*args, **kwargs)
+            return self._gk_stock_forward(self, *args, **kwargs)  # stock(): on this layer's items
         if self._training or not vjp_enabled():  # a layer inside an evaluating one: already plain
             return self.forward(*args, **kwargs)
         with without_vjp():
@@ -1202,12 +1248,31 @@ class KernelDecoderStack(KernelLayer):
         mode = prompt_mode(inputs if input_embeddings is None else input_embeddings, self.sparse,
                            self._decode_rows())
         if mode == "stock":  # every patched layer in the stock forward runs the layer it replaced
+            stack = self._stock_stack()
             with stock_layers():
                 if input_embeddings is None:  # Phi-3's model takes no input_embeddings
-                    return self.original(inputs, cache)  # type: ignore[no-any-return]
-                return self.original(inputs, cache, input_embeddings)  # type: ignore[no-any-return]
+                    return stack(inputs, cache)  # type: ignore[no-any-return]
+                return stack(inputs, cache, input_embeddings)  # type: ignore[no-any-return]
         h, cache = self._embed(inputs, cache, input_embeddings)
         return self._blocks(h, cache, self._masks(h, cache), mode == "pipelined")
+
+    def _stock_stack(self) -> nn.Module:
+        """This stack as the stock layers run it (:func:`_stock_tree`): the replaced stack over the
+        replaced blocks, each holding the patched one's current items, so its forward is stock's
+        on today's weights and calls each replaced block straight rather than through the patched
+        block's call (a few microseconds a block, on a step the host bounds). Made again when an
+        item of a patched layer was replaced since, or this stack's list of blocks changed."""
+        layers = self["layers"]  # an item: this runs at every call
+        held: _Held | None = self.__dict__.get("_gk_stock_stack")
+        if held is not None:
+            replacements, built, twin = held.module
+            if (replacements == _item_replacements and len(built) == len(layers)
+                    and all(map(operator.is_, built, layers))):
+                return twin  # type: ignore[no-any-return]
+        replacements = _item_replacements
+        twin = _stock_tree(self)
+        object.__setattr__(self, "_gk_stock_stack", _Held((replacements, list(layers), twin)))
+        return twin  # type: ignore[no-any-return]
 
     def _decode_rows(self) -> int | None:
         """The most token rows a decoding call takes through the blocks' fused kernels

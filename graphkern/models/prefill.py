@@ -6,7 +6,8 @@ is bound by the host: building the graph and encoding MLX's command graphs takes
 device's work. There the library kernels cost more than the stock ops they replace: each output
 is a fresh allocation (MLX's stock ops write into an input they consume, a custom kernel cannot),
 and allocations after ``mx.clear_cache()`` (which mlx-lm calls after every prompt) go to the
-driver. So a short prompt runs the stock layers, which share the patched layers' weights.
+driver. So a short prompt runs the stock layers, on the patched layers' current weights
+(``KernelDecoderStack``'s stock forward is built from the replaced layers holding them).
 
 A long prompt is bound by the device, and the kernels' lower device time counts. There each
 block's outputs go to ``mx.async_eval`` as soon as the block is built: the device runs block
@@ -90,15 +91,18 @@ def stock_layers_run() -> bool:
     return state.stock_layers
 
 
-@contextlib.contextmanager
-def stock_layers() -> Iterator[None]:
-    """Every patched layer called on this thread runs the layer it replaced, for the duration."""
-    previous, state.stock_layers = state.stock_layers, True
-    settings_changed()
-    try:
-        yield
-    finally:
-        state.stock_layers = previous
+class stock_layers:  # noqa: N801 - used as a function is: ``with stock_layers():``
+    """Every patched layer called on this thread runs the layer it replaced, for the duration.
+    (A class, not a generator: a decoder stack enters it on every call that runs stock.)"""
+
+    __slots__ = ("previous",)
+
+    def __enter__(self) -> None:
+        self.previous, state.stock_layers = state.stock_layers, True
+        settings_changed()
+
+    def __exit__(self, *exc: object) -> None:
+        state.stock_layers = self.previous
         settings_changed()
 
 
