@@ -368,3 +368,19 @@ def test_with_a_gpu_detected_a_rope_runs_stock_with_the_arguments_given(
 
     assert mx.array_equal(model.layers[0](x(), *args, **kwargs), stock(x(), *args, **kwargs)).item()
     assert calls == []
+
+
+def test_an_attention_whose_rope_the_kernels_do_not_take_runs_stock_on_its_current_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A patched attention whose RoPE no kernel takes runs the stock forward on its own items: its
+    head norms' weights loaded after patching (Qwen 3's q_norm and k_norm) are the ones it uses."""
+    from mlx.utils import tree_flatten
+
+    from graphkern.models.layers import KernelRoPE
+
+    monkeypatch.setattr(KernelRoPE, "rotary", lambda self, length, offset: None)
+    stock, patched = eval_twins("qwen3")
+    scaled = [(name, 1.5 * p) for name, p in tree_flatten(stock.parameters())]
+    for model in (stock, patched):
+        model.load_weights(scaled)
+    assert mx.allclose(patched(PROMPT), stock(PROMPT), atol=1e-5, rtol=1e-5).item()

@@ -691,8 +691,8 @@ class KernelAttention(KernelLayer):
 
     def forward(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         position = self.position(x, cache)
-        if position is None:  # the stock layer's RoPE runs this call
-            return self.original(x, mask, cache)  # type: ignore[no-any-return]
+        if position is None:  # the stock layer's RoPE runs this call: the stock forward, on our items
+            return self.stock(x, mask, cache)
         if not decoding(x):
             return self.output(self.attend(*self.project(x, *position), mask, cache))
         segments = self.segments()  # decoding: compiled unless a trace records the launches
