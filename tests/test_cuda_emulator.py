@@ -105,3 +105,21 @@ def test_the_projection_body_matches_its_reference_in_both_forms(dtype: mx.Dtype
         atol, rtol = TOLERANCES[dtype]
         assert worst_errors(cuda_emulate.emulate(plan), apply_plan(plan, "reference"), rtol=rtol,
                             atol=atol)[2], shape
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_rotated_prologue_adds_the_projections_biases_before_the_rope(bits: int) -> None:
+    """``quantized_norm_rope_projections`` with Qwen 2's biases, float32, one token and two: each
+    bias added to its product (the keys' rotated with it), as the reference adds it before the RoPE."""
+    entry = LIBRARY["quantized_norm_rope_projections"]
+    for shape in ((1, 1, 256), (1, 2, 128)):
+        case = rotated_case(shape, mx.float32, mx.random.key(bits), bits=bits)
+        mats = case.args[2]
+        biases = [mx.random.normal((m[0].shape[0],), key=mx.random.key(i)) for i, m in enumerate(mats)]
+        with using_backend("cuda"):
+            plan = entry.plan(*case.args, **case.kwargs, biases=biases)
+            unbiased = entry.plan(*case.args, **case.kwargs)
+        atol, rtol = TOLERANCES[mx.float32]
+        expected = apply_plan(plan, "reference")
+        assert worst_errors(cuda_emulate.emulate(plan), expected, rtol=rtol, atol=atol)[2], shape
+        assert not worst_errors(apply_plan(unbiased, "reference"), expected, rtol=rtol, atol=atol)[2]

@@ -31,9 +31,9 @@ KERNELS = ("norm_projections", "norm_swiglu", "norm_geglu", "quantized_norm_proj
 #: What a patched quantized block runs an 8-token prompt and then single tokens with: a Llama-style
 #: attention's whole prologue in one launch for a token (up to ``ROTATED_MAX_ROWS`` rows; Phi-3's
 #: one fused ``qkv_proj`` as its query, key and value row ranges), its projections apart from
-#: ``rope_qk`` for the prompt; Qwen 3's and Gemma 3's (whose heads are normalized before the RoPE)
-#: and Qwen 2's (biases added after the products) always apart. Gemma's feed-forwards (GeGLU;
-#: Gemma 2's and 3's between post-norms) run on the GeGLU kernel.
+#: ``rope_qk`` for the prompt (Qwen 2's biases added in the launch for a token, after the products
+#: for the prompt); Qwen 3's and Gemma 3's (whose heads are normalized before the RoPE) always
+#: apart. Gemma's feed-forwards (GeGLU; Gemma 2's and 3's between post-norms) run on the GeGLU kernel.
 DECODING = {"llama": {"quantized_norm_projections", "quantized_norm_rope_projections",
                       "quantized_norm_swiglu"},
             "qwen3": {"quantized_norm_projections", "quantized_norm_swiglu"},
@@ -44,7 +44,8 @@ DECODING = {"llama": {"quantized_norm_projections", "quantized_norm_rope_project
             "gemma2": {"quantized_norm_projections", "quantized_norm_rope_projections",
                        "quantized_norm_geglu"},
             "gemma3": {"quantized_norm_projections", "quantized_norm_geglu"},
-            "qwen2": {"quantized_norm_projections", "quantized_norm_swiglu"}}
+            "qwen2": {"quantized_norm_projections", "quantized_norm_rope_projections",
+                      "quantized_norm_swiglu"}}
 #: The gated entries, and the arguments each takes besides its gate and up.
 GATED = {"quantized_norm_swiglu": {}, "quantized_norm_geglu": {"approx": False},
          "quantized_norm_geglu_approx": {"approx": True}}
@@ -329,3 +330,15 @@ def test_the_fused_prologue_saves_one_launch_a_block() -> None:
         gk.patch(model, kernels=names)
         counts[fused] = decode_launches(model).total
     assert counts[False] - counts[True] == len(model.model.layers)
+
+
+def test_the_rotated_prologue_names_a_bias_it_cannot_add() -> None:
+    case = rotated_case((1, 1, 128), mx.float32, mx.random.key(0))
+    rows = [m[0].shape[0] for m in case.args[2]]
+    good = [mx.zeros((n,)) for n in rows]
+    for biases, says in [(good[:2], "biases must be 3 arrays"),
+                         ([good[0], mx.zeros((rows[1] + 1,)), good[2]], "the keys' bias is"),
+                         ([good[0], good[1], good[2].astype(mx.float16)], "the values' bias is")]:
+        with pytest.raises(gk.KernelError, match=says) as found:
+            gkk.quantized_norm_rope_projections(*case.args, **case.kwargs, biases=biases)
+        assert found.value.operation == "quantized_norm_rope_projections"

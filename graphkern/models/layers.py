@@ -23,7 +23,7 @@ import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -831,6 +831,17 @@ def _biases(module: nn.Module, names: tuple[str, ...]) -> list[mx.array | None]:
     return [module[name].get("bias") for name in names]
 
 
+def _rotated_biases(biases: list[mx.array | None], weights: int) -> list[mx.array] | None | Literal[False]:
+    """The biases ``quantized_norm_rope_projections`` adds for projections with these ``biases``
+    (``weights`` quantized weights): None for none, the three of separate query, key and value
+    projections that all have one; False where it cannot (some but not all, or a fused ``qkv_proj``
+    with one)."""
+    present = [b for b in biases if b is not None]
+    if not present:
+        return None
+    return present if weights == 3 and len(present) == 3 else False
+
+
 def _with_biases(products: list[mx.array], biases: list[mx.array | None]) -> list[mx.array]:
     """Each product plus its bias, as ``nn.Linear`` adds it (Qwen 2's query, key and value)."""
     return [p if b is None else p + b for p, b in zip(products, biases)]
@@ -1038,10 +1049,10 @@ class KernelResidualBlock(KernelLayer):
         if outputs is None and "quantized_norm_projections" in self._gk_decoding:
             quantized = _quantized_weights(attention, names, x, biased=True)
             if quantized is not None and _fuses(norm, residual, x, self._gk_call_route, quantized.group_size):
+                rotated_biases = _rotated_biases(biases, len(quantized.weights))
                 if ("quantized_norm_rope_projections" in self._gk_decoding and not attention._gk_norms
-                        and not any(b is not None for b in biases)
-                        and x.size // x.shape[-1] <= ROTATED_MAX_ROWS):
-                    return self._rotated_quantized(x, residual, quantized, offset, rotary)
+                        and rotated_biases is not False and x.size // x.shape[-1] <= ROTATED_MAX_ROWS):
+                    return self._rotated_quantized(x, residual, quantized, offset, rotary, rotated_biases)
                 outputs = gkk.quantized_norm_projections(
                     x, norm.scale(), quantized.weights, norm.eps, residual, group_size=quantized.group_size,
                     bits=quantized.bits)
@@ -1055,10 +1066,12 @@ class KernelResidualBlock(KernelLayer):
         return (x, *attention.project(normed, offset, rotary))
 
     def _rotated_quantized(self, x: mx.array, residual: mx.array | None, quantized: Quantized,
-                           offset: mx.array, rotary: Rotary) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+                           offset: mx.array, rotary: Rotary,
+                           biases: list[mx.array] | None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """:meth:`enter` in one ``quantized_norm_rope_projections`` launch: the input norm, the
-        quantized query, key and value products and the RoPE (an attention without head norms). A
-        fused ``qkv_proj`` goes in as its query, key and value row ranges."""
+        quantized query, key and value products (plus their ``biases``: Qwen 2's) and the RoPE (an
+        attention without head norms). A fused ``qkv_proj`` goes in as its query, key and value row
+        ranges."""
         norm = self.input_layernorm
         attention = self.self_attn
         heads, kv_heads = attention.head_counts()
@@ -1069,7 +1082,7 @@ class KernelResidualBlock(KernelLayer):
             x, norm.scale(), weights, heads, kv_heads, rotary.dims, norm.eps, residual,
             group_size=quantized.group_size, bits=quantized.bits, traditional=rotary.traditional,
             base=rotary.base, scale=rotary.scale, offset=offset, freqs=rotary.freqs,
-            input_scale=rotary.input_scale)
+            input_scale=rotary.input_scale, biases=biases)
         queries, keys, values = outputs[-3:]
         return (outputs[0] if residual is not None else x, queries, keys, attention.value_heads(values))
 

@@ -46,8 +46,8 @@ GATED = {"quantized_norm_swiglu": {}, "quantized_norm_geglu": {"approx": False},
 #: What a patched quantized block runs an 8-token prompt and then single tokens with: a Llama-style
 #: attention's whole prologue in one launch for a token (up to ``ROTATED_MAX_ROWS`` rows; Phi-3's
 #: fused ``qkv_proj`` as its query, key and value row ranges), its projections apart from
-#: ``rope_qk`` for the prompt; Qwen 3's and Gemma 3's (whose heads are normalized before the RoPE)
-#: always apart; Gemma's GeGLU feed-forwards on the GeGLU kernel.
+#: ``rope_qk`` for the prompt (Qwen 2's biases added in the launch); Qwen 3's and Gemma 3's (whose
+#: heads are normalized before the RoPE) always apart; Gemma's GeGLU feed-forwards on the GeGLU kernel.
 DECODING = {"llama": {"quantized_norm_projections", "quantized_norm_rope_projections",
                       "quantized_norm_swiglu"},
             "phi3": {"quantized_norm_projections", "quantized_norm_rope_projections",
@@ -57,7 +57,9 @@ DECODING = {"llama": {"quantized_norm_projections", "quantized_norm_rope_project
                       "quantized_norm_geglu"},
             "gemma2": {"quantized_norm_projections", "quantized_norm_rope_projections",
                        "quantized_norm_geglu"},
-            "gemma3": {"quantized_norm_projections", "quantized_norm_geglu"}}
+            "gemma3": {"quantized_norm_projections", "quantized_norm_geglu"},
+            "qwen2": {"quantized_norm_projections", "quantized_norm_rope_projections",
+                      "quantized_norm_swiglu"}}
 #: Stock's products differ from the kernels' by their own rounding: MLX's CUDA 4-bit qmv rounds each
 #: dequantized weight to the dtype and sums 16-bit inputs in the dtype before float32.
 STOCK_TOL = {mx.float32: (1e-4, 1e-4), mx.float16: (4e-3, 2e-3), mx.bfloat16: (3e-2, 2e-2)}
@@ -102,6 +104,22 @@ def _agree(name: str, shape: tuple[int, ...], dtype: mx.Dtype, bits: int, group_
     atol, rtol = (TRUTH_TOL if truth else STOCK_TOL)[dtype]
     max_abs, _, ok = worst_errors(ours, stock, rtol=rtol, atol=atol)
     assert ok, f"{name} {shape} {dtype} bits={bits} group_size={group_size}: max abs err vs stock {max_abs}"
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 512), (2, 1, 256)])
+def test_the_rotated_prologue_adds_the_projections_biases_as_stock_on_device(dtype: mx.Dtype,
+                                                                            shape: tuple[int, ...]) -> None:
+    """Qwen 2's biased query, key and value projections in one ``quantized_norm_rope_projections``
+    launch, against stock's products plus their biases and ``mx.fast.rope`` on the device."""
+    entry = gkk.LIBRARY["quantized_norm_rope_projections"]
+    case = rotated_case(shape, dtype, mx.random.key(11))
+    biases = [mx.random.normal((m[0].shape[0],), key=mx.random.key(i)).astype(dtype)
+              for i, m in enumerate(case.args[2])]
+    biased = Case(case.args, {**case.kwargs, "biases": biases})
+    atol, rtol = STOCK_TOL[dtype]
+    max_abs, _, ok = worst_errors(entry(biased), entry.stock_outputs(biased), rtol=rtol, atol=atol)
+    assert ok, f"{shape} {dtype}: max abs err vs stock {max_abs}"
 
 
 @pytest.mark.parametrize("name", ENTRIES)
@@ -205,7 +223,7 @@ def _decodes_as_stock(stock: nn.Module, patched: nn.Module, steps: int, dtype: m
 PROMPT = mx.array([3, 17, 42, 5, 99, 1, 7, 64])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "qwen2"])
 @pytest.mark.parametrize("bits, group_size", [(4, 64), (8, 32), (4, 128), (8, 128)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_a_patched_quantized_model_decodes_as_stock_on_device(arch: str, bits: int, group_size: int,

@@ -639,14 +639,14 @@ def _check_weight(op: str, name: str, weight: Any, x: mx.array, group_size: int,
 class Rotation(NamedTuple):
     """What a launch that also rotates its first two products (queries and keys) adds to
     :func:`plan_quantized_rows`: the head counts and size, its RoPE template values, its offset and
-    frequency inputs."""
+    frequency inputs (and any more its kernel takes after them)."""
 
     heads: int
     kv_heads: int
     head_dim: int
     dims: int
     template: tuple[Any, ...]
-    inputs: tuple[mx.array, mx.array]
+    inputs: tuple[mx.array, ...]
 
 
 def plan_quantized_rows(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None,

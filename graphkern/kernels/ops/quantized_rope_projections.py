@@ -22,7 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from graphkern.kernels.base import Case, Plan, template_arg
+from graphkern.kernels.base import Case, Plan, template_arg, unused_input
 from graphkern.kernels.declaration import declare
 from graphkern.kernels.headers import dual_header
 from graphkern.kernels.norm_rows import stock_normed
@@ -50,7 +50,7 @@ from graphkern.kernels.ops.rope import (
     rotary_template,
 )
 from graphkern.kernels.ops.rope_qk import MAX_HEAD_DIM, check_head_counts, rope_qk_reference, stock_prologue
-from graphkern.nodes import Kernel, KernelError, Status
+from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
 __all__ = ["QUANTIZED_NORM_ROPE_PROJECTIONS", "ROTATED_MAX_ROWS", "plan_quantized_norm_rope_projections",
            "quantized_norm_rope_projections", "rotated_case"]
@@ -143,6 +143,11 @@ _CUDA_ROTATED = quantized_cuda_rows("gk::aligned<4>(w0) && gk::aligned<4>(w1) &&
                                            : static_cast<long long>(m) * w2_shape[0];
           float o1 = a[m];
           float o2 = c[m];
+          if constexpr (HAS_BIAS) {  // nn.Linear's bias: on the product rounded, rounded again
+            const T* pb = kind == 0 ? pb0 : kind == 1 ? pb1 : pb2;
+            o1 = gk::round_to<T>(gk::round_to<T>(o1) + static_cast<float>(pb[r1]));
+            o2 = gk::round_to<T>(gk::round_to<T>(o2) + static_cast<float>(pb[r2]));
+          }
           if (pair) {
             const float inv_freq = gk::rope_inv_freq<FREQS>(freqs, j, HALF, __int_as_float(LOG2_BASE));
             const float pos = __int_as_float(SCALE) * static_cast<float>(l + offset[PER_BATCH ? b : 0]);
@@ -205,6 +210,22 @@ _METAL_ROTATED = QUANTIZED_METAL_START + r"""
                                   : size_t(m) * size_t(w2_shape[0]);
     float o1 = acc[m];
     float o2 = c[m];
+    if (HAS_BIAS) {  // nn.Linear's bias: on the product rounded, rounded again
+      float b1 = 0.0f;
+      float b2 = 0.0f;
+      if (kind == 0) {
+        b1 = static_cast<float>(pb0[r1]);
+        b2 = static_cast<float>(pb0[r2]);
+      } else if (kind == 1) {
+        b1 = static_cast<float>(pb1[r1]);
+        b2 = static_cast<float>(pb1[r2]);
+      } else {
+        b1 = static_cast<float>(pb2[r1]);
+        b2 = static_cast<float>(pb2[r2]);
+      }
+      o1 = gk::round_to<T>(gk::round_to<T>(o1) + b1);
+      o2 = gk::round_to<T>(gk::round_to<T>(o2) + b2);
+    }
     if (pair) {
       const float inv_freq = gk::rope_inv_freq<FREQS>(freqs, j, HALF, as_type<float>(LOG2_BASE));
       const float pos = as_type<float>(SCALE) * float(l + offset[PER_BATCH ? b : 0]);
@@ -233,12 +254,16 @@ _METAL_ROTATED = QUANTIZED_METAL_START + r"""
 def quantized_norm_rope_projections_reference(
         x: mx.array, residual: mx.array, w: mx.array, w0: mx.array, scales0: mx.array, biases0: mx.array,
         w1: mx.array, scales1: mx.array, biases1: mx.array, w2: mx.array, scales2: mx.array,
-        biases2: mx.array, offset: mx.array, freqs: mx.array, *, D: int, HALF: int, TRADITIONAL: bool,
-        FREQS: bool, BASE: int, SCALE: int, IN_SCALE: int, PER_BATCH: bool, **launch: Any) -> list[mx.array]:
+        biases2: mx.array, offset: mx.array, freqs: mx.array, pb0: mx.array, pb1: mx.array, pb2: mx.array,
+        *, D: int, HALF: int, TRADITIONAL: bool, FREQS: bool, BASE: int, SCALE: int, IN_SCALE: int,
+        PER_BATCH: bool, HAS_BIAS: bool, **launch: Any) -> list[mx.array]:
     """Stock MLX, in the stock layers' order: the norm and products of
-    ``quantized_norm_projections_reference``, then the RoPE of ``rope_qk_reference``."""
+    ``quantized_norm_projections_reference``, the projections' biases added as ``nn.Linear`` adds
+    them (when HAS_BIAS), then the RoPE of ``rope_qk_reference``."""
     h, q, k, v = quantized_norm_projections_reference(x, residual, w, w0, scales0, biases0, w1, scales1,
                                                       biases1, w2, scales2, biases2, **launch)
+    if HAS_BIAS:
+        q, k, v = q + pb0, k + pb1, v + pb2
     unused = mx.zeros((1,), x.dtype)
     q_out, k_out = rope_qk_reference(q, k, offset, freqs, unused, unused, D=D, NORM=False, EPS=0, SCALE=SCALE,
                                      TRADITIONAL=TRADITIONAL, HALF=HALF, FREQS=FREQS, BASE=BASE,
@@ -248,7 +273,7 @@ def quantized_norm_rope_projections_reference(
 
 QUANTIZED_NORM_ROPE_PROJECTIONS = Kernel(
     "gk_quantized_norm_rope_projections",
-    input_names=[*QUANTIZED_NORM_PROJECTIONS.input_names, "offset", "freqs"],
+    input_names=[*QUANTIZED_NORM_PROJECTIONS.input_names, "offset", "freqs", "pb0", "pb1", "pb2"],
     output_names=["h", "y0", "y1", "y2"],
     metal=_METAL_ROTATED,
     cuda=_CUDA_ROTATED,
@@ -262,8 +287,9 @@ QUANTIZED_NORM_ROPE_PROJECTIONS = Kernel(
 
 def _rotation(op: str, x: mx.array, projections: Any, heads: int, kv_heads: int, dims: int, *,
               traditional: bool, base: float | None, scale: float, offset: int | mx.array,
-              freqs: mx.array | None, input_scale: float) -> Rotation:
-    """The rotation a launch adds, checked; the head size comes from the query projection's rows."""
+              freqs: mx.array | None, input_scale: float, biases: Sequence[mx.array] | None) -> Rotation:
+    """The rotation a launch adds, checked; the head size comes from the query projection's rows;
+    with ``biases``, the three projections' biases added to their products before it."""
     if not isinstance(projections, (list, tuple)) or len(projections) != 3:
         raise KernelError(op, f"projections must be 3 (weight, scales, biases) triples (queries, keys, "
                           f"values), got {projections!r:.80}", Status.INVALID_INPUT)
@@ -279,7 +305,28 @@ def _rotation(op: str, x: mx.array, projections: Any, heads: int, kv_heads: int,
     template, table = rotary_template(op, d, dims, traditional=traditional, base=base, freqs=freqs,
                                       scale=scale, input_scale=input_scale)
     off, per_batch, _ = offset_input(op, offset, x.shape[0], 0)  # never in a shape: a few rows
-    return Rotation(heads, kv_heads, d, dims, (*template, template_arg("PER_BATCH", per_batch)), (off, table))
+    added = _projection_biases(op, x, projections, biases)
+    template = (*template, template_arg("PER_BATCH", per_batch), template_arg("HAS_BIAS", biases is not None))
+    return Rotation(heads, kv_heads, d, dims, template, (off, table, *added))
+
+
+def _projection_biases(op: str, x: mx.array, projections: Any,
+                       biases: Sequence[mx.array] | None) -> tuple[mx.array, mx.array, mx.array]:
+    """The three projections' biases (Qwen 2's), checked, or three one-element stand-ins."""
+    if biases is None:
+        return (unused_input(x.dtype),) * 3
+    if not isinstance(biases, (list, tuple)) or len(biases) != 3:
+        raise KernelError(op, f"biases must be 3 arrays (queries, keys, values), got {biases!r:.80}",
+                          Status.INVALID_INPUT)
+    for name, bias, matrix in zip(("queries", "keys", "values"), biases, projections):
+        weight = matrix[0] if isinstance(matrix, (list, tuple)) else None
+        rows = weight.shape[0] if isinstance(weight, mx.array) else 0
+        if not isinstance(bias, mx.array) or bias.shape != (rows,) or bias.dtype != x.dtype:
+            found = (f"{tuple(bias.shape)} {dtype_name(bias.dtype)}" if isinstance(bias, mx.array)
+                     else type(bias).__name__)
+            raise KernelError(op, f"the {name}' bias is {found}; expected ({rows},) {dtype_name(x.dtype)}, "
+                              f"one value a row of its projection", Status.INVALID_INPUT)
+    return biases[0], biases[1], biases[2]
 
 
 def rotated_case(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, *, group_size: int = 64, bits: int = 4,
@@ -294,10 +341,14 @@ def rotated_case(shape: Sequence[int], dtype: mx.Dtype, key: mx.array, *, group_
 
 def _stock_rotated(x: mx.array, weight: mx.array | None, projections: Sequence[Any], heads: int,
                    kv_heads: int, dims: int, eps: float = 1e-5, residual: mx.array | None = None, *,
-                   group_size: int = 64, bits: int = 4, **rope: Any) -> tuple[mx.array, ...]:
-    """The stock layers: ``mx.fast.rms_norm``, ``mx.quantized_matmul`` products, ``mx.fast.rope``."""
+                   group_size: int = 64, bits: int = 4, biases: Sequence[mx.array] | None = None,
+                   **rope: Any) -> tuple[mx.array, ...]:
+    """The stock layers: ``mx.fast.rms_norm``, ``mx.quantized_matmul`` products (plus their biases),
+    ``mx.fast.rope``."""
     h, normed = stock_normed(x, weight, eps, residual)
     q, k, v = (quantized_product(normed, m, group_size, bits) for m in projections)
+    if biases is not None:
+        q, k, v = q + biases[0], k + biases[1], v + biases[2]
     queries, keys = stock_prologue(q, k, heads, kv_heads, dims, **rope)
     return (queries, keys, v) if residual is None else (h, queries, keys, v)
 
@@ -310,11 +361,12 @@ def plan_quantized_norm_rope_projections(
         x: mx.array, weight: mx.array | None, projections: Sequence[Any], heads: int, kv_heads: int,
         dims: int, eps: float = 1e-5, residual: mx.array | None = None, *, group_size: int = 64,
         bits: int = 4, traditional: bool = False, base: float | None = 10000.0, scale: float = 1.0,
-        offset: int | mx.array = 0, freqs: mx.array | None = None, input_scale: float = 1.0) -> Plan:
+        offset: int | mx.array = 0, freqs: mx.array | None = None, input_scale: float = 1.0,
+        biases: Sequence[mx.array] | None = None) -> Plan:
     """The launch :func:`quantized_norm_rope_projections` makes (validated)."""
     op = "quantized_norm_rope_projections"
     rotation = _rotation(op, x, projections, heads, kv_heads, dims, traditional=traditional, base=base,
-                         scale=scale, offset=offset, freqs=freqs, input_scale=input_scale)
+                         scale=scale, offset=offset, freqs=freqs, input_scale=input_scale, biases=biases)
     names = ("queries", "keys", "values")
     return plan_quantized_rows(op, QUANTIZED_NORM_ROPE_PROJECTIONS, x, residual, weight, eps, projections,
                                names, False, group_size, bits, rotation)
@@ -326,15 +378,16 @@ def quantized_norm_rope_projections(
         x: mx.array, weight: mx.array | None, projections: Sequence[Any], heads: int, kv_heads: int,
         dims: int, eps: float = 1e-5, residual: mx.array | None = None, *, group_size: int = 64,
         bits: int = 4, traditional: bool = False, base: float | None = 10000.0, scale: float = 1.0,
-        offset: int | mx.array = 0, freqs: mx.array | None = None,
-        input_scale: float = 1.0) -> tuple[mx.array, ...]:
+        offset: int | mx.array = 0, freqs: mx.array | None = None, input_scale: float = 1.0,
+        biases: Sequence[mx.array] | None = None) -> tuple[mx.array, ...]:
     """``n = rms_norm(x, weight, eps)`` (of ``x + residual`` when given), its products with the
     affine-quantized query, key and value weights (``projections``, ``(weight, scales, biases)``
     each), and the queries and keys rotated, in one launch, for up to ``MAX_ROWS`` rows of ``x``
     (``(B, L, K)``). Returns queries ``(B, heads, L, D)`` and keys ``(B, kv_heads, L, D)`` as
     :func:`~graphkern.kernels.rope_qk` gives them, and values ``(B, L, kv_heads * D)``, after
     ``h = x + residual`` when a residual is given. The RoPE arguments are
-    :func:`~graphkern.kernels.rope`'s.
+    :func:`~graphkern.kernels.rope`'s; ``biases`` (three 1-D arrays, Qwen 2's) are added to the
+    query, key and value products as ``nn.Linear`` adds its bias, before the rotation.
 
     >>> w, s, b = mx.quantize(mx.ones((8, 64)), group_size=64, bits=4)
     >>> q, k, v = quantized_norm_rope_projections(mx.ones((1, 1, 64)), None, [(w, s, b)] * 3, 2, 2, 4,
@@ -345,6 +398,6 @@ def quantized_norm_rope_projections(
     offset = launch_offset(offset, None)  # never in a shape: a few rows
     h, q, k, v = plan_quantized_norm_rope_projections.launch(
         x, weight, projections, heads, kv_heads, dims, eps, residual, group_size, bits, traditional, base,
-        scale, offset, launch_freqs(freqs), input_scale)
+        scale, offset, launch_freqs(freqs), input_scale, biases)
     found = (q.transpose(0, 2, 1, 3), k, v)
     return (h, *found) if residual is not None else found
