@@ -123,3 +123,21 @@ def test_the_rotated_prologue_adds_the_projections_biases_before_the_rope(bits: 
         expected = apply_plan(plan, "reference")
         assert worst_errors(cuda_emulate.emulate(plan), expected, rtol=rtol, atol=atol)[2], shape
         assert not worst_errors(apply_plan(unbiased, "reference"), expected, rtol=rtol, atol=atol)[2]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=lambda d: str(d).split(".")[-1])
+def test_the_projection_body_adds_each_projections_bias(dtype: mx.Dtype) -> None:
+    """``norm_projections`` with a bias a weight (Qwen 2's), streamed (one row) and staged (eight):
+    each product rounded, its bias added and the sum rounded, as ``nn.Linear`` adds it."""
+    entry = LIBRARY["norm_projections"]
+    for shape in ((1, 1, 256), (8, 256)):
+        case = entry.make_inputs(shape, dtype, mx.random.key(shape[0]))
+        biases = [mx.random.normal((m.shape[0],), key=mx.random.key(i)).astype(dtype)
+                  for i, m in enumerate(case.args[2])]
+        with using_backend("cuda"):
+            plan = entry.plan(*case.args, **case.kwargs, biases=biases)
+            unbiased = entry.plan(*case.args, **case.kwargs)
+        atol, rtol = TOLERANCES[dtype]
+        expected = apply_plan(plan, "reference")
+        assert worst_errors(cuda_emulate.emulate(plan), expected, rtol=rtol, atol=atol)[2], shape
+        assert not worst_errors(apply_plan(unbiased, "reference"), expected, rtol=rtol, atol=atol)[2]

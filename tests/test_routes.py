@@ -384,3 +384,13 @@ def test_an_attention_whose_rope_the_kernels_do_not_take_runs_stock_on_its_curre
     for model in (stock, patched):
         model.load_weights(scaled)
     assert mx.allclose(patched(PROMPT), stock(PROMPT), atol=1e-5, rtol=1e-5).item()
+
+
+def test_a_qwen2_block_decodes_in_llamas_launches_its_biases_in_the_kernel(gpu_decision: None) -> None:
+    """Qwen 2's query, key and value biases go into the norm-fed projection kernel: a decoded
+    token takes the launches of a Llama of the same shape, none of them an add."""
+    from graphkern.models import decode_launches
+
+    qwen2, llama = (decode_launches(eval_twins(arch, mx.bfloat16)[1]) for arch in ("qwen2", "llama"))
+    assert qwen2.total == llama.total and "Add" not in qwen2.kinds, (str(qwen2), str(llama))
+    assert qwen2.kinds["gk_norm_projections"] == TINY_CONFIGS["qwen2"]["num_hidden_layers"]

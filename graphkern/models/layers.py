@@ -831,6 +831,12 @@ def _biases(module: nn.Module, names: tuple[str, ...]) -> list[mx.array | None]:
     return [module[name].get("bias") for name in names]
 
 
+def _every_bias(biases: list[mx.array | None]) -> list[mx.array] | None:
+    """``biases`` where every projection has one (what the projection kernels add), else None."""
+    present = [b for b in biases if b is not None]
+    return present if present and len(present) == len(biases) else None
+
+
 def _rotated_biases(biases: list[mx.array | None], weights: int) -> list[mx.array] | None | Literal[False]:
     """The biases ``quantized_norm_rope_projections`` adds for projections with these ``biases``
     (``weights`` quantized weights): None for none, the three of separate query, key and value
@@ -1042,10 +1048,12 @@ class KernelResidualBlock(KernelLayer):
         names = attention.projections
         biases = _biases(attention, names)
         outputs = None
+        added = None  # the biases a kernel added
         if "norm_projections" in self._gk_decoding:
             weights = _plain_weights(attention, names, x, biased=True)
             if weights is not None and _fuses(norm, residual, x, self._gk_call_route):
-                outputs = gkk.norm_projections(x, norm.scale(), weights, norm.eps, residual)
+                added = _every_bias(biases)
+                outputs = gkk.norm_projections(x, norm.scale(), weights, norm.eps, residual, added)
         if outputs is None and "quantized_norm_projections" in self._gk_decoding:
             quantized = _quantized_weights(attention, names, x, biased=True)
             if quantized is not None and _fuses(norm, residual, x, self._gk_call_route, quantized.group_size):
@@ -1059,7 +1067,9 @@ class KernelResidualBlock(KernelLayer):
         if outputs is not None:
             if residual is not None:
                 x = outputs[0]
-            products = _with_biases(list(outputs[-len(names):]), biases)
+            products = list(outputs[-len(names):])
+            if added is None:
+                products = _with_biases(products, biases)
             queries, keys, values = attention.split(products)
             return (x, *attention.rotate(queries, keys, values, offset, rotary))
         x, normed = self._input_norm(x, residual)

@@ -119,6 +119,21 @@ def test_kernel_agrees_with_stock_mlx_on_device(name: str, dtype: mx.Dtype) -> N
     _stock_agree(entry, GPU_SHAPES[name][0], dtype)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (8, 512)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_projections_biases_agree_with_stock_on_device(shape: tuple[int, ...], dtype: mx.Dtype) -> None:
+    """``norm_projections`` with Qwen 2's biases (one row streamed, eight staged) against stock's
+    products plus their biases on the device."""
+    entry = LIBRARY["norm_projections"]
+    case = entry.make_inputs(shape, dtype, mx.random.key(7))
+    biases = [mx.random.normal((m.shape[0],), key=mx.random.key(i)).astype(dtype)
+              for i, m in enumerate(case.args[2])]
+    biased = Case(case.args, {**case.kwargs, "biases": biases})
+    atol, rtol = STOCK_TOL[dtype]
+    max_abs, _, ok = worst_errors(entry(biased), entry.stock_outputs(biased), rtol=rtol, atol=atol)
+    assert ok, f"{shape} {dtype}: max abs err vs stock {max_abs}"
+
+
 def test_rope_per_batch_offsets_and_freqs_match_mx_fast() -> None:
     x = mx.random.normal((3, 2, 5, 64), key=mx.random.key(1))
     offset = mx.array([0, 5, 17], dtype=mx.int32)

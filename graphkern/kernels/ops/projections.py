@@ -309,6 +309,7 @@ _CUDA_PICK = r"""
   const int r = row - (pick > 0 ? n0 : 0) - (pick > 1 ? n1 : 0);
   const int n = pick == 0 ? n0 : pick == 1 ? n1 : n2;
   T* const y = pick == 0 ? y0 : pick == 1 ? y1 : y2;
+  const T* const pb = pick == 0 ? pb0 : pick == 1 ? pb1 : pb2;  // its bias (HAS_BIAS)
   constexpr int NR = 1;
   const T* const rows[NR] = {(pick == 0 ? w0 : pick == 1 ? w1 : w2) + static_cast<long long>(r) * K};"""
 
@@ -319,7 +320,11 @@ _CUDA_PROJECTIONS = _cuda_body(
         if ((threadIdx.x & 31) == 0) {
 #pragma unroll
           for (int m = 0; m < M; ++m) {
-            y[static_cast<long long>(m) * n + r] = static_cast<T>(acc[0][m]);
+            float v = acc[0][m];
+            if constexpr (HAS_BIAS) {  // nn.Linear's bias: on the product rounded, rounded again
+              v = gk::round_to<T>(gk::round_to<T>(v) + static_cast<float>(pb[r]));
+            }
+            y[static_cast<long long>(m) * n + r] = static_cast<T>(v);
           }
         }""")
 
@@ -423,11 +428,18 @@ _METAL_PROJECTIONS = _METAL_START + r"""
   } else {
     return;
   }
+  float bias = 0.0f;  // nn.Linear's bias (HAS_BIAS): on the product rounded, rounded again
+  if (HAS_BIAS) {
+    if (row < n0) bias = static_cast<float>(pb0[r]);
+    else if (row < n0 + n1) bias = static_cast<float>(pb1[r]);
+    else bias = static_cast<float>(pb2[r]);
+  }
   if (lane == 0) {
     for (int m = 0; m < M; ++m) {
-      if (row < n0) y0[size_t(m) * n + r] = static_cast<T>(acc[m]);
-      else if (row < n0 + n1) y1[size_t(m) * n + r] = static_cast<T>(acc[m]);
-      else y2[size_t(m) * n + r] = static_cast<T>(acc[m]);
+      const float v = HAS_BIAS ? gk::round_to<T>(gk::round_to<T>(acc[m]) + bias) : acc[m];
+      if (row < n0) y0[size_t(m) * n + r] = static_cast<T>(v);
+      else if (row < n0 + n1) y1[size_t(m) * n + r] = static_cast<T>(v);
+      else y2[size_t(m) * n + r] = static_cast<T>(v);
     }
   }
 """
@@ -468,13 +480,16 @@ def _normed(x: mx.array, residual: mx.array, w: mx.array, EPS: int, RESID: bool,
 
 
 def norm_projections_reference(x: mx.array, residual: mx.array, w: mx.array, w0: mx.array, w1: mx.array,
-                               w2: mx.array, *, EPS: int, RESID: bool, HAS_W: bool,
-                               NW: int) -> list[mx.array]:
+                               w2: mx.array, pb0: mx.array, pb1: mx.array, pb2: mx.array, *, EPS: int,
+                               RESID: bool, HAS_W: bool, NW: int, HAS_BIAS: bool) -> list[mx.array]:
     """Pure-MLX ``h = x + residual`` (when RESID) and ``rms_norm(h) @ W.T`` for the NW weights, the
-    norm and products in float32, each output rounded once; an absent output is a one-element zero."""
+    norm and products in float32, each product rounded once, plus its bias as ``nn.Linear`` adds
+    it (when HAS_BIAS); an absent output is a one-element zero."""
     h, normed = _normed(x, residual, w, EPS, RESID, HAS_W)
     absent = mx.zeros((1,), x.dtype)
     outputs = [_product(normed, weight) if i < NW else absent for i, weight in enumerate((w0, w1, w2))]
+    if HAS_BIAS:
+        outputs = [o + b if i < NW else o for i, (o, b) in enumerate(zip(outputs, (pb0, pb1, pb2)))]
     return [h if RESID else absent, *outputs]
 
 
@@ -490,7 +505,7 @@ def norm_gated_reference(x: mx.array, residual: mx.array, w: mx.array, gate: mx.
 
 NORM_PROJECTIONS = Kernel(
     "gk_norm_projections",
-    input_names=["x", "residual", "w", "w0", "w1", "w2"],
+    input_names=["x", "residual", "w", "w0", "w1", "w2", "pb0", "pb1", "pb2"],
     output_names=["h", "y0", "y1", "y2"],
     metal=_METAL_PROJECTIONS,
     cuda=_CUDA_PROJECTIONS,
@@ -537,9 +552,10 @@ def projections_fit(x: mx.array) -> bool:
 
 
 def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weight: mx.array | None,
-          eps: float, matrices: Sequence[mx.array], names: Sequence[str], gated: bool, act: int = 0) -> Plan:
-    """A launch of ``kernel``: one output per matrix (``gated``: one output, gate and up together,
-    gated by ``ACTIVATIONS[act]``)."""
+          eps: float, matrices: Sequence[mx.array], names: Sequence[str], gated: bool, act: int = 0,
+          biases: Sequence[mx.array] | None = None) -> Plan:
+    """A launch of ``kernel``: one output per matrix, plus its bias of ``biases`` (``gated``: one
+    output, gate and up together, gated by ``ACTIVATIONS[act]``)."""
     rows = norm_rows(op, x, residual, weight, lambda m, k: (_threadgroup_parts(m, k, x.dtype), None))
     k = rows.k
     for name, matrix in zip(names, matrices):
@@ -562,8 +578,29 @@ def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weigh
     block = BLOCK if rows.rows <= 2 else WIDE_BLOCK
     template = (*norm_rows_template(op, x, rows, block, residual, weight, eps),
                 template_arg("ACT", act) if gated else template_arg("NW", len(matrices)))
+    if not gated:
+        inputs += _checked_biases(op, x, out_rows, biases, rows.unused)
+        template += (template_arg("HAS_BIAS", biases is not None),)
     blocks = -(-sum(out_rows) // (block // 32))
     return Plan(kernel, inputs, specs, (blocks * block, 1, 1), (block, 1, 1), template)
+
+
+def _checked_biases(op: str, x: mx.array, out_rows: Sequence[int], biases: Sequence[mx.array] | None,
+                    unused: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """One bias a projection (``(N,)`` of x's dtype), padded to three with ``unused``; three
+    ``unused`` without ``biases``."""
+    if biases is None:
+        return (unused,) * 3
+    if not isinstance(biases, (list, tuple)) or len(biases) != len(out_rows):
+        raise KernelError(op, f"biases must be {len(out_rows)} arrays, one a projection, got {biases!r:.80}",
+                          Status.INVALID_INPUT)
+    for i, (bias, n) in enumerate(zip(biases, out_rows)):
+        if not isinstance(bias, mx.array) or bias.shape != (n,) or bias.dtype != x.dtype:
+            found = (f"{tuple(bias.shape)} {dtype_name(bias.dtype)}" if isinstance(bias, mx.array)
+                     else type(bias).__name__)
+            raise KernelError(op, f"biases[{i}] is {found}; expected ({n},) {dtype_name(x.dtype)}, one value "
+                              f"a row of projections[{i}]", Status.INVALID_INPUT)
+    return (*biases, *(unused,) * (3 - len(biases)))  # type: ignore[return-value]
 
 
 def _make_projection_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array) -> Case:
@@ -587,10 +624,12 @@ def _make_gated_inputs(shape: Sequence[int], dtype: mx.Dtype, key: mx.array,
 
 
 def _stock_projections(x: mx.array, weight: mx.array | None, projections: Sequence[mx.array],
-                       eps: float = 1e-5,
-                       residual: mx.array | None = None) -> tuple[mx.array, ...]:
+                       eps: float = 1e-5, residual: mx.array | None = None,
+                       biases: Sequence[mx.array] | None = None) -> tuple[mx.array, ...]:
     h, normed = stock_normed(x, weight, eps, residual)
     outputs = tuple(normed @ w.T for w in projections)
+    if biases is not None:
+        outputs = tuple(o + b for o, b in zip(outputs, biases))
     return outputs if residual is None else (h, *outputs)
 
 
@@ -621,7 +660,8 @@ DECODING_SHAPES = ((1, 64), (2, 1, 128), (8, 256), (1, 1, 2048))
          shapes=DECODING_SHAPES,
          description="residual add + RMSNorm + up to 3 projections, for up to 8 rows (decoding)")
 def plan_norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence[mx.array],
-                          eps: float = 1e-5, residual: mx.array | None = None) -> Plan:
+                          eps: float = 1e-5, residual: mx.array | None = None,
+                          biases: Sequence[mx.array] | None = None) -> Plan:
     """The launch :func:`norm_projections` makes (validated)."""
     op = "norm_projections"
     if not isinstance(projections, (list, tuple)) or not 1 <= len(projections) <= 3:
@@ -629,23 +669,26 @@ def plan_norm_projections(x: mx.array, weight: mx.array | None, projections: Seq
                           f"{projections!r:.80}",
                           Status.INVALID_INPUT)
     names = [f"projections[{i}]" for i in range(len(projections))]
-    return _plan(op, NORM_PROJECTIONS, x, residual, weight, eps, projections, names, gated=False)
+    return _plan(op, NORM_PROJECTIONS, x, residual, weight, eps, projections, names, gated=False,
+                 biases=biases)
 
 
 @plan_norm_projections.layer
 def norm_projections(x: mx.array, weight: mx.array | None, projections: Sequence[mx.array],
-                     eps: float = 1e-5, residual: mx.array | None = None) -> tuple[mx.array, ...]:
+                     eps: float = 1e-5, residual: mx.array | None = None,
+                     biases: Sequence[mx.array] | None = None) -> tuple[mx.array, ...]:
     """``n = rms_norm(x, weight, eps)`` (of ``x + residual`` when given) and ``n @ W.T`` for each of
     1 to 3 weight matrices ``W`` of shape ``(N, K)``, in one launch, for up to ``MAX_ROWS`` rows of
     ``x`` (``(..., K)``). Returns the products, after ``h = x + residual`` when a residual is given:
-    what a block's input norm and its query, key and value projections compute.
+    what a block's input norm and its query, key and value projections compute. ``biases`` (one
+    1-D array a weight: Qwen 2's) are added to the products as ``nn.Linear`` adds its bias.
 
     >>> x, w = mx.ones((1, 4)), mx.ones((4,))
     >>> q, k = norm_projections(x, w, [mx.ones((2, 4)), mx.full((1, 4), 0.5)], eps=0.0)
     >>> q.tolist(), k.tolist()
     ([[4.0, 4.0]], [[2.0]])
     """
-    outputs = plan_norm_projections.launch(x, weight, projections, eps, residual)
+    outputs = plan_norm_projections.launch(x, weight, projections, eps, residual, biases)
     found = outputs[1:1 + len(projections)]
     return (outputs[0], *found) if residual is not None else tuple(found)
 
