@@ -108,10 +108,7 @@ _CUDA = f"""
 namespace gk {{
 
 constexpr int STREAM_ROWS = {STREAM_ROWS};
-}}  // namespace gk
 """ + r"""
-namespace gk {
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
