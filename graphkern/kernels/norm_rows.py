@@ -29,8 +29,8 @@ from graphkern.kernels.base import (
 )
 from graphkern.nodes import KernelError, OutputSpec, Status, TemplateArg, dtype_name
 
-__all__ = ["CUDA_PREFETCH", "MAX_ROWS", "METAL_NORM_ROWS", "NormRows", "norm_rows", "norm_rows_template",
-           "random_rows", "row_output_specs", "stock_normed"]
+__all__ = ["CUDA_PREFETCH", "CUDA_TOKEN_ROW", "MAX_ROWS", "METAL_NORM_ROWS", "METAL_STAGE_ROW", "NormRows",
+           "norm_rows", "norm_rows_template", "random_rows", "row_output_specs", "stock_normed"]
 
 #: Most token rows a launch takes (each warp keeps one float sum per row in registers).
 MAX_ROWS = 8
@@ -59,28 +59,62 @@ __device__ __forceinline__ void prefetch_l2(const void* p, long long bytes) {
 }  // namespace gk
 """
 
+#: CUDA: V elements of a token row ``h = T(x + r)`` (``x`` alone without RESID) from element ``i``,
+#: written to ``h`` where that is given (the launch's one writer of the sum); pointers at the row.
+CUDA_TOKEN_ROW = r"""
+namespace gk {
+
+template <typename T, int V, bool RESID>
+__device__ __forceinline__ void token_row(const T* x, const T* r, T* h, long long i, float (&v)[V]) {
+  load<T, V>(x, i, v);
+  if constexpr (RESID) {
+    float rv[V];
+    load<T, V>(r, i, rv);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      v[j] = round_to<T>(v[j] + rv[j]);
+    }
+    if (h != nullptr) {
+      store<T, V>(h, i, v);
+    }
+  }
+}
+
+}  // namespace gk
+"""
+
+#: Metal: row ``m`` of ``h = T(x + r)`` (``x`` alone without RESID) into the threadgroup rows
+#: ``xs``, block 0 writing it to ``h``; returns this thread's part of its sum of squares. Each
+#: pointer has its own type: MLX passes an input of fewer than 8 elements (a tiny row, the
+#: one-element stand-in of an absent residual or weight) in constant memory, others in device memory.
+METAL_STAGE_ROW = r"""
+template <typename T, int K, int NT, bool RESID, typename PX, typename PR, typename PH>
+inline float stage_row(PX x, PR r, PH h, threadgroup T* xs, int m, uint tid, uint block) {
+  float ss = 0.0f;
+  for (int i = tid; i < K; i += NT) {
+    float v = static_cast<float>(x[m * K + i]);
+    if (RESID) {
+      v = round_to<T>(v + static_cast<float>(r[m * K + i]));
+      if (block == 0) {
+        h[m * K + i] = static_cast<T>(v);
+      }
+    }
+    xs[m * K + i] = static_cast<T>(v);
+    ss += v * v;
+  }
+  return ss;
+}
+"""
+
 #: Metal: the M rows of x (+ r, rounded to T, block 0 writing the sum to h) RMS-normalized into
 #: the threadgroup rows xs, rounded as rms_norm rounds.
-METAL_NORM_ROWS = r"""
-// Each pointer has its own type: MLX passes an input of fewer than 8 elements (a tiny row, the
-// one-element stand-in of an absent residual or weight) in constant memory, others in device memory.
+METAL_NORM_ROWS = METAL_STAGE_ROW + r"""
 template <typename T, int M, int K, int NT, bool RESID, bool HAS_W, typename PX, typename PR, typename PW,
           typename PH>
 inline void norm_rows(PX x, PR r, PW w, PH h, threadgroup T* xs, float eps, uint tid, uint lane, uint sg,
                       uint block, threadgroup float* red) {
   for (int m = 0; m < M; ++m) {
-    float ss = 0.0f;
-    for (int i = tid; i < K; i += NT) {
-      float v = static_cast<float>(x[m * K + i]);
-      if (RESID) {
-        v = round_to<T>(v + static_cast<float>(r[m * K + i]));
-        if (block == 0) {
-          h[m * K + i] = static_cast<T>(v);
-        }
-      }
-      xs[m * K + i] = static_cast<T>(v);
-      ss += v * v;
-    }
+    const float ss = stage_row<T, K, NT, RESID>(x, r, h, xs, m, tid, block);
     const float inv = metal::precise::rsqrt(block_reduce<NT>(ss, red, lane, sg, Sum()) / K + eps);
     for (int i = tid; i < K; i += NT) {
       float o = round_to<T>(static_cast<float>(xs[m * K + i]) * inv);

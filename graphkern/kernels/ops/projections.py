@@ -31,7 +31,9 @@ from graphkern.kernels.declaration import declare
 from graphkern.kernels.headers import dual_header
 from graphkern.kernels.norm_rows import (
     CUDA_PREFETCH,
+    CUDA_TOKEN_ROW,
     MAX_ROWS,
+    METAL_STAGE_ROW,
     norm_rows,
     norm_rows_template,
     random_rows,
@@ -133,18 +135,7 @@ __device__ __forceinline__ void stage_rows(const T* x, const T* r, T* h, T* xs, 
     ss[m] = 0.0f;
     for (int i = threadIdx.x * V; i < K; i += NT * V) {
       float v[V];
-      load<T, V>(x + m * K, i, v);
-      if constexpr (RESID) {
-        float rv[V];
-        load<T, V>(r + m * K, i, rv);
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          v[j] = round_to<T>(v[j] + rv[j]);
-        }
-        if (blockIdx.x == 0) {
-          store<T, V>(h + m * K, i, v);
-        }
-      }
+      token_row<T, V, RESID>(x + m * K, r + m * K, blockIdx.x == 0 ? h + m * K : nullptr, i, v);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         ss[m] += v[j] * v[j];
@@ -206,18 +197,7 @@ __device__ __forceinline__ void normed_dot(const T* const (&rows)[NR], const T* 
     for (int m = 0; m < M; ++m) {
       float v[V];
       if constexpr (stream) {
-        load<T, V>(x + m * K, k, v);
-        if constexpr (RESID) {
-          float rv[V];
-          load<T, V>(r + m * K, k, rv);
-#pragma unroll
-          for (int j = 0; j < V; ++j) {
-            v[j] = round_to<T>(v[j] + rv[j]);
-          }
-          if (h != nullptr) {
-            store<T, V>(h + m * K, k, v);
-          }
-        }
+        token_row<T, V, RESID>(x + m * K, r + m * K, h != nullptr ? h + m * K : nullptr, k, v);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           ss[m] += v[j] * v[j];
@@ -345,26 +325,14 @@ _CUDA_GATED = _cuda_body(r"""
 
 _METAL = r"""
 namespace gk {
-
+""" + METAL_STAGE_ROW + r"""
 // The M rows of h = T(x + r) into xs (block 0 writing them to h) and each row's norm scale
-// rsqrt(mean(h^2) + eps) into inv. Each pointer has its own type (MLX passes an input of fewer
-// than 8 elements in constant memory, others in device memory).
+// rsqrt(mean(h^2) + eps) into inv.
 template <typename T, int M, int K, int NT, bool RESID, typename PX, typename PR, typename PH>
 inline void stage_rows(PX x, PR r, PH h, threadgroup T* xs, threadgroup float* inv, float eps, uint tid,
                        uint lane, uint sg, uint block, threadgroup float* red) {
   for (int m = 0; m < M; ++m) {
-    float ss = 0.0f;
-    for (int i = tid; i < K; i += NT) {
-      float v = static_cast<float>(x[m * K + i]);
-      if (RESID) {
-        v = round_to<T>(v + static_cast<float>(r[m * K + i]));
-        if (block == 0) {
-          h[m * K + i] = static_cast<T>(v);
-        }
-      }
-      xs[m * K + i] = static_cast<T>(v);
-      ss += v * v;
-    }
+    const float ss = stage_row<T, K, NT, RESID>(x, r, h, xs, m, tid, block);
     const float total = block_reduce<NT>(ss, red, lane, sg, Sum());
     if (tid == 0) {
       inv[m] = metal::precise::rsqrt(total / K + eps);
@@ -506,7 +474,7 @@ NORM_PROJECTIONS = Kernel(
     output_names=["h", "y0", "y1", "y2"],
     metal=_METAL_PROJECTIONS,
     cuda=_CUDA_PROJECTIONS,
-    header=dual_header(CUDA_PREFETCH + _CUDA, _METAL, body=_CUDA_PROJECTIONS),
+    header=dual_header(CUDA_PREFETCH + CUDA_TOKEN_ROW + _CUDA, _METAL, body=_CUDA_PROJECTIONS),
     reference=norm_projections_reference,
 )
 
@@ -520,7 +488,7 @@ def _gated_kernel(name: str) -> Kernel:
         output_names=["h", "out"],
         metal=_METAL_GATED,
         cuda=_CUDA_GATED,
-        header=dual_header(CUDA_PREFETCH + _CUDA + ACTIVATION_CUDA,
+        header=dual_header(CUDA_PREFETCH + CUDA_TOKEN_ROW + _CUDA + ACTIVATION_CUDA,
                            _METAL + ACTIVATION_METAL, body=_CUDA_GATED),
         reference=norm_gated_reference,
     )

@@ -44,6 +44,7 @@ from graphkern.kernels.declaration import declare
 from graphkern.kernels.headers import dual_header
 from graphkern.kernels.norm_rows import (
     CUDA_PREFETCH,
+    CUDA_TOKEN_ROW,
     MAX_ROWS,
     METAL_NORM_ROWS,
     norm_rows,
@@ -96,7 +97,7 @@ class QuantizedWeight(NamedTuple):
     biases: mx.array
 
 
-QUANTIZED_CUDA = CUDA_PREFETCH + r"""
+QUANTIZED_CUDA = CUDA_PREFETCH + CUDA_TOKEN_ROW + r"""
 namespace gk {
 
 __device__ __forceinline__ float lane_sum(float v) {
@@ -129,18 +130,7 @@ __device__ __forceinline__ void norm_rows_float(const T* x, const T* r, const T*
     ss[m] = 0.0f;
     for (int i = threadIdx.x * V; i < K; i += NT * V) {
       float v[V];
-      load<T, V>(x + m * K, i, v);
-      if constexpr (RESID) {
-        float rv[V];
-        load<T, V>(r + m * K, i, rv);
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          v[j] = round_to<T>(v[j] + rv[j]);
-        }
-        if (blockIdx.x == 0) {
-          store<T, V>(h + m * K, i, v);
-        }
-      }
+      token_row<T, V, RESID>(x + m * K, r + m * K, blockIdx.x == 0 ? h + m * K : nullptr, i, v);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         ss[m] += v[j] * v[j];
