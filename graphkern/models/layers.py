@@ -89,14 +89,9 @@ class _Held:
 
 _dict_get = dict.get
 
-#: Items of patched layers replaced so far, in this process (see ``KernelLayer.__setitem__``).
+#: Items of patched layers replaced so far, in this process (``KernelLayer.__setitem__``): a stock
+#: forward built from the replaced layers holds their items as of its count.
 _item_replacements = 0
-
-
-def item_replacements() -> int:
-    """How many items of patched layers have been replaced in this process: a forward built from
-    the layers they replaced holds their items as of its count."""
-    return _item_replacements
 
 
 def _stock_tree(node: Any) -> Any:
@@ -186,7 +181,7 @@ class KernelLayer(nn.Module):
 
     def __setitem__(self, key: str, value: Any) -> None:
         """An item set (``update``, ``load_weights``, an optimizer step, a child swapped in); one
-        that replaces an item counts toward :func:`item_replacements`, which tells a stock forward
+        that replaces an item counts toward ``_item_replacements``, which tells a stock forward
         built from the replaced layers that it must take this layer's items again."""
         global _item_replacements
         if key in self:
@@ -842,10 +837,10 @@ def _rotated_biases(biases: list[mx.array | None], weights: int) -> list[mx.arra
     (``weights`` quantized weights): None for none, the three of separate query, key and value
     projections that all have one; False where it cannot (some but not all, or a fused ``qkv_proj``
     with one)."""
-    present = [b for b in biases if b is not None]
-    if not present:
+    if all(b is None for b in biases):
         return None
-    return present if weights == 3 and len(present) == 3 else False
+    every = _every_bias(biases)
+    return every if every is not None and weights == 3 else False
 
 
 def _with_biases(products: list[mx.array], biases: list[mx.array | None]) -> list[mx.array]:
