@@ -12,7 +12,7 @@ both eagerly (how mlx-lm generates) and through ``gk.wrap``, taking turns within
   peak memory      MLX's peak memory over a batch-1 generation from the longest prompt, weights
                    included (MB); its ratio is patched over stock
 
-``--breakdown`` adds, per decoded token at batch 1, GPU kernel launches (all of them, and
+``--breakdown`` adds, per decoding step at each batch size, GPU kernel launches (all of them, and
 graphkern's), GPU busy time against wall time, wall time per launch, and the kernels taking the
 most GPU time by name (stock's beside patched's: where a patched model's GPU time goes): CUPTI's
 kernel records through ``torch.profiler``, as ``gpu_kernels.py`` reads them; and, for the longest
@@ -301,7 +301,8 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
         result["first_logits"] = first_logits(stock, patched, short, dtype)
     if args.breakdown:
         twins = (("stock", stock), ("patched", patched))
-        result["breakdown"] = {name: breakdown(model, short, args.tokens) for name, model in twins}
+        result["breakdown"] = {f"{name}, batch {b}": breakdown(model, short, args.tokens, b)
+                               for b in args.batches for name, model in twins}
         longest = max(args.prefill)
         result["prefill_breakdown"] = {f"{name}, {longest} tokens": prefill_breakdown(model, prompts[longest])
                                        for name, model in twins}
@@ -407,20 +408,38 @@ def _kernel_records() -> Iterator[list[Any]]:
 TOP_KERNELS = 12
 
 
-def breakdown(model: Any, prompt: mx.array, tokens: int) -> dict[str, Any]:
-    """Per decoded token at batch 1: launches, graphkern launches, GPU busy and wall time (us), and
-    under ``"kernels"`` the ``TOP_KERNELS`` kernel names by their GPU time (us, launches)."""
-    from mlx_lm.generate import generate_step
+def _decode_steps(model: Any, prompt: mx.array, tokens: int, batch: int) -> Iterator[Any]:
+    """mlx-lm's decoding of ``prompt`` (``batch`` copies: ``BatchGenerator``), a step a ``next``."""
+    if batch == 1:
+        from mlx_lm.generate import generate_step
 
-    steps = generate_step(prompt, model, max_tokens=tokens, prompt_cache=_cache_for(model))
+        yield from generate_step(prompt, model, max_tokens=tokens, prompt_cache=_cache_for(model))
+        return
+    from mlx_lm.generate import BatchGenerator
+
+    generator = BatchGenerator(model, max_tokens=tokens, prefill_batch_size=batch,
+                               completion_batch_size=batch)
+    try:
+        generator.insert([prompt.tolist()] * batch, max_tokens=[tokens] * batch)
+        while generated := generator.next_generated():
+            yield generated
+    finally:
+        generator.close()
+
+
+def breakdown(model: Any, prompt: mx.array, tokens: int, batch: int = 1) -> dict[str, Any]:
+    """Per decoding step of ``batch`` sequences: launches, graphkern launches, GPU busy and wall time
+    (us), and under ``"kernels"`` the ``TOP_KERNELS`` kernel names by their GPU time (us, launches)."""
+    steps = _decode_steps(model, prompt, tokens, batch)
     next(steps)
     next(steps)
-    count = tokens - 2
+    count = 0
     with _kernel_records() as records:
         start = time.perf_counter()
         for _ in steps:
-            pass
+            count += 1
         wall = time.perf_counter() - start
+    count = max(count, 1)
     if not records:
         return {"wall_us": 1e6 * wall / count}
     kernels = [r for r in records if "memcpy" not in r.name().lower() and "memset" not in r.name().lower()]
@@ -490,7 +509,7 @@ def format_result(result: dict[str, Any]) -> str:
                      f"{_cell(row['patched'], row['task'])} | {speed} | {spread} |")
         lines += [f"|  | error | {e} | | | |" for e in row["errors"]]
     for name, b in result.get("breakdown", {}).items():
-        lines.append(f"- per decoded token, {name}: " + ", ".join(
+        lines.append(f"- per decoding step, {name}: " + ", ".join(
             f"{k} {v:.2f}" for k, v in b.items() if k != "kernels"))
         lines += [f"  - {k['us']:8.1f} us, {k['launches']:5.1f} launches: {kernel}"
                   for kernel, k in b.get("kernels", {}).items()]

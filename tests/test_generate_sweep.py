@@ -54,13 +54,13 @@ def test_every_architecture_of_the_sweep_is_as_accurate_as_stock_in_bfloat16(
 
 
 def test_a_breakdown_lists_the_kernels_by_their_gpu_time() -> None:
-    """``--breakdown``'s kernels by name print under the per-token totals, longest first as the
+    """``--breakdown``'s kernels by name print under the per-step totals, longest first as the
     breakdown sorted them, and only the totals on the totals' line."""
     kernels = {"gk_norm_swiglu_bf16": {"us": 30.25, "launches": 16.0},
                "gemv_single": {"us": 12.5, "launches": 32.0}}
     result = {"model": "phi-3-mini", "dtype": "bfloat16", "weights": "4-bit", "rows": [],
-              "breakdown": {"patched": {"launches": 48.0, "wall_us": 910.0, "kernels": kernels}}}
+              "breakdown": {"patched, batch 1": {"launches": 48.0, "wall_us": 910.0, "kernels": kernels}}}
     lines = generate.format_result(result).splitlines()
-    at = lines.index("- per decoded token, patched: launches 48.00, wall_us 910.00")
+    at = lines.index("- per decoding step, patched, batch 1: launches 48.00, wall_us 910.00")
     assert lines[at + 1:at + 3] == ["  -     30.2 us,  16.0 launches: gk_norm_swiglu_bf16",
                                     "  -     12.5 us,  32.0 launches: gemv_single"]
