@@ -178,6 +178,26 @@ def twin_models(cfg: dict[str, Any], dtype: mx.Dtype, bits: int | None = None,
     return stock, patched
 
 
+def weight_megabytes(model: Any) -> float:
+    """The weights a decoded token reads, MB: every parameter but the token embedding's table (one
+    row of it is read; all of it where it is the output layer too), and of a mixture of experts'
+    expert weights (mlx-lm's ``switch_mlp``) the share of experts a token takes. Over a step's
+    time, the rate a decoding step reads its weights at: near the GPU's memory bandwidth, no
+    kernel makes the step much faster."""
+    from mlx.utils import tree_flatten
+
+    args = model.args
+    experts = getattr(args, "num_local_experts", None) or getattr(args, "num_experts", None)
+    share = getattr(args, "num_experts_per_tok", 1) / experts if experts else 1.0
+    tied = "lm_head" not in model
+    total = 0.0
+    for path, array in tree_flatten(model.parameters()):
+        if "embed_tokens" in path and not tied:
+            continue
+        total += array.nbytes * (share if "switch_mlp" in path else 1.0)
+    return total / 1e6
+
+
 # ----------------------------------------------------------------------------- one measurement
 
 
@@ -295,7 +315,8 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
                 row["speedup_range"] = [min(ratios), max(ratios)]
             rows.append(row)
     weights = f"{args.quantize}-bit, group {args.group_size}" if args.quantize else dtype_name
-    result = {"model": label, "dtype": dtype_name, "weights": weights, "rows": rows}
+    result = {"model": label, "dtype": dtype_name, "weights": weights, "rows": rows,
+              "weight_mb": weight_megabytes(stock)}
     if args.agreement:
         result["agreement"] = token_agreement(stock, patched, short, args.agreement)
         result["first_logits"] = first_logits(stock, patched, short, dtype)
@@ -521,11 +542,12 @@ def format_result(result: dict[str, Any]) -> str:
 
 def sweep_table(results: list[dict[str, Any]]) -> str:
     """One line a model and weights: each task's median ratio (patched over stock: above 1 is
-    faster), its lowest round, and the greedy token agreement."""
+    faster), its lowest round, the greedy token agreement, and the rate stock's decoding at batch
+    1 reads the weights at (``weight_megabytes``, GB/s)."""
     tasks = [row["task"] for row in results[0]["rows"]] if results else []
     lines = ["\n## sweep: ratio (lowest round)",
-             "| model | weights | " + " | ".join(tasks) + " | tokens agree |",
-             "|---|---|" + "---:|" * (len(tasks) + 1)]
+             "| model | weights | " + " | ".join(tasks) + " | tokens agree | stock b1 weights GB/s |",
+             "|---|---|" + "---:|" * (len(tasks) + 2)]
     for result in results:
         cells = []
         for row in result["rows"]:
@@ -534,8 +556,11 @@ def sweep_table(results: list[dict[str, Any]]) -> str:
             else:
                 cells.append("failed")
         agree = result.get("agreement")
+        b1 = next((row["stock"] for row in result["rows"]
+                   if row["task"] == "decode b1" and row["stock"]), None)
+        rate = "-" if b1 is None or "weight_mb" not in result else f"{result['weight_mb'] * b1 / 1e3:.0f}"
         lines.append(f"| {result['model']} | {result['weights']} | " + " | ".join(cells)
-                     + f" | {'-' if agree is None else f'{agree:.0%}'} |")
+                     + f" | {'-' if agree is None else f'{agree:.0%}'} | {rate} |")
     return "\n".join(lines)
 
 
