@@ -94,17 +94,28 @@ def _gated_truth(case: Any, act: int) -> mx.array:
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=lambda d: str(d).split(".")[-1])
 def test_the_projection_body_matches_its_reference_in_both_forms(dtype: mx.Dtype) -> None:
     """``norm_projections`` at one and two token rows (each warp normalizing as it streams its
-    weight row), three and eight (the rows staged in shared memory once a block), and features that
-    take the vector path (256) and the scalar one (100): each form against the reference, the norm
-    and products in float32, every output rounded once."""
+    weight rows, two a warp where every weight's rows are even), three and eight (the rows staged in
+    shared memory once a block), and features that take the vector path (256; 2304, nine vectors a
+    lane, four at a time and then one by one) and the scalar one (100): each form against the
+    reference, the norm and products in float32, every output rounded once."""
     entry = LIBRARY["norm_projections"]
-    for shape in ((1, 1, 256), (2, 256), (3, 100), (8, 256), (2, 100)):
+    atol, rtol = TOLERANCES[dtype]
+    for shape in ((1, 1, 256), (2, 256), (3, 100), (8, 256), (2, 100), (1, 2304)):
         case = entry.make_inputs(shape, dtype, mx.random.key(shape[0]))
         with using_backend("cuda"):
             plan = entry.plan(*case.args, **case.kwargs)
-        atol, rtol = TOLERANCES[dtype]
         assert worst_errors(cuda_emulate.emulate(plan), apply_plan(plan, "reference"), rtol=rtol,
                             atol=atol)[2], shape
+    # one row, each warp two weight rows (every weight's rows even), or one (an odd count)
+    case = entry.make_inputs((1, 2304), dtype, mx.random.key(9))
+    x, w, mats = case.args
+    for counts, paired in (((96, 32, 32), True), ((33, 7, 9), False)):
+        weights = [m[:n] for m, n in zip(mats, counts)]
+        with using_backend("cuda"):
+            plan = entry.plan(x, w, weights, **case.kwargs)
+        assert dict((t.name, t.value) for t in plan.template)["PAIRED"] is paired
+        assert worst_errors(cuda_emulate.emulate(plan), apply_plan(plan, "reference"), rtol=rtol,
+                            atol=atol)[2], counts
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -106,10 +106,14 @@ WIDE_BLOCK = 512
 #: (two rows measured slower streamed than staged on an H100: benchmarks/RESULTS_kernels.md).
 STREAM_ROWS = 1
 
+#: Weight vectors a lane loads before it uses the first of them (CUDA).
+UNROLL = 4
+
 _CUDA = f"""
 namespace gk {{
 
 constexpr int STREAM_ROWS = {STREAM_ROWS};
+constexpr int UNROLL = {UNROLL};
 """ + r"""
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -117,6 +121,22 @@ __device__ __forceinline__ float warp_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, o);
   }
   return v;
+}
+
+// V weights at p + i, read past L1: each is read once, while the token rows, which every warp
+// rereads, stay there.
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> stream_load(const T* p, long long i) {
+#ifdef __CUDA_ARCH__
+  if constexpr (sizeof(Vec<T, V>) == 16) {
+    uint4 b;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(b.x), "=r"(b.y), "=r"(b.z), "=r"(b.w)
+                 : "l"(p + i));
+    return *reinterpret_cast<const Vec<T, V>*>(&b);
+  }
+#endif
+  return load_vec<T, V>(p + i);
 }
 
 // The norm's product, unrounded: a row of W against the M token rows h (the rows of xs), each
@@ -162,10 +182,48 @@ __device__ __forceinline__ void stage_rows(const T* x, const T* r, T* h, T* xs, 
   __syncthreads();
 }
 
+// One step of normed_dot at feature k: the weight vectors wv (loaded) against the token rows' V
+// features there, accumulated into acc, and (streaming) their squares into ss.
+template <typename T, int M, int K, int V, int NR, bool RESID, bool HAS_W>
+__device__ __forceinline__ void normed_step(int k, const Vec<T, V> (&wq)[NR], const T* xs, const T* x,
+                                            const T* r, const T* w, float (&ss)[M],
+                                            float (&acc)[NR][M]) {
+  float wv[NR][V];
+#pragma unroll
+  for (int n = 0; n < NR; ++n) {
+    unpack<T, V>(wq[n], wv[n]);
+  }
+  float nw[V];
+  if constexpr (HAS_W) {
+    load<T, V>(w, k, nw);
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    float v[V];
+    if constexpr (M <= STREAM_ROWS) {
+      token_row<T, V, RESID>(x + m * K, r + m * K, nullptr, k, v);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        ss[m] += v[j] * v[j];
+      }
+    } else {
+      load<T, V>(xs + m * K, k, v);
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float s = HAS_W ? v[j] * nw[j] : v[j];
+#pragma unroll
+      for (int n = 0; n < NR; ++n) {
+        acc[n][m] += wv[n][j] * s;
+      }
+    }
+  }
+}
+
 // acc[n][m] = rms_norm(h_m) . rows[n] for NR weight rows, this warp's lanes V elements at a time,
 // summed over the warp. h_m: row m of xs (staged) or, up to STREAM_ROWS rows, T(x + r) formed here from the
 // token rows (every warp of a block reads the same ones, from L1), its scale from its sum of squares
-// taken in the same pass (the warp given h writes the rows to it). The latter, the streaming form,
+// taken in the same pass (the warp given h writes the rows to it afterwards). The latter, the streaming form,
 // has no prologue: a warp's weights stream from its first instruction, as gemv's do.
 template <typename T, int M, int K, int V, int NR, bool RESID, bool HAS_W>
 __device__ __forceinline__ void normed_dot(const T* const (&rows)[NR], const T* xs, const float* inv,
@@ -182,35 +240,44 @@ __device__ __forceinline__ void normed_dot(const T* const (&rows)[NR], const T* 
       acc[n][m] = 0.0f;
     }
   }
-#pragma unroll 2
-  for (int k = lane * V; k < K; k += 32 * V) {
-    float wv[NR][V];
+  // Every lane takes FULL steps of 32 * V features, UNROLL at a time with their weight vectors
+  // loaded first (all in flight at once), then the rest one at a time (and one more where K leaves
+  // a partial step).
+  constexpr int STEP = 32 * V;
+  constexpr int FULL = K / STEP;
+  int it = 0;
+  for (; it + UNROLL <= FULL; it += UNROLL) {
+    Vec<T, V> wq[UNROLL][NR];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+      for (int n = 0; n < NR; ++n) {
+        wq[u][n] = stream_load<T, V>(rows[n], lane * V + (it + u) * STEP);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      normed_step<T, M, K, V, NR, RESID, HAS_W>(lane * V + (it + u) * STEP, wq[u], xs, x, r, w, ss, acc);
+    }
+  }
+  for (int k = lane * V + it * STEP; k < K; k += STEP) {
+    Vec<T, V> wq[NR];
 #pragma unroll
     for (int n = 0; n < NR; ++n) {
-      load<T, V>(rows[n], k, wv[n]);
+      wq[n] = stream_load<T, V>(rows[n], k);
     }
-    float nw[V];
-    if constexpr (HAS_W) {
-      load<T, V>(w, k, nw);
-    }
+    normed_step<T, M, K, V, NR, RESID, HAS_W>(k, wq, xs, x, r, w, ss, acc);
+  }
+  if constexpr (stream && RESID) {
+    // The launch's one writer of h = T(x + r) writes it in a pass of its own: a store in the loop
+    // above would keep the compiler from issuing a weight load before the store ahead of it, so
+    // each warp would have one weight vector in flight instead of one an unrolled iteration.
+    if (h != nullptr) {
+      for (int k = lane * V; k < K; k += 32 * V) {
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float v[V];
-      if constexpr (stream) {
-        token_row<T, V, RESID>(x + m * K, r + m * K, h != nullptr ? h + m * K : nullptr, k, v);
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          ss[m] += v[j] * v[j];
-        }
-      } else {
-        load<T, V>(xs + m * K, k, v);
-      }
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float s = HAS_W ? v[j] * nw[j] : v[j];
-#pragma unroll
-        for (int n = 0; n < NR; ++n) {
-          acc[n][m] += wv[n][j] * s;
+        for (int m = 0; m < M; ++m) {
+          float v[V];
+          token_row<T, V, RESID>(x + m * K, r + m * K, h + m * K, k, v);
         }
       }
     }
@@ -276,19 +343,25 @@ def _cuda_body(opening: str, aligned: str, write: str) -> str:
       gk::stage_rows<T, M, K, VA, NT, RESID>(x, residual, h, xs, eps, red, inv);""") + "\n  }\n")
 
 
-# This warp's weight row: the row-th of the three weights stacked (absent ones have no rows).
+# This warp's weight rows: the row-th of the three weights stacked (absent ones have no rows), or
+# with PAIRED (every weight of an even count of rows) that pair of rows, both of one weight.
 _CUDA_PICK = r"""
   const int n0 = w0_shape[0];
   const int n1 = NW > 1 ? w1_shape[0] : 0;
   const int n2 = NW > 2 ? w2_shape[0] : 0;
-  const int pick = row < n0 ? 0 : row < n0 + n1 ? 1 : row < n0 + n1 + n2 ? 2 : 3;
+  constexpr int NR = PAIRED ? 2 : 1;
+  const int first = row * NR;
+  const int pick = first < n0 ? 0 : first < n0 + n1 ? 1 : first < n0 + n1 + n2 ? 2 : 3;
   const bool has_row = pick < 3;
-  const int r = row - (pick > 0 ? n0 : 0) - (pick > 1 ? n1 : 0);
+  const int r = first - (pick > 0 ? n0 : 0) - (pick > 1 ? n1 : 0);
   const int n = pick == 0 ? n0 : pick == 1 ? n1 : n2;
   T* const y = pick == 0 ? y0 : pick == 1 ? y1 : y2;
   const T* const pb = pick == 0 ? pb0 : pick == 1 ? pb1 : pb2;  // its bias (HAS_BIAS)
-  constexpr int NR = 1;
-  const T* const rows[NR] = {(pick == 0 ? w0 : pick == 1 ? w1 : w2) + static_cast<long long>(r) * K};"""
+  const T* rows[NR];
+#pragma unroll
+  for (int i = 0; i < NR; ++i) {
+    rows[i] = (pick == 0 ? w0 : pick == 1 ? w1 : w2) + static_cast<long long>(r + i) * K;
+  }"""
 
 _CUDA_PROJECTIONS = _cuda_body(
     _CUDA_PICK,
@@ -296,12 +369,15 @@ _CUDA_PROJECTIONS = _cuda_body(
     "gk::aligned<V>(w0) && gk::aligned<V>(w1) && gk::aligned<V>(w2)", r"""
         if ((threadIdx.x & 31) == 0) {
 #pragma unroll
-          for (int m = 0; m < M; ++m) {
-            float v = acc[0][m];
-            if constexpr (HAS_BIAS) {  // nn.Linear's bias: on the product rounded, rounded again
-              v = gk::round_to<T>(gk::round_to<T>(v) + static_cast<float>(pb[r]));
+          for (int i = 0; i < NR; ++i) {
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+              float v = acc[i][m];
+              if constexpr (HAS_BIAS) {  // nn.Linear's bias: on the product rounded, rounded again
+                v = gk::round_to<T>(gk::round_to<T>(v) + static_cast<float>(pb[r + i]));
+              }
+              y[static_cast<long long>(m) * n + r + i] = static_cast<T>(v);
             }
-            y[static_cast<long long>(m) * n + r] = static_cast<T>(v);
           }
         }""")
 
@@ -446,10 +522,12 @@ def _normed(x: mx.array, residual: mx.array, w: mx.array, EPS: int, RESID: bool,
 
 def norm_projections_reference(x: mx.array, residual: mx.array, w: mx.array, w0: mx.array, w1: mx.array,
                                w2: mx.array, pb0: mx.array, pb1: mx.array, pb2: mx.array, *, EPS: int,
-                               RESID: bool, HAS_W: bool, NW: int, HAS_BIAS: bool) -> list[mx.array]:
+                               RESID: bool, HAS_W: bool, NW: int, HAS_BIAS: bool,
+                               PAIRED: bool = False) -> list[mx.array]:
     """Pure-MLX ``h = x + residual`` (when RESID) and ``rms_norm(h) @ W.T`` for the NW weights, the
     norm and products in float32, each product rounded once, plus its bias as ``nn.Linear`` adds
-    it (when HAS_BIAS); an absent output is a one-element zero."""
+    it (when HAS_BIAS); an absent output is a one-element zero. (``PAIRED``: how CUDA's warps
+    take the rows, two a warp; the results are the same.)"""
     h, normed = _normed(x, residual, w, EPS, RESID, HAS_W)
     absent = mx.zeros((1,), x.dtype)
     outputs = [_product(normed, weight) if i < NW else absent for i, weight in enumerate((w0, w1, w2))]
@@ -543,10 +621,12 @@ def _plan(op: str, kernel: Kernel, x: mx.array, residual: mx.array | None, weigh
     block = BLOCK if rows.rows <= 2 else WIDE_BLOCK
     template = (*norm_rows_template(op, x, rows, block, residual, weight, eps),
                 template_arg("ACT", act) if gated else template_arg("NW", len(matrices)))
+    warp_rows = 1
     if not gated:
         inputs += _checked_biases(op, x, out_rows, biases, rows.unused)
-        template += (template_arg("HAS_BIAS", biases is not None),)
-    blocks = -(-sum(out_rows) // (block // 32))
+        warp_rows = 2 if rows.rows <= STREAM_ROWS and all(n % 2 == 0 for n in out_rows) else 1
+        template += (template_arg("HAS_BIAS", biases is not None), template_arg("PAIRED", warp_rows == 2))
+    blocks = -(-sum(out_rows) // warp_rows // (block // 32))
     return Plan(kernel, inputs, specs, (blocks * block, 1, 1), (block, 1, 1), template)
 
 
