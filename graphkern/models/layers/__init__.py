@@ -18,11 +18,10 @@ True
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import operator
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,12 +29,7 @@ import numpy as np
 
 from graphkern import kernels as gkk
 from graphkern.kernels.ops.projections import projections_fit
-from graphkern.kernels.ops.quantized_projections import (
-    QUANTIZED_BITS,
-    QUANTIZED_GROUP_SIZES,
-    QuantizedWeight,
-    quantized_projections_fit,
-)
+from graphkern.kernels.ops.quantized_projections import quantized_projections_fit
 from graphkern.kernels.ops.quantized_rope_projections import ROTATED_MAX_ROWS
 from graphkern.kernels.ops.rope import int_offset_array
 from graphkern.launching.autodiff import vjp_enabled
@@ -60,6 +54,19 @@ from graphkern.models.layers.rope import (
     KernelSuScaledRoPE,
     KernelYarnRoPE,
     Rotary,
+)
+from graphkern.models.layers.weights import (
+    Quantized,
+    every_bias,
+    halves,
+    plain_weights,
+    projection_biases,
+    quantized_note,
+    quantized_row_ranges,
+    quantized_weights,
+    rotated_projection_biases,
+    row_ranges,
+    with_biases,
 )
 from graphkern.models.patterns import is_class
 from graphkern.models.prefill import BlockPipeline, prompt_mode, stock_layers
@@ -320,99 +327,6 @@ class KernelSparseMoE(KernelLayer):
         return out.astype(y.dtype) if cast else out
 
 
-def _plain_weights(module: nn.Module, names: tuple[str, ...], x: mx.array,
-                   biased: bool = False) -> list[mx.array] | None:
-    """The weights of ``module``'s children ``names`` when each is a plain ``nn.Linear`` in x's
-    dtype (what the projection kernels take), without a bias unless ``biased`` (the caller adds
-    :func:`_biases` to the products), else None."""
-    weights = []
-    for name in names:
-        linear = module.get(name)
-        if type(linear) is not nn.Linear or linear.weight.dtype != x.dtype or not _bias_ok(linear, x, biased):
-            return None
-        weights.append(linear.weight)
-    return weights
-
-
-def _bias_ok(linear: nn.Module, x: mx.array, biased: bool) -> bool:
-    """Whether ``linear``'s bias (if any) can be added to a kernel's product of ``x``."""
-    bias = linear.get("bias")
-    return bias is None or (biased and bias.dtype == x.dtype)
-
-
-def _biases(module: nn.Module, names: tuple[str, ...]) -> list[mx.array | None]:
-    """The biases of ``module``'s children ``names`` (None for a child without one)."""
-    return [module[name].get("bias") for name in names]
-
-
-def _every_bias(biases: list[mx.array | None]) -> list[mx.array] | None:
-    """``biases`` where every projection has one (what the projection kernels add), else None."""
-    present = [b for b in biases if b is not None]
-    return present if present and len(present) == len(biases) else None
-
-
-def _rotated_biases(biases: list[mx.array | None], weights: int) -> list[mx.array] | None | Literal[False]:
-    """The biases ``quantized_norm_rope_projections`` adds for projections with these ``biases``
-    (``weights`` quantized weights): None for none, the three of separate query, key and value
-    projections that all have one; False where it cannot (some but not all, or a fused ``qkv_proj``
-    with one)."""
-    if all(b is None for b in biases):
-        return None
-    every = _every_bias(biases)
-    return every if every is not None and weights == 3 else False
-
-
-def _with_biases(products: list[mx.array], biases: list[mx.array | None]) -> list[mx.array]:
-    """Each product plus its bias, as ``nn.Linear`` adds it (Qwen 2's query, key and value)."""
-    return [p if b is None else p + b for p, b in zip(products, biases)]
-
-
-class Quantized(NamedTuple):
-    """Affine-quantized weights of one kind, as the quantized projection kernels take them."""
-
-    weights: list[QuantizedWeight]
-    group_size: int
-    bits: int
-
-
-def _quantization(linear: Any, biased: bool = False) -> tuple[int, int] | None:
-    """``(group_size, bits)`` of an ``nn.QuantizedLinear`` (without a bias unless ``biased``) whose
-    affine weights the quantized projection kernels read, else None."""
-    if (type(linear) is not nn.QuantizedLinear or ("bias" in linear and not biased) or "biases" not in linear
-            or getattr(linear, "mode", "affine") != "affine"):
-        return None
-    found = (linear.group_size, linear.bits)
-    return found if found[0] in QUANTIZED_GROUP_SIZES and found[1] in QUANTIZED_BITS else None
-
-
-def _quantized_weights(module: nn.Module, names: tuple[str, ...], x: mx.array,
-                       biased: bool = False) -> Quantized | None:
-    """The weights of ``module``'s children ``names`` when each is an ``nn.QuantizedLinear`` the
-    quantized kernels read (:func:`_quantization`; with a bias only if ``biased``), all quantized
-    alike, with scales in x's dtype; else None."""
-    found = [_quantization(module.get(name), biased) for name in names]
-    if found[0] is None or any(f != found[0] for f in found):
-        return None
-    linears = [module[name] for name in names]
-    if any(linear.scales.dtype != x.dtype or not _bias_ok(linear, x, biased) for linear in linears):
-        return None
-    weights = [QuantizedWeight(linear.weight, linear.scales, linear.biases) for linear in linears]
-    return Quantized(weights, *found[0])
-
-
-def quantized_note(module: nn.Module, names: tuple[str, ...], biased: bool = False) -> str:
-    """What a block says of quantized children ``names`` the quantized kernels cannot read (other
-    bit widths, modes other than affine, a bias): they keep their stock products. Empty when there
-    are none."""
-    odd = [name for name in names if isinstance(module.get(name), nn.QuantizedLinear)
-           and _quantization(module.get(name), biased) is None]
-    if not odd:
-        return ""
-    kinds = sorted({f"{module[n].bits}-bit {getattr(module[n], 'mode', 'affine')}" for n in odd})
-    return (f"{', '.join(odd)} ({', '.join(kinds)}): quantization the fused kernels do not read "
-            f"(affine, bits {QUANTIZED_BITS}, groups {QUANTIZED_GROUP_SIZES}, no bias); stock products")
-
-
 def _fuses(norm: nn.Module, residual: mx.array | None, x: mx.array, route: str,
            group_size: int | None = None) -> bool:
     """Whether ``norm`` (with the residual add before it) can run inside a projection kernel on x
@@ -424,23 +338,6 @@ def _fuses(norm: nn.Module, residual: mx.array | None, x: mx.array, route: str,
     if norm["weight"].dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
         return False
     return projections_fit(x) if group_size is None else quantized_projections_fit(x, group_size)
-
-
-def _row_ranges(weight: mx.array, sizes: Sequence[int]) -> list[mx.array]:
-    """``weight``'s consecutive ranges of ``sizes`` rows (views: contiguous row ranges), as a fused
-    weight holds its parts: ``gate_up_proj``'s gate and up, ``qkv_proj``'s queries, keys and values."""
-    ends = list(itertools.accumulate(sizes))
-    return [weight[end - size:end] for size, end in zip(sizes, ends)]
-
-
-def _quantized_row_ranges(fused: QuantizedWeight, sizes: Sequence[int]) -> list[QuantizedWeight]:
-    """:func:`_row_ranges` of a quantized weight: its packed rows, scales and biases alike."""
-    return [QuantizedWeight(*parts) for parts in zip(*(_row_ranges(part, sizes) for part in fused))]
-
-
-def _halves(rows: int) -> tuple[int, int]:
-    """The gate rows and up rows of a fused ``gate_up_proj`` weight of ``rows`` rows."""
-    return rows // 2, rows // 2
 
 
 #: The residual a block is called without: a stock call, not a link of a fused chain.
@@ -560,18 +457,18 @@ class KernelResidualBlock(KernelLayer):
         attention = self.self_attn
         norm = self.input_layernorm
         names = attention.projections
-        biases = _biases(attention, names)
+        biases = projection_biases(attention, names)
         outputs = None
         added = None  # the biases a kernel added
         if "norm_projections" in self._gk_decoding:
-            weights = _plain_weights(attention, names, x, biased=True)
+            weights = plain_weights(attention, names, x, biased=True)
             if weights is not None and _fuses(norm, residual, x, self._gk_call_route):
-                added = _every_bias(biases)
+                added = every_bias(biases)
                 outputs = gkk.norm_projections(x, norm.scale(), weights, norm.eps, residual, added)
         if outputs is None and "quantized_norm_projections" in self._gk_decoding:
-            quantized = _quantized_weights(attention, names, x, biased=True)
+            quantized = quantized_weights(attention, names, x, biased=True)
             if quantized is not None and _fuses(norm, residual, x, self._gk_call_route, quantized.group_size):
-                rotated_biases = _rotated_biases(biases, len(quantized.weights))
+                rotated_biases = rotated_projection_biases(biases, len(quantized.weights))
                 if ("quantized_norm_rope_projections" in self._gk_decoding and not attention._gk_norms
                         and rotated_biases is not False and x.size // x.shape[-1] <= ROTATED_MAX_ROWS):
                     return self._rotated_quantized(x, residual, quantized, offset, rotary, rotated_biases)
@@ -583,7 +480,7 @@ class KernelResidualBlock(KernelLayer):
                 x = outputs[0]
             products = list(outputs[-len(names):])
             if added is None:
-                products = _with_biases(products, biases)
+                products = with_biases(products, biases)
             queries, keys, values = attention.split(products)
             return (x, *attention.rotate(queries, keys, values, offset, rotary))
         x, normed = self._input_norm(x, residual)
@@ -601,7 +498,7 @@ class KernelResidualBlock(KernelLayer):
         heads, kv_heads = attention.head_counts()
         weights = quantized.weights
         if len(weights) == 1:
-            weights = _quantized_row_ranges(weights[0], attention.qkv_sizes(weights[0].weight.shape[0]))
+            weights = quantized_row_ranges(weights[0], attention.qkv_sizes(weights[0].weight.shape[0]))
         outputs = gkk.quantized_norm_rope_projections(
             x, norm.scale(), weights, heads, kv_heads, rotary.dims, norm.eps, residual,
             group_size=quantized.group_size, bits=quantized.bits, traditional=rotary.traditional,
@@ -642,17 +539,17 @@ class KernelResidualBlock(KernelLayer):
             return None
         names = ("gate_up_proj",) if fused else ("gate_proj", "up_proj")
         if plain in self._gk_decoding:
-            weights = _plain_weights(ffn, names, x)
+            weights = plain_weights(ffn, names, x)
             if weights is not None and _fuses(norm, r, x, self._gk_call_route):
-                gate, up = _row_ranges(weights[0], _halves(weights[0].shape[0])) if fused else weights
+                gate, up = row_ranges(weights[0], halves(weights[0].shape[0])) if fused else weights
                 return getattr(gkk, plain)(x, norm.scale(), gate, up, norm.eps,  # type: ignore[no-any-return]
                                            residual=r, **options)
         if quantized_kernel in self._gk_decoding:
-            quantized = _quantized_weights(ffn, names, x)
+            quantized = quantized_weights(ffn, names, x)
             if fused and quantized is not None:
                 fused_weight = quantized.weights[0]
                 quantized = quantized._replace(
-                    weights=_quantized_row_ranges(fused_weight, _halves(fused_weight.weight.shape[0])))
+                    weights=quantized_row_ranges(fused_weight, halves(fused_weight.weight.shape[0])))
             if quantized is not None and _fuses(norm, r, x, self._gk_call_route, quantized.group_size):
                 gate_q, up_q = quantized.weights
                 return getattr(gkk, quantized_kernel)(  # type: ignore[no-any-return]
