@@ -21,8 +21,8 @@ from model_comparisons import ATOL, NEEDS_STOCK_GRADIENTS, RTOL, assert_same_gra
 
 import graphkern.kernels as gkk  # noqa: E402
 from graphkern.launching.backends import active_backend  # noqa: E402
-from graphkern.models import layers, patch, unpatch  # noqa: E402
-from graphkern.models.layers import KernelSparseMoE  # noqa: E402
+from graphkern.models import patch, unpatch  # noqa: E402
+from graphkern.models.layers import KernelSparseMoE, moe  # noqa: E402
 from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
 from graphkern.nodes import KernelError  # noqa: E402
 
@@ -100,10 +100,10 @@ def _sparse_blocks(model: nn.Module) -> list[nn.Module]:
 def _record_routes(monkeypatch: pytest.MonkeyPatch, sort: bool) -> list[bool]:
     """Sorted expert pairs on this backend when ``sort``; the list fills with each patched expert
     product's ``sorted_indices``."""
-    monkeypatch.setattr(layers, "SORTED_EXPERTS_BACKENDS", frozenset({active_backend()} if sort else ()))
+    monkeypatch.setattr(moe, "SORTED_EXPERTS_BACKENDS", frozenset({active_backend()} if sort else ()))
     routes: list[bool] = []
-    products = layers._switch_glu
-    monkeypatch.setattr(layers, "_switch_glu", lambda *a, **kw: routes.append(kw.get("sorted_indices", False))
+    products = moe._switch_glu
+    monkeypatch.setattr(moe, "_switch_glu", lambda *a, **kw: routes.append(kw.get("sorted_indices", False))
                         or products(*a, **kw))
     return routes
 
@@ -200,13 +200,13 @@ def test_experts_the_products_do_not_read_keep_their_stock_call() -> None:
     stock = _decode(model)
     patch(model)
     called: list[bool] = []
-    products = layers._switch_glu
-    layers._switch_glu = lambda *a, **kw: called.append(True) or products(*a, **kw)  # type: ignore[assignment]
+    products = moe._switch_glu
+    moe._switch_glu = lambda *a, **kw: called.append(True) or products(*a, **kw)  # type: ignore[assignment]
     try:
         for ours, theirs in zip(_decode(model), stock):
             assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
     finally:
-        layers._switch_glu = products
+        moe._switch_glu = products
     assert not called
 
 
