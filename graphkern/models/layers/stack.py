@@ -1,0 +1,205 @@
+"""The patched decoder stack: each block's last residual add handed to the next block's norm, decoding
+linked through one compiled call a block, and a short prompt run on the stock layers."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from graphkern.models.layers import base
+from graphkern.models.layers.attention import KernelAttention
+from graphkern.models.layers.base import Held, KernelLayer, run_segment, stock_tree
+from graphkern.models.layers.block import KernelResidualBlock
+from graphkern.models.layers.norms import KernelAddRMSNorm
+from graphkern.models.layers.rope import Rotary
+from graphkern.models.prefill import BlockPipeline, prompt_mode, stock_layers
+from graphkern.models.routes import stack_row_limit
+from graphkern.models.segments import segments_apply
+
+
+class KernelDecoderStack(KernelLayer):
+    """A decoder (mlx-lm's ``Qwen3Model``, ``MixtralModel``...) whose loop over pre-norm blocks hands
+    each block's last residual add to the next block's input RMSNorm, and the last one to the
+    final norm: every add runs inside an ``add_rms_norm`` kernel, none on its own. ``norm`` is the
+    final norm as a :class:`KernelAddRMSNorm`; ``create_mask`` the model file's
+    ``create_attention_mask``. A layer that is not a chaining :class:`KernelResidualBlock` is called
+    as in the stock loop, after the pending add. An evaluating call on a short prompt runs the stock
+    layers, and so does a decoding call of more token rows than the blocks' fused kernels take on
+    a GPU (``graphkern.models.routes.stack_row_limit``); on a long prompt each block but the last
+    starts on the device as soon as it is built (``graphkern.models.prefill``).
+    """
+
+    kernel = "add_rms_norm"
+
+    def __init__(self, original: nn.Module, norm: KernelAddRMSNorm, create_mask: Callable[..., Any]):
+        super().__init__(original)
+        self.norm = norm
+        self._gk_create_mask = create_mask
+        # link index -> (the two blocks, what the link reads), found again if a block is replaced;
+        # set past Module.__setattr__, which would put a dict among the module's items
+        object.__setattr__(self, "_gk_link_reads", {})
+
+    def _embed(self, inputs: mx.array, cache: Any, input_embeddings: mx.array | None) -> tuple[mx.array, Any]:
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        return h, cache if cache is not None else [None] * len(self.layers)
+
+    @property
+    def sparse(self) -> bool:
+        """Whether a block of this stack has a mixture of experts (mlx-lm's switch layers)."""
+        found: bool | None = self.__dict__.get("_gk_sparse")
+        if found is None:
+            found = any(type(m).__module__.endswith(".switch_layers")
+                        for layer in self.layers for _, m in layer.named_modules())
+            object.__setattr__(self, "_gk_sparse", found)
+        return found
+
+    def _blocks(self, h: mx.array, cache: Any, mask_of: Callable[[nn.Module], Any],
+                pipelined: bool) -> mx.array:
+        """The blocks, each residual add left to the next norm; ``pipelined``: each block but
+        the last starts on the device as soon as it is built."""
+        if not pipelined and segments_apply(h):
+            linked = self._linked_blocks(h, cache, mask_of)
+            if linked is not None:
+                return linked
+        pending = None
+        last = len(self.layers) - 1
+        pipeline = BlockPipeline() if pipelined else None
+        for index, (layer, c) in enumerate(zip(self.layers, cache)):
+            if isinstance(layer, KernelResidualBlock) and layer.chains:
+                h, pending = layer(h, mask_of(layer), c, residual=pending)
+            else:
+                if pending is not None:
+                    h, pending = h + pending, None
+                h = layer(h, mask_of(layer), c)
+            # not the last block: a prefill that keeps only the cache never evaluates it
+            if pipeline is not None and index < last:
+                pipeline.start(h, pending)
+        return self.norm(h) if pending is None else self.norm(h, pending)[1]  # type: ignore[no-any-return]
+
+    def _linked_blocks(self, h: mx.array, cache: Any, mask_of: Callable[[nn.Module], Any]) -> mx.array | None:
+        """Decoding through one compiled call a block: the first block's ``enter``, then for
+        each block its attention and :meth:`link` (its ``leave`` and the next block's
+        ``enter``), the last one's ``leave``. A block's two segments, apart, cost the host
+        twice what one call costs. None (nothing run) unless every block is a chaining
+        :class:`KernelResidualBlock` whose attention rotates with a kernel at this call."""
+        # children by item, not attribute, on this path run at every token: Module.__getattr__
+        # runs Python before it finds one, about a microsecond each
+        layers = self["layers"]
+        attentions = [layer.get("self_attn") for layer in layers]
+        pairs = zip(layers, attentions)
+        if not layers or not all(isinstance(layer, KernelResidualBlock) and layer.chains
+                   and isinstance(attention, KernelAttention) for layer, attention in pairs):
+            return None
+        positions = [attention.position(h, c) for attention, c in zip(attentions, cache)]
+        if any(position is None for position in positions):
+            return None
+        links = self.segments()
+        x, queries, keys, values = run_segment(layers[0].segments(), "enter", layers[0].enter,
+                                               h, None, *positions[0])
+        steps = list(zip(layers, attentions, cache))
+        for index, (layer, attention, c) in enumerate(steps[:-1]):
+            attended = attention.attend(queries, keys, values, mask_of(layer), c)
+            x, queries, keys, values = run_segment(links, ("link", index), self.link, x, attended,
+                                                   *positions[index + 1])
+        layer, attention, c = steps[-1]
+        attended = attention.attend(queries, keys, values, mask_of(layer), c)
+        h, pending = run_segment(layer.segments(), "leave", layer.leave, x, attended, False)
+        return self.norm(h, pending)[1]  # type: ignore[no-any-return]
+
+    def link(self, index: int, x: mx.array, attended: mx.array, offset: mx.array,
+             rotary: Rotary) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Block ``index``'s second segment, then block ``index + 1``'s first: ``(x + residual,
+        queries, keys, values)`` of the next block (see :meth:`KernelResidualBlock.enter`)."""
+        h, out = self.layers[index].leave(x, attended, False)
+        return self.layers[index + 1].enter(h, out, offset, rotary)  # type: ignore[no-any-return]
+
+    def segment_reads(self, name: Any) -> tuple[tuple[Any, ...], ...] | None:
+        if not (isinstance(name, tuple) and name[0] == "link"):
+            return None
+        index = name[1]
+        layers = self["layers"]  # an item: Module.__getattr__ would look in Python first
+        leaving, entering = layers[index], layers[index + 1]
+        known = self._gk_link_reads.get(index)
+        if known is None or known[0] is not leaving or known[1] is not entering:
+            known = leaving, entering, _link_reads(index, leaving, entering)
+            self._gk_link_reads[index] = known
+        return known[2]
+
+    def forward(self, inputs: mx.array, cache: Any = None,
+                 input_embeddings: mx.array | None = None) -> mx.array:
+        mode = prompt_mode(inputs if input_embeddings is None else input_embeddings, self.sparse,
+                           self._decode_rows())
+        if mode == "stock":  # every patched layer in the stock forward runs the layer it replaced
+            stack = self._stock_stack()
+            with stock_layers():
+                if input_embeddings is None:  # Phi-3's model takes no input_embeddings
+                    return stack(inputs, cache)  # type: ignore[no-any-return]
+                return stack(inputs, cache, input_embeddings)  # type: ignore[no-any-return]
+        h, cache = self._embed(inputs, cache, input_embeddings)
+        return self._blocks(h, cache, self._masks(h, cache), mode == "pipelined")
+
+    def _stock_stack(self) -> nn.Module:
+        """This stack as the stock layers run it (:func:`stock_tree`): the replaced stack over the
+        replaced blocks, each holding the patched one's current items, so its forward is stock's
+        on today's weights and calls each replaced block straight rather than through the patched
+        block's call (a few microseconds a block, on a step the host bounds). Made again when an
+        item of a patched layer was replaced since, or this stack's list of blocks changed."""
+        layers = self["layers"]  # an item: this runs at every call
+        held: Held | None = self.__dict__.get("_gk_stock_stack")
+        if held is not None:
+            replacements, built, twin = held.module
+            if (replacements == base.item_replacements and len(built) == len(layers)
+                    and all(map(operator.is_, built, layers))):
+                return twin  # type: ignore[no-any-return]
+        replacements = base.item_replacements
+        twin = stock_tree(self)
+        object.__setattr__(self, "_gk_stock_stack", Held((replacements, list(layers), twin)))
+        return twin  # type: ignore[no-any-return]
+
+    def _decode_rows(self) -> int | None:
+        """The most token rows a decoding call takes through the blocks' fused kernels
+        (``graphkern.models.routes.stack_row_limit``), by the first block's weights; None for no
+        limit, and for a stack with mixture-of-experts blocks, whose router kernel pays at every
+        row count."""
+        layers = self["layers"]  # items, not attributes: this runs at every token
+        if not layers or self.sparse:
+            return None
+        block = layers[0]
+        attention, norm = block.get("self_attn"), block.get("input_layernorm")
+        if attention is None or norm is None or not isinstance(norm.get("weight"), mx.array):
+            return None
+        projection = attention.get("q_proj", attention.get("qkv_proj"))
+        return stack_row_limit(self._gk_call_route, isinstance(projection, nn.QuantizedLinear),
+                               norm["weight"].shape[-1])
+
+    def _masks(self, h: mx.array, cache: Any) -> Callable[[nn.Module], Any]:
+        """Each block's attention mask, by block."""
+        mask = self._gk_create_mask(h, cache[0])
+        return lambda layer: mask
+
+
+def _link_reads(index: int, leaving: KernelResidualBlock,
+                entering: KernelResidualBlock) -> tuple[tuple[Any, ...], ...] | None:
+    """What ``KernelDecoderStack.link(index, ...)`` reads: block ``index``'s ``leave`` and the
+    next block's ``enter``, as paths from the stack."""
+    left, entered = leaving.segment_reads("leave"), entering.segment_reads("enter")
+    if left is None or entered is None:
+        return None
+    return (*(("layers", index, *path) for path in left), *(("layers", index + 1, *path) for path in entered))
+
+
+class KernelSlidingDecoderStack(KernelDecoderStack):
+    """mlx-lm's ``LlamaModel``: a :class:`KernelDecoderStack` whose blocks take the full-attention
+    mask, or the sliding-window one for a block with ``use_sliding`` (only where the model's config
+    has sliding-window layers), as the stock loop gives them."""
+
+    def _masks(self, h: mx.array, cache: Any) -> Callable[[nn.Module], Any]:
+        fa_mask = self._gk_create_mask(h, cache[self.fa_idx])
+        swa_mask = None
+        if self.swa_idx is not None:
+            swa_mask = self._gk_create_mask(h, cache[self.swa_idx], window_size=self.sliding_window)
+        return lambda layer: swa_mask if layer.use_sliding else fa_mask
