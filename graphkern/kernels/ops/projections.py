@@ -6,8 +6,9 @@ projections), or for ``act(n @ Wg.T) * (n @ Wu.T)`` (its gated feed-forward's ga
 Decoding feeds a handful of token rows (``M = x.size / K``) through each layer, and then every
 launch costs the host more than the GPU spends on it. Stock MLX makes an add, a norm and three
 matrix-vector products (or two and the gating) as separate launches; here one launch does it, the
-weights read once, each warp reducing one weight row (a gated one, a gate row and an up row) against
-the token rows, for ``M <= MAX_ROWS`` rows within the backend's threadgroup memory.
+weights read once, each warp reducing one weight row (a gated one, a gate row and an up row; on
+CUDA at one token row, two rows of a projection where every projection's rows pair up) against the
+token rows, for ``M <= MAX_ROWS`` rows within the backend's threadgroup memory.
 
 The norm is linear in its scale, ``rms_norm(h) . W = inv * sum(h * w * W)``, so the kernels take
 the normalized rows in float32 and never round them to the dtype; each output rounds once (stock
