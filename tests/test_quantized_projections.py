@@ -266,6 +266,39 @@ def test_a_quantized_phi3_decodes_its_fused_qkv_prologue_in_one_launch(
     assert not {"gk_rope_qk", "gk_quantized_norm_projections"} & set(kinds)
 
 
+#: Phi-3.5 mini's attention: Phi-3's, its RoPE scaled by LongRoPE (mlx-lm's ``SuScaledRoPE``), a
+#: factor a frequency for short contexts and one for long.
+PHI35_ROPE = {"max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+              "rope_scaling": {"type": "longrope", "long_factor": [1.0 + 0.1 * i for i in range(16)],
+                               "short_factor": [1.0 + 0.05 * i for i in range(16)]}}
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_a_phi35_decodes_as_stock_through_the_fused_blocks(bits: int | None,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phi-3.5 mini (Phi-3 with LongRoPE), plain and 4-bit, float32: the prompt and each token
+    decoded on the warm cache give stock's logits exactly, and a decode step on a GPU's routes runs
+    the fused block's kernels, the fused ``qkv_proj`` split and rotated there."""
+    config = {**TINY_CONFIGS["phi3"], "hidden_size": 128, "intermediate_size": 256, **PHI35_ROPE}
+    stock = random_model(config, mx.float32)
+    patched = random_model(config, mx.float32)
+    if bits:
+        for model in (stock, patched):
+            nn.quantize(model, group_size=64, bits=bits)
+    patched.update(stock.parameters())
+    for model in (stock, patched):
+        model.eval()
+    gk.patch(patched)
+    assert type(patched.model.layers[0].self_attn.rope).__name__ == "KernelSuScaledRoPE"
+    for ours, theirs in zip(_logits(patched), _logits(stock)):
+        assert mx.array_equal(ours, theirs).item(), mx.abs(ours - theirs).max().item()
+    monkeypatch.setattr(routes, "on_gpu_backend", lambda: True)
+    kinds = decode_launches(patched).kinds
+    fused = ("gk_quantized_norm_rope_projections", "gk_quantized_norm_swiglu") if bits else (
+        "gk_norm_projections", "gk_norm_swiglu")
+    assert all(kinds[name] == len(patched.model.layers) for name in fused), kinds
+
+
 def test_rows_past_two_decode_through_the_projections_and_rope_qk_apart(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch of 4 tokens (4 rows): the two kernels apart, each with its full warps a row."""
