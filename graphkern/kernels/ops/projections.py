@@ -107,7 +107,8 @@ WIDE_BLOCK = 512
 #: (two rows measured slower streamed than staged on an H100: benchmarks/RESULTS_kernels.md).
 STREAM_ROWS = 1
 
-#: Weight vectors a lane loads before it uses the first of them (CUDA).
+#: Steps of the CUDA weight loop written together, their weight loads ahead of their uses (ptxas
+#: may still place each load next to its use: what a warp has in flight is mostly its rows).
 UNROLL = 4
 
 _CUDA = f"""
@@ -241,9 +242,9 @@ __device__ __forceinline__ void normed_dot(const T* const (&rows)[NR], const T* 
       acc[n][m] = 0.0f;
     }
   }
-  // Every lane takes FULL steps of 32 * V features, UNROLL at a time with their weight vectors
-  // loaded first (all in flight at once), then the rest one at a time (and one more where K leaves
-  // a partial step).
+  // Every lane takes FULL steps of 32 * V features, UNROLL at a time with their weight loads
+  // written first (no branch between them), then the rest one at a time (and one more where K
+  // leaves a partial step).
   constexpr int STEP = 32 * V;
   constexpr int FULL = K / STEP;
   int it = 0;
