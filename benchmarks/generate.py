@@ -25,7 +25,10 @@ mlx-lm's ``mx.clear_cache()``, the first step) with the prefill's peak memory.
 ``--sweep`` runs every one of them (``SWEEP``), 16-bit and 4-bit, and ends on a table of ratios and
 token agreement; for each it also compares the first decoded token's logits with stock's and, in
 16-bit, each model's with the same step in float32 (a patched model no further from it than
-``NO_WORSE`` times stock is). ``--quantize 4|8 --group-size N`` quantizes the random-weight model as mlx-lm's
+``NO_WORSE`` times stock is). The patched model decodes on its default route, which on a GPU
+measures its first decoding calls of each shape on the kernels and on the stock layers and keeps
+the faster (``graphkern.models.route_timing``; here within the warm-up round): each run prints what
+it chose, and the table's last column the choice at batch 1. ``--quantize 4|8 --group-size N`` quantizes the random-weight model as mlx-lm's
 converter does (``nn.quantize``: embeddings and output layer included).
 
     python benchmarks/generate.py                                   # the default grid
@@ -316,7 +319,7 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
             rows.append(row)
     weights = f"{args.quantize}-bit, group {args.group_size}" if args.quantize else dtype_name
     result = {"model": label, "dtype": dtype_name, "weights": weights, "rows": rows,
-              "weight_mb": weight_megabytes(stock)}
+              "weight_mb": weight_megabytes(stock), "routes": measured_routes(patched)}
     if args.agreement:
         result["agreement"] = token_agreement(stock, patched, short, args.agreement)
         result["first_logits"] = first_logits(stock, patched, short, dtype)
@@ -390,6 +393,26 @@ def _float32_twin(model: Any) -> Any:
                          twin.parameters()))
     twin.eval()
     return twin
+
+
+def measured_routes(model: Any) -> dict[str, dict[str, Any]]:
+    """The decoding routes the patched model's stack measured and chose (``"auto"`` route on a
+    GPU: ``graphkern.models.route_timing``), by call shape: ``"bB"`` for B rows of one token,
+    ``"bB, L tokens"`` for more."""
+    from graphkern.models.route_timing import decode_route_choices
+
+    return {f"b{shape[0]}" + (f", {shape[1]} tokens" if shape[1] > 1 else ""): choice
+            for stack in decode_route_choices(model).values() for shape, choice in stack.items()}
+
+
+def routes_line(result: dict[str, Any]) -> str:
+    """What a run prints of the routes its patched model chose (empty: none measured)."""
+    def one(shape: str, c: dict[str, Any]) -> str:
+        times = ", ".join(f"{r} {c[r + '_ms']:.3f} ms" for r in ("kernels", "stock") if c[r + "_ms"] is not None)
+        return f"{shape}: {c['route'] or 'still measuring'} ({times} a call)"
+
+    routes = result.get("routes") or {}
+    return "- decoding routes measured: " + "; ".join(one(k, c) for k, c in routes.items()) if routes else ""
 
 
 def agreement_line(result: dict[str, Any]) -> str:
@@ -529,6 +552,8 @@ def format_result(result: dict[str, Any]) -> str:
         lines.append(f"| {row['task']} | {row['mode']} | {_cell(row['stock'], row['task'])} | "
                      f"{_cell(row['patched'], row['task'])} | {speed} | {spread} |")
         lines += [f"|  | error | {e} | | | |" for e in row["errors"]]
+    if routes_line(result):
+        lines.append(routes_line(result))
     for name, b in result.get("breakdown", {}).items():
         lines.append(f"- per decoding step, {name}: " + ", ".join(
             f"{k} {v:.2f}" for k, v in b.items() if k != "kernels"))
@@ -546,8 +571,8 @@ def sweep_table(results: list[dict[str, Any]]) -> str:
     1 reads the weights at (``weight_megabytes``, GB/s)."""
     tasks = [row["task"] for row in results[0]["rows"]] if results else []
     lines = ["\n## sweep: ratio (lowest round)",
-             "| model | weights | " + " | ".join(tasks) + " | tokens agree | stock b1 weights GB/s |",
-             "|---|---|" + "---:|" * (len(tasks) + 2)]
+             "| model | weights | " + " | ".join(tasks) + " | tokens agree | stock b1 weights GB/s | b1 route |",
+             "|---|---|" + "---:|" * (len(tasks) + 2) + "---|"]
     for result in results:
         cells = []
         for row in result["rows"]:
@@ -559,8 +584,9 @@ def sweep_table(results: list[dict[str, Any]]) -> str:
         b1 = next((row["stock"] for row in result["rows"]
                    if row["task"] == "decode b1" and row["stock"]), None)
         rate = "-" if b1 is None or "weight_mb" not in result else f"{result['weight_mb'] * b1 / 1e3:.0f}"
+        b1_route = (result.get("routes") or {}).get("b1", {}).get("route") or "-"
         lines.append(f"| {result['model']} | {result['weights']} | " + " | ".join(cells)
-                     + f" | {'-' if agree is None else f'{agree:.0%}'} | {rate} |")
+                     + f" | {'-' if agree is None else f'{agree:.0%}'} | {rate} | {b1_route} |")
     return "\n".join(lines)
 
 

@@ -10,6 +10,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from graphkern.launching.autodiff import vjp_enabled
+from graphkern.launching.context import state
+from graphkern.models import route_timing
 from graphkern.models.layers import base
 from graphkern.models.layers.attention import KernelAttention
 from graphkern.models.layers.base import Held, KernelLayer, run_segment, stock_tree
@@ -17,8 +20,9 @@ from graphkern.models.layers.block import KernelResidualBlock
 from graphkern.models.layers.norms import KernelAddRMSNorm
 from graphkern.models.layers.rope import Rotary
 from graphkern.models.prefill import BlockPipeline, prompt_mode, stock_layers
+from graphkern.models.route_timing import RouteTimer
 from graphkern.models.routes import stack_row_limit
-from graphkern.models.segments import segments_apply
+from graphkern.models.segments import MAX_SEGMENT_TOKENS, segments_apply
 
 
 class KernelDecoderStack(KernelLayer):
@@ -131,8 +135,11 @@ class KernelDecoderStack(KernelLayer):
 
     def forward(self, inputs: mx.array, cache: Any = None,
                  input_embeddings: mx.array | None = None) -> mx.array:
-        mode = prompt_mode(inputs if input_embeddings is None else input_embeddings, self.sparse,
-                           self._decode_rows())
+        tokens = inputs if input_embeddings is None else input_embeddings
+        mode = prompt_mode(tokens, self.sparse, self._decode_rows())
+        if (mode == "kernels" and self._measures_routes(tokens)
+                and self.route_timer().route(tokens.shape[:2]) == "stock"):
+            mode = "stock"  # measured faster for calls of this shape on this machine
         if mode == "stock":  # every patched layer in the stock forward runs the layer it replaced
             stack = self._stock_stack()
             with stock_layers():
@@ -141,6 +148,28 @@ class KernelDecoderStack(KernelLayer):
                 return stack(inputs, cache, input_embeddings)  # type: ignore[no-any-return]
         h, cache = self._embed(inputs, cache, input_embeddings)
         return self._blocks(h, cache, self._masks(h, cache), mode == "pipelined")
+
+    def _measures_routes(self, tokens: mx.array) -> bool:
+        """Whether this call is a decoding call whose route is measured
+        (``graphkern.models.route_timing``): the ``"auto"`` route on a GPU, evaluating, a few
+        tokens a row, outside graphkern's traces."""
+        return (self._gk_call_route == "auto" and state.recorder is None and not state.kernels_only
+                and tokens.ndim >= 2 and tokens.shape[1] <= MAX_SEGMENT_TOKENS and not vjp_enabled()
+                and route_timing.measures_routes())
+
+    def route_timer(self) -> RouteTimer:
+        """This stack's measured choice between its kernels and its stock layers for decoding
+        calls (``graphkern.models.route_timing``), made on first use."""
+        timer: RouteTimer | None = self.__dict__.get("_gk_route_timer")
+        if timer is None:
+            timer = RouteTimer()
+            object.__setattr__(self, "_gk_route_timer", timer)
+        return timer
+
+    def use_route(self, route: str) -> None:
+        """As :meth:`KernelLayer.use_route`; the decoding routes measured so far are forgotten."""
+        super().use_route(route)
+        self.route_timer().forget()
 
     def _stock_stack(self) -> nn.Module:
         """This stack as the stock layers run it (:func:`stock_tree`): the replaced stack over the
