@@ -155,8 +155,8 @@ def test_a_segment_is_handed_only_the_subtrees_it_reads(monkeypatch: pytest.Monk
     handed: dict[str, list[int]] = {}
     compile_ = mx.compile
 
-    def counting(fn: Any) -> Any:  # the forms Segments makes: count the arrays of each call
-        compiled = compile_(fn)
+    def counting(fn: Any, **options: Any) -> Any:  # the forms Segments makes: count the arrays of each call
+        compiled = compile_(fn, **options)  # (mlx-lm compiles its activations through here too)
 
         def call(trees: Any, *args: Any) -> Any:
             handed.setdefault(fn.__name__, []).append(len(tree_flatten(trees)))
@@ -187,8 +187,8 @@ def test_a_segment_is_handed_only_the_subtrees_it_reads(monkeypatch: pytest.Monk
 
 
 def _named(traced: Any) -> Any:
-    def named(layer_ref: Any, name: str, paths: Any) -> Any:
-        fn = traced(layer_ref, name, paths)
+    def named(layer_ref: Any, name: str, *rest: Any) -> Any:
+        fn = traced(layer_ref, name, *rest)
         fn.__name__ = str(name)
         return fn
 
@@ -364,3 +364,71 @@ def test_a_nan_from_a_decoding_kernel_is_found_by_inspect_and_check_finite(
     with pytest.raises(gk.GraphError) as raised:
         gk.wrap(patched, check_finite=True)(token)
     assert raised.value.node == failure.node
+
+
+class _FusedPair(nn.Module):
+    """A fused weight whose two row ranges one segment multiplies by ``x``: ``segment_views``
+    declares them, so the segment is handed the ranges instead of slicing them at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = nn.Linear(4, 6, bias=False)
+
+    def segment_views(self, name: str) -> Any:
+        return ((("fused", "weight"), (2, 4)),) if name == "split" else ()
+
+    def split(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        first, second = segments_module.row_ranges(self.fused.weight, (2, 4))
+        return x @ first.T, x @ second.T
+
+
+def _slices(outputs: Any) -> int:
+    """The Slice primitives in the graph of ``outputs`` (up to arrays already evaluated)."""
+    import io
+    import re
+
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *outputs)
+    return len(re.findall(r'label ="Slice"', dot.getvalue()))
+
+
+def test_a_segment_is_handed_the_row_ranges_it_declares_made_once() -> None:
+    layer = _FusedPair()
+    mx.eval(layer.parameters())
+    x = mx.random.normal((1, 4), key=mx.random.key(0))
+    segments = Segments(layer)
+    for call in range(3):
+        outputs = segments("split", x)
+        # the ranges are inputs: sliced at the first call, after it arrays already made
+        assert _slices(outputs) == (2 if call == 0 else 0)
+        mx.eval(outputs)
+        for got, want in zip(outputs, layer.split(x)):
+            assert mx.array_equal(got, want).item()
+    made = segments._views["split"][1]
+    assert segments("split", x) and segments._views["split"][1] is made
+    layer.fused.weight = layer.fused.weight * 3  # replaced: the next call slices the new weight
+    for got, want in zip(segments("split", x), (x @ layer.fused.weight[:2].T, x @ layer.fused.weight[2:].T)):
+        assert mx.allclose(got, want).item()
+    assert segments._views["split"][1] is not made
+
+
+def test_phi3_blocks_take_their_fused_weights_row_ranges_as_inputs() -> None:
+    """A 4-bit Phi-3 decodes as stock with its fused qkv_proj and gate_up_proj handed to each
+    link in row ranges made once, not sliced at every token."""
+    stock, patched = tiny_model("phi3"), tiny_model("phi3")
+    for model in (stock, patched):
+        nn.quantize(model, group_size=32, bits=4)
+        model.eval()
+    gk.patch(patched)
+    for ours, theirs in zip(_decode(patched, 4), _decode(stock, 4)):
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+    first, second = patched.model.layers
+    views = patched.model.segment_views(("link", 0))
+    assert [path[2:] for path, _ in views] == [
+        ("mlp", "gate_up_proj", part) for part in ("weight", "scales", "biases")] + [
+        ("self_attn", "qkv_proj", part) for part in ("weight", "scales", "biases")]
+    handed = patched.model.segments()._views[("link", 0)][1]
+    assert handed[0][0].shape[0] == first.mlp.gate_up_proj.weight.shape[0] // 2
+    made = [id(v) for ranges in handed for v in ranges]
+    _decode(patched, 2)
+    assert [id(v) for ranges in patched.model.segments()._views[("link", 0)][1] for v in ranges] == made

@@ -130,6 +130,9 @@ class _ThreadState(threading.local):
     #: nesting depth of compiled segments being traced on this thread (``models.segments``;
     #: not a setting: a trace runs on the thread that calls it)
     segment_depth: int = 0
+    #: while a compiled segment is traced, the row ranges of fused weights it was handed, by the
+    #: id of the fused weight's tracer: ``(sizes, views)`` (``models.segments``; not a setting)
+    row_views: dict[int, tuple[tuple[int, ...], list[Any]]] | None = None
     #: none of ``recorder``, ``backend``, ``stock_layers``, ``segment_depth`` is set: a patched
     #: standalone layer reads this one value on every call instead of the four. Whatever sets one
     #: of them calls :func:`settings_changed` after.

@@ -17,7 +17,10 @@ so is each module's class: one changed since they were traced (a module swapped,
 ``graphkern.tracing.guards``) makes every form trace again. MLX
 takes a call's arrays one by one, so a segment is handed only the subtrees it reads when the layer
 names them (``segment_reads(name)``: paths of child names); one that reaches past them while it
-is traced fails there and takes the whole layer from then on. Each
+is traced fails there and takes the whole layer from then on. A fused weight a segment takes in
+row ranges (Phi-3's ``qkv_proj`` and ``gate_up_proj``) is handed in as ranges made once, where the
+layer declares them (``segment_views(name)``: paths and sizes): slices made inside the segment
+would be made again, and evaluated, at every call. Each
 thread has its own compiled forms (MLX keeps one compile cache a thread), and a layer holds its
 forms while they hold only a weak reference back, so dropping a model frees its weights.
 
@@ -44,8 +47,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
+import operator
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -55,7 +60,7 @@ from graphkern.launching.context import settings_changed, state
 from graphkern.launching.launch_cache import LaunchCache
 from graphkern.tracing.guards import AttributeGuard, modules_under
 
-__all__ = ["MAX_SEGMENT_TOKENS", "Segments", "decoding", "segments_apply"]
+__all__ = ["MAX_SEGMENT_TOKENS", "Segments", "decoding", "row_ranges", "segments_apply"]
 
 #: Calls of at most this many tokens run compiled segments (decoding, speculative verification).
 #: Longer ones (prefill) run layer by layer: each new prompt length would be a new trace.
@@ -65,6 +70,10 @@ MAX_SEGMENT_TOKENS = 16
 MAX_FORMS = 256
 
 _NOT_A_TREE = "[compile] Function arguments must be trees"
+
+#: What a layer's ``segment_views(name)`` declares: each fused weight a segment takes in row
+#: ranges, as its path from the layer and the ranges' sizes in rows.
+Views = tuple[tuple[tuple[Any, ...], tuple[int, ...]], ...]
 
 
 def decoding(x: mx.array) -> bool:
@@ -90,7 +99,7 @@ class Segments:
     None, for the caller to run the layer's own forward.
     """
 
-    __slots__ = ("layer", "_forms", "_whole", "usable", "_guard")
+    __slots__ = ("layer", "_forms", "_whole", "usable", "_guard", "_views")
 
     def __init__(self, layer: Any):
         self.layer = weakref.ref(layer)
@@ -101,6 +110,8 @@ class Segments:
         self.usable = True
         # the plain attributes of the layer's modules the forms were traced with
         self._guard: AttributeGuard | None = None
+        # segment name -> (the fused weights, their row ranges) handed to it (``segment_views``)
+        self._views: dict[Any, tuple[list[mx.array], list[list[mx.array]]]] = {}
 
     def traced(self) -> list[Any]:
         """The names of the segments compiled so far, on any thread."""
@@ -120,12 +131,16 @@ class Segments:
         except (KeyError, IndexError):  # a layer without one of them: the whole layer
             self._whole.add(name)
             paths, trees = None, layer
-        key = (name, paths is None, state.token)  # a layer declares the same paths each call
+        viewing = getattr(layer, "segment_views", None)
+        wanted = viewing(name) if viewing is not None else ()
+        key = (name, paths is None, wanted, state.token)  # a layer declares the same paths each call
         form = self._forms.get(key)
         if form is None:
-            form = mx.compile(_traced(self.layer, name, paths))
+            form = mx.compile(_traced(self.layer, name, paths, wanted))
             self._forms.put(key, form)
         try:
+            if wanted:
+                return form(trees, self._row_views(name, layer, wanted), *args)
             return form(trees, *args)
         except (AttributeError, KeyError):
             if paths is None:
@@ -140,11 +155,41 @@ class Segments:
             self.usable = False
             return None
 
+    def _row_views(self, name: Any, layer: Any, wanted: Views) -> list[list[mx.array]]:
+        """The row ranges of the fused weights segment ``name`` slices (``wanted``: their paths
+        and sizes), made once while the layer holds the same weights: as the segment's inputs
+        they are arrays already made, where slices inside it would be made again at every call."""
+        sources = [_at(layer, path) for path, _ in wanted]
+        known = self._views.get(name)
+        if known is not None and len(known[0]) == len(sources) and all(map(operator.is_, known[0], sources)):
+            return known[1]
+        views = [row_ranges(source, sizes) for source, (_, sizes) in zip(sources, wanted)]
+        self._views[name] = (sources, views)
+        return views
+
     def _retrace(self, layer: Any) -> None:
         """Forget every form (an attribute they baked in changed) and guard the layer's
         attributes as they are now."""
         self._forms.clear()
+        self._views.clear()
         self._guard = AttributeGuard(functools.partial(_modules_of, self.layer), [])
+
+
+def row_ranges(weight: mx.array, sizes: Sequence[int]) -> list[mx.array]:
+    """``weight``'s consecutive ranges of ``sizes`` rows (views: contiguous row ranges), as a fused
+    weight holds its parts: ``gate_up_proj``'s gate and up, ``qkv_proj``'s queries, keys and values.
+    Inside a segment being traced that was handed them (``segment_views``), the ranges handed.
+
+    >>> [r.shape for r in row_ranges(mx.zeros((6, 2)), (4, 2))]
+    [(4, 2), (2, 2)]
+    """
+    handed = state.row_views
+    if handed is not None:
+        found = handed.get(id(weight))
+        if found is not None and found[0] == tuple(sizes):
+            return list(found[1])
+    ends = list(itertools.accumulate(sizes))
+    return [weight[end - size:end] for size, end in zip(sizes, ends)]
 
 
 def _modules_of(layer_ref: weakref.ReferenceType[Any]) -> list[Any]:
@@ -161,18 +206,23 @@ def _at(tree: Any, path: tuple[Any, ...]) -> Any:
 
 
 def _traced(layer_ref: weakref.ReferenceType[Any], name: str | tuple[Any, ...],
-            paths: tuple[tuple[Any, ...], ...] | None) -> Callable[..., Any]:
+            paths: tuple[tuple[Any, ...], ...] | None, wanted: Views) -> Callable[..., Any]:
     method, constants = (name, ()) if isinstance(name, str) else (name[0], name[1:])
 
     def traced(trees: Any, *args: Any) -> Any:
         live = layer_ref()
         held = _holding(live, trees) if paths is None else _pruned(live, paths, trees)
+        handed = state.row_views
+        if wanted:  # row_ranges of these fused weights answers with the views handed in
+            views, args = args[0], args[1:]
+            state.row_views = {id(_at(held, path)): (sizes, v) for (path, sizes), v in zip(wanted, views)}
         state.segment_depth += 1  # the layers it calls run their kernels: here they fuse
         settings_changed()
         try:
             return getattr(held, method)(*constants, *args)
         finally:
             state.segment_depth -= 1
+            state.row_views = handed
             settings_changed()
 
     return traced

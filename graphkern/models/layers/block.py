@@ -31,7 +31,7 @@ from graphkern.models.layers.weights import (
     with_biases,
 )
 from graphkern.models.routes import fused_rows
-from graphkern.models.segments import decoding
+from graphkern.models.segments import Views, decoding
 
 
 def _fuses(norm: nn.Module, residual: mx.array | None, x: mx.array, route: str,
@@ -92,6 +92,8 @@ class KernelResidualBlock(KernelLayer):
         object.__setattr__(self, "layout", layout)  # a tuple would go in the module's dict
         self._gk_ffn = layout.ffn
         self._gk_decoding = self.DECODING_KERNELS
+        # segment name -> (the fused child, the row ranges its segment takes): segment_views
+        object.__setattr__(self, "_gk_views", {})
         self[layout.pre_ffn_norm] = norm
         if input_norm is not None:
             self.input_layernorm = input_norm
@@ -117,6 +119,37 @@ class KernelResidualBlock(KernelLayer):
             norms = (layout.pre_ffn_norm, layout.post_attention_norm, layout.post_ffn_norm)
             return (("self_attn", "o_proj"), *((n,) for n in norms if n is not None), (self._gk_ffn,))
         return None
+
+    def segment_views(self, name: str) -> Views:
+        """The fused weights segment ``name`` takes in row ranges (``graphkern.models.segments``
+        hands them in, made once): a quantized fused ``qkv_proj``'s query, key and value rows
+        (the rotated prologue reads them apart) for ``"enter"``, a fused ``gate_up_proj``'s gate
+        and up rows for ``"leave"``."""
+        attention = self["self_attn"]
+        if name == "enter":
+            parent = ("self_attn", "qkv_proj")
+            child = attention.get("qkv_proj") if isinstance(attention, KernelAttention) else None
+        elif name == "leave":
+            ffn = self[self._gk_ffn]
+            parent = (self._gk_ffn, "gate_up_proj")
+            child = ffn.get("gate_up_proj") if isinstance(ffn, KernelGateUpMLP) else None
+        else:
+            return ()
+        known = self._gk_views.get(name)
+        if known is not None and known[0] is child:
+            return known[1]
+        parts: tuple[str, ...] = ()
+        if isinstance(child, nn.QuantizedLinear):
+            parts = ("weight", "scales", "biases")
+        elif isinstance(child, nn.Linear) and name == "leave":  # plain kernels take a whole qkv_proj
+            parts = ("weight",)
+        views: Views = ()
+        if parts and child is not None:
+            rows = child["weight"].shape[0]
+            sizes = attention.qkv_sizes(rows) if name == "enter" else halves(rows)
+            views = tuple(((*parent, part), sizes) for part in parts if part in child)
+        self._gk_views[name] = (child, views)
+        return views
 
     @property
     def chains(self) -> bool:

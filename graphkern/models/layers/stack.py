@@ -22,7 +22,7 @@ from graphkern.models.layers.rope import Rotary
 from graphkern.models.prefill import BlockPipeline, prompt_mode, stock_layers
 from graphkern.models.route_timing import RouteTimer
 from graphkern.models.routes import stack_row_limit
-from graphkern.models.segments import MAX_SEGMENT_TOKENS, segments_apply
+from graphkern.models.segments import MAX_SEGMENT_TOKENS, Views, segments_apply
 
 
 class KernelDecoderStack(KernelLayer):
@@ -46,6 +46,7 @@ class KernelDecoderStack(KernelLayer):
         # link index -> (the two blocks, what the link reads), found again if a block is replaced;
         # set past Module.__setattr__, which would put a dict among the module's items
         object.__setattr__(self, "_gk_link_reads", {})
+        object.__setattr__(self, "_gk_link_views", {})  # link index -> (its blocks' views, its own)
 
     def _embed(self, inputs: mx.array, cache: Any, input_embeddings: mx.array | None) -> tuple[mx.array, Any]:
         h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
@@ -131,6 +132,22 @@ class KernelDecoderStack(KernelLayer):
         if known is None or known[0] is not leaving or known[1] is not entering:
             known = leaving, entering, _link_reads(index, leaving, entering)
             self._gk_link_reads[index] = known
+        return known[2]
+
+    def segment_views(self, name: Any) -> Views:
+        """What ``link(index, ...)`` takes in row ranges: block ``index``'s ``leave`` and the next
+        block's ``enter`` (:meth:`KernelResidualBlock.segment_views`), as paths from the stack."""
+        if not (isinstance(name, tuple) and name[0] == "link"):
+            return ()
+        index = name[1]
+        layers = self["layers"]
+        left, entered = layers[index].segment_views("leave"), layers[index + 1].segment_views("enter")
+        known = self._gk_link_views.get(index)
+        if known is None or known[0] is not left or known[1] is not entered:
+            views = (*((("layers", index, *path), sizes) for path, sizes in left),
+                     *((("layers", index + 1, *path), sizes) for path, sizes in entered))
+            known = left, entered, views
+            self._gk_link_views[index] = known
         return known[2]
 
     def forward(self, inputs: mx.array, cache: Any = None,

@@ -3,7 +3,6 @@ a module's children, their biases, and the row ranges of a fused weight."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -11,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from graphkern.kernels.ops.quantized_projections import QUANTIZED_BITS, QUANTIZED_GROUP_SIZES, QuantizedWeight
+from graphkern.models.segments import row_ranges
 
 
 def plain_weights(module: nn.Module, names: tuple[str, ...], x: mx.array,
@@ -105,13 +105,6 @@ def quantized_note(module: nn.Module, names: tuple[str, ...], biased: bool = Fal
     kinds = sorted({f"{module[n].bits}-bit {getattr(module[n], 'mode', 'affine')}" for n in odd})
     return (f"{', '.join(odd)} ({', '.join(kinds)}): quantization the fused kernels do not read "
             f"(affine, bits {QUANTIZED_BITS}, groups {QUANTIZED_GROUP_SIZES}, no bias); stock products")
-
-
-def row_ranges(weight: mx.array, sizes: Sequence[int]) -> list[mx.array]:
-    """``weight``'s consecutive ranges of ``sizes`` rows (views: contiguous row ranges), as a fused
-    weight holds its parts: ``gate_up_proj``'s gate and up, ``qkv_proj``'s queries, keys and values."""
-    ends = list(itertools.accumulate(sizes))
-    return [weight[end - size:end] for size, end in zip(sizes, ends)]
 
 
 def quantized_row_ranges(fused: QuantizedWeight, sizes: Sequence[int]) -> list[QuantizedWeight]:
