@@ -230,3 +230,9 @@ def test_the_cpu_does_not_measure() -> None:
     _, patched = eval_twins("llama")
     _greedy(patched, MEASURED_CALLS + 1)
     assert decode_route_choices(patched) == {"model": {}}
+
+
+def test_reading_the_routes_of_what_is_not_a_module_is_refused_by_name() -> None:
+    _, patched = eval_twins("llama")
+    with pytest.raises(gk.ModelError, match="takes an mlx.nn.Module and got WrappedModel"):
+        decode_route_choices(gk.wrap(patched))

@@ -33,7 +33,11 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any, Literal
 
+import mlx.nn as nn
+
+from graphkern.errors import ModelError
 from graphkern.launching.backends import on_gpu_backend
+from graphkern.nodes import Status
 
 __all__ = ["MAX_TRIALS", "SKIPPED_CALLS", "TIMED_CALLS", "TRIALS", "RouteTimer", "decode_route_choices",
            "measures_routes"]
@@ -167,10 +171,17 @@ def decode_route_choices(model: Any) -> dict[str, dict[Hashable, dict[str, Any]]
     route, by the stack's path and then by call shape ``(batch, tokens)`` (see
     :meth:`RouteTimer.report`); empty for a model that has not decoded on a GPU.
 
+    Raises:
+        ModelError: ``model`` is not an ``nn.Module`` (a ``WrappedModel``: pass its ``.model``).
+
     >>> import mlx.nn as nn
     >>> decode_route_choices(nn.Linear(2, 2))
     {}
     """
+    if not isinstance(model, nn.Module):
+        raise ModelError("read the decoding routes chosen",
+                         f"decode_route_choices takes an mlx.nn.Module and got {type(model).__name__}",
+                         Status.INVALID_INPUT)
     found = {}
     for path, module in model.named_modules():
         timer = getattr(module, "__dict__", {}).get("_gk_route_timer")
