@@ -94,9 +94,21 @@ def test_a_route_forces_one_way(route: str, kernels_run: bool, gpu_decision: Non
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     stock, patched = eval_twins("gemma2", route=route)
     calls = spy_on_kernels(monkeypatch, STANDALONE)
-    # fused blocks run their kernels on either route: on a GPU they round apart from stock's ops
     assert _same(_decode(patched, 1), _decode(stock, 1), atol=1e-5)
     assert bool(calls) is kernels_run
+
+
+def test_the_stock_route_decodes_a_stack_on_its_stock_layers(gpu_decision: None,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``set_route(model, "stock")`` takes every kernel out of a patched stack's calls, the fused
+    blocks' too (the stack runs its stock layers), and a trace still records the kernels."""
+    stock, patched = eval_twins("llama")
+    gk.set_route(patched, "stock")
+    calls = spy_on_kernels(monkeypatch, (*STANDALONE, *FUSED))
+    assert _same(_decode(patched, 3), _decode(stock, 3))  # exact: the same ops
+    assert not calls
+    graph = gk.trace(lambda tokens: patched(tokens), PROMPT[:, :1])
+    assert {"gk_norm_projections", "gk_norm_swiglu"} <= {graph.node(k)["kernel"] for k in graph.kernels()}
 
 
 def test_set_route_changes_every_patched_layer(monkeypatch: pytest.MonkeyPatch) -> None:

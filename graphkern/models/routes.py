@@ -19,7 +19,11 @@ the host more than ``mx.fast``'s. So each patched layer has a route:
   take (:func:`stack_row_limit`) on the stock layers: with the products stock's, the norm
   kernels' launches cost the host more than stock's ops.
 - ``"kernel"``: always the kernel, as a benchmark of the kernel or a test of it wants.
-- ``"stock"``: always the stock forward, on the patched layer's own arrays.
+- ``"stock"``: always the stock forward, on the patched layer's own arrays; a decoder stack runs
+  its stock layers (its fused blocks' too) for every call a graphkern trace does not record.
+
+On a GPU the ``"auto"`` route of a decoder stack also chooses, for each shape of decoding call,
+between its kernels and its stock layers by timing both (``graphkern.models.route_timing``).
 
 ``patch(model, route=...)`` sets it for every layer it builds, ``set_route(model, route)`` later.
 
