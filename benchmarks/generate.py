@@ -28,8 +28,9 @@ token agreement; for each it also compares the first decoded token's logits with
 ``NO_WORSE`` times stock is). The patched model decodes on its default route, which on a GPU
 measures its first decoding calls of each shape on the kernels and on the stock layers and keeps
 the faster (``graphkern.models.route_timing``; here within the warm-up round): each run prints what
-it chose, and the table's last column the choice at batch 1. ``--quantize 4|8 --group-size N`` quantizes the random-weight model as mlx-lm's
-converter does (``nn.quantize``: embeddings and output layer included).
+it chose, and the table's last column the choice at batch 1. ``--quantize 4|8 --group-size N``
+quantizes the random-weight model as mlx-lm's converter does (``nn.quantize``: embeddings and
+output layer included).
 
     python benchmarks/generate.py                                   # the default grid
     python benchmarks/generate.py --models llama --sizes large --dtypes bfloat16 --breakdown
@@ -408,7 +409,8 @@ def measured_routes(model: Any) -> dict[str, dict[str, Any]]:
 def routes_line(result: dict[str, Any]) -> str:
     """What a run prints of the routes its patched model chose (empty: none measured)."""
     def one(shape: str, c: dict[str, Any]) -> str:
-        times = ", ".join(f"{r} {c[r + '_ms']:.3f} ms" for r in ("kernels", "stock") if c[r + "_ms"] is not None)
+        times = ", ".join(f"{r} {c[r + '_ms']:.3f} ms" for r in ("kernels", "stock")
+                          if c[r + "_ms"] is not None)
         return f"{shape}: {c['route'] or 'still measuring'} ({times} a call)"
 
     routes = result.get("routes") or {}
@@ -571,7 +573,8 @@ def sweep_table(results: list[dict[str, Any]]) -> str:
     1 reads the weights at (``weight_megabytes``, GB/s)."""
     tasks = [row["task"] for row in results[0]["rows"]] if results else []
     lines = ["\n## sweep: ratio (lowest round)",
-             "| model | weights | " + " | ".join(tasks) + " | tokens agree | stock b1 weights GB/s | b1 route |",
+             "| model | weights | " + " | ".join(tasks)
+             + " | tokens agree | stock b1 weights GB/s | b1 route |",
              "|---|---|" + "---:|" * (len(tasks) + 2) + "---|"]
     for result in results:
         cells = []

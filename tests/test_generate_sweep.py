@@ -66,3 +66,17 @@ def test_a_breakdown_lists_the_kernels_by_their_gpu_time() -> None:
     at = lines.index("- per decoding step, patched, batch 1: launches 48.00, wall_us 910.00")
     assert lines[at + 1:at + 3] == ["  -     30.2 us,  16.0 launches: gk_norm_swiglu_bf16",
                                     "  -     12.5 us,  32.0 launches: gemv_single"]
+
+
+def test_a_run_says_which_decoding_route_its_patched_model_chose() -> None:
+    """What ``graphkern.models.route_timing`` chose is printed with the run and in the table."""
+    choice = {"route": "stock", "kernels_ms": 2.855, "stock_ms": 2.724,
+              "timed_calls": {"kernels": 10, "stock": 10}}
+    result = {"model": "phi-3-mini", "weights": "4-bit, group 64", "weight_mb": 1000.0,
+              "routes": {"b1": choice},
+              "rows": [{"task": "decode b1", "stock": 400.0, "speedup": 1.0, "speedup_range": [0.99, 1.01]}]}
+    assert generate.routes_line(result) == (
+        "- decoding routes measured: b1: stock (kernels 2.855 ms, stock 2.724 ms a call)")
+    last = generate.sweep_table([result]).splitlines()[-1]
+    assert [c.strip() for c in last.split("|")][-2] == "stock"
+    assert generate.routes_line({**result, "routes": {}}) == ""
