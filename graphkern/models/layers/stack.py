@@ -34,7 +34,10 @@ class KernelDecoderStack(KernelLayer):
     as in the stock loop, after the pending add. An evaluating call on a short prompt runs the stock
     layers, and so does a decoding call of more token rows than the blocks' fused kernels take on
     a GPU (``graphkern.models.routes.stack_row_limit``); on a long prompt each block but the last
-    starts on the device as soon as it is built (``graphkern.models.prefill``).
+    starts on the device as soon as it is built (``graphkern.models.prefill``). On a GPU a decoding
+    call on the ``"auto"`` route runs whichever of the kernels and the stock layers was measured
+    faster for its shape (``graphkern.models.route_timing``); on the ``"stock"`` route every call
+    a graphkern trace does not record runs the stock layers.
     """
 
     kernel = "add_rms_norm"
