@@ -169,7 +169,8 @@ class RouteTimer:
 def decode_route_choices(model: Any) -> dict[str, dict[Hashable, dict[str, Any]]]:
     """What each patched decoder stack in ``model`` chose for its decoding calls on the ``"auto"``
     route, by the stack's path and then by call shape ``(batch, tokens)`` (see
-    :meth:`RouteTimer.report`); empty for a model that has not decoded on a GPU.
+    :meth:`RouteTimer.report`): a stack that has not decoded on a GPU maps to ``{}``, and a model
+    without patched decoder stacks gives ``{}``.
 
     Raises:
         ModelError: ``model`` is not an ``nn.Module`` (a ``WrappedModel``: pass its ``.model``).
