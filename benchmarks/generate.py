@@ -245,6 +245,37 @@ def generate_batch(model: Any, prompt: mx.array, tokens: int, batch: int) -> tup
     return first - start, (end - first) / max(steps, 1)
 
 
+def generate_together(model: Any, prompt: mx.array, tokens: int, batch: int) -> tuple[float, float]:
+    """As ``generate_batch``, for a model mlx-lm's ``BatchGenerator`` cannot run (its attention
+    cannot take the padding mask): ``batch`` copies of ``prompt`` through one KV cache, greedy
+    steps pipelined as ``generate_step`` pipelines them."""
+    cache = _cache_for(model)
+    start = time.perf_counter()
+    logits = model(mx.broadcast_to(prompt, (batch, prompt.size)), cache=cache)
+    token = mx.argmax(logits[:, -1], axis=-1)
+    mx.eval(token)
+    first = time.perf_counter()
+    for _ in range(tokens - 1):
+        following = mx.argmax(model(token[:, None], cache=cache)[:, -1], axis=-1)
+        mx.async_eval(following)
+        mx.eval(token)
+        token = following
+    mx.eval(token)
+    end = time.perf_counter()
+    return first - start, (end - first) / max(tokens - 1, 1)
+
+
+def batch_decoding(stock: Any, prompt: mx.array, batch: int) -> tuple[Callable[..., tuple[float, float]], str]:
+    """``generate_batch`` and no note where stock runs through ``BatchGenerator``; else
+    ``generate_together`` and why (both twins are timed the same way)."""
+    try:
+        generate_batch(stock, prompt[:4], 2, batch)
+    except ValueError as exc:
+        return generate_together, (f"decode b{batch}: one KV cache, equal prompts; mlx-lm's "
+                                   f"BatchGenerator fails on stock ({exc})"[:240])
+    return generate_batch, ""
+
+
 def peak_memory_mb(run: Callable[[], object]) -> float:
     """MLX's peak memory (weights included, MB) over ``run``, from a cleared pool."""
     mx.clear_cache()
@@ -272,12 +303,15 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
     prompts = {p: mx.random.randint(0, vocab, (p,), key=mx.random.key(p)) for p in args.prefill}
     short = prompts[min(args.prefill)]
     tasks: dict[str, Callable[[Any], float]] = {}
+    notes = []
     for batch in args.batches:
         if batch == 1:
             tasks["decode b1"] = lambda m: 1.0 / generate_b1(m, short, args.tokens)[1]
         else:
+            decode, note = batch_decoding(stock, short, batch)
+            notes += [note] if note else []
             tasks[f"decode b{batch}"] = (
-                lambda m, b=batch: b / generate_batch(m, short, args.tokens, b)[1])
+                lambda m, b=batch, run=decode: b / run(m, short, args.tokens, b)[1])
     for length, prompt in prompts.items():
         tasks[f"ttft {length}"] = lambda m, p=prompt: 1e3 * statistics.median(
             generate_b1(m, p, 2)[0] for _ in range(TTFT_REPEATS))
@@ -320,7 +354,7 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
             rows.append(row)
     weights = f"{args.quantize}-bit, group {args.group_size}" if args.quantize else dtype_name
     result = {"model": label, "dtype": dtype_name, "weights": weights, "rows": rows,
-              "weight_mb": weight_megabytes(stock), "routes": measured_routes(patched)}
+              "weight_mb": weight_megabytes(stock), "routes": measured_routes(patched), "notes": notes}
     if args.agreement:
         result["agreement"] = token_agreement(stock, patched, short, args.agreement)
         result["first_logits"] = first_logits(stock, patched, short, dtype)
@@ -556,6 +590,7 @@ def format_result(result: dict[str, Any]) -> str:
         lines += [f"|  | error | {e} | | | |" for e in row["errors"]]
     if routes_line(result):
         lines.append(routes_line(result))
+    lines += [f"- {note}" for note in result.get("notes", [])]
     for name, b in result.get("breakdown", {}).items():
         lines.append(f"- per decoding step, {name}: " + ", ".join(
             f"{k} {v:.2f}" for k, v in b.items() if k != "kernels"))

@@ -80,3 +80,22 @@ def test_a_run_says_which_decoding_route_its_patched_model_chose() -> None:
     last = generate.sweep_table([result]).splitlines()[-1]
     assert [c.strip() for c in last.split("|")][-2] == "stock"
     assert generate.routes_line({**result, "routes": {}}) == ""
+
+
+def test_a_batch_mlx_lms_batch_generator_cannot_take_is_timed_through_one_kv_cache(
+        tmp_path: Path) -> None:
+    """mlx-lm's Gemma 2 attention cannot broadcast ``BatchGenerator``'s padding mask, stock as
+    patched: its batched decoding is timed for both twins through one KV cache and the run says
+    so; a Llama goes through ``BatchGenerator`` with no note. (Three rows: at as many rows as its
+    KV heads the mask broadcasts, over the wrong axis, without an error.)"""
+    out_json = tmp_path / "sweep.json"
+    assert generate.main(["--sweep", "--quick", "--preset", "gemma-2-2b,llama-3.2-1b", "--rounds", "1",
+                          "--tokens", "3", "--prefill", "8", "--batches", "1,3", "--dtypes", "float32",
+                          "--sweep-bits", "", "--json", str(out_json)]) == 0
+    gemma, llama = json.loads(out_json.read_text())
+    for result in (gemma, llama):
+        row = next(r for r in result["rows"] if r["task"] == "decode b3")
+        assert row["stock"] > 0 and row["patched"] > 0 and not row["errors"], row
+    assert len(gemma["notes"]) == 1 and "BatchGenerator fails on stock" in gemma["notes"][0]
+    assert llama["notes"] == []
+    assert f"- {gemma['notes'][0]}" in generate.format_result(gemma).splitlines()
