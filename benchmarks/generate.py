@@ -265,7 +265,8 @@ def generate_together(model: Any, prompt: mx.array, tokens: int, batch: int) -> 
     return first - start, (end - first) / max(tokens - 1, 1)
 
 
-def batch_decoding(stock: Any, prompt: mx.array, batch: int) -> tuple[Callable[..., tuple[float, float]], str]:
+def batch_decoding(stock: Any, prompt: mx.array,
+                   batch: int) -> tuple[Callable[..., tuple[float, float]], str]:
     """``generate_batch`` and no note where stock runs through ``BatchGenerator``; else
     ``generate_together`` and why (both twins are timed the same way)."""
     try:
