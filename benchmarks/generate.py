@@ -1,7 +1,9 @@
 """mlx-lm generation, stock model against the same model patched onto graphkern's kernels.
 
 What a user runs: random-weight mlx-lm models (llama, qwen3, mixtral) at two sizes, generated with
-mlx-lm's own loops: ``mlx_lm.generate.generate_step`` at batch 1 and ``BatchGenerator`` at batch 8.
+mlx-lm's own loops: ``mlx_lm.generate.generate_step`` at batch 1 and ``BatchGenerator`` at batch 8
+(where stock cannot run through it, as Gemma 2's attention cannot take its padding mask, both twins
+decode 8 equal prompts through one KV cache instead, and the run says so).
 Each model is run stock and patched (``gk.patch`` on a second model object sharing the weights),
 both eagerly (how mlx-lm generates) and through ``gk.wrap``, taking turns within each round
 (stock first in even rounds, patched first in odd ones):
