@@ -156,12 +156,13 @@ class KernelDecoderStack(KernelLayer):
     def forward(self, inputs: mx.array, cache: Any = None,
                  input_embeddings: mx.array | None = None) -> mx.array:
         tokens = inputs if input_embeddings is None else input_embeddings
-        mode = prompt_mode(tokens, self.sparse, self._decode_rows())
         if self._gk_call_route == "stock" and state.recorder is None:
             mode = "stock"  # forced: no kernel at all, though a trace still records them
-        elif (mode == "kernels" and self._measures_routes(tokens)
-                and self.route_timer().route(tokens.shape[:2]) == "stock"):
-            mode = "stock"  # measured faster for calls of this shape on this machine
+        else:
+            mode = prompt_mode(tokens, self.sparse, self._decode_rows())
+            if (mode == "kernels" and self._measures_routes(tokens)
+                    and self.route_timer().route(tokens.shape[:2]) == "stock"):
+                mode = "stock"  # measured faster for calls of this shape on this machine
         if mode == "stock":  # every patched layer in the stock forward runs the layer it replaced
             stack = self._stock_stack()
             with stock_layers():
