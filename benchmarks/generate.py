@@ -213,11 +213,46 @@ def _cache_for(model: Any) -> list[Any]:
     return make_prompt_cache(model.model if isinstance(model, WrappedModel) else model)
 
 
-def generate_b1(model: Any, prompt: mx.array, tokens: int) -> tuple[float, float]:
-    """(seconds to the first token, seconds per later token) of ``generate_step``."""
+def steps_b1(model: Any, prompt: mx.array, tokens: int, batch: int = 1) -> Iterator[Any]:
+    """``generate_step``'s decoding of ``prompt``, a token a ``next``."""
     from mlx_lm.generate import generate_step
 
-    steps = generate_step(prompt, model, max_tokens=tokens, prompt_cache=_cache_for(model))
+    yield from generate_step(prompt, model, max_tokens=tokens, prompt_cache=_cache_for(model))
+
+
+def steps_batch(model: Any, prompt: mx.array, tokens: int, batch: int) -> Iterator[Any]:
+    """mlx-lm's ``BatchGenerator`` decoding ``batch`` copies of ``prompt``, a step a ``next``."""
+    from mlx_lm.generate import BatchGenerator
+
+    generator = BatchGenerator(model, max_tokens=tokens, prefill_batch_size=batch,
+                               completion_batch_size=batch)
+    try:
+        generator.insert([prompt.tolist()] * batch, max_tokens=[tokens] * batch)
+        while generated := generator.next_generated():
+            yield generated
+    finally:
+        generator.close()
+
+
+def steps_together(model: Any, prompt: mx.array, tokens: int, batch: int) -> Iterator[Any]:
+    """As ``steps_batch``, for a model mlx-lm's ``BatchGenerator`` cannot run (its attention
+    cannot take the padding mask): ``batch`` copies of ``prompt`` through one KV cache, greedy
+    steps pipelined as ``generate_step`` pipelines them."""
+    cache = _cache_for(model)
+    token = mx.argmax(model(mx.broadcast_to(prompt, (batch, prompt.size)), cache=cache)[:, -1], axis=-1)
+    mx.async_eval(token)
+    for _ in range(tokens - 1):
+        following = mx.argmax(model(token[:, None], cache=cache)[:, -1], axis=-1)
+        mx.async_eval(following)
+        mx.eval(token)
+        yield token
+        token = following
+    mx.eval(token)
+    yield token
+
+
+def timed(steps: Iterator[Any]) -> tuple[float, float]:
+    """(seconds to the first step of ``steps``, seconds per later step)."""
     start = time.perf_counter()
     next(steps)
     first = time.perf_counter()
@@ -226,57 +261,23 @@ def generate_b1(model: Any, prompt: mx.array, tokens: int) -> tuple[float, float
     return first - start, (end - first) / max(count, 1)
 
 
-def generate_batch(model: Any, prompt: mx.array, tokens: int, batch: int) -> tuple[float, float]:
-    """(seconds to the first tokens, seconds per later step of all ``batch`` sequences) of mlx-lm's
-    ``BatchGenerator``."""
-    from mlx_lm.generate import BatchGenerator
+def generate_b1(model: Any, prompt: mx.array, tokens: int) -> tuple[float, float]:
+    """(seconds to the first token, seconds per later token) of ``generate_step``."""
+    return timed(steps_b1(model, prompt, tokens))
 
-    generator = BatchGenerator(model, max_tokens=tokens, prefill_batch_size=batch,
-                               completion_batch_size=batch)
+
+def batch_decoding(stock: Any, prompt: mx.array, batch: int) -> tuple[Callable[..., Iterator[Any]], str]:
+    """How to decode ``batch`` copies of ``prompt`` on both twins: ``steps_b1`` at one row,
+    ``steps_batch`` and no note where stock runs through ``BatchGenerator``, else
+    ``steps_together`` and why."""
+    if batch == 1:
+        return steps_b1, ""
     try:
-        generator.insert([prompt.tolist()] * batch, max_tokens=[tokens] * batch)
-        start = time.perf_counter()
-        generator.next_generated()
-        first = time.perf_counter()
-        steps = 0
-        while generator.next_generated():
-            steps += 1
-        end = time.perf_counter()
-    finally:
-        generator.close()
-    return first - start, (end - first) / max(steps, 1)
-
-
-def generate_together(model: Any, prompt: mx.array, tokens: int, batch: int) -> tuple[float, float]:
-    """As ``generate_batch``, for a model mlx-lm's ``BatchGenerator`` cannot run (its attention
-    cannot take the padding mask): ``batch`` copies of ``prompt`` through one KV cache, greedy
-    steps pipelined as ``generate_step`` pipelines them."""
-    cache = _cache_for(model)
-    start = time.perf_counter()
-    logits = model(mx.broadcast_to(prompt, (batch, prompt.size)), cache=cache)
-    token = mx.argmax(logits[:, -1], axis=-1)
-    mx.eval(token)
-    first = time.perf_counter()
-    for _ in range(tokens - 1):
-        following = mx.argmax(model(token[:, None], cache=cache)[:, -1], axis=-1)
-        mx.async_eval(following)
-        mx.eval(token)
-        token = following
-    mx.eval(token)
-    end = time.perf_counter()
-    return first - start, (end - first) / max(tokens - 1, 1)
-
-
-def batch_decoding(stock: Any, prompt: mx.array,
-                   batch: int) -> tuple[Callable[..., tuple[float, float]], str]:
-    """``generate_batch`` and no note where stock runs through ``BatchGenerator``; else
-    ``generate_together`` and why (both twins are timed the same way)."""
-    try:
-        generate_batch(stock, prompt[:4], 2, batch)
+        timed(steps_batch(stock, prompt[:4], 2, batch))
     except ValueError as exc:
-        return generate_together, (f"decode b{batch}: one KV cache, equal prompts; mlx-lm's "
-                                   f"BatchGenerator fails on stock ({exc})"[:240])
-    return generate_batch, ""
+        return steps_together, (f"decode b{batch}: one KV cache, equal prompts; mlx-lm's "
+                                f"BatchGenerator fails on stock ({exc})"[:240])
+    return steps_batch, ""
 
 
 def peak_memory_mb(run: Callable[[], object]) -> float:
@@ -305,16 +306,11 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
         variants = {k: v for k, v in variants.items() if "wrap" in k}
     prompts = {p: mx.random.randint(0, vocab, (p,), key=mx.random.key(p)) for p in args.prefill}
     short = prompts[min(args.prefill)]
-    tasks: dict[str, Callable[[Any], float]] = {}
-    notes = []
-    for batch in args.batches:
-        if batch == 1:
-            tasks["decode b1"] = lambda m: 1.0 / generate_b1(m, short, args.tokens)[1]
-        else:
-            decode, note = batch_decoding(stock, short, batch)
-            notes += [note] if note else []
-            tasks[f"decode b{batch}"] = (
-                lambda m, b=batch, run=decode: b / run(m, short, args.tokens, b)[1])
+    decoders = {batch: batch_decoding(stock, short, batch) for batch in args.batches}
+    notes = [note for _, note in decoders.values() if note]
+    tasks: dict[str, Callable[[Any], float]] = {
+        f"decode b{batch}": lambda m, b=batch, steps=steps: b / timed(steps(m, short, args.tokens, b))[1]
+        for batch, (steps, _) in decoders.items()}
     for length, prompt in prompts.items():
         tasks[f"ttft {length}"] = lambda m, p=prompt: 1e3 * statistics.median(
             generate_b1(m, p, 2)[0] for _ in range(TTFT_REPEATS))
@@ -363,8 +359,8 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
         result["first_logits"] = first_logits(stock, patched, short, dtype)
     if args.breakdown:
         twins = (("stock", stock), ("patched", patched))
-        result["breakdown"] = {f"{name}, batch {b}": breakdown(model, short, args.tokens, b)
-                               for b in args.batches for name, model in twins}
+        result["breakdown"] = {f"{name}, batch {b}": breakdown(steps(model, short, args.tokens, b))
+                               for b, (steps, _) in decoders.items() for name, model in twins}
         longest = max(args.prefill)
         result["prefill_breakdown"] = {f"{name}, {longest} tokens": prefill_breakdown(model, prompts[longest])
                                        for name, model in twins}
@@ -491,29 +487,10 @@ def _kernel_records() -> Iterator[list[Any]]:
 TOP_KERNELS = 12
 
 
-def _decode_steps(model: Any, prompt: mx.array, tokens: int, batch: int) -> Iterator[Any]:
-    """mlx-lm's decoding of ``prompt`` (``batch`` copies: ``BatchGenerator``), a step a ``next``."""
-    if batch == 1:
-        from mlx_lm.generate import generate_step
-
-        yield from generate_step(prompt, model, max_tokens=tokens, prompt_cache=_cache_for(model))
-        return
-    from mlx_lm.generate import BatchGenerator
-
-    generator = BatchGenerator(model, max_tokens=tokens, prefill_batch_size=batch,
-                               completion_batch_size=batch)
-    try:
-        generator.insert([prompt.tolist()] * batch, max_tokens=[tokens] * batch)
-        while generated := generator.next_generated():
-            yield generated
-    finally:
-        generator.close()
-
-
-def breakdown(model: Any, prompt: mx.array, tokens: int, batch: int = 1) -> dict[str, Any]:
-    """Per decoding step of ``batch`` sequences: launches, graphkern launches, GPU busy and wall time
-    (us), and under ``"kernels"`` the ``TOP_KERNELS`` kernel names by their GPU time (us, launches)."""
-    steps = _decode_steps(model, prompt, tokens, batch)
+def breakdown(steps: Iterator[Any]) -> dict[str, Any]:
+    """Per decoding step of ``steps`` (one of the ``steps_*`` loops) after the first two: launches,
+    graphkern launches, GPU busy and wall time (us), and under ``"kernels"`` the ``TOP_KERNELS``
+    kernel names by their GPU time (us, launches)."""
     next(steps)
     next(steps)
     count = 0

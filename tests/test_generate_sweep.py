@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 pytest.importorskip("mlx_lm")
@@ -99,3 +100,17 @@ def test_a_batch_mlx_lms_batch_generator_cannot_take_is_timed_through_one_kv_cac
     assert len(gemma["notes"]) == 1 and "BatchGenerator fails on stock" in gemma["notes"][0]
     assert llama["notes"] == []
     assert f"- {gemma['notes'][0]}" in generate.format_result(gemma).splitlines()
+
+
+def test_decoding_equal_prompts_through_one_kv_cache_gives_each_row_the_greedy_tokens() -> None:
+    """``steps_together`` (the batch loop for models ``BatchGenerator`` cannot run) decodes each
+    of its rows as ``generate_step`` decodes the prompt alone (float32, greedy, stock Gemma 2), and
+    ``--breakdown`` times a step of it."""
+    cfg, _ = generate.preset_config("gemma-2-2b", None, quick=True)
+    stock, _ = generate.twin_models(cfg, mx.float32)
+    prompt = mx.random.randint(0, cfg["vocab_size"], (8,), key=mx.random.key(3))
+    alone = [int(token) for token, _ in generate.steps_b1(stock, prompt, 5)]
+    rows = [token.tolist() for token in generate.steps_together(stock, prompt, 5, 3)]
+    assert len(rows) == 5
+    assert rows == [[token] * 3 for token in alone]
+    assert generate.breakdown(generate.steps_together(stock, prompt, 5, 3))["wall_us"] > 0
