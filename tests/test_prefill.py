@@ -198,8 +198,8 @@ def test_a_stack_of_experts_pipelines_from_fewer_tokens(launches: list[int], sta
 def test_a_short_prompt_calls_the_replaced_blocks_straight_and_follows_changes_to_the_stack(
         launches: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     """On the stock layers the replaced stack calls the replaced blocks themselves (no patched
-    block's call in between); a block put in the list later, and weights loaded into the patched
-    model, are what the next stock forward runs."""
+    block's call in between), the replaced blocks themselves while nothing changed; a block put in the
+    list later, and weights loaded into the patched model, are what the next stock forward runs."""
     stock, patched = _pair()
     calls: list[str] = []
     real = KernelLayer.__call__
@@ -211,6 +211,8 @@ def test_a_short_prompt_calls_the_replaced_blocks_straight_and_follows_changes_t
     monkeypatch.setattr(KernelLayer, "__call__", spy)
     assert mx.array_equal(patched(SHORT), stock(SHORT)).item()
     assert len(calls) == 1 and calls[0].endswith("DecoderStack") and launches == [0]
+    # nothing changed: the replaced blocks themselves, not copies (the stack's list is shared)
+    assert patched.model._stock_stack().layers[0] is patched.model.layers[0].original
     for model in (stock, patched):  # the first block twice: the stock forward must follow
         model.model.layers[1] = model.model.layers[0]
     assert mx.array_equal(patched(SHORT), stock(SHORT)).item()
@@ -218,3 +220,4 @@ def test_a_short_prompt_calls_the_replaced_blocks_straight_and_follows_changes_t
     for model in (stock, patched):
         model.load_weights(scaled)
     assert mx.array_equal(patched(SHORT), stock(SHORT)).item()
+    assert patched.model._stock_stack().layers[0] is not patched.model.layers[0].original

@@ -6,6 +6,7 @@ view of a tree of patched layers (:func:`stock_tree`, kept current by ``item_rep
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -41,18 +42,25 @@ item_replacements = 0
 def stock_tree(node: Any) -> Any:
     """``node`` (a module, list or dict) as the stock layers run it: each patched layer the layer
     it replaced, a shallow copy holding the patched layer's current items under the replaced
-    layer's names (weights loaded or trained since patching included); a stock module or
-    container with a patched layer under it copied over its stock children; the rest itself."""
+    layer's names (weights loaded or trained since patching included), or the replaced layer
+    itself where it holds just those; a stock module or container with a patched layer under it
+    copied over its stock children; the rest itself.
+
+    (The replaced layers themselves, where nothing changed, rather than copies: a copy's objects
+    lie apart from the children it shares, and a forward walking them costs the host more.)"""
     if isinstance(node, list):
         items = [stock_tree(v) for v in node]
         return items if any(a is not b for a, b in zip(items, node)) else node
     if not isinstance(node, dict):
         return node
     if isinstance(node, KernelLayer):
-        replaced = copy.copy(node.original)
-        for key in list(replaced):
-            if key in node:
-                dict.__setitem__(replaced, key, stock_tree(node[key]))
+        original = node.original
+        found = {key: stock_tree(node[key]) for key in original if key in node}
+        if all(_same(value, original[key]) for key, value in found.items()):
+            return original
+        replaced = copy.copy(original)
+        for key, value in found.items():
+            dict.__setitem__(replaced, key, value)
         return replaced
     found = {key: stock_tree(value) for key, value in node.items()}
     if all(found[key] is value for key, value in node.items()):
@@ -61,6 +69,13 @@ def stock_tree(node: Any) -> Any:
     for key, value in found.items():
         dict.__setitem__(twin, key, value)
     return twin
+
+
+def _same(found: Any, held: Any) -> bool:
+    """Whether ``found`` (a :func:`stock_tree`) is what ``held`` already is: the same object, or
+    a list of the same objects."""
+    return found is held or (type(found) is list and type(held) is list and len(found) == len(held)
+                             and all(map(operator.is_, found, held)))
 
 
 def _item(name: str) -> Any:
