@@ -214,7 +214,8 @@ def _cache_for(model: Any) -> list[Any]:
 
 
 def steps_b1(model: Any, prompt: mx.array, tokens: int, batch: int = 1) -> Iterator[Any]:
-    """``generate_step``'s decoding of ``prompt``, a token a ``next``."""
+    """``generate_step``'s decoding of ``prompt``, a token a ``next`` (``batch``: 1, taken so
+    every ``steps_*`` loop is called alike)."""
     from mlx_lm.generate import generate_step
 
     yield from generate_step(prompt, model, max_tokens=tokens, prompt_cache=_cache_for(model))

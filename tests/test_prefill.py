@@ -197,9 +197,9 @@ def test_a_stack_of_experts_pipelines_from_fewer_tokens(launches: list[int], sta
 
 def test_a_short_prompt_calls_the_replaced_blocks_straight_and_follows_changes_to_the_stack(
         launches: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the stock layers the replaced stack calls the replaced blocks themselves (no patched
-    block's call in between), the replaced blocks themselves while nothing changed; a block put in the
-    list later, and weights loaded into the patched model, are what the next stock forward runs."""
+    """On the stock layers the replaced stack calls the replaced blocks straight (no patched
+    block's call in between), the very objects while nothing changed; a block put in the list
+    later, and weights loaded into the patched model, are what the next stock forward runs."""
     stock, patched = _pair()
     calls: list[str] = []
     real = KernelLayer.__call__
