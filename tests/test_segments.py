@@ -432,3 +432,65 @@ def test_phi3_blocks_take_their_fused_weights_row_ranges_as_inputs() -> None:
     made = [id(v) for ranges in handed for v in ranges]
     _decode(patched, 2)
     assert [id(v) for ranges in patched.model.segments()._views[("link", 0)][1] for v in ranges] == made
+
+
+def test_a_segment_call_reuses_what_it_found_in_the_tree_until_the_tree_changes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoding call hands each segment what an earlier call found (the subtrees it reads, the
+    fused weights' row ranges) without asking the layer again, and finds them anew after blocks
+    are swapped in the decoder's list or fused weights are loaded: the logits follow stock's."""
+    stock, patched = tiny_model("phi3"), tiny_model("phi3")
+    for model in (stock, patched):
+        nn.quantize(model, group_size=32, bits=4)
+        model.eval()
+    gk.patch(patched)
+    found = []
+    plan = Segments._plan
+    monkeypatch.setattr(Segments, "_plan", lambda self, *a: found.append(a[1]) or plan(self, *a))
+    _decode(patched, 2)
+    assert found  # the first calls found what they hand
+    found.clear()
+    for ours, theirs in zip(_decode(patched, 3), _decode(stock, 3)):
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+    assert found == []  # nothing changed: nothing looked up again
+
+    for model in (stock, patched):  # a list's items: no hook sees them, the plan checks them
+        model.model.layers[0], model.model.layers[1] = model.model.layers[1], model.model.layers[0]
+    for ours, theirs in zip(_decode(patched, 2), _decode(stock, 2)):
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+    assert ("link", 0) in found
+    found.clear()
+
+    fused = {k: v for k, v in tree_flatten(stock.parameters()) if "qkv_proj" in k or "gate_up_proj" in k}
+    loaded = [(k, v[::-1] if v.dtype == mx.uint32 else v * 0.5) for k, v in fused.items()]
+    for model in (stock, patched):
+        model.load_weights(loaded, strict=False)
+    for ours, theirs in zip(_decode(patched, 2), _decode(stock, 2)):
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+    assert ("link", 0) in found
+
+
+class _Chain(nn.Module):
+    """Two linear layers in a list, of which segment ``"first"`` reads only the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = [nn.Linear(4, 4), nn.Linear(4, 4)]
+
+    def segment_reads(self, name: str) -> Any:
+        return (("steps", 0),)
+
+    def first(self, x: mx.array) -> mx.array:
+        return self.steps[0](x)
+
+
+def test_a_segment_sees_the_items_of_a_list_on_its_paths_replaced() -> None:
+    """No hook sees a list's items set: the segment checks the list items on its paths."""
+    chain = _Chain()
+    segments = Segments(chain)
+    x = mx.ones((1, 4))
+    assert mx.allclose(segments("first", x), chain.steps[0](x)).item()
+    chain.steps[0], chain.steps[1] = chain.steps[1], chain.steps[0]
+    assert mx.allclose(segments("first", x), chain.steps[0](x)).item()
+    chain.steps[0].weight = chain.steps[0].weight * 2  # a weight set: read at the next call
+    assert mx.allclose(segments("first", x), chain.steps[0](x)).item()

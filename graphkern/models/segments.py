@@ -20,7 +20,9 @@ names them (``segment_reads(name)``: paths of child names); one that reaches pas
 is traced fails there and takes the whole layer from then on. A fused weight a segment takes in
 row ranges (Phi-3's ``qkv_proj`` and ``gate_up_proj``) is handed in as ranges made once, where the
 layer declares them (``segment_views(name)``: paths and sizes): slices made inside the segment
-would be made again, and evaluated, at every call. Each
+would be made again, and evaluated, at every call. What a call hands a segment is found once
+and handed again while no module item was set anywhere since and the lists on its paths hold the
+same items (a check of a few C calls; finding them again costs a call tens of microseconds). Each
 thread has its own compiled forms (MLX keeps one compile cache a thread), and a layer holds its
 forms while they hold only a weak reference back, so dropping a model frees its weights.
 
@@ -45,7 +47,6 @@ itself, so other threads calling the layer meanwhile see its own arrays.
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 import operator
@@ -58,7 +59,7 @@ import mlx.core as mx
 from graphkern.launching.autodiff import vjp_enabled
 from graphkern.launching.context import settings_changed, state
 from graphkern.launching.launch_cache import LaunchCache
-from graphkern.tracing.guards import AttributeGuard, modules_under
+from graphkern.tracing.guards import AttributeGuard, item_writes, modules_under
 
 __all__ = ["MAX_SEGMENT_TOKENS", "Segments", "decoding", "row_ranges", "segments_apply"]
 
@@ -99,7 +100,7 @@ class Segments:
     None, for the caller to run the layer's own forward.
     """
 
-    __slots__ = ("layer", "_forms", "_whole", "usable", "_guard", "_views")
+    __slots__ = ("layer", "_forms", "_whole", "usable", "_guard", "_views", "_plans")
 
     def __init__(self, layer: Any):
         self.layer = weakref.ref(layer)
@@ -112,6 +113,8 @@ class Segments:
         self._guard: AttributeGuard | None = None
         # segment name -> (the fused weights, their row ranges) handed to it (``segment_views``)
         self._views: dict[Any, tuple[list[mx.array], list[list[mx.array]]]] = {}
+        # (name, the thread's token) -> what its calls hand the form, while the tree holds it
+        self._plans: dict[Any, _Plan] = {}
 
     def traced(self) -> list[Any]:
         """The names of the segments compiled so far, on any thread."""
@@ -124,6 +127,39 @@ class Segments:
         guard = self._guard
         if guard is None or guard.changed():
             self._retrace(layer)
+        key = (name, state.token)
+        plan = self._plans.get(key)
+        if plan is None or not plan.current():
+            plan = self._plan(layer, name)
+            if len(self._plans) >= MAX_FORMS:
+                self._plans.clear()
+            self._plans[key] = plan
+        else:
+            self._forms.hits += 1  # served by a form already made, as a lookup would count it
+        try:
+            trees = layer if plan.trees is None else plan.trees
+            if plan.views is None:
+                return plan.form(trees, *args)
+            return plan.form(trees, plan.views, *args)
+        except (AttributeError, KeyError):
+            if plan.trees is None:
+                raise
+            # the segment reached past the subtrees it declared (only a trace runs Python, so
+            # this is a form's first call): it takes the whole layer from now on
+            self._whole.add(name)
+            self._plans.pop(key, None)
+            return self(name, *args)
+        except ValueError as exc:
+            if not str(exc).startswith(_NOT_A_TREE):
+                raise
+            self.usable = False
+            return None
+
+    def _plan(self, layer: Any, name: Any) -> _Plan:
+        """What a call of segment ``name`` hands its compiled form, found by asking the layer
+        (``segment_reads``, ``segment_views``) and walking its tree, and the places it was found
+        at, so that later calls only check those places (:meth:`_Plan.current`)."""
+        writes = item_writes()  # before looking: a write racing with the look is seen later
         declared = getattr(layer, "segment_reads", None)
         paths = None if declared is None or name in self._whole else declared(name)
         try:
@@ -138,22 +174,9 @@ class Segments:
         if form is None:
             form = mx.compile(_traced(self.layer, name, paths, wanted))
             self._forms.put(key, form)
-        try:
-            if wanted:
-                return form(trees, self._row_views(name, layer, wanted), *args)
-            return form(trees, *args)
-        except (AttributeError, KeyError):
-            if paths is None:
-                raise
-            # the segment reached past the subtrees it declared (only a trace runs Python, so
-            # this is a first call): it takes the whole layer from now on
-            self._whole.add(name)
-            return self(name, *args)
-        except ValueError as exc:
-            if not str(exc).startswith(_NOT_A_TREE):
-                raise
-            self.usable = False
-            return None
+        views = self._row_views(name, layer, wanted) if wanted else None
+        return _Plan(form, None if paths is None else trees, views, writes, layer,
+                     (*(paths or ()), *(path for path, _ in wanted)))
 
     def _row_views(self, name: Any, layer: Any, wanted: Views) -> list[list[mx.array]]:
         """The row ranges of the fused weights segment ``name`` slices (``wanted``: their paths
@@ -172,7 +195,45 @@ class Segments:
         attributes as they are now."""
         self._forms.clear()
         self._views.clear()
+        self._plans.clear()
         self._guard = AttributeGuard(functools.partial(_modules_of, self.layer), [])
+
+
+class _Plan:
+    """What the calls of one segment hand its compiled form: the layer's subtrees it reads (None:
+    the whole layer) and the fused weights' row ranges (None: none), good while the layer's tree
+    holds what it held when they were found. Asking the layer and walking its paths again costs
+    a decoding call tens of microseconds of Python; instead a plan holds while no module item was
+    set or removed anywhere since (:func:`~graphkern.tracing.guards.item_writes`: a child or a
+    weight put in place of another) and each list on its paths (a decoder's blocks, which no
+    hook sees) holds the same items. (A subtree's arrays may change freely: MLX reads them at
+    each call. An attribute changed is the guard's to see.)"""
+
+    __slots__ = ("form", "trees", "views", "_writes", "_lists", "_indices", "_items")
+
+    def __init__(self, form: Callable[..., Any], trees: list[Any] | None, views: list[list[mx.array]] | None,
+                 writes: int, layer: Any, paths: Sequence[tuple[Any, ...]]):
+        self.form, self.trees, self.views, self._writes = form, trees, views, writes
+        edges: dict[tuple[int, Any], tuple[list[Any], int, Any]] = {}
+        for path in paths:
+            node = layer
+            for key in path:
+                child = node[key]
+                if isinstance(node, list):
+                    edges.setdefault((id(node), key), (node, key, child))
+                node = child
+        self._lists = [edge[0] for edge in edges.values()]
+        self._indices = [edge[1] for edge in edges.values()]
+        self._items = [edge[2] for edge in edges.values()]
+
+    def current(self) -> bool:
+        """Whether the layer's tree still holds what the plan found in it."""
+        if item_writes() != self._writes:
+            return False
+        try:
+            return all(map(operator.is_, map(operator.getitem, self._lists, self._indices), self._items))
+        except IndexError:  # a list grew shorter
+            return False
 
 
 def row_ranges(weight: mx.array, sizes: Sequence[int]) -> list[mx.array]:
@@ -239,21 +300,32 @@ def _pruned(live: Any, paths: tuple[tuple[Any, ...], ...], trees: list[Any]) -> 
             source = source[key]
             child = held[key] if isinstance(held, list) else held.get(key)
             if child is None:
-                child = held[key] = _emptied(source)
+                child = _emptied(source)
+                _put(held, key, child)
             held = child
         value = source[path[-1]]
-        held[path[-1]] = _holding(value, tree) if isinstance(value, (dict, list)) else tree
+        _put(held, path[-1], _holding(value, tree) if isinstance(value, (dict, list)) else tree)
     return root
 
 
 def _emptied(module: Any) -> Any:
     """A shallow copy of ``module`` (same class and attributes) with no items; for a list, a list
-    of as many Nones."""
+    of as many Nones. Made past ``nn.Module``'s item hooks, which count the item writes of a
+    model's tree (:func:`~graphkern.tracing.guards.item_writes`): a trace's copies are no model's."""
     if isinstance(module, list):
         return [None] * len(module)
-    held = copy.copy(module)
-    held.clear()
+    held = dict.__new__(type(module))
+    if hasattr(module, "__dict__"):
+        held.__dict__.update(module.__dict__)
     return held
+
+
+def _put(container: Any, key: Any, value: Any) -> None:
+    """``container[key] = value`` on a trace's copy, past ``nn.Module``'s item hooks."""
+    if isinstance(container, list):
+        container[key] = value
+    else:
+        dict.__setitem__(container, key, value)
 
 
 def _holding(live: Any, arrays: Any) -> Any:
@@ -263,7 +335,7 @@ def _holding(live: Any, arrays: Any) -> Any:
     is taken whole from ``arrays``, being immutable."""
     if isinstance(live, list):
         return [_holding(v, a) if isinstance(v, (dict, list)) else a for v, a in zip(live, arrays)]
-    held = copy.copy(live)  # a module: same class and attributes, its own item dict
+    held = _emptied(live)  # a module: same class and attributes, its own item dict
     for key, value in live.items():
-        held[key] = _holding(value, arrays[key]) if isinstance(value, (dict, list)) else arrays[key]
+        _put(held, key, _holding(value, arrays[key]) if isinstance(value, (dict, list)) else arrays[key])
     return held

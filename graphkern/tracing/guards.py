@@ -14,7 +14,8 @@ attributes are set through ``nn.Module.__setattr__`` (and removed through ``__de
 count the writes (:func:`writes`, installed on the first guard); a guard compares that count with
 the one it last saw, and only when it moved compares the modules' attributes with its record. The
 values a function reaches by name (closure cells, globals) have no such hook: a guard reads those
-few again at each call.
+few again at each call. Items set or removed (children, parameters) are counted as well
+(:func:`item_writes`), for what a call found in a model's tree.
 
 >>> import mlx.nn as nn
 >>> model = nn.Sequential(nn.RMSNorm(4))
@@ -36,8 +37,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["AttributeGuard", "Place", "modules_under", "plain", "plain_attributes", "reached_places",
-           "writes"]
+__all__ = ["AttributeGuard", "Place", "item_writes", "modules_under", "plain", "plain_attributes",
+           "reached_places", "writes"]
 
 #: A place a function reads by name: ``read(argument)`` gives what is there now.
 Place = tuple[Callable[[Any], Any], Any]
@@ -102,9 +103,12 @@ def _record(modules: Iterable[nn.Module]) -> list[tuple[type, dict[str, Any]]]:
 
 
 class _Writes:
-    """The count of attribute writes to modules (arrays aside), since the hooks were installed."""
+    """Writes to modules since the hooks were installed: ``count``, attributes set to something
+    other than an array or removed; ``items``, items set or removed (a child or a parameter,
+    which ``nn.Module.__setattr__`` of an array or a module, ``update`` and ``load_weights`` set)."""
 
     count = 0
+    items = 0
 
 
 _writes = _Writes()
@@ -118,8 +122,17 @@ def writes() -> int:
     return _writes.count
 
 
+def item_writes() -> int:
+    """How many times an item of a module (a child, a parameter) was set or removed through
+    ``module[key] = value`` or ``del module[key]`` (as ``setattr``, ``update`` and ``load_weights``
+    set them) since the first guard was made (0 before). What a decoding call found in a model's
+    tree holds while this count stands."""
+    return _writes.items
+
+
 def _install() -> None:
-    """Count writes in ``nn.Module.__setattr__`` and ``__delattr__`` (once per process)."""
+    """Count writes in ``nn.Module.__setattr__``, ``__delattr__``, ``__setitem__`` and
+    ``__delitem__`` (once per process)."""
     global _installed
     with _install_lock:
         if _installed:
@@ -135,10 +148,24 @@ def _install() -> None:
             _writes.count += 1
             delete_attribute(self, name)
 
+        # nn.Module defines no item methods: these are dict's, which a subclass's own (a
+        # patched layer's) reaches through super()
+        set_item, delete_item = nn.Module.__setitem__, nn.Module.__delitem__
+
+        def __setitem__(self: nn.Module, key: Any, val: Any) -> None:
+            _writes.items += 1
+            set_item(self, key, val)
+
+        def __delitem__(self: nn.Module, key: Any) -> None:
+            _writes.items += 1
+            delete_item(self, key)
+
         __setattr__.__wrapped__ = set_attribute  # type: ignore[attr-defined]
         __delattr__.__wrapped__ = delete_attribute  # type: ignore[attr-defined]
         nn.Module.__setattr__ = __setattr__  # type: ignore[method-assign]
         nn.Module.__delattr__ = __delattr__  # type: ignore[method-assign]
+        nn.Module.__setitem__ = __setitem__  # type: ignore[method-assign,assignment]
+        nn.Module.__delitem__ = __delitem__  # type: ignore[method-assign,assignment]
         _installed = True
 
 

@@ -145,7 +145,7 @@ class KernelLayer(nn.Module):
         global item_replacements
         if key in self:
             item_replacements += 1
-        dict.__setitem__(self, key, value)
+        super().__setitem__(key, value)  # nn.Module's, where graphkern's guards count item writes
 
     def __getattr__(self, key: str) -> Any:
         """A child or parameter by name (``nn.Module``'s lookup), else a property of the replaced
