@@ -125,8 +125,11 @@ def writes() -> int:
 def item_writes() -> int:
     """How many times an item of a module (a child, a parameter) was set or removed through
     ``module[key] = value`` or ``del module[key]`` (as ``setattr``, ``update`` and ``load_weights``
-    set them) since the first guard was made (0 before). What a decoding call found in a model's
-    tree holds while this count stands."""
+    set them) since the hooks were installed (by the first guard, or the first call of this).
+    What was built from a model's tree (a decoding call's inputs, a stock forward) holds while
+    this count stands."""
+    if not _installed:
+        _install()
     return _writes.items
 
 

@@ -1,6 +1,6 @@
 """What every patched layer shares: :class:`KernelLayer` (built from the layer it replaces, sharing
 its items), :class:`StandaloneLayer` (a layer whose route may run the replaced forward), the stock
-view of a tree of patched layers (:func:`stock_tree`, kept current by ``item_replacements``), and
+view of a tree of patched layers (:func:`stock_tree`, kept current by the guards' ``item_writes``), and
 :func:`run_segment`, a layer's compiled segment call."""
 
 from __future__ import annotations
@@ -33,10 +33,6 @@ class Held:
 
 
 _dict_get = dict.get
-
-#: Items of patched layers replaced so far, in this process (``KernelLayer.__setitem__``): a stock
-#: forward built from the replaced layers holds their items as of its count.
-item_replacements = 0
 
 
 def stock_tree(node: Any) -> Any:
@@ -137,15 +133,6 @@ class KernelLayer(nn.Module):
     def original(self) -> nn.Module:
         """The module this one replaced."""
         return self._gk_original.module
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        """An item set (``update``, ``load_weights``, an optimizer step, a child swapped in); one
-        that replaces an item counts toward ``item_replacements``, which tells a stock forward
-        built from the replaced layers that it must take this layer's items again."""
-        global item_replacements
-        if key in self:
-            item_replacements += 1
-        super().__setitem__(key, value)  # nn.Module's, where graphkern's guards count item writes
 
     def __getattr__(self, key: str) -> Any:
         """A child or parameter by name (``nn.Module``'s lookup), else a property of the replaced

@@ -13,7 +13,6 @@ import mlx.nn as nn
 from graphkern.launching.autodiff import vjp_enabled
 from graphkern.launching.context import state
 from graphkern.models import route_timing
-from graphkern.models.layers import base
 from graphkern.models.layers.attention import KernelAttention
 from graphkern.models.layers.base import Held, KernelLayer, run_segment, stock_tree
 from graphkern.models.layers.block import KernelResidualBlock
@@ -23,6 +22,7 @@ from graphkern.models.prefill import BlockPipeline, prompt_mode, stock_layers
 from graphkern.models.route_timing import RouteTimer
 from graphkern.models.routes import stack_row_limit
 from graphkern.models.segments import MAX_SEGMENT_TOKENS, Views, segments_apply
+from graphkern.tracing.guards import item_writes
 
 
 class KernelDecoderStack(KernelLayer):
@@ -198,18 +198,19 @@ class KernelDecoderStack(KernelLayer):
         """This stack as the stock layers run it (:func:`stock_tree`): the replaced stack over the
         replaced blocks, each holding the patched one's current items, so its forward is stock's
         on today's weights and calls each replaced block straight rather than through the patched
-        block's call (a few microseconds a block, on a step the host bounds). Made again when an
-        item of a patched layer was replaced since, or this stack's list of blocks changed."""
+        block's call (a few microseconds a block, on a step the host bounds). Made again when a
+        module item was set since (``graphkern.tracing.guards.item_writes``), or this stack's list
+        of blocks changed."""
         layers = self["layers"]  # an item: this runs at every call
         held: Held | None = self.__dict__.get("_gk_stock_stack")
         if held is not None:
-            replacements, built, twin = held.module
-            if (replacements == base.item_replacements and len(built) == len(layers)
+            writes, built, twin = held.module
+            if (writes == item_writes() and len(built) == len(layers)
                     and all(map(operator.is_, built, layers))):
                 return twin  # type: ignore[no-any-return]
-        replacements = base.item_replacements
         twin = stock_tree(self)
-        object.__setattr__(self, "_gk_stock_stack", Held((replacements, list(layers), twin)))
+        # counted after: the copies stock_tree makes set their items too
+        object.__setattr__(self, "_gk_stock_stack", Held((item_writes(), list(layers), twin)))
         return twin  # type: ignore[no-any-return]
 
     def _decode_rows(self) -> int | None:
