@@ -22,6 +22,7 @@ from model_comparisons import ATOL, RTOL, batch_generate  # noqa: E402
 import graphkern as gk  # noqa: E402
 from graphkern.models import segments as segments_module  # noqa: E402
 from graphkern.models.layers import KernelAttention, KernelResidualBlock  # noqa: E402
+from graphkern.models.layers.rope import KernelRoPE  # noqa: E402
 from graphkern.models.segments import Segments, segments_apply  # noqa: E402
 from graphkern.models.tiny import tiny_model  # noqa: E402
 
@@ -228,6 +229,37 @@ def test_a_stack_links_its_blocks_only_when_every_block_decodes_on_segments(unli
     for ours, theirs in zip(_decode(patched, 3), _decode(stock, 3)):
         assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
     assert "_gk_segments" not in patched.model.__dict__  # the blocks ran one by one
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_a_stack_finds_its_links_and_rotations_once_until_the_tree_changes(
+        arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoding stack asks its blocks whether they link, and their RoPE layers how they rotate,
+    once; again after a RoPE setting or a block changes, and the logits follow stock's."""
+    stock, patched = _pair(arch)
+    asked = []
+    fixed = KernelRoPE.fixed_rotary
+    monkeypatch.setattr(KernelRoPE, "fixed_rotary", lambda self: asked.append(self) or fixed(self))
+    _decode(patched, 2)
+    assert len(asked) == len(patched.model.layers)
+    asked.clear()
+    for ours, theirs in zip(_decode(patched, 3), _decode(stock, 3)):
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+    assert asked == []  # nothing changed: nothing asked again
+
+    replaced = patched.model.layers[1].original
+    for rope in (stock.model.layers[1].self_attn.rope, patched.model.layers[1].self_attn.rope,
+                 replaced.self_attn.rope):  # a plain attribute the rotation reads
+        rope.base = 500.0
+    for ours, theirs in zip(_decode(patched, 3), _decode(stock, 3)):
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+    assert asked
+    asked.clear()
+
+    patched.model.layers[1] = replaced  # a list item: no hook sees it; a stock block, no links
+    for ours, theirs in zip(_decode(patched, 3), _decode(stock, 3)):
+        assert mx.allclose(ours, theirs, atol=ATOL, rtol=RTOL).item()
+    assert patched.model.__dict__["_gk_links_found"].module[2] is None
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

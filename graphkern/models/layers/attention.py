@@ -49,13 +49,15 @@ class KernelAttention(KernelLayer):
         self._gk_norm_offset = norm_offset
         self._gk_sdpa = sdpa
 
-    def position(self, x: mx.array, cache: Any) -> tuple[Any, Rotary] | None:
+    def position(self, x: mx.array, cache: Any, rotary: Rotary | None = None) -> tuple[Any, Rotary] | None:
         """(the offset, how to rotate) for a call on ``x`` with ``cache``, or None when the stock
-        layer's RoPE runs it. An int offset comes as the int32 array the kernels take."""
+        layer's RoPE runs it. An int offset comes as the int32 array the kernels take. ``rotary``:
+        the rotation, where the caller knows it (``KernelRoPE.fixed_rotary``)."""
         offset = cache.offset if cache is not None else 0
-        rotary = self["rope"].rotary(x.shape[1], offset)  # an item: see KernelDecoderStack._linked_blocks
         if rotary is None:
-            return None
+            rotary = self["rope"].rotary(x.shape[1], offset)  # an item: see KernelDecoderStack._linked_blocks
+            if rotary is None:
+                return None
         return (int_offset_array(offset) if offset.__class__ is int else offset), rotary
 
     def segment_reads(self, name: str) -> tuple[tuple[str, ...], ...] | None:

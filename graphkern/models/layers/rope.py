@@ -53,6 +53,12 @@ class KernelRoPE(StandaloneLayer):
     def rotary(self, length: int, offset: int | mx.array) -> Rotary | None:
         return Rotary(self.dims, self.traditional, self.base, None, self.scale)
 
+    def fixed_rotary(self) -> Rotary | None:
+        """The :meth:`rotary` of every call where it depends on neither the call's length nor its
+        offset (the layers of this module; not a subclass with a :meth:`rotary` of its own), so a
+        decoding stack can ask once; None: ask at each call."""
+        return self.rotary(1, 0) if type(self).rotary in _POSITION_FREE else None
+
     def _rotate(self, x: mx.array, offset: int | mx.array, rotary: Rotary | None) -> mx.array:
         if rotary is None:
             return self.original(x, offset)  # type: ignore[no-any-return]
@@ -113,3 +119,8 @@ class KernelDynamicRoPE(KernelRoPE):
         base = self.base * ((self.factor * seq_len / self.max_position_embeddings) - (self.factor - 1)) ** (
             self.dims / (self.dims - 2))
         return Rotary(self.dims, self.traditional, base)
+
+
+#: The :meth:`KernelRoPE.rotary` methods that read only the layer's own attributes.
+_POSITION_FREE = frozenset({KernelRoPE.rotary, KernelFreqsRoPE.rotary, KernelSuScaledRoPE.rotary,
+                            KernelYarnRoPE.rotary})

@@ -22,7 +22,7 @@ from graphkern.models.prefill import BlockPipeline, prompt_mode, stock_layers
 from graphkern.models.route_timing import RouteTimer
 from graphkern.models.routes import stack_row_limit
 from graphkern.models.segments import MAX_SEGMENT_TOKENS, Views, segments_apply
-from graphkern.tracing.guards import item_writes
+from graphkern.tracing.guards import item_writes, writes
 
 
 class KernelDecoderStack(KernelLayer):
@@ -97,14 +97,16 @@ class KernelDecoderStack(KernelLayer):
         # children by item, not attribute, on this path run at every token: Module.__getattr__
         # runs Python before it finds one, about a microsecond each
         layers = self["layers"]
-        attentions = [layer.get("self_attn") for layer in layers]
-        pairs = zip(layers, attentions)
-        if not layers or not all(isinstance(layer, KernelResidualBlock) and layer.chains
-                   and isinstance(attention, KernelAttention) for layer, attention in pairs):
+        found = self._links_found(layers)
+        if found is None:
             return None
-        positions = [attention.position(h, c) for attention, c in zip(attentions, cache)]
-        if any(position is None for position in positions):
-            return None
+        attentions, rotaries = found
+        positions = []
+        for attention, rotary, c in zip(attentions, rotaries, cache):
+            position = attention.position(h, c, rotary)
+            if position is None:
+                return None
+            positions.append(position)
         links = self.segments()
         x, queries, keys, values = run_segment(layers[0].segments(), "enter", layers[0].enter,
                                                h, None, *positions[0])
@@ -117,6 +119,27 @@ class KernelDecoderStack(KernelLayer):
         attended = attention.attend(queries, keys, values, mask_of(layer), c)
         h, pending = run_segment(layer.segments(), "leave", layer.leave, x, attended, False)
         return self.norm(h, pending)[1]  # type: ignore[no-any-return]
+
+    def _links_found(self, layers: list[Any]) -> tuple[list[KernelAttention], list[Rotary | None]] | None:
+        """The blocks' attentions and each one's fixed rotation (``KernelRoPE.fixed_rotary``), or
+        None where the blocks do not link. Found again only after a module attribute or item was
+        written (``graphkern.tracing.guards``) or the list of blocks changed: checking every block
+        at every token costs a step tens of microseconds."""
+        counts = item_writes(), writes()
+        held: Held | None = self.__dict__.get("_gk_links_found")
+        if held is not None:
+            seen, built, found = held.module
+            if seen == counts and len(built) == len(layers) and all(map(operator.is_, built, layers)):
+                return found  # type: ignore[no-any-return]
+        attentions = [layer.get("self_attn") for layer in layers]
+        links = bool(layers) and all(isinstance(layer, KernelResidualBlock) and layer.chains
+                                     and isinstance(attention, KernelAttention)
+                                     for layer, attention in zip(layers, attentions))
+        found = None
+        if links:
+            found = attentions, [attention["rope"].fixed_rotary() for attention in attentions]
+        object.__setattr__(self, "_gk_links_found", Held((counts, list(layers), found)))
+        return found
 
     def link(self, index: int, x: mx.array, attended: mx.array, offset: mx.array,
              rotary: Rotary) -> tuple[mx.array, mx.array, mx.array, mx.array]:
