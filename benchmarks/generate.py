@@ -17,9 +17,11 @@ both eagerly (how mlx-lm generates) and through ``gk.wrap``, taking turns within
 ``--breakdown`` adds, per decoding step at each batch size, GPU kernel launches (all of them, and
 graphkern's), GPU busy time against wall time, wall time per launch, and the kernels taking the
 most GPU time by name (stock's beside patched's: where a patched model's GPU time goes): CUPTI's
-kernel records through ``torch.profiler``, as ``gpu_kernels.py`` reads them; and, for the longest
-prompt, the time to the first token taken apart (building the prefill's graph, evaluating it,
-mlx-lm's ``mx.clear_cache()``, the first step) with the prefill's peak memory.
+kernel records through ``torch.profiler``, as ``gpu_kernels.py`` reads them; a batch-1 step's
+host time taken apart (building its graph, handing it to the device, waiting: ``host_phases``);
+and, for the longest prompt, the time to the first token taken apart (building the prefill's
+graph, evaluating it, mlx-lm's ``mx.clear_cache()``, the first step) with the prefill's peak
+memory.
 
 ``--preset`` takes models at the dimensions of real checkpoints instead (``PRESETS``: Llama 3.2 1B and
 3.1 8B, Mistral 7B, Qwen 2.5 1.5B, Qwen3 0.6B and 30B-A3B, Phi-3 mini, Gemma 2 2B, Gemma 3 1B, Mixtral
@@ -362,6 +364,7 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
         twins = (("stock", stock), ("patched", patched))
         result["breakdown"] = {f"{name}, batch {b}": breakdown(steps(model, short, args.tokens, b))
                                for b, (steps, _) in decoders.items() for name, model in twins}
+        result["host_phases"] = {name: host_phases(model, short, args.tokens) for name, model in twins}
         longest = max(args.prefill)
         result["prefill_breakdown"] = {f"{name}, {longest} tokens": prefill_breakdown(model, prompts[longest])
                                        for name, model in twins}
@@ -518,6 +521,33 @@ def breakdown(steps: Iterator[Any]) -> dict[str, Any]:
             "kernels": {name: {"us": us, "launches": n} for name, (us, n) in top}}
 
 
+def host_phases(model: Any, prompt: mx.array, steps: int) -> dict[str, float]:
+    """A batch-1 greedy decoding step's time taken apart, unpipelined so the parts add up to the
+    step (us, medians over ``steps`` steps after a warm-up): building its graph (the forward and
+    the choice of token), handing it to the device (``mx.async_eval``: encoding every launch),
+    and waiting for the token. ``generate_step`` overlaps the wait with building the next step,
+    so where build and hand-over together outlast the wait, they are what a token costs."""
+    from mlx_lm.generate import generation_stream
+
+    cache = _cache_for(model)
+    rows = []
+    with mx.stream(generation_stream):
+        token = mx.argmax(model(prompt[None], cache=cache)[:, -1:], axis=-1)
+        mx.eval(token)
+        for index in range(steps + 4):  # four steps warm up
+            start = time.perf_counter()
+            token = mx.argmax(model(token, cache=cache)[:, -1:], axis=-1)
+            built = time.perf_counter()
+            mx.async_eval(token)
+            handed = time.perf_counter()
+            mx.eval(token)
+            done = time.perf_counter()
+            if index >= 4:
+                rows.append((built - start, handed - built, done - handed))
+    names = ("build_us", "hand_over_us", "wait_us")
+    return {name: 1e6 * statistics.median(column) for name, column in zip(names, zip(*rows))}
+
+
 def prefill_breakdown(model: Any, prompt: mx.array, repeats: int = TTFT_REPEATS) -> dict[str, float]:
     """``generate_step``'s way to the first token of ``prompt`` (one prefill chunk: up to 2049
     tokens) taken apart, medians of ``repeats`` calls: building the prefill's graph, evaluating the
@@ -577,6 +607,9 @@ def format_result(result: dict[str, Any]) -> str:
             f"{k} {v:.2f}" for k, v in b.items() if k != "kernels"))
         lines += [f"  - {k['us']:8.1f} us, {k['launches']:5.1f} launches: {kernel}"
                   for kernel, k in b.get("kernels", {}).items()]
+    for name, b in result.get("host_phases", {}).items():
+        lines.append(f"- a decoding step's host time, batch 1, {name}: " + ", ".join(
+            f"{k} {v:.1f}" for k, v in b.items()))
     for name, b in result.get("prefill_breakdown", {}).items():
         lines.append(f"- to the first token, {name}: " + ", ".join(
             f"{k} {v:.2f}" for k, v in b.items()))

@@ -114,3 +114,19 @@ def test_decoding_equal_prompts_through_one_kv_cache_gives_each_row_the_greedy_t
     assert len(rows) == 5
     assert rows == [[token] * 3 for token in alone]
     assert generate.breakdown(generate.steps_together(stock, prompt, 5, 3))["wall_us"] > 0
+
+
+def test_host_phases_take_a_decoding_step_apart_and_print_under_the_breakdown() -> None:
+    """``--breakdown``'s host phases of a batch-1 step: building, handing over, waiting, each
+    measured (above zero), printed one line a model."""
+    cfg, _ = generate.preset_config("llama-3.2-1b", None, quick=True)
+    stock, patched = generate.twin_models(cfg, mx.float32)
+    prompt = mx.random.randint(0, cfg["vocab_size"], (8,), key=mx.random.key(4))
+    phases = {name: generate.host_phases(model, prompt, 3)
+              for name, model in (("stock", stock), ("patched", patched))}
+    for found in phases.values():
+        assert list(found) == ["build_us", "hand_over_us", "wait_us"] and min(found.values()) > 0
+    lines = generate.format_result({"model": "m", "dtype": "float32", "weights": "float32", "rows": [],
+                                    "host_phases": phases}).splitlines()
+    assert [line.split(":")[0] for line in lines if "host time" in line] == [
+        "- a decoding step's host time, batch 1, stock", "- a decoding step's host time, batch 1, patched"]
