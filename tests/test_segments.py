@@ -526,3 +526,58 @@ def test_a_segment_sees_the_items_of_a_list_on_its_paths_replaced() -> None:
     assert mx.allclose(segments("first", x), chain.steps[0](x)).item()
     chain.steps[0].weight = chain.steps[0].weight * 2  # a weight set: read at the next call
     assert mx.allclose(segments("first", x), chain.steps[0](x)).item()
+
+
+class _Pair(nn.Module):
+    """Two linear layers of one shape, a segment reading both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def difference(self, x: mx.array) -> mx.array:
+        return self.a(x) - self.b(x)
+
+
+def test_a_segment_handed_the_same_shapes_from_other_places_traces_anew() -> None:
+    """A segment's arrays go to MLX as one flat tuple, whose shapes alone would not tell two trees
+    apart: a tree whose items now come in another order is traced for that order."""
+    pair = _Pair()
+    segments = Segments(pair)
+    x = mx.ones((1, 4))
+    assert mx.allclose(segments("difference", x), pair.difference(x)).item()
+    a = pair["a"]
+    del pair["a"]
+    pair["a"] = a  # the same items, now after "b"
+    assert list(pair) == ["b", "a"]
+    assert mx.allclose(segments("difference", x), pair.difference(x)).item()
+    assert len(segments._forms) == 2
+
+
+class _Steps(nn.Module):
+    """Linear layers in a list, which segment ``"chained"`` reads whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = [nn.Linear(4, 4), nn.Linear(4, 4)]
+
+    def segment_reads(self, name: str) -> Any:
+        return (("steps",),)
+
+    def chained(self, x: mx.array) -> mx.array:
+        for step in self.steps:
+            x = step(x) - x
+        return x
+
+
+def test_a_segment_sees_the_items_of_a_list_inside_what_it_reads_replaced_or_added() -> None:
+    """A list inside a segment's subtrees: its items swapped, or one more appended (no module item
+    written either way), are what the next call reads."""
+    layer = _Steps()
+    segments = Segments(layer)
+    x = mx.ones((1, 4))
+    assert mx.allclose(segments("chained", x), layer.chained(x)).item()
+    layer.steps[0], layer.steps[1] = layer.steps[1], layer.steps[0]
+    assert mx.allclose(segments("chained", x), layer.chained(x)).item()
+    layer.steps.append(layer.steps[0])
+    assert mx.allclose(segments("chained", x), layer.chained(x)).item()

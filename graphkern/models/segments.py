@@ -10,8 +10,9 @@ in C++ instead of running the layers' Python again. The cache update and attenti
 in the stock layer, between two segments. A decoder stack of such blocks runs one compiled call a
 block: its ``link`` is one block's second segment and the next block's first.
 
-The layer's arrays are the first argument of each compiled call, so replacing a weight (training,
-``load_weights``, quantizing) is seen at the next call, and a changed structure traces anew. A
+The layer's arrays are the first argument of each compiled call, one flat tuple of them, so
+replacing a weight (training, ``load_weights``, quantizing: each sets a module item) is seen at the
+next call, and a changed structure traces anew. A
 plain attribute of the layer or a module under it (a norm's ``eps``) is baked into the forms, and
 so is each module's class: one changed since they were traced (a module swapped, an attribute set:
 ``graphkern.tracing.guards``) makes every form trace again. MLX
@@ -51,7 +52,7 @@ import functools
 import itertools
 import operator
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -137,12 +138,9 @@ class Segments:
         else:
             self._forms.hits += 1  # served by a form already made, as a lookup would count it
         try:
-            trees = layer if plan.trees is None else plan.trees
-            if plan.views is None:
-                return plan.form(trees, *args)
-            return plan.form(trees, plan.views, *args)
+            return plan.form(plan.leaves, *args)
         except (AttributeError, KeyError):
-            if plan.trees is None:
+            if plan.whole:
                 raise
             # the segment reached past the subtrees it declared (only a trace runs Python, so
             # this is a form's first call): it takes the whole layer from now on
@@ -169,14 +167,26 @@ class Segments:
             paths, trees = None, layer
         viewing = getattr(layer, "segment_views", None)
         wanted = viewing(name) if viewing is not None else ()
-        key = (name, paths is None, wanted, state.token)  # a layer declares the same paths each call
+        leaves: list[Any] = []
+        places: list[tuple[Any, ...]] = []
+        lists: list[list[Any]] = []
+        for index, tree in enumerate([trees] if paths is None else trees):
+            if isinstance(tree, (dict, list)):
+                _flatten(tree, leaves, places, () if paths is None else (index,), lists)
+            else:
+                leaves.append(tree)
+                places.append((index,))
+        for views in self._row_views(name, layer, wanted) if wanted else ():
+            leaves += views
+        # the places of the leaves are part of the form: MLX tells calls apart by their arrays'
+        # shapes and dtypes only, and a form maps each leaf to the place it was traced at
+        key = (name, paths is None, wanted, tuple(places), state.token)
         form = self._forms.get(key)
         if form is None:
             form = mx.compile(_traced(self.layer, name, paths, wanted))
             self._forms.put(key, form)
-        views = self._row_views(name, layer, wanted) if wanted else None
-        return _Plan(form, None if paths is None else trees, views, writes, layer,
-                     (*(paths or ()), *(path for path, _ in wanted)))
+        return _Plan(form, tuple(leaves), paths is None, writes, layer,
+                     (*(paths or ()), *(path for path, _ in wanted)), lists)
 
     def _row_views(self, name: Any, layer: Any, wanted: Views) -> list[list[mx.array]]:
         """The row ranges of the fused weights segment ``name`` slices (``wanted``: their paths
@@ -200,20 +210,24 @@ class Segments:
 
 
 class _Plan:
-    """What the calls of one segment hand its compiled form: the layer's subtrees it reads (None:
-    the whole layer) and the fused weights' row ranges (None: none), good while the layer's tree
-    holds what it held when they were found. Asking the layer and walking its paths again costs
-    a decoding call tens of microseconds of Python; instead a plan holds while no module item was
-    set or removed anywhere since (:func:`~graphkern.tracing.guards.item_writes`: a child or a
-    weight put in place of another) and each list on its paths (a decoder's blocks, which no
-    hook sees) holds the same items. (A subtree's arrays may change freely: MLX reads them at
-    each call. An attribute changed is the guard's to see.)"""
+    """What the calls of one segment hand its compiled form: the leaves of the layer's subtrees it
+    reads (of the whole layer, ``whole``), then the fused weights' row ranges, in one flat tuple
+    (MLX takes a flat tuple at a third of the cost of the module dicts it came from), good while
+    the layer's tree holds what it held when they were found. Asking the layer and walking its
+    paths again costs a decoding call tens of microseconds of Python; instead a plan holds while
+    no module item was set or removed anywhere since (:func:`~graphkern.tracing.guards.item_writes`:
+    a child or a weight put in place of another, as ``load_weights`` and ``update`` put them) and
+    each list on its paths (a decoder's blocks, which no hook sees) holds the same items. (An
+    array changed in place is the same array object: MLX reads it at each call. An attribute
+    changed is the guard's to see.) A list inside the subtrees, whose items the plan hands one
+    by one, must also hold the same items, no more and no fewer."""
 
-    __slots__ = ("form", "trees", "views", "_writes", "_lists", "_indices", "_items")
+    __slots__ = ("form", "leaves", "whole", "_writes", "_lists", "_indices", "_items", "_inner")
 
-    def __init__(self, form: Callable[..., Any], trees: list[Any] | None, views: list[list[mx.array]] | None,
-                 writes: int, layer: Any, paths: Sequence[tuple[Any, ...]]):
-        self.form, self.trees, self.views, self._writes = form, trees, views, writes
+    def __init__(self, form: Callable[..., Any], leaves: tuple[Any, ...], whole: bool,
+                 writes: int, layer: Any, paths: Sequence[tuple[Any, ...]], inner: Sequence[list[Any]] = ()):
+        self.form, self.leaves, self.whole, self._writes = form, leaves, whole, writes
+        self._inner = [(items, tuple(items)) for items in inner]
         edges: dict[tuple[int, Any], tuple[list[Any], int, Any]] = {}
         for path in paths:
             node = layer
@@ -229,6 +243,9 @@ class _Plan:
     def current(self) -> bool:
         """Whether the layer's tree still holds what the plan found in it."""
         if item_writes() != self._writes:
+            return False
+        if self._inner and not all(len(items) == len(held) and all(map(operator.is_, items, held))
+                                   for items, held in self._inner):
             return False
         try:
             return all(map(operator.is_, map(operator.getitem, self._lists, self._indices), self._items))
@@ -270,13 +287,14 @@ def _traced(layer_ref: weakref.ReferenceType[Any], name: str | tuple[Any, ...],
             paths: tuple[tuple[Any, ...], ...] | None, wanted: Views) -> Callable[..., Any]:
     method, constants = (name, ()) if isinstance(name, str) else (name[0], name[1:])
 
-    def traced(trees: Any, *args: Any) -> Any:
+    def traced(leaves: Sequence[Any], *args: Any) -> Any:
         live = layer_ref()
-        held = _holding(live, trees) if paths is None else _pruned(live, paths, trees)
+        handed_leaves = iter(leaves)  # in the order _flatten took them
+        held = _holding(live, handed_leaves) if paths is None else _pruned(live, paths, handed_leaves)
         handed = state.row_views
         if wanted:  # row_ranges of these fused weights answers with the views handed in
-            views, args = args[0], args[1:]
-            state.row_views = {id(_at(held, path)): (sizes, v) for (path, sizes), v in zip(wanted, views)}
+            state.row_views = {id(_at(held, path)): (sizes, [next(handed_leaves) for _ in sizes])
+                               for path, sizes in wanted}
         state.segment_depth += 1  # the layers it calls run their kernels: here they fuse
         settings_changed()
         try:
@@ -289,12 +307,27 @@ def _traced(layer_ref: weakref.ReferenceType[Any], name: str | tuple[Any, ...],
     return traced
 
 
-def _pruned(live: Any, paths: tuple[tuple[Any, ...], ...], trees: list[Any]) -> Any:
-    """A copy of ``live`` holding only its subtrees at ``paths``, each with the arrays of the
-    matching tree of ``trees`` (as :func:`_holding`), and the modules on the way to them: a
-    segment that reaches for anything else fails there (AttributeError or KeyError)."""
+def _flatten(tree: Any, leaves: list[Any], places: list[tuple[Any, ...]], at: tuple[Any, ...],
+             lists: list[list[Any]]) -> None:
+    """Append the leaves of ``tree`` (a module tree: modules, dicts, lists) to ``leaves`` and their
+    paths from it to ``places``, depth first in item order, as :func:`_holding` takes them back;
+    and each list met to ``lists``."""
+    if isinstance(tree, list):
+        lists.append(tree)
+    for key, value in enumerate(tree) if isinstance(tree, list) else tree.items():
+        if isinstance(value, (dict, list)):
+            _flatten(value, leaves, places, (*at, key), lists)
+        else:
+            leaves.append(value)
+            places.append((*at, key))
+
+
+def _pruned(live: Any, paths: tuple[tuple[Any, ...], ...], leaves: Iterator[Any]) -> Any:
+    """A copy of ``live`` holding only its subtrees at ``paths``, each with its arrays taken from
+    ``leaves`` (as :func:`_holding`), and the modules on the way to them: a segment that reaches
+    for anything else fails there (AttributeError or KeyError)."""
     root = _emptied(live)
-    for path, tree in zip(paths, trees):
+    for path in paths:
         source, held = live, root
         for key in path[:-1]:
             source = source[key]
@@ -304,7 +337,7 @@ def _pruned(live: Any, paths: tuple[tuple[Any, ...], ...], trees: list[Any]) -> 
                 _put(held, key, child)
             held = child
         value = source[path[-1]]
-        _put(held, path[-1], _holding(value, tree) if isinstance(value, (dict, list)) else tree)
+        _put(held, path[-1], _holding(value, leaves) if isinstance(value, (dict, list)) else next(leaves))
     return root
 
 
@@ -328,14 +361,14 @@ def _put(container: Any, key: Any, value: Any) -> None:
         dict.__setitem__(container, key, value)
 
 
-def _holding(live: Any, arrays: Any) -> Any:
-    """A copy of ``live`` (a module tree: modules, dicts, lists) with the arrays at the same places
-    in ``arrays`` (its image as ``mx.compile`` rebuilt it, of plain dicts and lists) in place of
-    its own. Modules are copied shallowly (their attributes shared), the containers anew; a tuple
-    is taken whole from ``arrays``, being immutable."""
+def _holding(live: Any, leaves: Iterator[Any]) -> Any:
+    """A copy of ``live`` (a module tree: modules, dicts, lists) with the next of ``leaves`` (the
+    tracers ``mx.compile`` made of what :func:`_flatten` found in it) at each leaf's place in place
+    of its own. Modules are copied shallowly (their attributes shared), the containers anew; a
+    tuple is a leaf, taken whole, being immutable."""
     if isinstance(live, list):
-        return [_holding(v, a) if isinstance(v, (dict, list)) else a for v, a in zip(live, arrays)]
+        return [_holding(v, leaves) if isinstance(v, (dict, list)) else next(leaves) for v in live]
     held = _emptied(live)  # a module: same class and attributes, its own item dict
     for key, value in live.items():
-        _put(held, key, _holding(value, arrays[key]) if isinstance(value, (dict, list)) else arrays[key])
+        _put(held, key, _holding(value, leaves) if isinstance(value, (dict, list)) else next(leaves))
     return held
