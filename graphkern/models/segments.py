@@ -212,7 +212,7 @@ class Segments:
 class _Plan:
     """What the calls of one segment hand its compiled form: the leaves of the layer's subtrees it
     reads (of the whole layer, ``whole``), then the fused weights' row ranges, in one flat tuple
-    (MLX takes a flat tuple at a third of the cost of the module dicts it came from), good while
+    (MLX flattens a call's arguments at every call, hashing each dict key through Python), good while
     the layer's tree holds what it held when they were found. Asking the layer and walking its
     paths again costs a decoding call tens of microseconds of Python; instead a plan holds while
     no module item was set or removed anywhere since (:func:`~graphkern.tracing.guards.item_writes`:

@@ -124,7 +124,7 @@ class KernelDecoderStack(KernelLayer):
         """The blocks' attentions and each one's fixed rotation (``KernelRoPE.fixed_rotary``), or
         None where the blocks do not link. Found again only after a module attribute or item was
         written (``graphkern.tracing.guards``) or the list of blocks changed: checking every block
-        at every token costs a step tens of microseconds."""
+        at every token would cost the host on every step it bounds."""
         counts = item_writes(), writes()
         held: Held | None = self.__dict__.get("_gk_links_found")
         if held is not None:
