@@ -173,3 +173,18 @@ def test_the_guard_costs_a_steady_call_little() -> None:
     per_call = min(timeit.repeat(guard.changed, number=10_000, repeat=5)) / 10_000
     assert not guard.changed()
     assert per_call < 5e-6, f"{per_call * 1e6:.2f} us a call"
+
+
+def test_a_callback_waits_for_the_next_module_item_write_and_runs_once() -> None:
+    """``at_next_item_write``: not run by an attribute written, run once by the next item set
+    (before it is set), not again."""
+    seen: list[Any] = []
+    linear = nn.Linear(2, 2)
+    guards.at_next_item_write(lambda: seen.append(linear["weight"]))
+    old = linear["weight"]
+    linear.eps = 0.5  # an attribute, no item
+    assert seen == []
+    linear.weight = mx.zeros((2, 2))
+    assert len(seen) == 1 and seen[0] is old
+    del linear["bias"]
+    assert len(seen) == 1

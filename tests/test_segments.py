@@ -581,3 +581,20 @@ def test_a_segment_sees_the_items_of_a_list_inside_what_it_reads_replaced_or_add
     assert mx.allclose(segments("chained", x), layer.chained(x)).item()
     layer.steps.append(layer.steps[0])
     assert mx.allclose(segments("chained", x), layer.chained(x)).item()
+
+
+def test_a_segment_keeps_no_replaced_weight_alive() -> None:
+    """What a segment's calls are handed is let go at the next module item write: a weight
+    replaced is freed at once, not at the segment's next call, and the call reads the new one."""
+    layer = _Chain()
+    layer.steps[0] = nn.Linear(512, 512)
+    segments = Segments(layer)
+    x = mx.ones((1, 512))
+    mx.eval(segments("first", x), layer.parameters())
+    gc.collect()
+    held = mx.get_active_memory()
+    layer.steps[0].weight = layer.steps[0].weight + 1  # a 1 MiB weight replaced
+    mx.eval(layer.steps[0].weight)
+    gc.collect()
+    assert mx.get_active_memory() <= held + 1024  # the one it replaced went
+    assert mx.allclose(segments("first", x), layer.steps[0](x)).item()

@@ -60,7 +60,7 @@ import mlx.core as mx
 from graphkern.launching.autodiff import vjp_enabled
 from graphkern.launching.context import settings_changed, state
 from graphkern.launching.launch_cache import LaunchCache
-from graphkern.tracing.guards import AttributeGuard, item_writes, modules_under
+from graphkern.tracing.guards import AttributeGuard, at_next_item_write, item_writes, modules_under
 
 __all__ = ["MAX_SEGMENT_TOKENS", "Segments", "decoding", "row_ranges", "segments_apply"]
 
@@ -101,7 +101,7 @@ class Segments:
     None, for the caller to run the layer's own forward.
     """
 
-    __slots__ = ("layer", "_forms", "_whole", "usable", "_guard", "_views", "_plans")
+    __slots__ = ("layer", "_forms", "_whole", "usable", "_guard", "_views", "_plans", "_armed", "__weakref__")
 
     def __init__(self, layer: Any):
         self.layer = weakref.ref(layer)
@@ -116,6 +116,7 @@ class Segments:
         self._views: dict[Any, tuple[list[mx.array], list[list[mx.array]]]] = {}
         # (name, the thread's token) -> what its calls hand the form, while the tree holds it
         self._plans: dict[Any, _Plan] = {}
+        self._armed = False  # whether the next module item write lets the plans' arrays go
 
     def traced(self) -> list[Any]:
         """The names of the segments compiled so far, on any thread."""
@@ -135,6 +136,9 @@ class Segments:
             if len(self._plans) >= MAX_FORMS:
                 self._plans.clear()
             self._plans[key] = plan
+            if not self._armed:
+                self._armed = True
+                at_next_item_write(functools.partial(_let_go, weakref.ref(self)))
         else:
             self._forms.hits += 1  # served by a form already made, as a lookup would count it
         try:
@@ -207,6 +211,17 @@ class Segments:
         self._views.clear()
         self._plans.clear()
         self._guard = AttributeGuard(functools.partial(_modules_of, self.layer), [])
+
+
+def _let_go(segments_ref: weakref.ReferenceType[Segments]) -> None:
+    """Drop a layer's plans and row ranges, and the arrays they hold: a module item is being
+    written, so the next call finds them again anyway, and the arrays replaced go now rather
+    than then (``load_weights`` into a model in place peaks at one copy of its weights)."""
+    segments = segments_ref()
+    if segments is not None:
+        segments._armed = False
+        segments._plans.clear()
+        segments._views.clear()
 
 
 class _Plan:

@@ -37,8 +37,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["AttributeGuard", "Place", "item_writes", "modules_under", "plain", "plain_attributes",
-           "reached_places", "writes"]
+__all__ = ["AttributeGuard", "Place", "at_next_item_write", "item_writes", "modules_under", "plain",
+           "plain_attributes", "reached_places", "writes"]
 
 #: A place a function reads by name: ``read(argument)`` gives what is there now.
 Place = tuple[Callable[[Any], Any], Any]
@@ -109,6 +109,8 @@ class _Writes:
 
     count = 0
     items = 0
+    # callbacks for the next item write (each called once, then dropped)
+    waiting: list[Callable[[], None]] = []
 
 
 _writes = _Writes()
@@ -131,6 +133,22 @@ def item_writes() -> int:
     if not _installed:
         _install()
     return _writes.items
+
+
+def at_next_item_write(callback: Callable[[], None]) -> None:
+    """Call ``callback`` once, at the next module item write (before the item is set or removed):
+    for what holds arrays found in a model's tree to let them go as soon as the tree changes,
+    rather than at its next use."""
+    item_writes()  # the hooks that call it
+    _writes.waiting.append(callback)
+
+
+def _item_written() -> None:
+    _writes.items += 1
+    if _writes.waiting:
+        waiting, _writes.waiting = _writes.waiting, []
+        for callback in waiting:
+            callback()
 
 
 def _install() -> None:
@@ -156,11 +174,11 @@ def _install() -> None:
         set_item, delete_item = nn.Module.__setitem__, nn.Module.__delitem__
 
         def __setitem__(self: nn.Module, key: Any, val: Any) -> None:
-            _writes.items += 1
+            _item_written()
             set_item(self, key, val)
 
         def __delitem__(self: nn.Module, key: Any) -> None:
-            _writes.items += 1
+            _item_written()
             delete_item(self, key)
 
         __setattr__.__wrapped__ = set_attribute  # type: ignore[attr-defined]
