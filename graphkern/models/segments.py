@@ -60,7 +60,13 @@ import mlx.core as mx
 from graphkern.launching.autodiff import vjp_enabled
 from graphkern.launching.context import settings_changed, state
 from graphkern.launching.launch_cache import LaunchCache
-from graphkern.tracing.guards import AttributeGuard, at_next_item_write, item_writes, modules_under
+from graphkern.tracing.guards import (
+    AttributeGuard,
+    at_next_item_write,
+    item_writes,
+    modules_under,
+    same_items,
+)
 
 __all__ = ["MAX_SEGMENT_TOKENS", "Segments", "decoding", "row_ranges", "segments_apply"]
 
@@ -198,7 +204,7 @@ class Segments:
         they are arrays already made, where slices inside it would be made again at every call."""
         sources = [_at(layer, path) for path, _ in wanted]
         known = self._views.get(name)
-        if known is not None and len(known[0]) == len(sources) and all(map(operator.is_, known[0], sources)):
+        if known is not None and same_items(sources, known[0]):
             return known[1]
         views = [row_ranges(source, sizes) for source, (_, sizes) in zip(sources, wanted)]
         self._views[name] = (sources, views)
@@ -259,8 +265,7 @@ class _Plan:
         """Whether the layer's tree still holds what the plan found in it."""
         if item_writes() != self._writes:
             return False
-        if self._inner and not all(len(items) == len(held) and all(map(operator.is_, items, held))
-                                   for items, held in self._inner):
+        if self._inner and not all(same_items(items, held) for items, held in self._inner):
             return False
         try:
             return all(map(operator.is_, map(operator.getitem, self._lists, self._indices), self._items))

@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 __all__ = ["AttributeGuard", "Place", "at_next_item_write", "item_writes", "modules_under", "plain",
-           "plain_attributes", "reached_places", "writes"]
+           "plain_attributes", "reached_places", "same_items", "writes"]
 
 #: A place a function reads by name: ``read(argument)`` gives what is there now.
 Place = tuple[Callable[[Any], Any], Any]
@@ -133,6 +133,17 @@ def item_writes() -> int:
     if not _installed:
         _install()
     return _writes.items
+
+
+def same_items(found: Sequence[Any], held: Sequence[Any]) -> bool:
+    """Whether ``found`` holds the very objects of ``held``, as many and in order: what a call
+    found in a list of a model's tree (a decoder's blocks), which no hook sees change.
+
+    >>> blocks = [object(), object()]
+    >>> same_items(blocks, list(blocks)), same_items(blocks, blocks[:1])
+    (True, False)
+    """
+    return len(found) == len(held) and all(map(operator.is_, found, held))
 
 
 def at_next_item_write(callback: Callable[[], None]) -> None:

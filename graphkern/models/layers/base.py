@@ -6,7 +6,6 @@ view of a tree of patched layers (:func:`stock_tree`, kept current by the guards
 from __future__ import annotations
 
 import copy
-import operator
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -19,6 +18,7 @@ from graphkern.launching.context import current_recorder, state
 from graphkern.launching.fastpaths import BACKEND_VARIABLE, environ_get
 from graphkern.models.routes import takes_stock
 from graphkern.models.segments import Segments
+from graphkern.tracing.guards import same_items
 
 _MODULE_INTERNALS = ("_no_grad", "_training")
 
@@ -70,8 +70,7 @@ def stock_tree(node: Any) -> Any:
 def _same(found: Any, held: Any) -> bool:
     """Whether ``found`` (a :func:`stock_tree`) is what ``held`` already is: the same object, or
     a list of the same objects."""
-    return found is held or (type(found) is list and type(held) is list and len(found) == len(held)
-                             and all(map(operator.is_, found, held)))
+    return found is held or (type(found) is list and type(held) is list and same_items(found, held))
 
 
 def _item(name: str) -> Any:

@@ -3,7 +3,6 @@ linked through one compiled call a block, and a short prompt run on the stock la
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,7 @@ from graphkern.models.prefill import BlockPipeline, prompt_mode, stock_layers
 from graphkern.models.route_timing import RouteTimer
 from graphkern.models.routes import stack_row_limit
 from graphkern.models.segments import MAX_SEGMENT_TOKENS, Views, segments_apply
-from graphkern.tracing.guards import item_writes, writes
+from graphkern.tracing.guards import item_writes, same_items, writes
 
 
 class KernelDecoderStack(KernelLayer):
@@ -129,7 +128,7 @@ class KernelDecoderStack(KernelLayer):
         held: Held | None = self.__dict__.get("_gk_links_found")
         if held is not None:
             seen, built, found = held.module
-            if seen == counts and len(built) == len(layers) and all(map(operator.is_, built, layers)):
+            if seen == counts and same_items(layers, built):
                 return found  # type: ignore[no-any-return]
         attentions = [layer.get("self_attn") for layer in layers]
         links = bool(layers) and all(isinstance(layer, KernelResidualBlock) and layer.chains
@@ -228,8 +227,7 @@ class KernelDecoderStack(KernelLayer):
         held: Held | None = self.__dict__.get("_gk_stock_stack")
         if held is not None:
             writes, built, twin = held.module
-            if (writes == item_writes() and len(built) == len(layers)
-                    and all(map(operator.is_, built, layers))):
+            if writes == item_writes() and same_items(layers, built):
                 return twin  # type: ignore[no-any-return]
         twin = stock_tree(self)
         # counted after: the copies stock_tree makes set their items too
