@@ -6,7 +6,9 @@ mlx-lm's own loops: ``mlx_lm.generate.generate_step`` at batch 1 and ``BatchGene
 decode 8 equal prompts through one KV cache instead, and the run says so).
 Each model is run stock and patched (``gk.patch`` on a second model object sharing the weights),
 both eagerly (how mlx-lm generates) and through ``gk.wrap``, taking turns within each round
-(stock first in even rounds, patched first in odd ones):
+(patched first in odd rounds, stock first in even ones; an odd ``--rounds`` gets one round more,
+so that each side leads as often: a run after the other side's work can start slower, and with
+three rounds patched would lead two):
 
   decode b1 / b8   tokens per second after the first token (batch 8 counts all 8 sequences)
   ttft P           time to the first token of a P-token prompt (prefill), milliseconds: the
@@ -41,7 +43,7 @@ output layer included).
     python benchmarks/generate.py --preset llama-3.2-1b --quantize 4 --dtypes bfloat16
     python benchmarks/generate.py --sizes tiny --rounds 1           # a CPU smoke run
     python benchmarks/generate.py --preset qwen3-30b-a3b --quantize 4 --quick   # a preset's CPU smoke run
-    python benchmarks/generate.py --sweep --rounds 7 --tokens 32 --prefill 128   # every architecture
+    python benchmarks/generate.py --sweep --rounds 6 --tokens 32 --prefill 128   # every architecture
     python benchmarks/generate.py --sweep --quick --batches 1                    # the sweep's CPU smoke run
 """
 
@@ -322,8 +324,8 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
     samples: dict[tuple[str, str], list[float]] = {}
     errors: dict[tuple[str, str], str] = {}
     for round_index in range(args.rounds + 1):  # round 0 warms up: kernels compile, traces run
-        # stock first in even rounds, patched first in odd ones: a host drifting within a round
-        # favours neither side over a pair of rounds
+        # patched first in odd rounds, stock first in even ones (``balanced_rounds``): neither a
+        # host drifting within a round nor leading a round favours a side over a pair of rounds
         order = list(variants.items())[::-1 if round_index % 2 else 1]
         for task, run in tasks.items():
             for name, model in order:
@@ -353,6 +355,7 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
                 ratios = pairs if task.startswith(("decode", "peak")) else [1 / r for r in pairs]
                 row["speedup"] = statistics.median(ratios)
                 row["speedup_range"] = [min(ratios), max(ratios)]
+                row["speedup_rounds"] = ratios
             rows.append(row)
     weights = f"{args.quantize}-bit, group {args.group_size}" if args.quantize else dtype_name
     result = {"model": label, "dtype": dtype_name, "weights": weights, "rows": rows,
@@ -591,14 +594,15 @@ def _cell(value: float | None, task: str) -> str:
 def format_result(result: dict[str, Any]) -> str:
     lines = [f"\n## {result['model']}, {result['dtype']}, weights {result['weights']}",
              "| task | mode | stock | patched | ratio (speed: patched / stock; memory: patched / stock) "
-             "| rounds' range |",
-             "|---|---|---:|---:|---:|---:|"]
+             "| rounds' range | each round (patched leads the 1st, 3rd...) |",
+             "|---|---|---:|---:|---:|---:|---|"]
     for row in result["rows"]:
         speed = f"{row['speedup']:.3f}x" if "speedup" in row else "-"
         spread = "{:.3f}-{:.3f}x".format(*row["speedup_range"]) if "speedup_range" in row else "-"
+        each = ", ".join(f"{r:.3f}" for r in row.get("speedup_rounds", ())) or "-"
         lines.append(f"| {row['task']} | {row['mode']} | {_cell(row['stock'], row['task'])} | "
-                     f"{_cell(row['patched'], row['task'])} | {speed} | {spread} |")
-        lines += [f"|  | error | {e} | | | |" for e in row["errors"]]
+                     f"{_cell(row['patched'], row['task'])} | {speed} | {spread} | {each} |")
+        lines += [f"|  | error | {e} | | | | |" for e in row["errors"]]
     if routes_line(result):
         lines.append(routes_line(result))
     lines += [f"- {note}" for note in result.get("notes", [])]
@@ -642,6 +646,17 @@ def sweep_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def balanced_rounds(rounds: int) -> int:
+    """``rounds`` timed rounds, one more where odd: the sides take turns leading a round, and
+    only an even count lets each lead as often (a run right after the other side's work, or after
+    the previous task's, can start slower, which with three rounds would fall on patched twice).
+
+    >>> balanced_rounds(3), balanced_rounds(4)
+    (4, 4)
+    """
+    return rounds + rounds % 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="llama,qwen3,mixtral")
@@ -651,7 +666,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prefill", default="256,2048", help="prompt lengths for ttft")
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per decode run")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="timed rounds after the warm-up one; an odd count gets one more "
+                        "(balanced_rounds)")
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--preset", help="models at real checkpoints' dimensions instead of --models and "
                         f"--sizes: {', '.join(PRESETS)}")
@@ -672,9 +689,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set((args.preset or "").split(",")) - set(PRESETS) - {""})
     if unknown:
         parser.error(f"unknown presets {unknown}; known: {', '.join(PRESETS)}")
-    if args.quick:
+    if args.quick:  # a smoke run: one round, its ratios are not figures
         args.rounds, args.tokens, args.prefill = 1, 8, "32"
         args.batches = args.batches if args.sweep else "1"
+    else:
+        args.rounds = balanced_rounds(args.rounds)
     args.modes = args.modes.split(",")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.prefill = [int(p) for p in args.prefill.split(",")]

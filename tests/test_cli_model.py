@@ -215,7 +215,8 @@ def test_the_tokens_a_run_makes_fit_the_time_left_within_bounds() -> None:
 
 
 def test_bench_measures_and_reports_each_run_as_it_ends(folders: dict[str, str]) -> None:
-    """The runs' lines come out one by one (not all at the end), each before the next run starts."""
+    """The runs' lines come out one by one (not all at the end), each before the next run starts;
+    stock leads the first round and patched the second."""
     from graphkern.models.generation_bench import RunDone, measure_generation
 
     ckpt = load_checkpoint(folders["float"])
@@ -231,7 +232,7 @@ def test_bench_measures_and_reports_each_run_as_it_ends(folders: dict[str, str])
     compact = [s for s in seen if s != "t"]
     assert compact == ["warm-up: stock", "0 stock 4 True", "warm-up: patched", "0 patched 4 True",
                        "round 1 of 2: stock", "1 stock 6 True", "round 1 of 2: patched", "1 patched 6 True",
-                       "round 2 of 2: stock", "2 stock 6 True", "round 2 of 2: patched", "2 patched 6 True"]
+                       "round 2 of 2: patched", "2 patched 6 True", "round 2 of 2: stock", "2 stock 6 True"]
     assert seen.count("t") == 2 * 4 + 4 * 6
     assert len(plans) == 1 and plans[0].max_tokens == 6 and plans[0].estimate > 0
     assert result.max_tokens == 6 and len(result.rounds) == 2

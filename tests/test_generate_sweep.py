@@ -130,3 +130,34 @@ def test_host_phases_take_a_decoding_step_apart_and_print_under_the_breakdown() 
                                     "host_phases": phases}).splitlines()
     assert [line.split(":")[0] for line in lines if "host time" in line] == [
         "- a decoding step's host time, batch 1, stock", "- a decoding step's host time, batch 1, patched"]
+
+
+def test_an_odd_round_count_gets_one_more_so_each_side_leads_as_often(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stock and patched take turns leading a round; with three rounds patched would lead two, and
+    a run right after the other side's work can start slower. ``--rounds 3`` runs four, each side
+    leads two, and each round's ratio is printed and kept."""
+    order: list[str] = []
+    real = generate.batch_decoding
+
+    def batch_decoding(stock, prompt, batch):  # records which twin each decode run is of
+        steps, note = real(stock, prompt, batch)
+
+        def recorded(model, *args):
+            order.append("stock" if model is stock else "patched")
+            return steps(model, *args)
+        return recorded, note
+
+    monkeypatch.setattr(generate, "batch_decoding", batch_decoding)
+    out_json = tmp_path / "run.json"
+    assert generate.main(["--sizes", "tiny", "--models", "llama", "--dtypes", "float32", "--modes", "eager",
+                          "--batches", "1", "--prefill", "8", "--tokens", "3", "--rounds", "3",
+                          "--json", str(out_json)]) == 0
+    decode = next(r for r in json.loads(out_json.read_text())[0]["rows"] if r["task"] == "decode b1")
+    assert len(decode["speedup_rounds"]) == 4
+    assert min(decode["speedup_rounds"]) == decode["speedup_range"][0]
+    assert len(order) == 2 * 5  # the warm-up round and four timed ones
+    leaders = order[2::2]
+    assert leaders == ["patched", "stock", "patched", "stock"], order
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| decode b1"))
+    assert line.rstrip(" |").endswith(", ".join(f"{r:.3f}" for r in decode["speedup_rounds"]))

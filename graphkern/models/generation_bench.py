@@ -1,7 +1,9 @@
 """Stock against patched generation, measured with mlx-lm's own loop (``stream_generate``).
 
 Both models hold the same weight arrays; they take turns within each round, after one short
-warm-up run each (the patched model traces its compiled segments on first use). Each run reports what
+warm-up run each (the patched model traces its compiled segments on first use): stock first in
+odd rounds, patched first in even ones, since a run right after the other model's can start
+slower (an even number of rounds lets each lead as often). Each run reports what
 ``mlx_lm.generate --verbose`` prints: prompt and generation tokens per second and peak memory
 (reset before the run). The end of sequence is ignored, as in ``mlx_lm.benchmark``, so every run
 generates ``max_tokens``. Ratios are patched over stock, the median of the per-round ratios.
@@ -177,7 +179,9 @@ def measure_generation(stock: Any, patched: Any, tokenizer: Any, prompt: Sequenc
             on_plan(plan)
         result = GenerationResult(max_tokens=max_tokens)
         for index in range(1, rounds + 1):
-            result.rounds.append({name: timed(index, name, max_tokens)[0] for name in models})
+            order = ("stock", "patched") if index % 2 else ("patched", "stock")
+            runs = {name: timed(index, name, max_tokens)[0] for name in order}
+            result.rounds.append({name: runs[name] for name in models})
         return result
     finally:
         tokenizer.eos_token_ids = eos
