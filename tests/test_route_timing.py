@@ -87,6 +87,33 @@ def test_the_first_calls_of_each_turn_are_not_timed() -> None:
     assert timer.chosen((1, 1)) == "kernels"
 
 
+def test_a_turn_slowed_by_something_else_does_not_decide() -> None:
+    """The host or the device busy elsewhere during one turn only slows that turn: each route
+    counts its best turn, so kernels 20% faster than stock still win though their first turn ran
+    60% slower (the median of all their calls would have made stock win)."""
+    clock = StepClock({"kernels": 1.0, "stock": 1.2})
+    timer = RouteTimer(clock=clock)
+    for call in range(MEASURED_CALLS + 1):
+        route = timer.route((1, 1))
+        clock.after(route)
+        if call < SKIPPED_CALLS + TIMED_CALLS:  # the first turn: the kernels'
+            clock.now += 0.6
+    assert timer.chosen((1, 1)) == "kernels"
+    assert timer.report()[(1, 1)]["kernels_ms"] == pytest.approx(1e3)
+
+
+def test_a_route_slower_in_every_turn_loses() -> None:
+    """Only the best turn counts, but both of the slower route's turns are slower."""
+    clock = StepClock({"kernels": 1.0, "stock": 1.2})
+    timer = RouteTimer(clock=clock)
+    for _ in range(MEASURED_CALLS + 1):
+        route = timer.route((1, 1))
+        clock.after(route)
+        if route == "kernels":
+            clock.now += 0.6  # every kernels call: 1.6 against 1.2
+    assert timer.chosen((1, 1)) == "stock"
+
+
 def test_each_call_shape_is_measured_on_its_own() -> None:
     clock = StepClock({"kernels": 1.0, "stock": 2.0})
     timer = RouteTimer(clock=clock)

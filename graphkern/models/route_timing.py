@@ -11,7 +11,10 @@ mlx-lm's pipelined loop (``generate_step``, ``BatchGenerator``) is a step's time
 host and the GPU bounds it. Like ``torch.backends.cudnn.benchmark``, it costs the first calls of
 each shape: ``TRIALS`` rounds of ``SKIPPED_CALLS + TIMED_CALLS`` calls on each route (the first
 calls after a switch still overlap the other route's work on the device, and a route's first call
-traces its compiled forms, so they are not timed). The faster median wins; a tie keeps the kernels.
+traces its compiled forms, so they are not timed). Each route's time is the median of its best
+turn, as ``timeit`` takes the best of its repeats: whatever else the host or the device does
+meanwhile only ever slows a turn down, and a route measured in a disturbed turn would otherwise
+lose to one that was not. The faster wins; a tie keeps the kernels.
 
 Only the ``"auto"`` route measures, only on a GPU backend and outside graphkern's traces (which
 record every kernel whatever is chosen). ``gk.set_route(model, "kernel")`` always decodes on the
@@ -39,8 +42,8 @@ from graphkern.errors import ModelError
 from graphkern.launching.backends import on_gpu_backend
 from graphkern.nodes import Status
 
-__all__ = ["MAX_TRIALS", "SKIPPED_CALLS", "TIMED_CALLS", "TRIALS", "RouteTimer", "decode_route_choices",
-           "measures_routes"]
+__all__ = ["MAX_TRIALS", "SKIPPED_CALLS", "TIMED_CALLS", "TRIALS", "TURN_CALLS", "RouteTimer",
+           "decode_route_choices", "measures_routes"]
 
 DecodeRoute = Literal["kernels", "stock"]
 
@@ -54,6 +57,9 @@ TRIALS = 2
 #: Trials at most: a shape whose calls keep being interrupted (by calls of other shapes, or from
 #: other threads) before each route has ``TIMED_CALLS`` timed calls keeps the kernels.
 MAX_TRIALS = 6
+#: Timed calls a turn needs for its median to stand for its route (a turn broken by calls of
+#: other shapes may have fewer).
+TURN_CALLS = (TIMED_CALLS + 1) // 2
 
 
 def measures_routes() -> bool:
@@ -63,14 +69,16 @@ def measures_routes() -> bool:
 
 
 class _Choice:
-    """The measurement of one call shape: the turns handed out so far, the times seen, the result."""
+    """The measurement of one call shape: the turns handed out so far, the times seen (by route,
+    then by turn), the result."""
 
     __slots__ = ("plan", "position", "samples", "chosen", "trials")
 
     def __init__(self) -> None:
-        self.plan: list[tuple[DecodeRoute, bool]] = []
+        # each call's (route, the turn it is timed in, or None where it is not timed)
+        self.plan: list[tuple[DecodeRoute, int | None]] = []
         self.position = 0
-        self.samples: dict[DecodeRoute, list[float]] = {"kernels": [], "stock": []}
+        self.samples: dict[DecodeRoute, dict[int, list[float]]] = {"kernels": {}, "stock": {}}
         self.chosen: DecodeRoute | None = None
         self.trials = 0
         for _ in range(TRIALS):
@@ -80,35 +88,54 @@ class _Choice:
         order: tuple[DecodeRoute, DecodeRoute] = (
             ("kernels", "stock") if self.trials % 2 == 0 else ("stock", "kernels"))
         for route in order:
-            self.plan += [(route, False)] * SKIPPED_CALLS + [(route, True)] * TIMED_CALLS
+            turn = 2 * self.trials + (route != order[0])
+            self.plan += [(route, None)] * SKIPPED_CALLS + [(route, turn)] * TIMED_CALLS
         self.trials += 1
 
-    def next_route(self) -> tuple[DecodeRoute, bool]:
-        """The route of the next call and whether it is timed, or the choice once made."""
+    def next_route(self) -> tuple[DecodeRoute, int | None]:
+        """The route of the next call and the turn it is timed in (None: not timed), or the
+        choice once made."""
         if self.chosen is None and self.position >= len(self.plan):
             self._decide()
         if self.chosen is not None:
-            return self.chosen, False
+            return self.chosen, None
         turn = self.plan[self.position]
         self.position += 1
         return turn
 
+    def add(self, route: DecodeRoute, turn: int, seconds: float) -> None:
+        self.samples[route].setdefault(turn, []).append(seconds)
+
+    def timed_calls(self, route: DecodeRoute) -> int:
+        return sum(map(len, self.samples[route].values()))
+
+    def seconds(self, route: DecodeRoute) -> float | None:
+        """A call's time on ``route``: the median of its best turn among those timed on
+        ``TURN_CALLS`` calls or more (of all its calls where none was), None before any."""
+        by_turn = self.samples[route].values()
+        turns = [statistics.median(times) for times in by_turn if len(times) >= TURN_CALLS]
+        if turns:
+            return min(turns)
+        every = [t for times in self.samples[route].values() for t in times]
+        return statistics.median(every) if every else None
+
     def _decide(self) -> None:
-        kernels, stock = self.samples["kernels"], self.samples["stock"]
-        if min(len(kernels), len(stock)) >= TIMED_CALLS:
-            self.chosen = "stock" if statistics.median(stock) < statistics.median(kernels) else "kernels"
+        kernels, stock = self.seconds("kernels"), self.seconds("stock")
+        if (kernels is not None and stock is not None
+                and min(self.timed_calls("kernels"), self.timed_calls("stock")) >= TIMED_CALLS):
+            self.chosen = "stock" if stock < kernels else "kernels"
         elif self.trials < MAX_TRIALS:
             self._add_trial()
         else:
             self.chosen = "kernels"
 
     def report(self) -> dict[str, Any]:
-        def median_ms(route: DecodeRoute) -> float | None:
-            times = self.samples[route]
-            return 1e3 * statistics.median(times) if times else None
+        def ms(route: DecodeRoute) -> float | None:
+            seconds = self.seconds(route)
+            return None if seconds is None else 1e3 * seconds
 
-        return {"route": self.chosen, "kernels_ms": median_ms("kernels"), "stock_ms": median_ms("stock"),
-                "timed_calls": {k: len(v) for k, v in self.samples.items()}}
+        return {"route": self.chosen, "kernels_ms": ms("kernels"), "stock_ms": ms("stock"),
+                "timed_calls": {route: self.timed_calls(route) for route in self.samples}}
 
 
 class RouteTimer:
@@ -127,8 +154,9 @@ class RouteTimer:
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self._choices: dict[Hashable, _Choice] = {}
-        # the last call: (thread, key, route, timed, start), or None where it is not to be timed
-        self._last: tuple[int, Hashable, DecodeRoute, bool, float] | None = None
+        # the last call: (thread, key, route, the turn it is timed in, start), or None where it
+        # is not to be timed
+        self._last: tuple[int, Hashable, DecodeRoute, int | None, float] | None = None
         self.clock = clock
         self._lock = threading.Lock()
 
@@ -143,10 +171,10 @@ class RouteTimer:
             if choice is None:
                 choice = self._choices.setdefault(key, _Choice())
             last = self._last
-            if last is not None and last[3] and last[0] == thread and last[1] == key:
-                choice.samples[last[2]].append(now - last[4])
-            route, timed = choice.next_route()
-            self._last = (thread, key, route, timed, now) if choice.chosen is None else None
+            if last is not None and last[3] is not None and last[0] == thread and last[1] == key:
+                choice.add(last[2], last[3], now - last[4])
+            route, turn = choice.next_route()
+            self._last = (thread, key, route, turn, now) if choice.chosen is None else None
             return route
 
     def chosen(self, key: Hashable) -> DecodeRoute | None:
@@ -155,8 +183,8 @@ class RouteTimer:
         return None if choice is None else choice.chosen
 
     def report(self) -> dict[Hashable, dict[str, Any]]:
-        """Each call shape measured: the route chosen (None while measuring), each route's median
-        time a call in milliseconds, and how many calls of each were timed."""
+        """Each call shape measured: the route chosen (None while measuring), each route's time a
+        call in milliseconds (its best turn's median), and how many calls of each were timed."""
         return {key: choice.report() for key, choice in self._choices.items()}
 
     def forget(self) -> None:
