@@ -16,7 +16,7 @@
 #   bash scripts/gpu_check.sh generate # mlx-lm generation, stock against patched (the large models, both
 #                                      # 16-bit dtypes, eager), then the host time a launch costs
 #   bash scripts/gpu_check.sh sweep    # generation at every architecture's checkpoint dimensions, stock
-#                                      # against patched (benchmarks/generate.py --sweep, 7 rounds);
+#                                      # against patched (benchmarks/generate.py --sweep, 8 rounds);
 #                                      # arguments after it go to it: sweep --preset phi-3-mini,gemma-2-2b
 #   bash scripts/gpu_check.sh projections  # the decoding projection kernels with weights read from
 #                                          # memory at checkpoint dimensions (benchmarks/block_projections.py);
@@ -114,11 +114,11 @@ case "$part" in
     done
     for p in $TEST_PARTS; do cat "$scratch/$p.all"; done > "$out/suite.txt" ;;
   generate)
-    python3 benchmarks/generate.py --sizes large --dtypes bfloat16,float16 --modes eager --rounds 3 \
+    python3 benchmarks/generate.py --sizes large --dtypes bfloat16,float16 --modes eager --rounds 4 \
       --tokens 48 --prefill 256,2048 --breakdown --json "$out/generate.json" 2>&1 | tee "$out/generate.txt"
     python3 benchmarks/launch_cost.py 2>&1 | tee "$out/launch_cost.txt" ;;
   sweep)
-    python3 benchmarks/generate.py --sweep --rounds 7 --tokens 32 --prefill 128 --dtypes bfloat16 \
+    python3 benchmarks/generate.py --sweep --rounds 8 --tokens 32 --prefill 128 --dtypes bfloat16 \
       --json "$out/sweep.json" "$@" 2>&1 | tee "$out/sweep.txt" ;;
   projections)
     python3 benchmarks/block_projections.py --json "$out/block_projections.json" "$@" 2>&1 \
