@@ -181,7 +181,7 @@ def test_bench_prints_stock_and_patched_runs_and_the_median_ratio(folders: dict[
     assert lines[1].startswith("patched 7 layers: ")
     runs = [line for line in lines if line.startswith("round ")]
     assert [r.split()[:3] for r in runs] == [["round", "1", "stock"], ["round", "1", "patched"],
-                                               ["round", "2", "stock"], ["round", "2", "patched"]]
+                                               ["round", "2", "patched"], ["round", "2", "stock"]]
     assert all("Generation: 5 tokens, " in r and "tokens-per-sec" in r and "Peak memory: " in r for r in runs)
     assert "first round: 5 of 5 the same in both" in out  # exact on a CPU
     assert lines[-1].startswith("patched / stock, median of 2 rounds of 5 tokens: prompt ")

@@ -137,7 +137,7 @@ def _report(rounds: int, quiet: bool) -> Iterator[_Report]:
               help="Tokens to generate each run (the end of sequence is ignored). Default: as many "
                    "as let the whole measurement take about a minute, from 8 to 128.")
 @click.option("--rounds", "-n", default=DEFAULT_ROUNDS, show_default=True, type=click.IntRange(min=1),
-              help="Rounds; each runs stock then patched, after one short warm-up run each.")
+              help="Rounds, after one short warm-up run each; stock leads the odd ones, patched the even.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the ratios.")
 def bench_cmd(model_path: str, prompt: str | None, max_tokens: int | None, rounds: int, quiet: bool) -> None:
     """Generate with the stock and the patched model in turn and print prompt and generation
@@ -149,12 +149,12 @@ def bench_cmd(model_path: str, prompt: str | None, max_tokens: int | None, round
     take about a minute (from 8 to 128), judged from the stock warm-up's pace; a line on stderr
     says how many and about how long the rounds will take, and after the first round how long
     the rest will. On a terminal a progress bar counts the tokens. For steadier figures on a
-    GPU, give more: --max-tokens 256 --rounds 5.
+    GPU, give more: --max-tokens 256 --rounds 6.
 
     \b
     Examples:
       graphkern bench --model mlx-community/Llama-3.2-1B-Instruct-4bit
-      graphkern bench --model ./my-checkpoint --prompt "Write a story" --max-tokens 256 --rounds 5
+      graphkern bench --model ./my-checkpoint --prompt "Write a story" --max-tokens 256 --rounds 6
 
     Exit status: 0 measured, 1 generation failed, 2 bad input, 130 interrupted (Ctrl-C).
     """
