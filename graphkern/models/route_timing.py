@@ -99,9 +99,9 @@ class _Choice:
             self._decide()
         if self.chosen is not None:
             return self.chosen, None
-        turn = self.plan[self.position]
+        call = self.plan[self.position]
         self.position += 1
-        return turn
+        return call
 
     def add(self, route: DecodeRoute, turn: int, seconds: float) -> None:
         self.samples[route].setdefault(turn, []).append(seconds)

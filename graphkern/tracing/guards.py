@@ -109,8 +109,9 @@ class _Writes:
 
     count = 0
     items = 0
-    # callbacks for the next item write (each called once, then dropped)
-    waiting: list[Callable[[], None]] = []
+
+    def __init__(self) -> None:
+        self.waiting: list[Callable[[], None]] = []  # for the next item write, each called once
 
 
 _writes = _Writes()
