@@ -97,10 +97,14 @@ def _product(n: mx.array, w: Any, bits: int) -> mx.array:
 
 
 def attention_stand_in(found: Sequence[mx.array], h: mx.array) -> mx.array:
-    """The feed-forward's residual: the first projection's leading values in ``h``'s shape, standing in
-    for the attention's output, so that the feed-forward's launches wait for the projections' as
+    """The feed-forward's residual: the first projection's leading values in ``h``'s shape (the
+    projections' together where the first is narrower than ``h``, as Gemma 2's queries are), standing
+    in for the attention's output, so that the feed-forward's launches wait for the projections' as
     in a decoding block (independent, a CUDA graph would run them side by side)."""
-    return found[0].reshape(-1)[:h.size].reshape(h.shape)
+    first = found[0].reshape(found[0].shape[0], -1)
+    if first.shape[-1] < h.shape[-1]:
+        first = mx.concatenate([f.reshape(f.shape[0], -1) for f in found], axis=-1)
+    return first[:, :h.shape[-1]].reshape(h.shape)
 
 
 def block_ours(bits: int, geglu: bool = False) -> Block:

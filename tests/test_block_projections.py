@@ -12,8 +12,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import block_projections  # noqa: E402
 
-#: (hidden, attention outputs, intermediate): a Llama-like and a Phi-3-like (one fused qkv) block.
-SMALL = {"separate": (128, (128, 32, 32), 256), "fused": (128, (384,), 256)}
+#: (hidden, attention outputs, intermediate): a Llama-like, a Phi-3-like (one fused qkv) and a
+#: Gemma-2-like block (queries narrower than the hidden size).
+SMALL = {"separate": (128, (128, 32, 32), 256), "fused": (128, (384,), 256),
+         "narrow queries": (192, (128, 64, 64), 256)}
 
 
 @pytest.mark.parametrize("geglu", [False, True], ids=["swiglu", "geglu"])
