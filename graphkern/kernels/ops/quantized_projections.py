@@ -212,6 +212,12 @@ __device__ __forceinline__ void unpack_words(const unsigned int (&wv)[WV], float
   }
 }
 
+// WV as a type, for a generic lambda's argument: the words a lane loads at a time.
+template <int WV>
+struct Words {
+  static constexpr int value = WV;
+};
+
 template <int WV>
 __device__ __forceinline__ void load_words(const uint32_t* p, unsigned int (&wv)[WV]) {
   if constexpr (WV == 4) {
@@ -328,10 +334,13 @@ QUANTIZED_ROW_BYTES = r"""
 def quantized_cuda_rows(aligned: str, prefetch: str, work: str) -> str:
     """The body: this warp's weight rows asked of L2 (``prefetch``, before the token rows are
     normalized), then ``work`` (naming ``WV``, the words a lane loads at a time) with 16-byte loads
-    when the ``aligned`` weights allow, else one word at a time."""
+    when the ``aligned`` weights allow, else one word at a time. ``work`` is written once, in a
+    generic lambda instantiated for both: MLX hashes a kernel's whole source at every launch, so
+    text written twice costs the host at each one."""
     return (_CUDA_START + QUANTIZED_ROW_BYTES + prefetch + _CUDA_NORM
-            + f"\n  if ({aligned}) {{\n    constexpr int WV = 4;" + work
-            + "\n  } else {\n    constexpr int WV = 1;" + work + "\n  }\n")
+            + "\n  auto rows_of = [&](auto words) {\n    constexpr int WV = decltype(words)::value;" + work
+            + f"\n  }};\n  if ({aligned}) {{\n    rows_of(gk::Words<4>{{}});\n  }} else {{\n"
+            + "    rows_of(gk::Words<1>{});\n  }\n")
 
 
 def quantized_prefetch(weight: str, scales: str, biases: str, row: str) -> str:
