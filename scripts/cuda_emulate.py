@@ -53,7 +53,7 @@ CACHE = Path(os.environ.get("GRAPHKERN_EMULATOR_CACHE",
                             Path(tempfile.gettempdir()) / "graphkern-cuda-emulator"))
 
 # the dynamic shared memory MLX passes at launch, declared by the body as an unsized extern array
-_EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?"
+_EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s*)?"
                             r"([\w:]+(?:\s+[\w:]+)*?)\s+(\w+)\s*\[\s*\]\s*;")
 _NUMPY = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int32": np.int32,
           "uint32": np.uint32, "int64": np.int64, "uint8": np.uint8, "int8": np.int8, "bool": np.bool_,
