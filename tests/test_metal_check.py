@@ -233,6 +233,10 @@ _PLANTED = {
     "threadgroup memory over 32 KiB": (
         "", "threadgroup float big[8192];\nthreadgroup float red[32];\nuint i = thread_position_in_grid.x;\n"
             "big[i] = x[i];\ny[i] = big[i] + red[0];", _ROW, [], "threadgroup memory 32896 B"),
+    "threadgroup memory over 32 KiB in a templated array": (  # its text has no space after the >
+        "template <typename T, int N> struct Tile { T v[N]; };",
+        "threadgroup Tile<float, 4096> big[3];\nuint i = thread_position_in_grid.x;\n"
+        "big[0].v[i] = x[i];\ny[i] = big[0].v[i];", _ROW, [], "threadgroup memory 49152 B"),
     "pointer parameter without an address space": (
         "inline float first(const float* p) { return p[0]; }",
         "uint i = thread_position_in_grid.x;\nfloat v = x[i];\ny[i] = first(&v);", _ROW, [], "address space"),
@@ -333,3 +337,11 @@ def test_metal_check_command() -> None:
     assert "rms_norm" in result.output and "pass the front-end check" in result.output
     result = CliRunner().invoke(main, ["metal-check", "no_such_kernel"])
     assert result.exit_code == 2 and "not library kernels" in result.output
+
+
+def test_a_thread_qualified_method_in_a_user_header_parses() -> None:
+    """Metal's ``thread``-qualified member functions, as MLX's complex type declares them, written
+    in a user's header (whose text reaches MLX with no space before ``thread``)."""
+    header = "struct Pair {\n  float a;\n  float first() const thread { return a; }\n};"
+    body = "uint i = thread_position_in_grid.x;\nPair p{x[i]};\ny[i] = p.first();"
+    assert _errors(Kernel("pair", ["x"], ["y"], metal=body, header=header), _ROW, _OUT) == []

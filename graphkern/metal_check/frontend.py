@@ -43,7 +43,7 @@ _KERNEL_FILE = "kernel.metal"
 _TEMPLATE_CLAUSE = re.compile(r"template <([^<>]*)>\n$")
 # a member function qualified ``thread`` (``complex_t() thread``): clang builds return values and
 # temporaries in OpenCL's generic address space, where Metal builds them in ``thread`` memory
-_THREAD_METHOD = re.compile(r"\)(\s*const)?\s+thread\b")
+_THREAD_METHOD = re.compile(r"\)(\s*const)?\s*thread\b")
 _BFLOAT_CONVERSION = re.compile(
     r"implicit conversion loses floating-point precision: '[^']*' to .*(bfloat|__bf16)")
 
@@ -128,7 +128,8 @@ _LOCK = threading.Lock()
 _TOO_MUCH_THREADGROUP = "graphkern: threadgroup memory over the limit"
 #: (header, body) pairs whose function parameters were checked for address spaces
 _POINTERS_CHECKED: set[tuple[str, str]] = set()
-_THREADGROUP_DECL = re.compile(r"^threadgroup\s+[\w:<>, ]+?\s+(\w+)\s*\[", re.M)
+# a threadgroup array's name; sources as MLX is handed them have no space after a type's ``>``
+_THREADGROUP_DECL = re.compile(r"^threadgroup\s+[\w:<>, ]+?(?:\s+|(?<=>))(\w+)\s*\[", re.M)
 
 
 def _args() -> list[str]:
