@@ -116,7 +116,7 @@ class _Choice:
         turns = [statistics.median(times) for times in by_turn if len(times) >= TURN_CALLS]
         if turns:
             return min(turns)
-        every = [t for times in self.samples[route].values() for t in times]
+        every = [t for times in by_turn for t in times]
         return statistics.median(every) if every else None
 
     def _decide(self) -> None:
