@@ -25,6 +25,11 @@ and, for the longest prompt, the time to the first token taken apart (building t
 graph, evaluating it, mlx-lm's ``mx.clear_cache()``, the first step) with the prefill's peak
 memory.
 
+``--twin`` adds a third model to every round: a second object of stock's class holding stock's
+weights, not patched (``shared_twin``). Its rows (mode ``twin``) give twin over stock, what two
+identical models differ by on this host in this run: a patched ratio inside that spread says
+nothing. The twin leads the rounds patched does not, so each pair takes turns leading.
+
 ``--preset`` takes models at the dimensions of real checkpoints instead (``PRESETS``: Llama 3.2 1B and
 3.1 8B, Mistral 7B, Qwen 2.5 1.5B, Qwen3 0.6B and 30B-A3B, Phi-3 mini, Gemma 2 2B, Gemma 3 1B, Mixtral
 8x7B; ``--layers N`` keeps the first N blocks where memory or time demands, said in the output);
@@ -45,6 +50,7 @@ output layer included).
     python benchmarks/generate.py --preset qwen3-30b-a3b --quantize 4 --quick   # a preset's CPU smoke run
     python benchmarks/generate.py --sweep --rounds 6 --tokens 32 --prefill 128   # every architecture
     python benchmarks/generate.py --sweep --quick --batches 1                    # the sweep's CPU smoke run
+    python benchmarks/generate.py --preset gemma-2-2b --quantize 4 --batches 8 --twin  # and its noise
 """
 
 from __future__ import annotations
@@ -176,16 +182,27 @@ def twin_models(cfg: dict[str, Any], dtype: mx.Dtype, bits: int | None = None,
     import mlx.nn as nn
 
     stock = random_model(cfg, dtype)
-    patched = type(stock)(stock.args)  # lazy weights: replaced below before they are ever evaluated
     if bits is not None:
         nn.quantize(stock, group_size=group_size, bits=bits)
         mx.eval(stock.parameters())
-        nn.quantize(patched, group_size=group_size, bits=bits)
-    patched.update(stock.parameters())
+    patched = shared_twin(stock, bits, group_size)
     gk.patch(patched)
     stock.eval()  # as mlx_lm.load leaves a model
     patched.eval()
     return stock, patched
+
+
+def shared_twin(stock: Any, bits: int | None = None, group_size: int = 64) -> Any:
+    """A second model object of ``stock``'s class holding ``stock``'s weight arrays (quantized as
+    ``stock`` was: ``bits``, ``group_size``), in evaluation mode and not patched."""
+    import mlx.nn as nn
+
+    twin = type(stock)(stock.args)  # lazy weights: replaced below before they are ever evaluated
+    if bits is not None:
+        nn.quantize(twin, group_size=group_size, bits=bits)
+    twin.update(stock.parameters())
+    twin.eval()
+    return twin
 
 
 def weight_megabytes(model: Any) -> float:
@@ -309,6 +326,8 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
         variants |= {"stock wrap": gk.wrap(stock), "patched wrap": gk.wrap(patched)}
     if "eager" not in args.modes:
         variants = {k: v for k, v in variants.items() if "wrap" in k}
+    elif args.twin:  # first: it leads the rounds patched does not, so each pair takes turns leading
+        variants = {"twin": shared_twin(stock, args.quantize, args.group_size), **variants}
     prompts = {p: mx.random.randint(0, vocab, (p,), key=mx.random.key(p)) for p in args.prefill}
     short = prompts[min(args.prefill)]
     decoders = {batch: batch_decoding(stock, short, batch) for batch in args.batches}
@@ -340,15 +359,16 @@ def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Nam
                     samples.setdefault((task, name), []).append(value)
     rows = []
     for task in tasks:
-        for mode in ("", " wrap"):
-            s, p = samples.get((task, "stock" + mode)), samples.get((task, "patched" + mode))
-            if s is None and p is None and ("stock" + mode) not in variants:
+        # (mode, the stock side, the side set against it): a twin row is twin over stock
+        for mode, base, other in (("eager", "stock", "patched"), ("wrap", "stock wrap", "patched wrap"),
+                                  ("twin", "stock", "twin")):
+            if base not in variants or other not in variants:
                 continue
-            row = {"task": task, "mode": mode.strip() or "eager",
+            s, p = samples.get((task, base)), samples.get((task, other))
+            row = {"task": task, "mode": mode,
                    "stock": statistics.median(s) if s else None,
                    "patched": statistics.median(p) if p else None,
-                   "errors": [errors[k] for k in ((task, "stock" + mode), (task, "patched" + mode))
-                              if k in errors]}
+                   "errors": [errors[k] for k in ((task, base), (task, other)) if k in errors]}
             if s and p:  # per round, so drift between rounds cancels
                 pairs = [b / a for a, b in zip(s, p)]
                 # decode: patched speed over stock; peak memory: patched over stock; ttft: stock over patched
@@ -592,9 +612,11 @@ def _cell(value: float | None, task: str) -> str:
 
 
 def format_result(result: dict[str, Any]) -> str:
+    twin = any(row.get("mode") == "twin" for row in result["rows"])
     lines = [f"\n## {result['model']}, {result['dtype']}, weights {result['weights']}",
-             "| task | mode | stock | patched | ratio (speed: patched / stock; memory: patched / stock) "
-             "| rounds' range | each round (patched leads the 1st, 3rd...) |",
+             f"| task | mode | stock | patched{' (mode twin: the twin)' if twin else ''} | ratio (speed: "
+             "patched / stock; memory: patched / stock) | rounds' range | each round (patched leads the "
+             "1st, 3rd...) |",
              "|---|---|---:|---:|---:|---:|---|"]
     for row in result["rows"]:
         speed = f"{row['speedup']:.3f}x" if "speedup" in row else "-"
@@ -624,7 +646,7 @@ def sweep_table(results: list[dict[str, Any]]) -> str:
     """One line a model and weights: each task's median ratio (patched over stock: above 1 is
     faster), its lowest round, the greedy token agreement, and the rate stock's decoding at batch
     1 reads the weights at (``weight_megabytes``, GB/s)."""
-    tasks = [row["task"] for row in results[0]["rows"]] if results else []
+    tasks = [_column(row) for row in results[0]["rows"]] if results else []
     lines = ["\n## sweep: ratio (lowest round)",
              "| model | weights | " + " | ".join(tasks)
              + " | tokens agree | stock b1 weights GB/s | b1 route |",
@@ -644,6 +666,12 @@ def sweep_table(results: list[dict[str, Any]]) -> str:
         lines.append(f"| {result['model']} | {result['weights']} | " + " | ".join(cells)
                      + f" | {'-' if agree is None else f'{agree:.0%}'} | {rate} | {b1_route} |")
     return "\n".join(lines)
+
+
+def _column(row: dict[str, Any]) -> str:
+    """A row's column in the sweep's table: its task, and its mode where not eager (``twin``)."""
+    mode = row.get("mode", "eager")
+    return row["task"] if mode == "eager" else f"{row['task']} {mode}"
 
 
 def balanced_rounds(rounds: int) -> int:
@@ -684,6 +712,9 @@ def main(argv: list[str] | None = None) -> int:
                         "empty: none)")
     parser.add_argument("--agreement", type=int, default=0,
                         help="also compare this many greedy tokens of stock and patched")
+    parser.add_argument("--twin", action="store_true",
+                        help="also time a second, unpatched model object sharing stock's weights (rows "
+                        "of mode 'twin': twin over stock, what two identical models differ by here)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     unknown = sorted(set((args.preset or "").split(",")) - set(PRESETS) - {""})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -161,3 +162,44 @@ def test_an_odd_round_count_gets_one_more_so_each_side_leads_as_often(
     assert leaders == ["patched", "stock", "patched", "stock"], order
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| decode b1"))
     assert line.rstrip(" |").endswith(", ".join(f"{r:.3f}" for r in decode["speedup_rounds"]))
+
+
+def test_a_twin_is_timed_in_the_same_rounds_as_two_identical_models(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--twin``: a second, unpatched model object holding stock's very weight arrays takes part
+    in every round, leading the rounds patched does not; its rows give twin over stock per round,
+    beside the patched rows, and the sweep's table gives them columns of their own."""
+    from mlx.utils import tree_flatten
+
+    from graphkern.models.layers.base import KernelLayer
+
+    calls: list[tuple[str, Any]] = []
+    real = generate.batch_decoding
+
+    def batch_decoding(stock, prompt, batch):  # records which model each decode run is of
+        steps, note = real(stock, prompt, batch)
+
+        def recorded(model, *args):
+            patched = any(isinstance(m, KernelLayer) for _, m in model.named_modules())
+            calls.append(("stock" if model is stock else "patched" if patched else "twin", model))
+            return steps(model, *args)
+        return recorded, note
+
+    monkeypatch.setattr(generate, "batch_decoding", batch_decoding)
+    out_json = tmp_path / "run.json"
+    assert generate.main(["--sizes", "tiny", "--models", "llama", "--dtypes", "float32", "--modes", "eager",
+                          "--batches", "1", "--prefill", "8", "--tokens", "3", "--rounds", "1", "--twin",
+                          "--json", str(out_json)]) == 0
+    names = [name for name, _ in calls]
+    assert len(names) == 3 * 3  # the warm-up round and two timed ones, three models each
+    assert [names[i] for i in (3, 6)] == ["patched", "twin"], names
+    models = {name: model for name, model in calls}
+    stock, twin = (tree_flatten(models[n].parameters()) for n in ("stock", "twin"))
+    assert [k for k, _ in twin] == [k for k, _ in stock]
+    assert all(a is b for (_, a), (_, b) in zip(twin, stock))
+    rows = json.loads(out_json.read_text())[0]["rows"]
+    twins = [r for r in rows if r["mode"] == "twin"]
+    assert [r["task"] for r in twins] == [r["task"] for r in rows if r["mode"] == "eager"]
+    assert all(len(r["speedup_rounds"]) == 2 and r["stock"] > 0 and r["patched"] > 0 for r in twins)
+    header = generate.sweep_table([{"model": "m", "weights": "float32", "rows": rows}]).splitlines()[2]
+    assert "decode b1 twin" in header and "| decode b1 |" in header
