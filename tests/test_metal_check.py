@@ -14,7 +14,9 @@ from graphkern.kernels import LIBRARY
 from graphkern.kernels.base import THREADGROUP_MEMORY
 from graphkern.launching.backends import using_backend
 from graphkern.launching.mlx_kernels import build_mlx_kernel
+from graphkern.launching.source_text import for_backend
 from graphkern.metal_check import check_library_metal, check_metal, metal_source
+from graphkern.metal_check.frontend import _THREAD_METHOD
 from graphkern.metal_check.variants import library_variants
 from graphkern.nodes import Kernel, KernelError, OutputSpec, Status, TemplateArg
 
@@ -345,3 +347,6 @@ def test_a_thread_qualified_method_in_a_user_header_parses() -> None:
     header = "struct Pair {\n  float a;\n  float first() const thread { return a; }\n};"
     body = "uint i = thread_position_in_grid.x;\nPair p{x[i]};\ny[i] = p.first();"
     assert _errors(Kernel("pair", ["x"], ["y"], metal=body, header=header), _ROW, _OUT) == []
+    # the check's rewrite of the qualifier finds it in the text as MLX is handed it
+    compact = for_backend(header.replace(" const", ""), "metal")
+    assert "()thread{" in compact and "__generic" in _THREAD_METHOD.sub(r")\1 __generic", compact)

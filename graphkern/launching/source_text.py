@@ -23,9 +23,10 @@ __all__ = ["for_backend", "two_backend_header"]
 _CUDA_BRANCH = "#if defined(__CUDACC__)"
 _OTHER_BRANCH = "#else  // graphkern: metal"
 _END = "#endif  // graphkern"
-# a string or character literal, a // comment, or a /* */ comment; literals are kept as they are
-_TOKENS = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|//[^\n]*|/\*.*?\*/', re.S)
+# a string or character literal
 _LITERAL = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'')
+# a literal, a // comment, or a /* */ comment; literals are kept as they are
+_TOKENS = re.compile(_LITERAL.pattern + r"|//[^\n]*|/\*.*?\*/", re.S)
 # the spaces between two non-space characters, and those two
 _GAP = re.compile(r"(?<=(\S)) +(?=(\S))")
 # a literal's quotes count as word characters: ``u8 "a"`` must not become ``u8"a"``
