@@ -152,3 +152,24 @@ def test_the_projection_body_adds_each_projections_bias(dtype: mx.Dtype) -> None
         expected = apply_plan(plan, "reference")
         assert worst_errors(cuda_emulate.emulate(plan), expected, rtol=rtol, atol=atol)[2], shape
         assert not worst_errors(apply_plan(unbiased, "reference"), expected, rtol=rtol, atol=atol)[2]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=lambda d: str(d).split(".")[-1])
+def test_the_quantized_matvec_body_gives_the_float32_product(dtype: mx.Dtype) -> None:
+    """``quantized_matvec`` at one token row (8 warps a block; 16 past 4096 inputs) and at 3 and 8
+    rows, 4 and 8 bits, groups of 32 to 128: exactly the float32 product of its rows and dequantized
+    weights, rounded to the dtype once (stock's CPU reference sums 16-bit rows in the dtype, so the
+    truth is computed from float32 copies)."""
+    entry = LIBRARY["quantized_matvec"]
+    for shape, group_size, bits in (((1, 1, 256), 64, 4), ((1, 1, 5120), 32, 4), ((3, 128), 128, 8),
+                                    ((8, 256), 32, 8)):
+        case = entry.make_inputs(shape, dtype, mx.random.key(shape[-1]), group_size=group_size, bits=bits)
+        with using_backend("cuda"):
+            plan = entry.plan(*case.args, **case.kwargs)
+        x, (w, scales, biases) = case.args
+        assert plan.threadgroup[0] == (256 if x.size // shape[-1] <= 2 and shape[-1] <= 4096 else 512)
+        truth = mx.quantized_matmul(x.astype(mx.float32), w, scales.astype(mx.float32),
+                                    biases.astype(mx.float32), transpose=True, group_size=group_size,
+                                    bits=bits).astype(dtype)
+        atol, rtol = TOLERANCES[dtype]
+        assert worst_errors(cuda_emulate.emulate(plan), [truth], rtol=rtol, atol=atol)[2], shape

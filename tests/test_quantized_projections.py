@@ -20,6 +20,7 @@ import graphkern as gk  # noqa: E402
 import graphkern.kernels as gkk  # noqa: E402
 import graphkern.models.routes as routes  # noqa: E402
 from graphkern.debugging.tolerance import TOLERANCES, worst_errors  # noqa: E402
+from graphkern.kernels.ops.quantized_matvec import matvec_case  # noqa: E402
 from graphkern.kernels.ops.quantized_projections import quantized_case, random_quantized  # noqa: E402
 from graphkern.kernels.ops.quantized_rope_projections import rotated_case  # noqa: E402
 from graphkern.models import MODEL_TOLERANCES, decode_launches  # noqa: E402
@@ -27,25 +28,27 @@ from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
 
 PROMPT = mx.array([3, 17, 42, 5, 99, 1, 7, 64])
 KERNELS = ("norm_projections", "norm_swiglu", "norm_geglu", "quantized_norm_projections",
-           "quantized_norm_rope_projections", "quantized_norm_swiglu", "quantized_norm_geglu")
+           "quantized_norm_rope_projections", "quantized_norm_swiglu", "quantized_norm_geglu",
+           "quantized_matvec")
 #: What a patched quantized block runs an 8-token prompt and then single tokens with: a Llama-style
 #: attention's whole prologue in one launch for a token (up to ``ROTATED_MAX_ROWS`` rows; Phi-3's
 #: one fused ``qkv_proj`` as its query, key and value row ranges), its projections apart from
 #: ``rope_qk`` for the prompt (Qwen 2's biases added in the launch for a token, after the products
 #: for the prompt); Qwen 3's and Gemma 3's (whose heads are normalized before the RoPE) always
 #: apart. Gemma's feed-forwards (GeGLU; Gemma 2's and 3's between post-norms) run on the GeGLU kernel.
+#: Every block's output and down projections take a token's row through ``quantized_matvec``.
 DECODING = {"llama": {"quantized_norm_projections", "quantized_norm_rope_projections",
-                      "quantized_norm_swiglu"},
-            "qwen3": {"quantized_norm_projections", "quantized_norm_swiglu"},
+                      "quantized_norm_swiglu", "quantized_matvec"},
+            "qwen3": {"quantized_norm_projections", "quantized_norm_swiglu", "quantized_matvec"},
             "phi3": {"quantized_norm_projections", "quantized_norm_rope_projections",
-                     "quantized_norm_swiglu"},
+                     "quantized_norm_swiglu", "quantized_matvec"},
             "gemma": {"quantized_norm_projections", "quantized_norm_rope_projections",
-                      "quantized_norm_geglu"},
+                      "quantized_norm_geglu", "quantized_matvec"},
             "gemma2": {"quantized_norm_projections", "quantized_norm_rope_projections",
-                       "quantized_norm_geglu"},
-            "gemma3": {"quantized_norm_projections", "quantized_norm_geglu"},
+                       "quantized_norm_geglu", "quantized_matvec"},
+            "gemma3": {"quantized_norm_projections", "quantized_norm_geglu", "quantized_matvec"},
             "qwen2": {"quantized_norm_projections", "quantized_norm_rope_projections",
-                      "quantized_norm_swiglu"}}
+                      "quantized_norm_swiglu", "quantized_matvec"}}
 #: The gated entries, and the arguments each takes besides its gate and up.
 GATED = {"quantized_norm_swiglu": {}, "quantized_norm_geglu": {"approx": False},
          "quantized_norm_geglu_approx": {"approx": True}}
@@ -54,6 +57,8 @@ GATED = {"quantized_norm_swiglu": {}, "quantized_norm_geglu": {"approx": False},
 def _case(name: str, shape: tuple[int, ...], dtype: mx.Dtype, key: mx.array, group_size: int,
           bits: int) -> gkk.Case:
     """Arguments for the quantized entry ``name``: gated ones for a gated entry."""
+    if name == "quantized_matvec":
+        return matvec_case(shape, dtype, key, group_size=group_size, bits=bits)
     return quantized_case(shape, dtype, key, gated=name in GATED, group_size=group_size, bits=bits,
                           **GATED.get(name, {}))
 
@@ -237,7 +242,8 @@ def test_a_quantized_llama_decodes_its_attention_prologue_in_one_launch(
     calls.clear()
     assert batch_generate(patched, prompts, 5) == batch_generate(stock, prompts, 5)
     # its prefill of 16 rows, past MAX_ROWS, takes rope_qk; each step of 2 rows the fused kernels
-    assert set(calls) == {"rope_qk", "quantized_norm_rope_projections", "quantized_norm_swiglu"}
+    assert set(calls) == {"rope_qk", "quantized_norm_rope_projections", "quantized_norm_swiglu",
+                          "quantized_matvec"}
 
 
 @pytest.mark.parametrize("bits, group_size", [(4, 64), (8, 128)])
@@ -259,10 +265,11 @@ def test_a_quantized_phi3_decodes_its_fused_qkv_prologue_in_one_launch(
         token = mx.argmax(theirs[:, -1:], axis=-1)
         ours, theirs = patched(token, cache=caches[0]), stock(token, cache=caches[1])
     assert mx.allclose(ours, theirs, atol=atol, rtol=rtol).item()
-    assert set(calls) == {"quantized_norm_rope_projections", "quantized_norm_swiglu"}
+    assert set(calls) == {"quantized_norm_rope_projections", "quantized_norm_swiglu", "quantized_matvec"}
     monkeypatch.setattr(routes, "on_gpu_backend", lambda: True)
     kinds = decode_launches(patched).kinds
     assert kinds["gk_quantized_norm_rope_projections"] == len(patched.model.layers)
+    assert kinds["gk_quantized_matvec"] == 2 * len(patched.model.layers)  # o_proj and down_proj
     assert not {"gk_rope_qk", "gk_quantized_norm_projections"} & set(kinds)
 
 
@@ -297,11 +304,13 @@ def test_a_phi35_decodes_as_stock_through_the_fused_blocks(bits: int | None,
     fused = ("gk_quantized_norm_rope_projections", "gk_quantized_norm_swiglu") if bits else (
         "gk_norm_projections", "gk_norm_swiglu")
     assert all(kinds[name] == len(patched.model.layers) for name in fused), kinds
+    assert kinds.get("gk_quantized_matvec", 0) == (2 * len(patched.model.layers) if bits else 0)
 
 
 def test_rows_past_two_decode_through_the_projections_and_rope_qk_apart(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch of 4 tokens (4 rows): the two kernels apart, each with its full warps a row."""
+    """A batch of 4 tokens (4 rows), off a GPU's row limits: the two kernels apart, each with its
+    full warps a row, and the output and down products on ``quantized_matvec``."""
     stock, patched = (_quantized_model("llama", 4, 64) for _ in range(2))
     patched.update(stock.parameters())
     gk.patch(patched)
@@ -314,7 +323,8 @@ def test_rows_past_two_decode_through_the_projections_and_rope_qk_apart(
     token = mx.array([[5]] * 4)
     ours, theirs = patched(token, cache=caches[0]), stock(token, cache=caches[1])
     assert mx.array_equal(ours, theirs).item()
-    assert set(calls) == {"quantized_norm_projections", "rope_qk", "quantized_norm_swiglu"}
+    assert set(calls) == {"quantized_norm_projections", "rope_qk", "quantized_norm_swiglu",
+                          "quantized_matvec"}
 
 
 def test_the_rotating_kernel_takes_an_offset_per_sequence() -> None:

@@ -23,6 +23,7 @@ import pytest
 import graphkern.kernels as gkk
 from graphkern.debugging.tolerance import worst_errors
 from graphkern.kernels import Case, apply_plan
+from graphkern.kernels.ops.quantized_matvec import matvec_case
 from graphkern.kernels.ops.quantized_projections import quantized_case, quantized_projections_fit
 from graphkern.kernels.ops.quantized_rope_projections import rotated_case
 
@@ -37,7 +38,7 @@ from graphkern.models.tiny import TINY_CONFIGS, random_model  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 ENTRIES = ["quantized_norm_projections", "quantized_norm_swiglu", "quantized_norm_geglu",
-           "quantized_norm_geglu_approx", "quantized_norm_rope_projections"]
+           "quantized_norm_geglu_approx", "quantized_norm_rope_projections", "quantized_matvec"]
 #: The layer functions of ENTRIES (the tanh GELU's entry is a variant of quantized_norm_geglu's).
 KERNELS = [name for name in ENTRIES if not name.endswith("_approx")]
 #: The gated entries, and the arguments each takes besides its gate and up.
@@ -48,18 +49,19 @@ GATED = {"quantized_norm_swiglu": {}, "quantized_norm_geglu": {"approx": False},
 #: fused ``qkv_proj`` as its query, key and value row ranges), its projections apart from
 #: ``rope_qk`` for the prompt (Qwen 2's biases added in the launch); Qwen 3's and Gemma 3's (whose
 #: heads are normalized before the RoPE) always apart; Gemma's GeGLU feed-forwards on the GeGLU kernel.
+#: Every block's output and down projections take a token's row through ``quantized_matvec``.
 DECODING = {"llama": {"quantized_norm_projections", "quantized_norm_rope_projections",
-                      "quantized_norm_swiglu"},
+                      "quantized_norm_swiglu", "quantized_matvec"},
             "phi3": {"quantized_norm_projections", "quantized_norm_rope_projections",
-                     "quantized_norm_swiglu"},
-            "qwen3": {"quantized_norm_projections", "quantized_norm_swiglu"},
+                     "quantized_norm_swiglu", "quantized_matvec"},
+            "qwen3": {"quantized_norm_projections", "quantized_norm_swiglu", "quantized_matvec"},
             "gemma": {"quantized_norm_projections", "quantized_norm_rope_projections",
-                      "quantized_norm_geglu"},
+                      "quantized_norm_geglu", "quantized_matvec"},
             "gemma2": {"quantized_norm_projections", "quantized_norm_rope_projections",
-                       "quantized_norm_geglu"},
-            "gemma3": {"quantized_norm_projections", "quantized_norm_geglu"},
+                       "quantized_norm_geglu", "quantized_matvec"},
+            "gemma3": {"quantized_norm_projections", "quantized_norm_geglu", "quantized_matvec"},
             "qwen2": {"quantized_norm_projections", "quantized_norm_rope_projections",
-                      "quantized_norm_swiglu"}}
+                      "quantized_norm_swiglu", "quantized_matvec"}}
 #: Stock's products differ from the kernels' by their own rounding: MLX's CUDA 4-bit qmv rounds each
 #: dequantized weight to the dtype and sums 16-bit inputs in the dtype before float32.
 STOCK_TOL = {mx.float32: (1e-4, 1e-4), mx.float16: (4e-3, 2e-3), mx.bfloat16: (3e-2, 2e-2)}
@@ -89,16 +91,22 @@ def _float32_truth(entry: Any, case: Case, dtype: mx.Dtype) -> list[mx.array]:
         return [o.astype(dtype) for o in outputs]
 
 
+def _case(name: str, shape: tuple[int, ...], dtype: mx.Dtype, key: mx.array, group_size: int = 64,
+          bits: int = 4) -> Case:
+    """Arguments for the entry ``name`` with rows ``x`` of ``shape``."""
+    if name == "quantized_norm_rope_projections":
+        return rotated_case(shape, dtype, key, group_size=group_size, bits=bits, traditional=bits == 8)
+    if name == "quantized_matvec":
+        return matvec_case(shape, dtype, key, group_size=group_size, bits=bits)
+    return quantized_case(shape, dtype, key, gated=name in GATED, group_size=group_size, bits=bits,
+                          **GATED.get(name, {}))
+
+
 def _agree(name: str, shape: tuple[int, ...], dtype: mx.Dtype, bits: int, group_size: int,
            truth: bool = False) -> None:
     """The kernel against stock on the device, or (``truth``) against :func:`_float32_truth`."""
     entry = gkk.LIBRARY[name]
-    key = mx.random.key(bits * 1000 + group_size)
-    if name == "quantized_norm_rope_projections":
-        case = rotated_case(shape, dtype, key, group_size=group_size, bits=bits, traditional=bits == 8)
-    else:
-        case = quantized_case(shape, dtype, key, gated=name in GATED, group_size=group_size, bits=bits,
-                              **GATED.get(name, {}))
+    case = _case(name, shape, dtype, mx.random.key(bits * 1000 + group_size), group_size, bits)
     ours = entry(case)
     stock = _float32_truth(entry, case, dtype) if truth else entry.stock_outputs(case)
     atol, rtol = (TRUTH_TOL if truth else STOCK_TOL)[dtype]
@@ -163,11 +171,8 @@ def _shifted(a: Any) -> Any:
 
 @pytest.mark.parametrize("name", ENTRIES)
 def test_misaligned_rows_and_weights_take_the_narrow_loads(name: str) -> None:
-    if name == "quantized_norm_rope_projections":
-        base = rotated_case((2, 1, 512), mx.float16, mx.random.key(5))
-    else:
-        base = quantized_case((2, 512), mx.float16, mx.random.key(5), gated=name in GATED,
-                              **GATED.get(name, {}))
+    base = _case(name, (2, 1, 512) if name == "quantized_norm_rope_projections" else (2, 512), mx.float16,
+                 mx.random.key(5))
     args = tuple([tuple(_shifted(a) for a in m) for m in arg] if isinstance(arg, list)
                  else tuple(_shifted(a) for a in arg) if isinstance(arg, tuple) else _shifted(arg)
                  for arg in base.args)

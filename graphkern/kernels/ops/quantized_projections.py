@@ -64,13 +64,14 @@ from graphkern.kernels.ops.rms_norm import RMS_SCALE_CUDA
 from graphkern.launching.launch_cache import memoized
 from graphkern.nodes import Kernel, KernelError, Status, dtype_name
 
-__all__ = ["GATED_TOLERANCES", "QUANTIZED_BITS", "QUANTIZED_CUDA", "QUANTIZED_GROUP_SIZES",
+__all__ = ["BLOCK", "GATED_TOLERANCES", "QUANTIZED_BITS", "QUANTIZED_CUDA", "QUANTIZED_GROUP_SIZES",
            "QUANTIZED_METAL", "QUANTIZED_METAL_START", "QUANTIZED_NORM_GEGLU", "QUANTIZED_NORM_PROJECTIONS",
-           "QUANTIZED_NORM_SWIGLU", "QuantizedWeight", "Rotation",
+           "QUANTIZED_NORM_SWIGLU", "QUANTIZED_ROW_BYTES", "QuantizedWeight", "Rotation", "WIDE_BLOCK",
+           "check_quantization", "check_quantized_weight",
            "plan_quantized_norm_geglu", "plan_quantized_norm_projections", "plan_quantized_norm_swiglu",
            "plan_quantized_rows", "quantized_case", "quantized_cuda_rows", "quantized_norm_geglu",
            "quantized_norm_projections", "quantized_norm_swiglu", "quantized_prefetch", "quantized_product",
-           "quantized_projections_fit", "random_quantized"]
+           "quantized_projections_fit", "random_quantized", "shared_parts", "with_row_memory"]
 
 #: The affine quantizations the kernels read.
 QUANTIZED_BITS = (4, 8)
@@ -575,7 +576,7 @@ def _with_shared(kernel: Kernel, nbytes: int) -> Kernel:
 # ----------------------------------------------------------------------------- plans
 
 
-def _shared_parts(rows: int, k: int, group_size: int, dtype: mx.Dtype) -> tuple[dict[str, int], int]:
+def shared_parts(rows: int, k: int, group_size: int, dtype: mx.Dtype) -> tuple[dict[str, int], int]:
     """(threadgroup arrays -> bytes, the limit they must fit) of ``rows`` normalized rows of ``k``:
     CUDA's float32 rows and group sums in dynamic shared memory, or Metal's rows in ``dtype`` and its
     reduction scratch."""
@@ -588,16 +589,22 @@ def _cuda_row_bytes(rows: int, k: int, group_size: int) -> int:
     return 4 * rows * (k + k // max(group_size, 1))
 
 
+def with_row_memory(kernel: Kernel, rows: int, k: int, group_size: int) -> Kernel:
+    """``kernel`` with the dynamic shared memory its CUDA launch keeps ``rows`` rows of ``k`` in (as
+    float32, with their groups' sums)."""
+    return _with_shared(kernel, _cuda_row_bytes(rows, k, group_size))
+
+
 def quantized_projections_fit(x: mx.array, group_size: int = 64) -> bool:
     """Whether rows like ``x``'s (``(..., K)``) fit one launch: ``M = x.size / K`` rows, at most
     ``MAX_ROWS``, whose normalized copies fit the active backend's shared (threadgroup) memory."""
     k = x.shape[-1]
     rows = x.size // k if k else 0
-    parts, limit = _shared_parts(rows, k, group_size, x.dtype)
+    parts, limit = shared_parts(rows, k, group_size, x.dtype)
     return 0 < rows <= MAX_ROWS and sum(parts.values()) <= limit
 
 
-def _check_quantization(op: str, group_size: Any, bits: Any, k: int) -> None:
+def check_quantization(op: str, group_size: Any, bits: Any, k: int) -> None:
     if isinstance(bits, bool) or bits not in QUANTIZED_BITS:
         raise KernelError(op, f"bits is {bits!r}; the kernel reads affine quantization of "
                           f"{QUANTIZED_BITS} bits", Status.INVALID_INPUT)
@@ -609,7 +616,7 @@ def _check_quantization(op: str, group_size: Any, bits: Any, k: int) -> None:
                           Status.INVALID_INPUT)
 
 
-def _check_weight(op: str, name: str, weight: Any, x: mx.array, group_size: int,
+def check_quantized_weight(op: str, name: str, weight: Any, x: mx.array, group_size: int,
                   bits: int) -> QuantizedWeight:
     """``weight`` as a checked QuantizedWeight for rows like x's."""
     if not isinstance(weight, (tuple, list)) or len(weight) != 3:
@@ -655,9 +662,9 @@ def plan_quantized_rows(op: str, kernel: Kernel, x: mx.array, residual: mx.array
     """A launch of ``kernel``: one output per matrix (``gated``: one output, gate and up together,
     gated by ``ACTIVATIONS[act]``; ``rotation``: queries and keys rotated, in attention's layouts)."""
     check_dtype(op, x)
-    _check_quantization(op, group_size, bits, x.shape[-1])
-    rows = norm_rows(op, x, residual, weight, lambda m, k: _shared_parts(m, k, group_size, x.dtype))
-    checked = [_check_weight(op, name, m, x, group_size, bits) for name, m in zip(names, matrices)]
+    check_quantization(op, group_size, bits, x.shape[-1])
+    rows = norm_rows(op, x, residual, weight, lambda m, k: shared_parts(m, k, group_size, x.dtype))
+    checked = [check_quantized_weight(op, name, m, x, group_size, bits) for name, m in zip(names, matrices)]
     if gated and checked[1].weight.shape != checked[0].weight.shape:
         raise KernelError(op, f"{names[1]} has shape {tuple(checked[1].weight.shape)} but {names[0]} has "
                           f"{tuple(checked[0].weight.shape)}", Status.INVALID_INPUT)
@@ -679,7 +686,7 @@ def plan_quantized_rows(op: str, kernel: Kernel, x: mx.array, residual: mx.array
         template += (*rotation.template, template_arg("D", rotation.head_dim), template_arg("L", x.shape[1]))
     blocks = -(-warps // (block // 32))
     if runs_on_cuda():
-        kernel = _with_shared(kernel, _cuda_row_bytes(m, k, group_size))
+        kernel = with_row_memory(kernel, m, k, group_size)
     return Plan(kernel, inputs, specs, (blocks * block, 1, 1), (block, 1, 1), template)
 
 

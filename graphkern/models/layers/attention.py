@@ -23,6 +23,13 @@ FUSED_QKV = ("qkv_proj",)
 _OUTPUT = (("o_proj",),)
 
 
+def merged_heads(attended: mx.array) -> mx.array:
+    """Attention's output ``(B, heads, L, D)`` with its heads side by side: ``(B, L, heads * D)``,
+    what ``o_proj`` takes."""
+    B, _, L, _ = attended.shape
+    return attended.transpose(0, 2, 1, 3).reshape(B, L, -1)
+
+
 class KernelAttention(KernelLayer):
     """mlx-lm's Llama-style attention (Llama, Mistral, Qwen 2/3, Mixtral...) with its prologue on one
     ``rope_qk`` kernel: queries and keys go from ``q_proj``/``k_proj`` straight to attention's
@@ -122,8 +129,7 @@ class KernelAttention(KernelLayer):
 
     def output(self, attended: mx.array) -> mx.array:
         """``o_proj`` of the heads put back side by side: ``(B, L, hidden)``."""
-        B, _, L, _ = attended.shape
-        return self.o_proj(attended.transpose(0, 2, 1, 3).reshape(B, L, -1))  # type: ignore[no-any-return]
+        return self.o_proj(merged_heads(attended))  # type: ignore[no-any-return]
 
     def forward(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         position = self.position(x, cache)
