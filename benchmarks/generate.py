@@ -61,7 +61,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,7 @@ from _timing import header  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 from graphkern.models import WrappedModel  # noqa: E402
+from graphkern.models.patching import kernel_names  # noqa: E402
 from graphkern.models.tiny import random_model  # noqa: E402
 
 SIZES: dict[str, dict[str, int]] = {
@@ -175,10 +176,11 @@ def preset_config(name: str, layers: int | None, quick: bool) -> tuple[dict[str,
 
 
 def twin_models(cfg: dict[str, Any], dtype: mx.Dtype, bits: int | None = None,
-                group_size: int = 64) -> tuple[Any, Any]:
+                group_size: int = 64, without: Sequence[str] = ()) -> tuple[Any, Any]:
     """The stock model and a patched one sharing its weight arrays, in evaluation mode; ``bits``:
     both quantized as mlx-lm's converter quantizes (``nn.quantize``, every layer that has a
-    quantized form: embeddings and output layer included)."""
+    quantized form: embeddings and output layer included); ``without``: kernels the patch leaves
+    out (``patch(kernels=...)`` of the others)."""
     import mlx.nn as nn
 
     stock = random_model(cfg, dtype)
@@ -186,7 +188,7 @@ def twin_models(cfg: dict[str, Any], dtype: mx.Dtype, bits: int | None = None,
         nn.quantize(stock, group_size=group_size, bits=bits)
         mx.eval(stock.parameters())
     patched = shared_twin(stock, bits, group_size)
-    gk.patch(patched)
+    gk.patch(patched, kernels=[k for k in kernel_names() if k not in without] if without else "all")
     stock.eval()  # as mlx_lm.load leaves a model
     patched.eval()
     return stock, patched
@@ -319,7 +321,7 @@ TTFT_REPEATS = 5
 
 def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Namespace) -> dict[str, Any]:
     dtype = DTYPES[dtype_name]
-    stock, patched = twin_models(cfg, dtype, args.quantize, args.group_size)
+    stock, patched = twin_models(cfg, dtype, args.quantize, args.group_size, args.without)
     vocab = cfg["vocab_size"]
     variants: dict[str, Any] = {"stock": stock, "patched": patched}
     if "wrap" in args.modes:
@@ -715,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--twin", action="store_true",
                         help="also time a second, unpatched model object sharing stock's weights (rows "
                         "of mode 'twin': twin over stock, what two identical models differ by here)")
+    parser.add_argument("--without", default="", help="kernels the patch leaves out (comma list of "
+                        "patch(kernels=...) names): what the others alone make of a model")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     unknown = sorted(set((args.preset or "").split(",")) - set(PRESETS) - {""})
@@ -726,6 +730,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args.rounds = balanced_rounds(args.rounds)
     args.modes = args.modes.split(",")
+    args.without = [k for k in args.without.split(",") if k]
+    unknown_kernels = sorted(set(args.without) - set(kernel_names()))
+    if unknown_kernels:
+        parser.error(f"unknown kernels {unknown_kernels}; known: {', '.join(kernel_names())}")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.prefill = [int(p) for p in args.prefill.split(",")]
     if args.sweep:
@@ -733,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header("mlx-lm generation: stock vs patched onto graphkern kernels"), flush=True)
     print(f"# rounds {args.rounds}, {args.tokens} tokens a decode run; speed ratio = patched "
           "tokens/s over stock (decode) or stock time over patched (ttft), median over rounds, "
-          "and the lowest and highest round")
+          "and the lowest and highest round" + _without(args))
     if args.preset:
         models = [preset_config(name, args.layers, args.quick) for name in args.preset.split(",")]
     else:
@@ -751,6 +759,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _without(args: argparse.Namespace) -> str:
+    """What the headers say of ``--without``."""
+    return f"; patched without {', '.join(args.without)}" if args.without else ""
+
+
 def run_sweep(args: argparse.Namespace) -> int:
     """``--sweep``: each SWEEP preset (``--preset`` narrows it), in the first of ``--dtypes`` and
     quantized to each of ``--sweep-bits``, stock and patched taking turns within each round."""
@@ -761,7 +774,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     bits = [None, *(int(b) for b in args.sweep_bits.split(",") if b)]
     print(header("mlx-lm generation sweep: stock vs patched onto graphkern kernels"), flush=True)
     print(f"# rounds {args.rounds}, {args.tokens} tokens a decode run, prompts {args.prefill}, "
-          f"{args.agreement} greedy tokens compared; ratio = patched speed over stock, median over rounds")
+          f"{args.agreement} greedy tokens compared; ratio = patched speed over stock, median over rounds"
+          + _without(args))
     results = []
     for name in names:
         cfg, label = preset_config(name, args.layers or SWEEP.get(name), args.quick)

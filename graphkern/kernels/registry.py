@@ -107,6 +107,7 @@ WORDS: dict[str, str] = {
     "quantized_norm_geglu": "an RMSNorm, an MLP's quantized gate and up products and gelu(gate) * up",
     "quantized_norm_rope_projections":
         "an RMSNorm, the quantized q, k and v products and the RoPE of q and k",
+    "quantized_matvec": "a quantized projection of a few token rows (an attention's output, an MLP's down)",
 }
 
 

@@ -177,8 +177,11 @@ def test_misaligned_rows_and_weights_take_the_narrow_loads(name: str) -> None:
                  else tuple(_shifted(a) for a in arg) if isinstance(arg, tuple) else _shifted(arg)
                  for arg in base.args)
     case = Case(args, base.kwargs)
-    plan = gkk.LIBRARY[name].plan(*case.args, **case.kwargs)
-    out, ref = apply_plan(plan), apply_plan(plan, "reference")
+    entry = gkk.LIBRARY[name]
+    plan = entry.plan(*case.args, **case.kwargs)
+    # the reference on the aligned arrays: stock's CUDA product faults on rows that start off a
+    # vector's alignment (MLX 0.32.4), which quantized_matvec hands it as they are
+    out, ref = apply_plan(plan), apply_plan(entry.plan(*base.args, **base.kwargs), "reference")
     atol, rtol = STOCK_TOL[mx.float16]
     assert worst_errors(out, ref, rtol=rtol, atol=atol)[2]
 
