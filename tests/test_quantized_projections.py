@@ -269,7 +269,8 @@ def test_a_quantized_phi3_decodes_its_fused_qkv_prologue_in_one_launch(
     monkeypatch.setattr(routes, "on_gpu_backend", lambda: True)
     kinds = decode_launches(patched).kinds
     assert kinds["gk_quantized_norm_rope_projections"] == len(patched.model.layers)
-    assert kinds["gk_quantized_matvec"] == 2 * len(patched.model.layers)  # o_proj and down_proj
+    # each block's o_proj and down_proj, and the output layer
+    assert kinds["gk_quantized_matvec"] == 2 * len(patched.model.layers) + 1
     assert not {"gk_rope_qk", "gk_quantized_norm_projections"} & set(kinds)
 
 
@@ -304,7 +305,7 @@ def test_a_phi35_decodes_as_stock_through_the_fused_blocks(bits: int | None,
     fused = ("gk_quantized_norm_rope_projections", "gk_quantized_norm_swiglu") if bits else (
         "gk_norm_projections", "gk_norm_swiglu")
     assert all(kinds[name] == len(patched.model.layers) for name in fused), kinds
-    assert kinds.get("gk_quantized_matvec", 0) == (2 * len(patched.model.layers) if bits else 0)
+    assert kinds.get("gk_quantized_matvec", 0) == (2 * len(patched.model.layers) + 1 if bits else 0)
 
 
 def test_rows_past_two_decode_through_the_projections_and_rope_qk_apart(
@@ -385,3 +386,35 @@ def test_the_rotated_prologue_names_a_bias_it_cannot_add() -> None:
         with pytest.raises(gk.KernelError, match=says) as found:
             gkk.quantized_norm_rope_projections(*case.args, **case.kwargs, biases=biases)
         assert found.value.operation == "quantized_norm_rope_projections"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_output_layer_takes_a_tokens_logits_through_the_product_kernel(
+        arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama's own ``lm_head`` and Qwen 3's tied embedding (``as_linear``): patched onto
+    ``quantized_matvec`` (the embedding's lookup stays stock's), a decoding step's logits equal
+    stock's, a decode step on a GPU's routes launches the kernel once more than its blocks do, and
+    unpatch puts the stock layers back. Other quantized projections are not taken by the rule."""
+    stock, patched = _quantized_model(arch, 4, 64), _quantized_model(arch, 4, 64)
+    patched.update(stock.parameters())
+    report = {p.path: p.kernel for p in gk.patch(patched)}
+    output = "lm_head" if arch == "llama" else "model.embed_tokens"
+    assert report[output] == "quantized_matvec"
+    assert not any(path.endswith("_proj") for path in report)
+    assert type(patched.model.layers[0].self_attn.o_proj) is nn.QuantizedLinear
+    for ours, theirs in zip(_logits(patched), _logits(stock)):
+        assert mx.array_equal(ours, theirs).item()
+    monkeypatch.setattr(routes, "on_gpu_backend", lambda: True)
+    kinds = decode_launches(patched).kinds
+    assert kinds["gk_quantized_matvec"] == 2 * len(patched.model.layers) + 1
+    gk.unpatch(patched)
+    assert type(patched.model.embed_tokens) is nn.QuantizedEmbedding
+    assert arch != "llama" or type(patched.lm_head) is nn.QuantizedLinear
+
+
+def test_an_output_layer_the_kernel_cannot_read_stays_stock() -> None:
+    """3-bit weights: no rule takes the output layer or the embedding."""
+    model = _quantized_model("llama", 3, 64)
+    report = {p.path: p.kernel for p in gk.patch(model)}
+    assert "lm_head" not in report and "model.embed_tokens" not in report
+    assert type(model.lm_head) is nn.QuantizedLinear

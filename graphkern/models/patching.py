@@ -189,7 +189,7 @@ def patch(model: nn.Module, kernels: str | Sequence[str] = "all", route: str = "
     def visit(module: nn.Module, path: str) -> None:
         for container, key, child, child_path in _children(module, path):
             rule = None if isinstance(child, KernelLayer) else next(
-                (r for r in rules if r.matches(child)), None)
+                (r for r in rules if r.takes(child, key)), None)
             if rule is None and not isinstance(child, KernelLayer):
                 missed = _unmatched(child, child_path, selected)
                 if missed is not None:

@@ -36,6 +36,8 @@ from graphkern.models.layers import (
     KernelGELU,
     KernelLayer,
     KernelLayerNorm,
+    KernelQuantizedEmbedding,
+    KernelQuantizedOutput,
     KernelResidualBlock,
     KernelRMSNorm,
     KernelRoPE,
@@ -45,6 +47,7 @@ from graphkern.models.layers import (
     KernelSwiGLUMLP,
     KernelYarnRoPE,
 )
+from graphkern.models.layers.logits import readable_quantization
 from graphkern.models.patterns import Forward, is_class, module_global
 from graphkern.nodes import KernelError, Status, dtype_name
 
@@ -80,8 +83,9 @@ class Rule:
 
     A module matches when its class is one of ``classes`` (exactly; a class or its
     ``"pkg.module:Name"``, looked up only for a class of that name) or its forward is one of
-    ``forwards``, and ``when`` (if given) accepts it. ``build(module, path)`` checks the module's
-    parameters (raising ``KernelError``) and returns the replacement.
+    ``forwards``, and ``when`` (if given) accepts it; with ``keys``, only a module held under one
+    of those names (``lm_head``). ``build(module, path)`` checks the module's parameters (raising
+    ``KernelError``) and returns the replacement.
     """
 
     name: str
@@ -90,9 +94,14 @@ class Rule:
     classes: tuple[type | str, ...] = ()
     forwards: tuple[Forward, ...] = ()
     when: Callable[[nn.Module], bool] | None = None
+    keys: tuple[str, ...] = ()
 
     def matches(self, module: nn.Module) -> bool:
         return self.recognises(module) and (self.when is None or self.when(module))
+
+    def takes(self, module: nn.Module, key: Any) -> bool:
+        """Whether this rule replaces ``module``, held under ``key`` in its container."""
+        return (not self.keys or key in self.keys) and self.matches(module)
 
     def recognises(self, module: nn.Module) -> bool:
         """Whether ``module``'s class or forward is this rule's (``when`` aside)."""
@@ -473,4 +482,9 @@ LAYER_RULES: list[Rule] = [
     Rule("GELU", "gelu", lambda m, p: KernelGELU(m), classes=(nn.GELU,),
          when=lambda m: getattr(m, "_approx", None) in ("none", "precise", "tanh")),
     Rule("Softmax", "softmax", lambda m, p: KernelSoftmax(m), classes=(nn.Softmax,)),
+    Rule("quantized output layer", "quantized_matvec", lambda m, p: KernelQuantizedOutput(m),
+         classes=(nn.QuantizedLinear,), when=readable_quantization, keys=("lm_head",)),
+    Rule("quantized embedding (tied output layer)", "quantized_matvec",
+         lambda m, p: KernelQuantizedEmbedding(m), classes=(nn.QuantizedEmbedding,),
+         when=readable_quantization, keys=("embed_tokens",)),
 ]

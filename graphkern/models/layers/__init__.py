@@ -16,7 +16,8 @@ True
 
 The layers live a module a job: ``base`` (:class:`KernelLayer`, :class:`StandaloneLayer`, the
 stock view of patched layers), ``norms``, ``rope``, ``feedforward`` (the MLPs and activations),
-``attention``, ``moe`` (the sparse mixture-of-experts block), ``weights`` (a block's projection
+``attention``, ``moe`` (the sparse mixture-of-experts block), ``logits`` (a quantized model's
+vocabulary projection), ``weights`` (a block's projection
 weights as the fused kernels take them), ``block`` (:class:`KernelResidualBlock`) and ``stack``
 (:class:`KernelDecoderStack`). Code outside the package imports the layers from here.
 """
@@ -38,6 +39,7 @@ from graphkern.models.layers.feedforward import (
     KernelSwiGLU,
     KernelSwiGLUMLP,
 )
+from graphkern.models.layers.logits import KernelQuantizedEmbedding, KernelQuantizedOutput
 from graphkern.models.layers.moe import KernelSparseMoE
 from graphkern.models.layers.norms import KernelAddRMSNorm, KernelLayerNorm, KernelRMSNorm
 from graphkern.models.layers.rope import (
@@ -61,6 +63,8 @@ __all__ = [
     "KernelGateUpMLP",
     "KernelLayer",
     "KernelLayerNorm",
+    "KernelQuantizedEmbedding",
+    "KernelQuantizedOutput",
     "KernelRMSNorm",
     "KernelResidualBlock",
     "KernelRoPE",

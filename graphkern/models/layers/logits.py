@@ -1,0 +1,83 @@
+"""A quantized model's vocabulary projection on ``quantized_matvec`` for the few rows of a decoding
+step: ``lm_head`` as an ``nn.QuantizedLinear``, or the tied embedding's ``as_linear`` (Llama 3.2,
+Qwen 3, Gemma). It is the largest single product of a small model's step, and stock MLX's product of
+one row reads 4-bit weights at about half the rate the library's quantized kernels do."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from graphkern import kernels as gkk
+from graphkern.kernels.ops.quantized_projections import (
+    QUANTIZED_BITS,
+    QUANTIZED_GROUP_SIZES,
+    QuantizedWeight,
+    quantized_projections_fit,
+)
+from graphkern.launching.autodiff import vjp_enabled, without_vjp
+from graphkern.launching.context import state
+from graphkern.models.layers.base import KernelLayer
+from graphkern.models.routes import fused_rows
+
+__all__ = ["KernelQuantizedEmbedding", "KernelQuantizedOutput", "readable_quantization"]
+
+
+def readable_quantization(module: Any) -> bool:
+    """Whether ``module`` is an ``nn.QuantizedLinear`` without a bias or an ``nn.QuantizedEmbedding``
+    whose affine weights ``quantized_matvec`` reads (bits 4 or 8, groups of 32, 64 or 128)."""
+    if type(module) not in (nn.QuantizedLinear, nn.QuantizedEmbedding) or "bias" in module:
+        return False
+    return ("biases" in module and getattr(module, "mode", "affine") == "affine"
+            and module.bits in QUANTIZED_BITS and module.group_size in QUANTIZED_GROUP_SIZES)
+
+
+def _product(layer: KernelLayer, x: mx.array, stock: Callable[[Any, mx.array], mx.array]) -> mx.array:
+    """``x @ dequantize(layer's weight).T``: one ``quantized_matvec`` launch for the few rows its
+    route takes through the quantized kernels, else ``stock(layer, x)``."""
+    scales = layer["scales"]
+    if (x.dtype == scales.dtype and fused_rows(layer._gk_call_route, x.size // x.shape[-1], quantized=True)
+            and quantized_projections_fit(x, layer.group_size)):
+        weight = QuantizedWeight(layer["weight"], scales, layer["biases"])
+        return gkk.quantized_matvec(x, weight, group_size=layer.group_size, bits=layer.bits)
+    return stock(layer, x)
+
+
+class KernelQuantizedOutput(KernelLayer):
+    """A model's ``lm_head`` (an ``nn.QuantizedLinear``) whose product of a decoding step's few rows
+    is one ``quantized_matvec`` launch: ``x @ dequantize(W).T``, as the stock layer computes it."""
+
+    kernel = "quantized_matvec"
+
+    def forward(self, x: mx.array) -> mx.array:
+        return _product(self, x, self._gk_stock_forward)  # type: ignore[arg-type]
+
+
+class KernelQuantizedEmbedding(KernelLayer):
+    """A quantized embedding (``nn.QuantizedEmbedding``) whose ``as_linear``, the output layer of a
+    model with tied embeddings, takes a decoding step's few rows through ``quantized_matvec``; its
+    lookup is the stock one."""
+
+    kernel = "quantized_matvec"
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """The stock lookup, without a patched layer's checks: it launches no kernel."""
+        return self._gk_stock_forward(self, x)  # type: ignore[no-any-return]
+
+    def forward(self, x: mx.array) -> mx.array:
+        return self._gk_stock_forward(self, x)  # type: ignore[no-any-return]
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        """``x`` times the dequantized embedding table, transposed: the logits of tied embeddings.
+        Run as a patched layer's call runs (the stock one inside a forward on the stock layers;
+        without a custom vjp in evaluation mode)."""
+        stock: Callable[[Any, mx.array], mx.array] = nn.QuantizedEmbedding.as_linear
+        if state.stock_layers:
+            return stock(self, x)
+        if self._training or not vjp_enabled():
+            return _product(self, x, stock)
+        with without_vjp():
+            return _product(self, x, stock)
