@@ -107,7 +107,7 @@ WORDS: dict[str, str] = {
     "quantized_norm_geglu": "an RMSNorm, an MLP's quantized gate and up products and gelu(gate) * up",
     "quantized_norm_rope_projections":
         "an RMSNorm, the quantized q, k and v products and the RoPE of q and k",
-    "quantized_matvec": "a quantized projection of a few token rows (an attention's output, an MLP's down)",
+    "quantized_matvec": "a quantized product of a few token rows (attention's output, the MLP's down, the logits)",
 }
 
 
