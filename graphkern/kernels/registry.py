@@ -107,7 +107,8 @@ WORDS: dict[str, str] = {
     "quantized_norm_geglu": "an RMSNorm, an MLP's quantized gate and up products and gelu(gate) * up",
     "quantized_norm_rope_projections":
         "an RMSNorm, the quantized q, k and v products and the RoPE of q and k",
-    "quantized_matvec": "a quantized product of a few token rows (attention's output, the MLP's down, the logits)",
+    "quantized_matvec":
+        "a quantized product of a few token rows (attention's output, the MLP's down, the logits)",
 }
 
 
