@@ -267,7 +267,7 @@ class KernelResidualBlock(KernelLayer):
         """``module``'s projection ``name`` of ``x``: one ``quantized_matvec`` launch where that
         kernel is selected and reads the projection's weights at this call's rows (an
         ``nn.QuantizedLinear`` without a bias, a few rows), else the projection's own call. Stock
-        MLX's product of a few rows reads 4-bit weights at about half the memory's bandwidth."""
+        MLX's product of one row reads 4-bit weights more slowly than the library's kernels do."""
         if "quantized_matvec" in self._gk_decoding:
             quantized = quantized_weights(module, (name,), x)
             if (quantized is not None

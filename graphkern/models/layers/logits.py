@@ -1,7 +1,7 @@
 """A quantized model's vocabulary projection on ``quantized_matvec`` for the few rows of a decoding
 step: ``lm_head`` as an ``nn.QuantizedLinear``, or the tied embedding's ``as_linear`` (Llama 3.2,
 Qwen 3, Gemma). It is the largest single product of a small model's step, and stock MLX's product of
-one row reads 4-bit weights at about half the rate the library's quantized kernels do."""
+one row reads 4-bit weights more slowly than the library's quantized kernels do."""
 
 from __future__ import annotations
 
@@ -12,15 +12,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from graphkern import kernels as gkk
-from graphkern.kernels.ops.quantized_projections import (
-    QUANTIZED_BITS,
-    QUANTIZED_GROUP_SIZES,
-    QuantizedWeight,
-    quantized_projections_fit,
-)
+from graphkern.kernels.ops.quantized_projections import QuantizedWeight, quantized_projections_fit
 from graphkern.launching.autodiff import vjp_enabled, without_vjp
 from graphkern.launching.context import state
 from graphkern.models.layers.base import KernelLayer
+from graphkern.models.layers.weights import read_quantization
 from graphkern.models.routes import fused_rows
 
 __all__ = ["KernelQuantizedEmbedding", "KernelQuantizedOutput", "readable_quantization"]
@@ -29,10 +25,7 @@ __all__ = ["KernelQuantizedEmbedding", "KernelQuantizedOutput", "readable_quanti
 def readable_quantization(module: Any) -> bool:
     """Whether ``module`` is an ``nn.QuantizedLinear`` without a bias or an ``nn.QuantizedEmbedding``
     whose affine weights ``quantized_matvec`` reads (bits 4 or 8, groups of 32, 64 or 128)."""
-    if type(module) not in (nn.QuantizedLinear, nn.QuantizedEmbedding) or "bias" in module:
-        return False
-    return ("biases" in module and getattr(module, "mode", "affine") == "affine"
-            and module.bits in QUANTIZED_BITS and module.group_size in QUANTIZED_GROUP_SIZES)
+    return read_quantization(module) is not None
 
 
 def _product(layer: KernelLayer, x: mx.array, stock: Callable[[Any, mx.array], mx.array]) -> mx.array:

@@ -69,11 +69,11 @@ class Quantized(NamedTuple):
     bits: int
 
 
-def _quantization(linear: Any, biased: bool = False) -> tuple[int, int] | None:
-    """``(group_size, bits)`` of an ``nn.QuantizedLinear`` (without a bias unless ``biased``) whose
-    affine weights the quantized projection kernels read, else None."""
-    if (type(linear) is not nn.QuantizedLinear or ("bias" in linear and not biased) or "biases" not in linear
-            or getattr(linear, "mode", "affine") != "affine"):
+def read_quantization(linear: Any, biased: bool = False) -> tuple[int, int] | None:
+    """``(group_size, bits)`` of an ``nn.QuantizedLinear`` (without a bias unless ``biased``) or an
+    ``nn.QuantizedEmbedding`` whose affine weights the quantized kernels read, else None."""
+    if (type(linear) not in (nn.QuantizedLinear, nn.QuantizedEmbedding) or ("bias" in linear and not biased)
+            or "biases" not in linear or getattr(linear, "mode", "affine") != "affine"):
         return None
     found = (linear.group_size, linear.bits)
     return found if found[0] in QUANTIZED_GROUP_SIZES and found[1] in QUANTIZED_BITS else None
@@ -82,9 +82,9 @@ def _quantization(linear: Any, biased: bool = False) -> tuple[int, int] | None:
 def quantized_weights(module: nn.Module, names: tuple[str, ...], x: mx.array,
                       biased: bool = False) -> Quantized | None:
     """The weights of ``module``'s children ``names`` when each is an ``nn.QuantizedLinear`` the
-    quantized kernels read (:func:`_quantization`; with a bias only if ``biased``), all quantized
+    quantized kernels read (:func:`read_quantization`; with a bias only if ``biased``), all quantized
     alike, with scales in x's dtype; else None."""
-    found = [_quantization(module.get(name), biased) for name in names]
+    found = [read_quantization(module.get(name), biased) for name in names]
     if found[0] is None or any(f != found[0] for f in found):
         return None
     linears = [module[name] for name in names]
@@ -99,7 +99,7 @@ def quantized_note(module: nn.Module, names: tuple[str, ...], biased: bool = Fal
     bit widths, modes other than affine, a bias): they keep their stock products. Empty when there
     are none."""
     odd = [name for name in names if isinstance(module.get(name), nn.QuantizedLinear)
-           and _quantization(module.get(name), biased) is None]
+           and read_quantization(module.get(name), biased) is None]
     if not odd:
         return ""
     kinds = sorted({f"{module[n].bits}-bit {getattr(module[n], 'mode', 'affine')}" for n in odd})
