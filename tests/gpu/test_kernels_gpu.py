@@ -59,6 +59,8 @@ GPU_SHAPES: dict[str, list[tuple[int, ...]]] = {
     # the same with the RoPE of queries and keys: one token, 2 sequences of 4 tokens, 8 tokens (Metal
     # as above)
     "quantized_norm_rope_projections": [(1, 1, 2048), (2, 4, 1024 if CUDA else 512), (1, 8, 256)],
+    # the product alone: one token of 5120 (16 warps a block), 8 rows (Metal as above), 3 rows of 256
+    "quantized_matvec": [(1, 1, 5120), (8, 1024 if CUDA else 512), (3, 256)],
     # router logits: Mixtral's 8 experts (top 2 of the logits) at one token and at 2x37 (a partial
     # last block); Qwen 3 MoE's 128 and 1000 experts (top 8 of the softmax, several per lane)
     "moe_route": [(1, 1, 8), (2, 37, 8), (5, 128), (3, 1000)],
