@@ -14,6 +14,7 @@ import cuda_emulate  # noqa: E402 - a script, not a package module
 
 from graphkern.debugging.tolerance import TOLERANCES, worst_errors  # noqa: E402
 from graphkern.kernels.base import apply_plan  # noqa: E402
+from graphkern.kernels.ops import quantized_matvec  # noqa: E402
 from graphkern.kernels.ops.projections import ACTIVATIONS, activation_float32  # noqa: E402
 from graphkern.kernels.ops.quantized_projections import quantized_case  # noqa: E402
 from graphkern.kernels.ops.quantized_rope_projections import rotated_case  # noqa: E402
@@ -173,3 +174,19 @@ def test_the_quantized_matvec_body_gives_the_float32_product(dtype: mx.Dtype) ->
                                     bits=bits).astype(dtype)
         atol, rtol = TOLERANCES[dtype]
         assert worst_errors(cuda_emulate.emulate(plan), [truth], rtol=rtol, atol=atol)[2], shape
+
+
+def test_past_max_warps_each_warp_takes_several_weight_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grid capped at 16 warps (two blocks) for 96 weight rows: each warp takes six, every output
+    written, equal to the float32 product."""
+    monkeypatch.setattr(quantized_matvec, "MAX_WARPS", 16)
+    entry = LIBRARY["quantized_matvec"]
+    case = entry.make_inputs((2, 256), mx.bfloat16, mx.random.key(4))
+    with using_backend("cuda"):
+        plan = entry.plan(*case.args, **case.kwargs)
+    assert plan.grid[0] == 2 * plan.threadgroup[0]
+    x, (w, scales, biases) = case.args
+    truth = mx.quantized_matmul(x.astype(mx.float32), w, scales.astype(mx.float32), biases.astype(mx.float32),
+                                transpose=True).astype(mx.bfloat16)
+    atol, rtol = TOLERANCES[mx.bfloat16]
+    assert worst_errors(cuda_emulate.emulate(plan), [truth], rtol=rtol, atol=atol)[2]

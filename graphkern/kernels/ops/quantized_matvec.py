@@ -4,9 +4,9 @@ weights as ``graphkern.kernels.ops.quantized_projections`` describes them). A bl
 down projections take their rows as attention and the gated feed-forward leave them.
 
 CUDA: the product half of ``quantized_norm_projections``: each block copies the rows into shared
-memory as float32 values with each group's sum, then each warp reduces one weight row, its lanes
-reading 16 bytes of packed weights at a time. Metal: the rows in threadgroup memory, one simdgroup
-a weight row.
+memory as float32 values with each group's sum, then each warp reduces a weight row at a time (one,
+or several where the rows outnumber ``MAX_WARPS``), its lanes reading 16 bytes of packed weights at a
+time. Metal: the rows in threadgroup memory, a simdgroup a weight row at a time.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from graphkern.kernels.ops.quantized_projections import (
 )
 from graphkern.nodes import Kernel
 
-__all__ = ["QUANTIZED_MATVEC", "matvec_case", "plan_quantized_matvec", "quantized_matvec"]
+__all__ = ["MAX_WARPS", "QUANTIZED_MATVEC", "matvec_case", "plan_quantized_matvec", "quantized_matvec"]
 
 _CUDA_COPY_ROWS = r"""
 namespace gk {
@@ -95,11 +95,13 @@ _CUDA_MATVEC = r"""
   } else {
     gk::copy_rows_float<T, M, K, NT, GS, false>(x, xs, xsum);
   }
-  if (row < n) {
-    if (gk::aligned<4>(w)) {
-      gk::quantized_project_row<T, M, K, BITS, GS, 4>(w, scales, biases, y, row, n, xs, xsum);
+  // a warp every gridDim.x * NT / 32 rows: a grid of at most MAX_WARPS warps copies the rows fewer times
+  const bool wide = gk::aligned<4>(w);
+  for (int r = row; r < n; r += gridDim.x * (NT / 32)) {
+    if (wide) {
+      gk::quantized_project_row<T, M, K, BITS, GS, 4>(w, scales, biases, y, r, n, xs, xsum);
     } else {
-      gk::quantized_project_row<T, M, K, BITS, GS, 1>(w, scales, biases, y, row, n, xs, xsum);
+      gk::quantized_project_row<T, M, K, BITS, GS, 1>(w, scales, biases, y, r, n, xs, xsum);
     }
   }
 """
@@ -113,17 +115,16 @@ _METAL_MATVEC = r"""
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const int row = threadgroup_position_in_grid.x * (NT / 32) + simdgroup_index_in_threadgroup;
   const int n = w_shape[0];
-  if (row >= n) {
-    return;
-  }
   constexpr int WORDS = K * BITS / 32;
   constexpr int G = K / GS;
   float acc[M];
-  gk::quantized_row_dot<T, M, K, BITS, GS>(w + size_t(row) * WORDS, scales + size_t(row) * G,
-                                           biases + size_t(row) * G, xs, lane, acc);
-  if (lane == 0) {
-    for (int m = 0; m < M; ++m) {
-      y[size_t(m) * n + row] = static_cast<T>(acc[m]);
+  for (int r = row; r < n; r += threadgroups_per_grid.x * (NT / 32)) {
+    gk::quantized_row_dot<T, M, K, BITS, GS>(w + size_t(r) * WORDS, scales + size_t(r) * G,
+                                             biases + size_t(r) * G, xs, lane, acc);
+    if (lane == 0) {
+      for (int m = 0; m < M; ++m) {
+        y[size_t(m) * n + r] = static_cast<T>(acc[m]);
+      }
     }
   }
 """
@@ -162,6 +163,10 @@ def _stock_matvec(x: mx.array, weight: Any, *, group_size: int = 64, bits: int =
 #: Inputs wider than this copy more of the rows into each block than its 8 warps' weight rows are
 #: worth: those launches take 16 warps a block.
 _WIDE_INPUT = 4096
+#: The most warps a launch takes (about what an H100's SMs hold at once). Each block copies the
+#: token rows before its products, so past this (a vocabulary of 128K rows) a warp takes several
+#: weight rows instead of the grid copying the rows for every 8 of them.
+MAX_WARPS = 8192
 
 
 @declare(QUANTIZED_MATVEC, stock=_stock_matvec, make_inputs=matvec_case, shapes=DECODING_SHAPES,
@@ -180,7 +185,8 @@ def plan_quantized_matvec(x: mx.array, weight: QuantizedWeight | Sequence[mx.arr
     template = (template_arg("T", x.dtype), template_arg("M", m), template_arg("K", k),
                 template_arg("NT", block), template_arg("BITS", bits), template_arg("GS", group_size))
     kernel = with_row_memory(QUANTIZED_MATVEC, m, k, group_size) if runs_on_cuda() else QUANTIZED_MATVEC
-    blocks = -(-n // (block // 32))
+    warps = block // 32
+    blocks = min(-(-n // warps), max(MAX_WARPS // warps, 1))
     return Plan(kernel, (x, *checked), (output_spec((*x.shape[:-1], n), x.dtype),), (blocks * block, 1, 1),
                 (block, 1, 1), template)
 
