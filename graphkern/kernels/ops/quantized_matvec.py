@@ -67,13 +67,7 @@ __device__ __forceinline__ void copy_rows_float(const T* x, float* xs, float* xs
         s = v[0] + v[1] + v[2] + v[3];
         reinterpret_cast<float4*>(xs + m * K)[chunk_at(c)] = make_float4(v[0], v[1], v[2], v[3]);
       }
-#pragma unroll
-      for (int o = 1; o < GS / 4; o <<= 1) {
-        s += __shfl_xor_sync(0xffffffffu, s, o);
-      }
-      if (c < K / 4 && lane % (GS / 4) == 0) {
-        xsum[m * G + c * 4 / GS] = s;
-      }
+      store_group_sum<GS>(s, c < K / 4, lane, xsum + m * G + c * 4 / GS);
     }
   }
   __syncthreads();
@@ -196,8 +190,7 @@ def quantized_matvec(x: mx.array, weight: QuantizedWeight | Sequence[mx.array], 
                      bits: int = 4) -> mx.array:
     """``x @ dequantize(weight).T`` for an affine-quantized ``weight`` (``(weight, scales,
     biases)`` as ``nn.QuantizedLinear`` holds them), for up to ``MAX_ROWS`` rows of ``x``
-    (``(..., K)``): ``mx.quantized_matmul(x, ..., transpose=True, group_size, bits)`` in one launch
-    that reads the packed weights at close to the memory's bandwidth.
+    (``(..., K)``): ``mx.quantized_matmul(x, ..., transpose=True, group_size, bits)`` in one launch.
 
     >>> w, scales, biases = mx.quantize(mx.ones((2, 64)), group_size=64, bits=4)
     >>> quantized_matvec(mx.full((1, 64), 0.5), (w, scales, biases)).tolist()

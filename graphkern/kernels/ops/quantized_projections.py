@@ -116,6 +116,19 @@ __device__ __forceinline__ int chunk_at(int c) {
   return c ^ ((c >> 3) & 7);
 }
 
+// A group of GS values' sum over the GS / 4 lanes holding its float4 chunks (s: this lane's chunk's),
+// written to *at by the group's first lane where valid.
+template <int GS>
+__device__ __forceinline__ void store_group_sum(float s, bool valid, int lane, float* at) {
+#pragma unroll
+  for (int o = 1; o < GS / 4; o <<= 1) {
+    s += __shfl_xor_sync(0xffffffffu, s, o);
+  }
+  if (valid && lane % (GS / 4) == 0) {
+    *at = s;
+  }
+}
+
 // The M rows of x (+ r, rounded to T, block 0 writing the sum to h) RMS-normalized into xs as floats
 // rounded as rms_norm rounds, T(T(v * inv) * w), and each group of GS values' sum into xsum.
 // Every thread of the block takes part; red holds M * NT / 32 floats.
@@ -174,13 +187,7 @@ __device__ __forceinline__ void norm_rows_float(const T* x, const T* r, const T*
         }
         *p = make_float4(v[0], v[1], v[2], v[3]);
       }
-#pragma unroll
-      for (int o = 1; o < GS / 4; o <<= 1) {
-        s += __shfl_xor_sync(0xffffffffu, s, o);
-      }
-      if (c < K / 4 && lane % (GS / 4) == 0) {
-        xsum[m * G + c * 4 / GS] = s;
-      }
+      store_group_sum<GS>(s, c < K / 4, lane, xsum + m * G + c * 4 / GS);
     }
   }
   __syncthreads();
