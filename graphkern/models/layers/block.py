@@ -20,6 +20,7 @@ from graphkern.models.layers.rope import Rotary
 from graphkern.models.layers.weights import (
     Quantized,
     every_bias,
+    few_rows_product,
     halves,
     plain_weights,
     projection_biases,
@@ -270,11 +271,11 @@ class KernelResidualBlock(KernelLayer):
         MLX's product of one row reads 4-bit weights more slowly than the library's kernels do."""
         if "quantized_matvec" in self._gk_decoding:
             quantized = quantized_weights(module, (name,), x)
-            if (quantized is not None
-                    and fused_rows(self._gk_call_route, x.size // x.shape[-1], quantized=True)
-                    and quantized_projections_fit(x, quantized.group_size)):
-                return gkk.quantized_matvec(x, quantized.weights[0], group_size=quantized.group_size,
-                                            bits=quantized.bits)
+            if quantized is not None:
+                found = few_rows_product(self._gk_call_route, x, quantized.weights[0], quantized.group_size,
+                                         quantized.bits)
+                if found is not None:
+                    return found
         return module[name](x)  # type: ignore[no-any-return]
 
     def _gated_products(self, x: mx.array, r: mx.array, ffn: nn.Module) -> tuple[mx.array, mx.array] | None:

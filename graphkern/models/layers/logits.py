@@ -11,13 +11,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern import kernels as gkk
-from graphkern.kernels.ops.quantized_projections import QuantizedWeight, quantized_projections_fit
+from graphkern.kernels.ops.quantized_projections import QuantizedWeight
 from graphkern.launching.autodiff import vjp_enabled, without_vjp
 from graphkern.launching.context import state
 from graphkern.models.layers.base import KernelLayer
-from graphkern.models.layers.weights import read_quantization
-from graphkern.models.routes import fused_rows
+from graphkern.models.layers.weights import few_rows_product, read_quantization
 
 __all__ = ["KernelQuantizedEmbedding", "KernelQuantizedOutput", "readable_quantization"]
 
@@ -30,13 +28,13 @@ def readable_quantization(module: Any) -> bool:
 
 def _product(layer: KernelLayer, x: mx.array, stock: Callable[[Any, mx.array], mx.array]) -> mx.array:
     """``x @ dequantize(layer's weight).T``: one ``quantized_matvec`` launch for the few rows its
-    route takes through the quantized kernels, else ``stock(layer, x)``."""
+    route takes through the quantized kernels (:func:`few_rows_product`), else ``stock(layer, x)``."""
     scales = layer["scales"]
-    if (x.dtype == scales.dtype and fused_rows(layer._gk_call_route, x.size // x.shape[-1], quantized=True)
-            and quantized_projections_fit(x, layer.group_size)):
+    found = None
+    if x.dtype == scales.dtype:
         weight = QuantizedWeight(layer["weight"], scales, layer["biases"])
-        return gkk.quantized_matvec(x, weight, group_size=layer.group_size, bits=layer.bits)
-    return stock(layer, x)
+        found = few_rows_product(layer._gk_call_route, x, weight, layer.group_size, layer.bits)
+    return stock(layer, x) if found is None else found
 
 
 class KernelQuantizedOutput(KernelLayer):

@@ -9,7 +9,14 @@ from typing import Any, Literal, NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from graphkern.kernels.ops.quantized_projections import QUANTIZED_BITS, QUANTIZED_GROUP_SIZES, QuantizedWeight
+from graphkern import kernels as gkk
+from graphkern.kernels.ops.quantized_projections import (
+    QUANTIZED_BITS,
+    QUANTIZED_GROUP_SIZES,
+    QuantizedWeight,
+    quantized_projections_fit,
+)
+from graphkern.models.routes import fused_rows
 from graphkern.models.segments import row_ranges
 
 
@@ -115,3 +122,13 @@ def quantized_row_ranges(fused: QuantizedWeight, sizes: Sequence[int]) -> list[Q
 def halves(rows: int) -> tuple[int, int]:
     """The gate rows and up rows of a fused ``gate_up_proj`` weight of ``rows`` rows."""
     return rows // 2, rows // 2
+
+
+def few_rows_product(route: str, x: mx.array, weight: QuantizedWeight, group_size: int,
+                     bits: int) -> mx.array | None:
+    """``x @ dequantize(weight).T`` in one ``quantized_matvec`` launch where a layer on ``route``
+    takes x's rows through the quantized kernels (a decoding step's few) and they fit its shared
+    memory; else None (the caller's stock product)."""
+    if fused_rows(route, x.size // x.shape[-1], quantized=True) and quantized_projections_fit(x, group_size):
+        return gkk.quantized_matvec(x, weight, group_size=group_size, bits=bits)  # type: ignore[no-any-return]
+    return None
