@@ -11,6 +11,7 @@ dev script, not part of the package; needs ``g++`` (or ``$CXX``).
 
     python scripts/cuda_emulate.py                      # every LIBRARY entry at its own shapes
     python scripts/cuda_emulate.py rope_qk_norm -d bfloat16 -s 1,1,256
+    python scripts/cuda_emulate.py --misaligned -d float16   # inputs off their vectors' alignment
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ def _library(source: str) -> ctypes.CDLL:
         src = CACHE / f"{digest}.{os.getpid()}.{threading.get_ident()}.cpp"
         src.write_text(source)
         partial = CACHE / f"{digest}.{os.getpid()}.{threading.get_ident()}.so"
-        done = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", f"-I{HERE}", str(src),
-                               "-o", str(partial)], capture_output=True, text=True)
+        done = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-fsanitize=alignment",
+                               "-fsanitize-recover=alignment", f"-I{HERE}", str(src), "-o", str(partial)],
+                              capture_output=True, text=True)
         if done.returncode:
             errors = [line for line in done.stderr.splitlines() if "error" in line]
             raise EmulationError("the kernel did not compile on the host: " + "\n".join(errors[:5]))
@@ -138,11 +140,21 @@ def _library(source: str) -> ctypes.CDLL:
     return lib
 
 
-def _to_numpy(a: mx.array) -> np.ndarray:
+def _to_numpy(a: mx.array, misaligned: bool = False) -> np.ndarray:
+    """``a``'s elements in a C-contiguous array; with ``misaligned``, one that starts one element
+    past a 16-byte-aligned address."""
     a = mx.contiguous(a)
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
-    return np.ascontiguousarray(np.array(a))
+    out = np.ascontiguousarray(np.array(a))
+    if not misaligned or out.ndim == 0:
+        return out
+    # 16 bytes of room: the shifted start is itemsize past a multiple of 16, never of 16 itself
+    room = np.empty(out.nbytes + 32, np.uint8)
+    start = (-room.ctypes.data) % 16 + out.itemsize
+    shifted = room[start:start + out.nbytes].view(out.dtype).reshape(out.shape)
+    shifted[...] = out
+    return shifted
 
 
 def _to_mlx(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
@@ -150,9 +162,11 @@ def _to_mlx(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
     return out.view(mx.bfloat16) if dtype == mx.bfloat16 else out
 
 
-def emulate(plan: Plan) -> list[mx.array]:
+def emulate(plan: Plan, *, misaligned: bool = False) -> list[mx.array]:
     """``plan``'s launch run on the CPU through the emulator: its outputs, as the GPU would give
-    them. Raises :class:`EmulationError` if the source does not compile or the run faults.
+    them. Raises :class:`EmulationError` if the source does not compile or the run faults (a
+    misaligned vector access among them). ``misaligned`` starts every input one element past an
+    aligned address, as a slice of a larger array does on the GPU.
 
     >>> from graphkern.kernels.registry import LIBRARY
     >>> entry = LIBRARY["rms_norm"]
@@ -162,7 +176,7 @@ def emulate(plan: Plan) -> list[mx.array]:
     _, source = emulated_source(plan)
     lib = _library(source)
     arrays = [a if isinstance(a, mx.array) else mx.array(a) for a in plan.inputs]
-    inputs = [_to_numpy(a) for a in arrays]
+    inputs = [_to_numpy(a, misaligned) for a in arrays]
     outputs = []
     for spec in plan.output_specs:
         buf = np.empty(spec.shape, dtype=_NUMPY[dtype_name(spec.dtype)])
@@ -187,9 +201,11 @@ def emulate(plan: Plan) -> list[mx.array]:
     return [_to_mlx(o, spec.dtype) for o, spec in zip(outputs, plan.output_specs)]
 
 
-def compare(name: str, shape: Sequence[int], dtype: mx.Dtype, seed: int = 0) -> tuple[float, float, bool]:
-    """Entry ``name``'s emulated CUDA kernel against its reference on random inputs of ``shape``:
-    (max absolute error, max relative error, within the entry's tolerance)."""
+def compare(name: str, shape: Sequence[int], dtype: mx.Dtype, seed: int = 0, *,
+            misaligned: bool = False) -> tuple[float, float, bool]:
+    """Entry ``name``'s emulated CUDA kernel against its reference on random inputs of ``shape``
+    (``misaligned`` as :func:`emulate` takes it): (max absolute error, max relative error, within
+    the entry's tolerance)."""
     entry = LIBRARY[name]
     atol, rtol = entry.tolerances.get(dtype, TOLERANCES[dtype])
     label = f"{name}:{tuple(shape)}:{dtype_name(dtype)}"
@@ -198,7 +214,7 @@ def compare(name: str, shape: Sequence[int], dtype: mx.Dtype, seed: int = 0) -> 
     case = entry.make_inputs(shape, dtype, key)
     with using_backend("cuda"):  # plans lay data out for the backend they run on
         plan = entry.plan(*case.args, **case.kwargs)
-    out = emulate(plan)
+    out = emulate(plan, misaligned=misaligned)
     ref = apply_plan(plan, "reference")
     return worst_errors(out, ref, rtol=rtol, atol=atol)
 
@@ -209,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-d", "--dtypes", default="float32,float16,bfloat16")
     parser.add_argument("-s", "--shape", help="one shape, comma-separated (default: each entry's own)")
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--misaligned", action="store_true",
+                        help="every input one element past an aligned address")
     args = parser.parse_args(argv)
     names = args.entries or sorted(n for n, e in LIBRARY.items() if e.kernel.cuda)
     dtypes = [getattr(mx, d) for d in args.dtypes.split(",")]
@@ -218,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def one(case: tuple[str, tuple[int, ...], mx.Dtype]) -> str:
         name, shape, dtype = case
         try:
-            err_abs, err_rel, ok = compare(name, shape, dtype)
+            err_abs, err_rel, ok = compare(name, shape, dtype, misaligned=args.misaligned)
         except EmulationError as exc:
             return f"FAIL {name} {shape} {dtype_name(dtype)}: {exc}"
         verdict = "ok  " if ok else "FAIL"

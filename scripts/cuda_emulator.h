@@ -6,7 +6,9 @@
 // in the mask. Blocks run one after another, so a __shared__ variable (made a function static)
 // is one per block at a time. A barrier no thread can get past (a __syncthreads some threads
 // never reach, a shuffle with a lane that exited or waits elsewhere) is reported as an error, as
-// is a misaligned __ldg. Arithmetic is the host's: float math in float (the fast intrinsics at
+// is a misaligned __ldg or any other access through a pointer off its type's alignment (the
+// translation unit is compiled with -fsanitize=alignment, whose check calls the handler defined
+// here: a vector load or store that faults on a GPU fails the launch). Arithmetic is the host's: float math in float (the fast intrinsics at
 // full precision), 16-bit types rounded to nearest even.
 #pragma once
 
@@ -251,6 +253,12 @@ void check_aligned(const T* p) {
 }
 
 }  // namespace gk_emu
+
+// UBSan's entry point for a type mismatch, defined here instead of linking its runtime: with
+// -fsanitize=alignment alone, every call is an access off its type's alignment.
+extern "C" void __ubsan_handle_type_mismatch_v1(void*, uintptr_t) {
+  gk_emu::fail("a misaligned vector access");
+}
 
 #define threadIdx (gk_emu::self().index)
 #define blockIdx (gk_emu::launch_state()->block_index)

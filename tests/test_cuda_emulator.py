@@ -2,6 +2,7 @@
 thread a fiber) against the kernels' references. The only check of the CUDA bodies' arithmetic that
 needs no GPU; it needs a host C++ compiler."""
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -190,3 +191,35 @@ def test_past_max_warps_each_warp_takes_several_weight_rows(monkeypatch: pytest.
                                 transpose=True).astype(mx.bfloat16)
     atol, rtol = TOLERANCES[mx.bfloat16]
     assert worst_errors(cuda_emulate.emulate(plan), [truth], rtol=rtol, atol=atol)[2]
+
+
+#: Every library entry with a CUDA body.
+CUDA_ENTRIES = sorted(name for name, entry in LIBRARY.items() if entry.kernel.cuda)
+
+
+@pytest.mark.parametrize("name", CUDA_ENTRIES)
+def test_inputs_off_their_vectors_alignment_take_the_narrow_path(name: str) -> None:
+    """Every input one element past an aligned address, as a slice of a larger array arrives on a
+    GPU: no vector load or store off its alignment (the emulator fails the launch on one, as the
+    GPU faults), and the reference's result. float16, where a pair of elements is a 4-byte load;
+    the quantized entries in float32, whose stock reference sums 16-bit rows in the dtype."""
+    entry = LIBRARY[name]
+    dtype = mx.float32 if name.startswith("quantized") else mx.float16
+    err_abs, err_rel, ok = cuda_emulate.compare(name, entry.shapes[0], dtype, misaligned=True)
+    assert ok, (err_abs, err_rel)
+
+
+def test_the_emulator_fails_a_misaligned_vector_load() -> None:
+    """The check the test above rests on: the fallback the interleaved RoPE once had (a pair of
+    elements read as one vector off its alignment) fails the launch instead of reading."""
+    entry = LIBRARY["rope_traditional"]
+    case = entry.make_inputs((1, 4, 64), mx.float16, mx.random.key(0))
+    with using_backend("cuda"):
+        plan = entry.plan(*case.args, **case.kwargs)
+    broken = plan.kernel.cuda.replace("rope_pairs<T, 1, TRADITIONAL, IN_SCALE, true>",
+                                      "rope_pairs<T, 1, TRADITIONAL, IN_SCALE, false>")
+    assert broken != plan.kernel.cuda
+    kernel = dataclasses.replace(plan.kernel, cuda=broken)
+    with pytest.raises(cuda_emulate.EmulationError, match="misaligned vector access"):
+        cuda_emulate.emulate(dataclasses.replace(plan, kernel=kernel), misaligned=True)
+    assert cuda_emulate.compare("rope_traditional", (1, 4, 64), mx.float16, misaligned=True)[2]

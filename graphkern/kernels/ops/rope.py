@@ -95,13 +95,19 @@ __device__ __forceinline__ void rope_angles(float pos, const float* freqs, int k
   }
 }
 
-// Rotate pairs k .. k + V - 1 of one row (x, out point at the row; half = dims / 2).
-template <typename T, int V, bool TRADITIONAL, int IN_SCALE>
+// Rotate pairs k .. k + V - 1 of one row (x, out point at the row; half = dims / 2). An
+// interleaved pair is one load of 2 * V elements, which must be aligned to them; NARROW (V = 1, the
+// fallback off that alignment) reads and writes the pair one element at a time instead.
+template <typename T, int V, bool TRADITIONAL, int IN_SCALE, bool NARROW = false>
 __device__ __forceinline__ void rope_pairs(const T* x, T* out, int k, int half, const float (&c)[V],
                                            const float (&s)[V]) {
+  static_assert(!NARROW || V == 1, "the narrow path rotates one pair");
   float a[V];
   float b[V];
-  if constexpr (TRADITIONAL) {
+  if constexpr (TRADITIONAL && NARROW) {
+    a[0] = static_cast<float>(x[2 * k]);
+    b[0] = static_cast<float>(x[2 * k + 1]);
+  } else if constexpr (TRADITIONAL) {
     float t[2 * V];
     load<T, 2 * V>(x, 2 * k, t);
 #pragma unroll
@@ -120,7 +126,10 @@ __device__ __forceinline__ void rope_pairs(const T* x, T* out, int k, int half, 
     a[j] = x1 * c[j] - x2 * s[j];
     b[j] = x1 * s[j] + x2 * c[j];
   }
-  if constexpr (TRADITIONAL) {
+  if constexpr (TRADITIONAL && NARROW) {
+    out[2 * k] = static_cast<T>(a[0]);
+    out[2 * k + 1] = static_cast<T>(b[0]);
+  } else if constexpr (TRADITIONAL) {
     float t[2 * V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
@@ -189,7 +198,7 @@ _CUDA_BODY = r"""
       for (int j = 0; j < V; ++j) {
         const float cj[1] = {c[j]};
         const float sj[1] = {s[j]};
-        gk::rope_pairs<T, 1, TRADITIONAL, IN_SCALE>(xr, outr, t * V + j, HALF, cj, sj);
+        gk::rope_pairs<T, 1, TRADITIONAL, IN_SCALE, true>(xr, outr, t * V + j, HALF, cj, sj);
       }
     }
     gk::copy_tail<T, TW>(xr, outr, 2 * HALF + t * TW, D, P * TW, tail_vectors);
