@@ -706,7 +706,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantize", type=int, choices=(4, 8), help="quantize the weights (nn.quantize)")
     parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     parser.add_argument("--quick", action="store_true",
-                        help="a preset at a CPU's size: 2 blocks of 256, one round of 8 tokens, batch 1")
+                        help="a preset at a CPU's size: 2 blocks of 256, one round of 8 tokens (or "
+                        "--tokens) after a 32-token prompt (or --prefill), batch 1")
     parser.add_argument("--sweep", action="store_true",
                         help="every architecture gk.patch touches at a checkpoint's dimensions (SWEEP), "
                         "16-bit and --sweep-bits: decode b1 and b8, ttft, token agreement")
@@ -724,8 +725,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set((args.preset or "").split(",")) - set(PRESETS) - {""})
     if unknown:
         parser.error(f"unknown presets {unknown}; known: {', '.join(PRESETS)}")
-    if args.quick:  # a smoke run: one round, its ratios are not figures
-        args.rounds, args.tokens, args.prefill = 1, 8, "32"
+    if args.quick:  # a smoke run: one round, its ratios are not figures; 8 tokens, a 32-token prompt
+        args.rounds = 1
+        args.tokens = 8 if args.tokens == parser.get_default("tokens") else args.tokens
+        args.prefill = "32" if args.prefill == parser.get_default("prefill") else args.prefill
         args.batches = args.batches if args.sweep else "1"
     else:
         args.rounds = balanced_rounds(args.rounds)

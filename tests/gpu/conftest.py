@@ -42,6 +42,14 @@ def cuda_only() -> None:
         pytest.skip("needs MLX's CUDA backend")
 
 
+@pytest.fixture
+def on_cpu_dryrun() -> bool:
+    """Whether this run is the CPU's dry run, where a test at a real model's widths may take a
+    narrower model (the CPU's float16 products of such widths take minutes, and the dry run checks
+    the test's logic, not the kernels)."""
+    return DRYRUN and not CUDA
+
+
 @pytest.fixture(autouse=True)
 def prompts_on_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """The suite checks the kernels: patched stacks run them at every prompt length, where an
