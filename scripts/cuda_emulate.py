@@ -5,7 +5,9 @@
 compared with the kernel's pure-MLX reference at the entry's tolerances.
 
 What it shows: the body's indexing, its barriers and shuffles, its rounding points, and its
-writes (outputs start as NaN, so an element no thread writes fails). What it cannot: speed,
+writes (outputs start as NaN, so an element no thread writes fails; canary bytes around every
+buffer, so a write past an output or into an input fails), and any access off its type's
+alignment (``--misaligned`` runs the narrow-load paths that guard against it). What it cannot: speed,
 the device's memory model, NVRTC's own errors (``nvrtc_check.py``), or fast-math differences. A
 dev script, not part of the package; needs ``g++`` (or ``$CXX``).
 
@@ -140,21 +142,39 @@ def _library(source: str) -> ctypes.CDLL:
     return lib
 
 
-def _to_numpy(a: mx.array, misaligned: bool = False) -> np.ndarray:
-    """``a``'s elements in a C-contiguous array; with ``misaligned``, one that starts one element
-    past a 16-byte-aligned address."""
+def _to_numpy(a: mx.array) -> np.ndarray:
     a = mx.contiguous(a)
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
-    out = np.ascontiguousarray(np.array(a))
-    if not misaligned or out.ndim == 0:
-        return out
-    # 16 bytes of room: the shifted start is itemsize past a multiple of 16, never of 16 itself
-    room = np.empty(out.nbytes + 32, np.uint8)
-    start = (-room.ctypes.data) % 16 + out.itemsize
-    shifted = room[start:start + out.nbytes].view(out.dtype).reshape(out.shape)
-    shifted[...] = out
-    return shifted
+    return np.ascontiguousarray(np.array(a))
+
+
+#: Canary bytes either side of every buffer a launch gets: a write outside an output, or into an
+#: input, fails the launch (on a GPU it would land in another array).
+GUARD = 64
+_CANARY = 0xA5
+
+
+class _Placed:
+    """A copy of an array in a room of canary bytes, ``shift`` bytes past a 16-byte-aligned address."""
+
+    def __init__(self, data: np.ndarray, shift: int = 0):
+        self.room = np.full(data.nbytes + 2 * GUARD + 16, _CANARY, np.uint8)
+        self.start = (-self.room.ctypes.data) % 16 + GUARD + shift
+        self.end = self.start + data.nbytes
+        self.array = self.room[self.start:self.end].view(data.dtype).reshape(data.shape)
+        self.array[...] = data
+        self.original = data
+
+    def trespassed(self, written: bool) -> str:
+        """What the launch did outside its bounds ('' for nothing): a write past either end, or
+        (for an input, ``written`` False) into the array itself."""
+        outside = np.concatenate([self.room[:self.start], self.room[self.end:]])
+        if (outside != _CANARY).any():
+            return "wrote outside its bounds"
+        if not written and not np.array_equal(self.array.view(np.uint8), self.original.view(np.uint8)):
+            return "wrote into it (an input)"
+        return ""
 
 
 def _to_mlx(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
@@ -165,8 +185,9 @@ def _to_mlx(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
 def emulate(plan: Plan, *, misaligned: bool = False) -> list[mx.array]:
     """``plan``'s launch run on the CPU through the emulator: its outputs, as the GPU would give
     them. Raises :class:`EmulationError` if the source does not compile or the run faults (a
-    misaligned vector access among them). ``misaligned`` starts every input one element past an
-    aligned address, as a slice of a larger array does on the GPU.
+    misaligned vector access among them), or writes outside an output's bounds or into an input
+    (canary bytes, ``GUARD`` of them, around every buffer). ``misaligned`` starts every input one
+    element past an aligned address, as a slice of a larger array does on the GPU.
 
     >>> from graphkern.kernels.registry import LIBRARY
     >>> entry = LIBRARY["rms_norm"]
@@ -176,12 +197,17 @@ def emulate(plan: Plan, *, misaligned: bool = False) -> list[mx.array]:
     _, source = emulated_source(plan)
     lib = _library(source)
     arrays = [a if isinstance(a, mx.array) else mx.array(a) for a in plan.inputs]
-    inputs = [_to_numpy(a, misaligned) for a in arrays]
-    outputs = []
+    placed_inputs = []
+    for a in arrays:
+        data = _to_numpy(a)
+        placed_inputs.append(_Placed(data, data.itemsize if misaligned and data.ndim else 0))
+    placed_outputs = []
     for spec in plan.output_specs:
         buf = np.empty(spec.shape, dtype=_NUMPY[dtype_name(spec.dtype)])
         buf.view(np.uint8)[...] = 0xFF  # NaN in every float dtype: an unwritten element shows
-        outputs.append(buf)
+        placed_outputs.append(_Placed(buf))
+    inputs = [p.array for p in placed_inputs]
+    outputs = [p.array for p in placed_outputs]
     count = len(inputs)
     shapes = np.zeros((max(count, 1), MAX_NDIM), np.int32)
     strides = np.zeros((max(count, 1), MAX_NDIM), np.int64)
@@ -198,6 +224,11 @@ def emulate(plan: Plan, *, misaligned: bool = False) -> list[mx.array]:
                               dims.ctypes.data, plan.kernel.shared_memory)
     if fault:
         raise EmulationError(f"{plan.kernel.name}: {fault.decode()}")
+    names = [*plan.kernel.input_names, *plan.kernel.output_names]
+    for index, placed in enumerate([*placed_inputs, *placed_outputs]):
+        trespass = placed.trespassed(written=index >= count)
+        if trespass:
+            raise EmulationError(f"{plan.kernel.name}: {trespass} at {names[index]}")
     return [_to_mlx(o, spec.dtype) for o, spec in zip(outputs, plan.output_specs)]
 
 

@@ -3,6 +3,7 @@ thread a fiber) against the kernels' references. The only check of the CUDA bodi
 needs no GPU; it needs a host C++ compiler."""
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,13 +15,14 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
 import cuda_emulate  # noqa: E402 - a script, not a package module
 
 from graphkern.debugging.tolerance import TOLERANCES, worst_errors  # noqa: E402
-from graphkern.kernels.base import apply_plan  # noqa: E402
+from graphkern.kernels.base import Plan, apply_plan, output_spec  # noqa: E402
 from graphkern.kernels.ops import quantized_matvec  # noqa: E402
 from graphkern.kernels.ops.projections import ACTIVATIONS, activation_float32  # noqa: E402
 from graphkern.kernels.ops.quantized_projections import quantized_case  # noqa: E402
 from graphkern.kernels.ops.quantized_rope_projections import rotated_case  # noqa: E402
 from graphkern.kernels.registry import LIBRARY  # noqa: E402
 from graphkern.launching.backends import using_backend  # noqa: E402
+from graphkern.nodes import Kernel  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(cuda_emulate.compiler() is None, reason="no host C++ compiler")]
@@ -223,3 +225,17 @@ def test_the_emulator_fails_a_misaligned_vector_load() -> None:
     with pytest.raises(cuda_emulate.EmulationError, match="misaligned vector access"):
         cuda_emulate.emulate(dataclasses.replace(plan, kernel=kernel), misaligned=True)
     assert cuda_emulate.compare("rope_traditional", (1, 4, 64), mx.float16, misaligned=True)[2]
+
+
+@pytest.mark.parametrize("body, where", [
+    ("out[threadIdx.x + 1] = x[threadIdx.x];", "wrote outside its bounds at out"),
+    ("out[threadIdx.x] = x[threadIdx.x]; const_cast<float*>(x)[threadIdx.x] = 0.0f;",
+     "wrote into it (an input) at x")])
+def test_a_write_outside_an_output_fails_the_launch(body: str, where: str) -> None:
+    """Canary bytes around every buffer: a body writing one element past its output, or into its
+    input, fails the launch where on a GPU it would change another array."""
+    kernel = Kernel("gk_trespass", ["x"], ["out"], cuda=body, reference=lambda x: [x])
+    plan = Plan(kernel, (mx.arange(4, dtype=mx.float32),), (output_spec((4,), mx.float32),), (4, 1, 1),
+                (4, 1, 1))
+    with pytest.raises(cuda_emulate.EmulationError, match=re.escape(where)):
+        cuda_emulate.emulate(plan)
