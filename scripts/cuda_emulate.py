@@ -5,8 +5,9 @@
 compared with the kernel's pure-MLX reference at the entry's tolerances.
 
 What it shows: the body's indexing, its barriers and shuffles, its rounding points, and its
-writes (outputs start as NaN, so an element no thread writes fails; canary bytes around every
-buffer, so a write past an output or into an input fails), and any access off its type's
+writes (outputs start as NaN, so an element no thread writes fails; NaN canary bytes around
+every buffer, so a write past an output or into an input fails, and a read past an input's end
+that reaches an output shows), and any access off its type's
 alignment (``--misaligned`` runs the narrow-load paths that guard against it). What it cannot: speed,
 the device's memory model, NVRTC's own errors (``nvrtc_check.py``), or fast-math differences. A
 dev script, not part of the package; needs ``g++`` (or ``$CXX``).
@@ -150,9 +151,10 @@ def _to_numpy(a: mx.array) -> np.ndarray:
 
 
 #: Canary bytes either side of every buffer a launch gets: a write outside an output, or into an
-#: input, fails the launch (on a GPU it would land in another array).
+#: input, fails the launch (on a GPU it would land in another array). They are NaN in every float
+#: dtype, so a read past an input's end that reaches an output shows there too.
 GUARD = 64
-_CANARY = 0xA5
+_CANARY = 0xFF
 
 
 class _Placed:
