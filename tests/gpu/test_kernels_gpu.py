@@ -11,6 +11,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from kernels_fixture import misaligned
 
 import graphkern.kernels as gkk
 from graphkern.debugging.kernel_checks import TOLERANCES, check_kernel
@@ -81,12 +82,6 @@ def test_kernel_matches_reference_all_dtypes_and_layouts(name: str) -> None:
     assert report.ok, "\n".join(map(str, report.failures))
 
 
-def _misaligned(a: mx.array) -> mx.array:
-    """Same values, row-contiguous, but starting one element past an aligned address."""
-    flat = mx.concatenate([mx.zeros((1,), a.dtype), a.reshape(-1)])
-    return flat[1:].reshape(a.shape)
-
-
 @pytest.mark.parametrize("name", sorted(n for n in LIBRARY if not n.startswith("quantized")))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_misaligned_pointers_take_the_scalar_path(name: str, dtype: mx.Dtype) -> None:
@@ -95,8 +90,7 @@ def test_misaligned_pointers_take_the_scalar_path(name: str, dtype: mx.Dtype) ->
     entry = LIBRARY[name]
     shape = GPU_SHAPES[name][0]
     base = entry.make_inputs(shape, dtype, mx.random.key(3))
-    case = Case(tuple(_misaligned(a) if isinstance(a, mx.array) and a.ndim > 0 else a for a in base.args),
-                base.kwargs)
+    case = Case(misaligned(base.args), base.kwargs)
     out = apply_plan(entry.plan(*case.args, **case.kwargs))
     ref = apply_plan(entry.plan(*base.args, **base.kwargs), "reference")
     atol, rtol = TOLERANCES[dtype]

@@ -28,6 +28,7 @@ from graphkern.kernels.ops.quantized_projections import quantized_case, quantize
 from graphkern.kernels.ops.quantized_rope_projections import rotated_case
 
 pytest.importorskip("mlx_lm")
+from kernels_fixture import misaligned  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from model_comparisons import spy_on_kernels  # noqa: E402
@@ -161,22 +162,11 @@ def test_several_rows_agree_with_stock(name: str, shape: tuple[int, ...], dtype:
     _agree(name, shape, dtype, bits, 64)
 
 
-def _shifted(a: Any) -> Any:
-    """Same values, starting one element past an aligned address (arrays of 2 or more dims)."""
-    if not isinstance(a, mx.array) or a.ndim < 2:
-        return a
-    flat = mx.concatenate([mx.zeros((1,), a.dtype), a.reshape(-1)])
-    return flat[1:].reshape(a.shape)
-
-
 @pytest.mark.parametrize("name", ENTRIES)
 def test_misaligned_rows_and_weights_take_the_narrow_loads(name: str) -> None:
     base = _case(name, (2, 1, 512) if name == "quantized_norm_rope_projections" else (2, 512), mx.float16,
                  mx.random.key(5))
-    args = tuple([tuple(_shifted(a) for a in m) for m in arg] if isinstance(arg, list)
-                 else tuple(_shifted(a) for a in arg) if isinstance(arg, tuple) else _shifted(arg)
-                 for arg in base.args)
-    case = Case(args, base.kwargs)
+    case = Case(misaligned(base.args), base.kwargs)
     entry = gkk.LIBRARY[name]
     plan = entry.plan(*case.args, **case.kwargs)
     # the reference on the aligned arrays: on the shifted ones (stock's product, MLX 0.32.4) a CUDA

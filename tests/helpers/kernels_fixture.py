@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
 import graphkern as gk
@@ -36,3 +38,16 @@ def split_sign(x: mx.array) -> gk.KernelResult:
     spec = gk.OutputSpec(x.shape, x.dtype)
     return gk.apply_in_graph(SPLIT, [x], [spec, spec], grid=(x.size, 1, 1),
                              threadgroup=(256, 1, 1), template=[("T", x.dtype)])
+
+
+def misaligned(a: Any) -> Any:
+    """Arrays in ``a`` (an array, or tuples and lists of them, nested) with the same values, but
+    starting one element past an aligned address, as a slice of a larger array does; anything else
+    as it is."""
+    if isinstance(a, (tuple, list)):
+        items = [misaligned(item) for item in a]
+        return type(a)(*items) if hasattr(a, "_fields") else type(a)(items)  # a NamedTuple: by field
+    if not isinstance(a, mx.array) or a.ndim == 0:
+        return a
+    flat = mx.concatenate([mx.zeros((1,), a.dtype), a.reshape(-1)])
+    return flat[1:].reshape(a.shape)
