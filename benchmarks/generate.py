@@ -39,7 +39,9 @@ token agreement; for each it also compares the first decoded token's logits with
 ``NO_WORSE`` times stock is). The patched model decodes on its default route, which on a GPU
 measures its first decoding calls of each shape on the kernels and on the stock layers and keeps
 the faster (``graphkern.models.route_timing``; here within the warm-up round): each run prints what
-it chose, and the table's last column the choice at batch 1. ``--quantize 4|8 --group-size N``
+it chose, and the table's last column the choice at batch 1. ``--route kernel|stock`` sets the
+patched model's route instead (``gk.set_route``): the kernels at every row count their limits allow,
+or the stock layers, for measuring a route the measurement did not choose. ``--quantize 4|8 --group-size N``
 quantizes the random-weight model as mlx-lm's converter does (``nn.quantize``: embeddings and
 output layer included).
 
@@ -176,11 +178,11 @@ def preset_config(name: str, layers: int | None, quick: bool) -> tuple[dict[str,
 
 
 def twin_models(cfg: dict[str, Any], dtype: mx.Dtype, bits: int | None = None,
-                group_size: int = 64, without: Sequence[str] = ()) -> tuple[Any, Any]:
+                group_size: int = 64, without: Sequence[str] = (), route: str = "auto") -> tuple[Any, Any]:
     """The stock model and a patched one sharing its weight arrays, in evaluation mode; ``bits``:
     both quantized as mlx-lm's converter quantizes (``nn.quantize``, every layer that has a
     quantized form: embeddings and output layer included); ``without``: kernels the patch leaves
-    out (``patch(kernels=...)`` of the others)."""
+    out (``patch(kernels=...)`` of the others); ``route``: the patched model's route."""
     import mlx.nn as nn
 
     stock = random_model(cfg, dtype)
@@ -188,7 +190,8 @@ def twin_models(cfg: dict[str, Any], dtype: mx.Dtype, bits: int | None = None,
         nn.quantize(stock, group_size=group_size, bits=bits)
         mx.eval(stock.parameters())
     patched = shared_twin(stock, bits, group_size)
-    gk.patch(patched, kernels=[k for k in kernel_names() if k not in without] if without else "all")
+    kernels = [k for k in kernel_names() if k not in without] if without else "all"
+    gk.patch(patched, kernels=kernels, route=route)
     stock.eval()  # as mlx_lm.load leaves a model
     patched.eval()
     return stock, patched
@@ -321,7 +324,7 @@ TTFT_REPEATS = 5
 
 def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Namespace) -> dict[str, Any]:
     dtype = DTYPES[dtype_name]
-    stock, patched = twin_models(cfg, dtype, args.quantize, args.group_size, args.without)
+    stock, patched = twin_models(cfg, dtype, args.quantize, args.group_size, args.without, args.route)
     vocab = cfg["vocab_size"]
     variants: dict[str, Any] = {"stock": stock, "patched": patched}
     if "wrap" in args.modes:
@@ -720,6 +723,8 @@ def main(argv: list[str] | None = None) -> int:
                         "of mode 'twin': twin over stock, what two identical models differ by here)")
     parser.add_argument("--without", default="", help="kernels the patch leaves out (comma list of "
                         "patch(kernels=...) names): what the others alone make of a model")
+    parser.add_argument("--route", default="auto", choices=("auto", "kernel", "stock"),
+                        help="the patched model's route (gk.patch(route=...)); auto measures")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     unknown = sorted(set((args.preset or "").split(",")) - set(PRESETS) - {""})
@@ -744,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header("mlx-lm generation: stock vs patched onto graphkern kernels"), flush=True)
     print(f"# rounds {args.rounds}, {args.tokens} tokens a decode run; speed ratio = patched "
           "tokens/s over stock (decode) or stock time over patched (ttft), median over rounds, "
-          "and the lowest and highest round" + _without(args))
+          "and the lowest and highest round" + _patch_options(args))
     if args.preset:
         models = [preset_config(name, args.layers, args.quick) for name in args.preset.split(",")]
     else:
@@ -762,9 +767,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _without(args: argparse.Namespace) -> str:
-    """What the headers say of ``--without``."""
-    return f"; patched without {', '.join(args.without)}" if args.without else ""
+def _patch_options(args: argparse.Namespace) -> str:
+    """What the headers say of ``--without`` and ``--route``."""
+    route = f"; patched on the {args.route} route" if args.route != "auto" else ""
+    return (f"; patched without {', '.join(args.without)}" if args.without else "") + route
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -778,7 +784,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     print(header("mlx-lm generation sweep: stock vs patched onto graphkern kernels"), flush=True)
     print(f"# rounds {args.rounds}, {args.tokens} tokens a decode run, prompts {args.prefill}, "
           f"{args.agreement} greedy tokens compared; ratio = patched speed over stock, median over rounds"
-          + _without(args))
+          + _patch_options(args))
     results = []
     for name in names:
         cfg, label = preset_config(name, args.layers or SWEEP.get(name), args.quick)

@@ -222,3 +222,16 @@ def test_without_leaves_the_named_kernels_out_of_the_patched_model(
     with pytest.raises(SystemExit):
         generate.main(["--sizes", "tiny", "--without", "no_such_kernel"])
     assert "unknown kernels ['no_such_kernel']" in capsys.readouterr().err
+
+
+def test_a_route_given_is_the_patched_models_and_the_header_says_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--route kernel``: the patched model's layers take that route (for measuring what the
+    route measurement did not choose), and the header says so."""
+    _, patched = generate.twin_models(generate.preset_config("llama-3.2-1b", None, True)[0], mx.float32,
+                                      route="kernel")
+    assert {layer._gk_call_route for layer in patched.model.layers} == {"kernel"}
+    assert generate.main(["--sizes", "tiny", "--models", "llama", "--dtypes", "float32", "--modes", "eager",
+                          "--batches", "1", "--prefill", "8", "--tokens", "2", "--rounds", "1",
+                          "--route", "stock"]) == 0
+    assert "; patched on the stock route" in capsys.readouterr().out
