@@ -7,10 +7,10 @@ compared with the kernel's pure-MLX reference at the entry's tolerances.
 What it shows: the body's indexing, its barriers and shuffles, its rounding points, and its
 writes (outputs start as NaN, so an element no thread writes fails; NaN canary bytes around
 every buffer, so a write past an output or into an input fails, and a read past an input's end
-that reaches an output shows), and any access off its type's
-alignment (``--misaligned`` runs the narrow-load paths that guard against it). What it cannot: speed,
-the device's memory model, NVRTC's own errors (``nvrtc_check.py``), or fast-math differences. A
-dev script, not part of the package; needs ``g++`` (or ``$CXX``).
+that reaches an output shows), and any access off its type's alignment (``--misaligned`` runs the
+narrow-load paths that guard against it). What it cannot: speed, the device's memory model,
+NVRTC's own errors (``nvrtc_check.py``), or fast-math differences. A dev script, not part of the
+package; needs ``g++`` (or ``$CXX``).
 
     python scripts/cuda_emulate.py                      # every LIBRARY entry at its own shapes
     python scripts/cuda_emulate.py rope_qk_norm -d bfloat16 -s 1,1,256
@@ -207,7 +207,7 @@ def emulate(plan: Plan, *, misaligned: bool = False) -> list[mx.array]:
     placed_outputs = []
     for spec in plan.output_specs:
         buf = np.empty(spec.shape, dtype=_NUMPY[dtype_name(spec.dtype)])
-        buf.view(np.uint8)[...] = 0xFF  # NaN in every float dtype: an unwritten element shows
+        buf.view(np.uint8)[...] = _CANARY  # NaN in every float dtype: an unwritten element shows
         placed_outputs.append(_Placed(buf))
     inputs = [p.array for p in placed_inputs]
     outputs = [p.array for p in placed_outputs]

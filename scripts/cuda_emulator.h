@@ -8,8 +8,9 @@
 // never reach, a shuffle with a lane that exited or waits elsewhere) is reported as an error, as
 // is a misaligned __ldg or any other access through a pointer off its type's alignment (the
 // translation unit is compiled with -fsanitize=alignment, whose check calls the handler defined
-// here: a vector load or store that faults on a GPU fails the launch). Arithmetic is the host's: float math in float (the fast intrinsics at
-// full precision), 16-bit types rounded to nearest even.
+// here: a vector load or store that faults on a GPU fails the launch). Arithmetic is the host's:
+// float math in float (the fast intrinsics at full precision), 16-bit types rounded to nearest
+// even.
 #pragma once
 
 #include <math.h>
