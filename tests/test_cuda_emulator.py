@@ -170,13 +170,11 @@ def test_the_quantized_matvec_body_gives_the_float32_product(dtype: mx.Dtype) ->
         case = entry.make_inputs(shape, dtype, mx.random.key(shape[-1]), group_size=group_size, bits=bits)
         with using_backend("cuda"):
             plan = entry.plan(*case.args, **case.kwargs)
-        x, (w, scales, biases) = case.args
+        x = case.args[0]
         assert plan.threadgroup[0] == (256 if x.size // shape[-1] <= 2 and shape[-1] <= 4096 else 512)
-        truth = mx.quantized_matmul(x.astype(mx.float32), w, scales.astype(mx.float32),
-                                    biases.astype(mx.float32), transpose=True, group_size=group_size,
-                                    bits=bits).astype(dtype)
         atol, rtol = TOLERANCES[dtype]
-        assert worst_errors(cuda_emulate.emulate(plan), [truth], rtol=rtol, atol=atol)[2], shape
+        truth = cuda_emulate.float32_truth(plan)
+        assert worst_errors(cuda_emulate.emulate(plan), truth, rtol=rtol, atol=atol)[2], shape
 
 
 def test_past_max_warps_each_warp_takes_several_weight_rows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -188,11 +186,8 @@ def test_past_max_warps_each_warp_takes_several_weight_rows(monkeypatch: pytest.
     with using_backend("cuda"):
         plan = entry.plan(*case.args, **case.kwargs)
     assert plan.grid[0] == 2 * plan.threadgroup[0]
-    x, (w, scales, biases) = case.args
-    truth = mx.quantized_matmul(x.astype(mx.float32), w, scales.astype(mx.float32), biases.astype(mx.float32),
-                                transpose=True).astype(mx.bfloat16)
     atol, rtol = TOLERANCES[mx.bfloat16]
-    assert worst_errors(cuda_emulate.emulate(plan), [truth], rtol=rtol, atol=atol)[2]
+    assert worst_errors(cuda_emulate.emulate(plan), cuda_emulate.float32_truth(plan), rtol=rtol, atol=atol)[2]
 
 
 #: Every library entry with a CUDA body.
