@@ -697,8 +697,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="bfloat16,float16")
     parser.add_argument("--modes", default="eager,wrap", help="eager, wrap or both")
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--prefill", default="256,2048", help="prompt lengths for ttft")
-    parser.add_argument("--tokens", type=int, default=64, help="tokens generated per decode run")
+    parser.add_argument("--prefill", help="prompt lengths for ttft (default 256,2048; --quick: 32)")
+    parser.add_argument("--tokens", type=int, help="tokens generated per decode run (default 64; --quick: 8)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="timed rounds after the warm-up one; an odd count gets one more "
                         "(balanced_rounds)")
@@ -730,10 +730,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set((args.preset or "").split(",")) - set(PRESETS) - {""})
     if unknown:
         parser.error(f"unknown presets {unknown}; known: {', '.join(PRESETS)}")
-    if args.quick:  # a smoke run: one round, its ratios are not figures; 8 tokens, a 32-token prompt
+    args.tokens = args.tokens or (8 if args.quick else 64)
+    args.prefill = args.prefill or ("32" if args.quick else "256,2048")
+    if args.quick:  # a smoke run: one round, its ratios are not figures
         args.rounds = 1
-        args.tokens = 8 if args.tokens == parser.get_default("tokens") else args.tokens
-        args.prefill = "32" if args.prefill == parser.get_default("prefill") else args.prefill
         args.batches = args.batches if args.sweep else "1"
     else:
         args.rounds = balanced_rounds(args.rounds)
