@@ -18,7 +18,9 @@ in current thread"), so inputs and weights are evaluated before they are handed 
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import sys
 import threading
 import types
 from collections.abc import Callable
@@ -27,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 import graphkern as gk
 import graphkern.kernels as gkk
@@ -243,6 +245,112 @@ def test_concurrent_traces_of_one_module_instance_keep_their_own_scopes() -> Non
         t.join(timeout=300)
     assert not failures and not any(t.is_alive() for t in threads)
     assert not ModuleHooks._patched
+
+
+@contextlib.contextmanager
+def switching_often() -> Any:
+    """Python switches threads about every microsecond instead of every 5 ms: a window another
+    thread must not enter is entered within a few calls if it is open."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def parameter_values(model: nn.Module) -> list[list[Any]]:
+    return [v.tolist() for _, v in tree_flatten(model.parameters())]
+
+
+def test_threads_tracing_one_model_never_see_each_others_placeholders() -> None:
+    """A trace puts placeholders in the model's parameters; eight threads tracing one model, with
+    threads switching every microsecond, each trace only its own: no trace bakes another's
+    placeholder in as a constant (or fails evaluating it), and the model keeps its own arrays."""
+    model = Model(3)
+    x = mx.ones((1, N))
+    mx.eval(model.parameters(), x)
+    before = [id(v) for _, v in tree_flatten(model.parameters())]
+    expected = graph_digest(gk.trace(model, x))
+    failures: list[str] = []
+
+    def work() -> None:
+        try:
+            for _ in range(60):
+                if graph_digest(gk.trace(model, x)) != expected:  # a placeholder is a constant node
+                    failures.append("a trace differs from a lone one")
+        except Exception as exc:  # noqa: BLE001 - a thread's error fails the test, not the thread
+            failures.append(f"{type(exc).__name__}: {exc}")
+
+    with switching_often():
+        threads = [threading.Thread(target=work) for _ in range(THREADS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not failures, failures[:3]
+    assert [id(v) for _, v in tree_flatten(model.parameters())] == before
+
+
+def test_compiled_calls_tracing_new_signatures_and_traces_of_one_model_at_once() -> None:
+    """MLX's trace of a compiled graph with state puts its tracers in the model's parameters, as a
+    trace's swap does: threads first-calling new signatures of one ``gk.compile``d model while
+    others trace it all get their own results, and the model's parameters are unchanged."""
+    model = Model(4)
+    mx.eval(model.parameters())
+    values = parameter_values(model)
+    compiled = gk.compile(model, backend="reference")
+    inputs = [mx.random.normal((1 + i, N)) for i in range(THREADS * 4)]
+    mx.eval(inputs)
+    with backends.using_backend("reference"):
+        expected = [model(x).tolist() for x in inputs]
+    constants = len(gk.trace(model, inputs[0]).nodes("constant"))
+    failures: list[str] = []
+
+    def work(index: int) -> None:
+        try:
+            for i in range(index, len(inputs), THREADS):
+                if index % 2:
+                    if len(gk.trace(model, inputs[i]).nodes("constant")) != constants:
+                        failures.append("a trace baked a placeholder in")
+                elif compiled(inputs[i]).tolist() != expected[i]:
+                    failures.append(f"compiled call {i} differs")
+        except Exception as exc:  # noqa: BLE001 - a thread's error fails the test, not the thread
+            failures.append(f"{type(exc).__name__}: {exc}")
+
+    with switching_often():
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(THREADS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not failures, failures[:3]
+    assert parameter_values(model) == values
+
+
+def test_a_trace_inside_a_placeholder_window_runs_on_its_deep_stack_thread() -> None:
+    """A piece of work holding the placeholder window (a float32 copy of a model's state swapped in
+    while it traces, as ``gk.compare`` does) traces on a deep-stack thread while it waits: the
+    window follows it there instead of deadlocking."""
+    from graphkern.tracing.traceable import Traceable
+    model = Model(5)
+    x = mx.ones((1, N))
+    mx.eval(model.parameters(), x)
+    traceable = Traceable(model)
+    expected = graph_digest(gk.trace(model, x))
+    done: list[gk.Graph] = []
+
+    def work() -> None:
+        with traceable.state.swapped(traceable.state.arrays()):
+            done.append(gk.trace(model, x))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the nested trace waited for the window its caller holds"
+    assert done and graph_digest(done[0]) == expected
 
 
 def test_a_threads_backend_override_reaches_its_traces() -> None:

@@ -26,7 +26,7 @@ from ..nodes import Kernel, KernelError, Status, dtype_name
 from ..tracing.extensions import collectives, refuse_tracing
 from ..tracing.graph import Failure, Graph, GraphError
 from ..tracing.guards import AttributeGuard, modules_under, reached_places
-from ..tracing.state import Flat, reach, unflatten_outputs
+from ..tracing.state import Flat, placeholder_window, reach, unflatten_outputs
 from ..tracing.traceable import Traceable
 from .extensions import describe_call, rank_sync
 from .finite import all_finite, non_finite_error
@@ -415,7 +415,7 @@ class CompiledGraph:
             self._last = steady.graph
             call.steady_args = args
             try:
-                outputs = steady.compiled(*args)
+                outputs = self._call_compiled(steady.compiled, args)
             except Exception:  # arguments MLX refuses: the long way says what is wrong
                 outputs = None
             call.steady_args = None
@@ -510,9 +510,20 @@ class CompiledGraph:
             compiled = self._compiled[key[0]] = mx.compile(self._run_flat, inputs=inputs)
         return _Prepared(key, flat, graph, spec, compiled, self._slots[key])
 
+    def _call_compiled(self, compiled: Callable[..., Any], arrays: Any) -> Any:
+        """Call an ``mx.compile``d function of this graph. While MLX traces one with state, its
+        tracers sit in the state's containers (the model's parameters): under
+        ``placeholder_window``, as a trace's placeholders are, so no other thread's trace or
+        compiled call reads them or restores over them."""
+        state = self._state
+        if not (state.roots or state.cells):
+            return compiled(*arrays)
+        with placeholder_window:
+            return compiled(*arrays)
+
     def _run_compiled(self, compiled: Callable[..., Any], arrays: list[mx.array],
                       graph: Graph) -> list[mx.array]:
-        outputs = compiled(*arrays)
+        outputs = self._call_compiled(compiled, arrays)
         failed = self._call_state.recorder.failed
         if failed is not None:  # a launch failed while MLX traced
             raise failed[1]

@@ -29,7 +29,7 @@ import mlx.core as mx
 from .launch_cache import LaunchCache
 
 __all__ = ["Recorder", "Settings", "adopted", "current_recorder", "inside_inspection_trace", "mlx_thread",
-           "recording", "release_streams", "settings_changed", "snapshot", "state"]
+           "recording", "release_streams", "settings_changed", "snapshot", "state", "work_owner"]
 
 #: The most compiled launch forms a thread keeps (each holds an ``mx.compile``d function).
 THREAD_FORMS = 1024
@@ -127,6 +127,9 @@ class _ThreadState(threading.local):
     kernels_only: bool = False
     #: this thread is a trace's deep-stack thread (not a setting: never carried)
     deep_stack: bool = False
+    #: on a trace's deep-stack thread, the token of the thread waiting for it, whose work this is
+    #: (:func:`work_owner`; not a setting)
+    acting_for: object | None = None
     #: nesting depth of compiled segments being traced on this thread (``models.segments``;
     #: not a setting: a trace runs on the thread that calls it)
     segment_depth: int = 0
@@ -153,6 +156,13 @@ class _ThreadState(threading.local):
 
 
 state = _ThreadState()
+
+
+def work_owner() -> object:
+    """Whom the work running on this thread belongs to: a trace's deep-stack thread works for the
+    thread waiting on it, any other thread for itself. A lock held for a piece of work
+    (``tracing.state.placeholder_window``) is re-entered by that work on either thread."""
+    return state.acting_for or state.token
 
 
 def settings_changed() -> None:

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
-from ..launching.context import adopted, snapshot, state
+from ..launching.context import adopted, snapshot, state, work_owner
 
 __all__ = ["on_deep_stack"]
 
@@ -118,15 +118,15 @@ def on_deep_stack(work: Callable[[], None]) -> None:
     if state.deep_stack:
         work()
         return
-    variables, settings = contextvars.copy_context(), snapshot()
+    variables, settings, owner = contextvars.copy_context(), snapshot(), work_owner()
 
     def run() -> None:
-        state.deep_stack = True
+        state.deep_stack, state.acting_for = True, owner
         try:
             with adopted(settings):
                 variables.run(work)
         finally:
-            state.deep_stack = False
+            state.deep_stack, state.acting_for = False, None
 
     with _ctrl_c_when_done():
         with _stack_lock:  # the pool starts its threads inside submit(): give them the big stack

@@ -5,6 +5,10 @@ functions that close over weights. ``Flat`` turns a call's arguments into arrays
 ``State`` finds the arrays a function reads without taking them as arguments (the parameters of
 an ``nn.Module``, arrays in closure cells) and swaps them for tracer arrays while tracing, so a
 trace never bakes a weight in as a constant.
+
+While a model's containers hold one trace's placeholders, another thread reading them would bake
+those in (and fail evaluating them), and the two restores, interleaved, would leave placeholders
+in the model: every such window is held under one lock (:data:`placeholder_window`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import numbers
+import threading
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,8 +25,39 @@ from typing import Any, Literal
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["Flat", "Reach", "Reached", "State", "argument_names", "flatten_outputs", "reach", "static_key",
-           "unflatten_outputs"]
+from ..launching.context import work_owner
+
+__all__ = ["Flat", "Reach", "Reached", "State", "argument_names", "flatten_outputs", "placeholder_window",
+           "reach", "static_key", "unflatten_outputs"]
+
+
+class _WorkLock:
+    """A lock (``with lock:``) re-entered by the piece of work holding it
+    (``context.work_owner``), on its own thread or on the deep-stack thread a trace inside it runs
+    on while it waits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: object | None = None
+        self._depth = 0
+
+    def __enter__(self) -> None:
+        me = work_owner()
+        if self._owner is not me:  # only the owner ever sets it to itself
+            self._lock.acquire()
+            self._owner = me
+        self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if not self._depth:
+            self._owner = None
+            self._lock.release()
+
+
+#: Held while a state's containers hold placeholders: a trace's swap (``State.swapped``) and MLX's
+#: trace of a compiled graph with state (``compiling.compiled``).
+placeholder_window = _WorkLock()
 
 
 class _Leaf:
@@ -400,12 +436,14 @@ class State:
 
     @contextlib.contextmanager
     def swapped(self, arrays: list[mx.array] | tuple[mx.array, ...]) -> Iterator[None]:
-        """Put ``arrays`` in every slot for the duration, then restore the originals."""
-        saved = self.arrays()
-        for (container, key), value in zip(self.slots, arrays):
-            container[key] = value
-        try:
-            yield
-        finally:
-            for (container, key), value in zip(self.slots, saved):
+        """Put ``arrays`` in every slot for the duration, then restore the originals; no other
+        piece of work swaps meanwhile (:data:`placeholder_window`)."""
+        with placeholder_window:
+            saved = self.arrays()
+            for (container, key), value in zip(self.slots, arrays):
                 container[key] = value
+            try:
+                yield
+            finally:
+                for (container, key), value in zip(self.slots, saved):
+                    container[key] = value
