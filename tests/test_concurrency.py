@@ -18,7 +18,6 @@ in current thread"), so inputs and weights are evaluated before they are handed 
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import sys
 import threading
@@ -247,16 +246,21 @@ def test_concurrent_traces_of_one_module_instance_keep_their_own_scopes() -> Non
     assert not ModuleHooks._patched
 
 
-@contextlib.contextmanager
-def switching_often() -> Any:
-    """Python switches threads about every microsecond instead of every 5 ms: a window another
-    thread must not enter is entered within a few calls if it is open."""
+def race(work: Callable[[int], None]) -> None:
+    """Run ``work(index)`` on THREADS threads at once with Python switching between them about
+    every microsecond instead of every 5 ms, so a window another thread must not enter is entered
+    within a few calls if it is open; fails if a thread hangs."""
     previous = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
-        yield
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(THREADS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
     finally:
         sys.setswitchinterval(previous)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
 
 
 def parameter_values(model: nn.Module) -> list[list[Any]]:
@@ -274,7 +278,7 @@ def test_threads_tracing_one_model_never_see_each_others_placeholders() -> None:
     expected = graph_digest(gk.trace(model, x))
     failures: list[str] = []
 
-    def work() -> None:
+    def work(index: int) -> None:
         try:
             for _ in range(60):
                 if graph_digest(gk.trace(model, x)) != expected:  # a placeholder is a constant node
@@ -282,13 +286,7 @@ def test_threads_tracing_one_model_never_see_each_others_placeholders() -> None:
         except Exception as exc:  # noqa: BLE001 - a thread's error fails the test, not the thread
             failures.append(f"{type(exc).__name__}: {exc}")
 
-    with switching_often():
-        threads = [threading.Thread(target=work) for _ in range(THREADS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads), "a thread hung"
+    race(work)
     assert not failures, failures[:3]
     assert [id(v) for _, v in tree_flatten(model.parameters())] == before
 
@@ -319,13 +317,7 @@ def test_compiled_calls_tracing_new_signatures_and_traces_of_one_model_at_once()
         except Exception as exc:  # noqa: BLE001 - a thread's error fails the test, not the thread
             failures.append(f"{type(exc).__name__}: {exc}")
 
-    with switching_often():
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(THREADS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads), "a thread hung"
+    race(work)
     assert not failures, failures[:3]
     assert parameter_values(model) == values
 
