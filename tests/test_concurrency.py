@@ -23,7 +23,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -263,8 +263,12 @@ def race(work: Callable[[int], None]) -> None:
     assert not any(t.is_alive() for t in threads), "a thread hung"
 
 
-def parameter_values(model: nn.Module) -> list[list[Any]]:
-    return [v.tolist() for _, v in tree_flatten(model.parameters())]
+def parameter_arrays(model: nn.Module) -> list[mx.array]:
+    return [v for _, v in cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))]
+
+
+def parameter_values(model: nn.Module) -> list[Any]:
+    return [v.tolist() for v in parameter_arrays(model)]
 
 
 def test_threads_tracing_one_model_never_see_each_others_placeholders() -> None:
@@ -274,7 +278,7 @@ def test_threads_tracing_one_model_never_see_each_others_placeholders() -> None:
     model = Model(3)
     x = mx.ones((1, N))
     mx.eval(model.parameters(), x)
-    before = [id(v) for _, v in tree_flatten(model.parameters())]
+    before = [id(v) for v in parameter_arrays(model)]
     expected = graph_digest(gk.trace(model, x))
     failures: list[str] = []
 
@@ -288,7 +292,7 @@ def test_threads_tracing_one_model_never_see_each_others_placeholders() -> None:
 
     race(work)
     assert not failures, failures[:3]
-    assert [id(v) for _, v in tree_flatten(model.parameters())] == before
+    assert [id(v) for v in parameter_arrays(model)] == before
 
 
 def test_compiled_calls_tracing_new_signatures_and_traces_of_one_model_at_once() -> None:
