@@ -75,7 +75,7 @@ from _timing import header  # noqa: E402
 
 import graphkern as gk  # noqa: E402
 from graphkern.models import WrappedModel  # noqa: E402
-from graphkern.models.patching import kernel_names  # noqa: E402
+from graphkern.models.patching import default_kernels, kernel_names  # noqa: E402
 from graphkern.models.tiny import random_model  # noqa: E402
 
 SIZES: dict[str, dict[str, int]] = {
@@ -177,12 +177,22 @@ def preset_config(name: str, layers: int | None, quick: bool) -> tuple[dict[str,
     return cfg, label
 
 
+def patch_selection(without: Sequence[str] = (), extra: Sequence[str] = ()) -> str | list[str]:
+    """``patch(kernels=...)`` for the default kernels less ``without``, plus ``extra`` (opt-in
+    kernels such as ``quantized_matvec``); ``"default"`` for neither."""
+    if not without and not extra:
+        return "default"
+    return sorted((set(default_kernels()) | set(extra)) - set(without))
+
+
 def twin_models(cfg: dict[str, Any], dtype: mx.Dtype, bits: int | None = None,
-                group_size: int = 64, without: Sequence[str] = (), route: str = "auto") -> tuple[Any, Any]:
+                group_size: int = 64, without: Sequence[str] = (), route: str = "auto",
+                extra: Sequence[str] = ()) -> tuple[Any, Any]:
     """The stock model and a patched one sharing its weight arrays, in evaluation mode; ``bits``:
     both quantized as mlx-lm's converter quantizes (``nn.quantize``, every layer that has a
-    quantized form: embeddings and output layer included); ``without``: kernels the patch leaves
-    out (``patch(kernels=...)`` of the others); ``route``: the patched model's route."""
+    quantized form: embeddings and output layer included); ``without`` / ``extra``: kernels the
+    patch leaves out of its default / adds to it (:func:`patch_selection`); ``route``: the patched
+    model's route."""
     import mlx.nn as nn
 
     stock = random_model(cfg, dtype)
@@ -190,8 +200,7 @@ def twin_models(cfg: dict[str, Any], dtype: mx.Dtype, bits: int | None = None,
         nn.quantize(stock, group_size=group_size, bits=bits)
         mx.eval(stock.parameters())
     patched = shared_twin(stock, bits, group_size)
-    kernels = [k for k in kernel_names() if k not in without] if without else "all"
-    gk.patch(patched, kernels=kernels, route=route)
+    gk.patch(patched, kernels=patch_selection(without, extra), route=route)
     stock.eval()  # as mlx_lm.load leaves a model
     patched.eval()
     return stock, patched
@@ -324,7 +333,8 @@ TTFT_REPEATS = 5
 
 def measure(label: str, cfg: dict[str, Any], dtype_name: str, args: argparse.Namespace) -> dict[str, Any]:
     dtype = DTYPES[dtype_name]
-    stock, patched = twin_models(cfg, dtype, args.quantize, args.group_size, args.without, args.route)
+    stock, patched = twin_models(cfg, dtype, args.quantize, args.group_size, args.without, args.route,
+                                 args.extra)
     vocab = cfg["vocab_size"]
     variants: dict[str, Any] = {"stock": stock, "patched": patched}
     if "wrap" in args.modes:
@@ -721,8 +731,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--twin", action="store_true",
                         help="also time a second, unpatched model object sharing stock's weights (rows "
                         "of mode 'twin': twin over stock, what two identical models differ by here)")
-    parser.add_argument("--without", default="", help="kernels the patch leaves out (comma list of "
-                        "patch(kernels=...) names): what the others alone make of a model")
+    parser.add_argument("--without", default="", help="kernels the patch leaves out of its default "
+                        "(comma list of patch(kernels=...) names): what the others alone make of a model")
+    parser.add_argument("--with", dest="extra", default="", help="opt-in kernels the patch adds to its "
+                        "default (comma list: quantized_matvec)")
     parser.add_argument("--route", default="auto", choices=("auto", "kernel", "stock"),
                         help="the patched model's route (gk.patch(route=...)); auto measures")
     parser.add_argument("--json", help="write the results here")
@@ -739,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds = balanced_rounds(args.rounds)
     args.modes = args.modes.split(",")
     args.without = [k for k in args.without.split(",") if k]
-    unknown_kernels = sorted(set(args.without) - set(kernel_names()))
+    args.extra = [k for k in args.extra.split(",") if k]
+    unknown_kernels = sorted(set(args.without + args.extra) - set(kernel_names()))
     if unknown_kernels:
         parser.error(f"unknown kernels {unknown_kernels}; known: {', '.join(kernel_names())}")
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -768,9 +781,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _patch_options(args: argparse.Namespace) -> str:
-    """What the headers say of ``--without`` and ``--route``."""
+    """What the headers say of ``--without``, ``--with`` and ``--route``."""
     route = f"; patched on the {args.route} route" if args.route != "auto" else ""
-    return (f"; patched without {', '.join(args.without)}" if args.without else "") + route
+    return ((f"; patched without {', '.join(args.without)}" if args.without else "")
+            + (f"; patched with {', '.join(args.extra)}" if args.extra else "") + route)
 
 
 def run_sweep(args: argparse.Namespace) -> int:

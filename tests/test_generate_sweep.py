@@ -205,22 +205,24 @@ def test_a_twin_is_timed_in_the_same_rounds_as_two_identical_models(
     assert "decode b1 twin" in header and "| decode b1 |" in header
 
 
-def test_without_leaves_the_named_kernels_out_of_the_patched_model(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    """``--without quantized_matvec``: the patched quantized model's blocks decode without it (and
-    with the rest), the header says so, and a name no patch rule uses is refused by name."""
-    stock, patched = generate.twin_models(generate.preset_config("llama-3.2-1b", None, True)[0], mx.float32,
-                                          bits=4, without=["quantized_matvec"])
-    block = patched.model.layers[0]
+def test_without_and_with_change_the_patched_models_kernels(capsys: pytest.CaptureFixture[str]) -> None:
+    """The default patch decodes a quantized model's blocks without the opt-in ``quantized_matvec``;
+    ``--with quantized_matvec`` adds it, ``--without`` leaves a default kernel out; the header says
+    both, and a name no patch rule uses is refused by name."""
+    cfg = generate.preset_config("llama-3.2-1b", None, True)[0]
+    _, default = generate.twin_models(cfg, mx.float32, bits=4)
+    block = default.model.layers[0]
     assert "quantized_matvec" not in block._gk_decoding and "quantized_norm_swiglu" in block._gk_decoding
-    _, full = generate.twin_models(generate.preset_config("llama-3.2-1b", None, True)[0], mx.float32, bits=4)
-    assert "quantized_matvec" in full.model.layers[0]._gk_decoding
+    _, extra = generate.twin_models(cfg, mx.float32, bits=4, extra=["quantized_matvec"])
+    assert "quantized_matvec" in extra.model.layers[0]._gk_decoding
+    _, fewer = generate.twin_models(cfg, mx.float32, bits=4, without=["quantized_norm_swiglu"])
+    assert "quantized_norm_swiglu" not in fewer.model.layers[0]._gk_decoding
     assert generate.main(["--sizes", "tiny", "--models", "llama", "--dtypes", "float32", "--modes", "eager",
                           "--batches", "1", "--prefill", "8", "--tokens", "2", "--rounds", "1",
-                          "--without", "quantized_matvec,swiglu"]) == 0
-    assert "; patched without quantized_matvec, swiglu" in capsys.readouterr().out
+                          "--without", "swiglu", "--with", "quantized_matvec"]) == 0
+    assert "; patched without swiglu; patched with quantized_matvec" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        generate.main(["--sizes", "tiny", "--without", "no_such_kernel"])
+        generate.main(["--sizes", "tiny", "--with", "no_such_kernel"])
     assert "unknown kernels ['no_such_kernel']" in capsys.readouterr().err
 
 

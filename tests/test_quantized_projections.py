@@ -1,7 +1,7 @@
 """The quantized norm-fed projection kernels (graphkern.kernels.ops.quantized_projections) and the
 patched quantized blocks decoding through them: on the CPU the kernels run their references, which
 are stock MLX's ops, so a patched quantized model must equal the stock one exactly, logits and
-greedy tokens."""
+greedy tokens. The models are patched with ``kernels="all"``: ``quantized_matvec`` is opt-in."""
 
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def _greedy(model: nn.Module, tokens: int = 16) -> list[int]:
 def test_a_patched_quantized_model_decodes_through_the_quantized_kernels_as_stock(
         arch: str, bits: int, group_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
     stock, patched = _quantized_model(arch, bits, group_size), _quantized_model(arch, bits, group_size)
-    report = gk.patch(patched)
+    report = gk.patch(patched, kernels="all")
     assert not any(p.note for p in report)
     calls = spy_on_kernels(monkeypatch, KERNELS)
     # equal, Gemma's too: its feed-forward's GELU is the GeGLU kernel's reference, stock's formula
@@ -191,7 +191,7 @@ def test_quantization_the_kernels_do_not_read_keeps_stock_products_with_a_note(
     # mxfp4 dequantizes its embeddings to bfloat16: a model of that dtype, held to its tolerance
     dtype = mx.float32 if mode == "affine" else mx.bfloat16
     stock, patched = (_quantized_model("llama", bits, group_size, mode, dtype) for _ in range(2))
-    notes = {p.path: p.note for p in gk.patch(patched) if p.note}
+    notes = {p.path: p.note for p in gk.patch(patched, kernels="all") if p.note}
     assert sorted(notes) == ["model.layers.0", "model.layers.1"]
     assert says in notes["model.layers.0"] and "q_proj, k_proj, v_proj" in notes["model.layers.0"]
     assert "gate_proj, up_proj" in notes["model.layers.0"]
@@ -234,7 +234,7 @@ def test_a_quantized_llama_decodes_its_attention_prologue_in_one_launch(
     for model in (stock, patched):
         nn.quantize(model, group_size=64, bits=4)
         model.eval()
-    gk.patch(patched)
+    gk.patch(patched, kernels="all")
     calls = spy_on_kernels(monkeypatch, [*KERNELS, "rope_qk"])
     for ours, theirs in zip(_logits(patched), _logits(stock)):
         assert mx.array_equal(ours, theirs).item()
@@ -255,7 +255,7 @@ def test_a_quantized_phi3_decodes_its_fused_qkv_prologue_in_one_launch(
     within the model tolerance in bfloat16) from that launch, without ``rope_qk``; and a decode step
     on a GPU's routes launches it once a block, with no ``rope_qk`` and no split."""
     stock, patched = (_quantized_model("phi3", bits, group_size, dtype=dtype) for _ in range(2))
-    gk.patch(patched)
+    gk.patch(patched, kernels="all")
     atol, rtol = (0.0, 0.0) if dtype == mx.float32 else MODEL_TOLERANCES[dtype]
     caches = [make_prompt_cache(m) for m in (patched, stock)]
     ours, theirs = patched(PROMPT[None], cache=caches[0]), stock(PROMPT[None], cache=caches[1])
@@ -296,7 +296,7 @@ def test_a_phi35_decodes_as_stock_through_the_fused_blocks(bits: int | None,
     patched.update(stock.parameters())
     for model in (stock, patched):
         model.eval()
-    gk.patch(patched)
+    gk.patch(patched, kernels="all")
     assert type(patched.model.layers[0].self_attn.rope).__name__ == "KernelSuScaledRoPE"
     for ours, theirs in zip(_logits(patched), _logits(stock)):
         assert mx.array_equal(ours, theirs).item(), mx.abs(ours - theirs).max().item()
@@ -314,7 +314,7 @@ def test_rows_past_two_decode_through_the_projections_and_rope_qk_apart(
     full warps a row, and the output and down products on ``quantized_matvec``."""
     stock, patched = (_quantized_model("llama", 4, 64) for _ in range(2))
     patched.update(stock.parameters())
-    gk.patch(patched)
+    gk.patch(patched, kernels="all")
     calls = spy_on_kernels(monkeypatch, [*KERNELS, "rope_qk"])
     prompt = mx.broadcast_to(PROMPT[None], (4, PROMPT.size))
     caches = [make_prompt_cache(m) for m in (patched, stock)]
@@ -397,7 +397,7 @@ def test_the_output_layer_takes_a_tokens_logits_through_the_product_kernel(
     unpatch puts the stock layers back. Other quantized projections are not taken by the rule."""
     stock, patched = _quantized_model(arch, 4, 64), _quantized_model(arch, 4, 64)
     patched.update(stock.parameters())
-    report = {p.path: p.kernel for p in gk.patch(patched)}
+    report = {p.path: p.kernel for p in gk.patch(patched, kernels="all")}
     output = "lm_head" if arch == "llama" else "model.embed_tokens"
     assert report[output] == "quantized_matvec"
     assert not any(path.endswith("_proj") for path in report)
@@ -410,6 +410,23 @@ def test_the_output_layer_takes_a_tokens_logits_through_the_product_kernel(
     gk.unpatch(patched)
     assert type(patched.model.embed_tokens) is nn.QuantizedEmbedding
     assert arch != "llama" or type(patched.lm_head) is nn.QuantizedLinear
+
+
+def test_the_default_patch_leaves_the_opt_in_product_kernel_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gk.patch(model)`` takes every kernel but the opt-in ``quantized_matvec``: the blocks decode
+    on the fused kernels with stock's output and down products, the output layer stays stock, and
+    the logits equal stock's."""
+    stock, patched = _quantized_model("llama", 4, 64), _quantized_model("llama", 4, 64)
+    patched.update(stock.parameters())
+    report = {p.path: p.kernel for p in gk.patch(patched)}
+    assert "lm_head" not in report and "quantized_matvec" not in report.values()
+    assert type(patched.lm_head) is nn.QuantizedLinear
+    calls = spy_on_kernels(monkeypatch, KERNELS)
+    for ours, theirs in zip(_logits(patched), _logits(stock)):
+        assert mx.array_equal(ours, theirs).item()
+    assert set(calls) == DECODING["llama"] - {"quantized_matvec"}
+    monkeypatch.setattr(routes, "on_gpu_backend", lambda: True)
+    assert "gk_quantized_matvec" not in decode_launches(patched).kinds
 
 
 def test_an_output_layer_the_kernel_cannot_read_stays_stock() -> None:

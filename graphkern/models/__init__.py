@@ -16,9 +16,11 @@ from graphkern.models.launch_count import Launches, decode_launches
 from graphkern.models.layers import KernelLayer
 from graphkern.models.model_checks import MODEL_TOLERANCES, check_model
 from graphkern.models.patching import (
+    OPT_IN_KERNELS,
     RULES,
     Patched,
     Rule,
+    default_kernels,
     kernel_names,
     patch,
     patched_layers,
@@ -36,11 +38,13 @@ __all__ = [
     "KernelLayer",
     "Launches",
     "MODEL_TOLERANCES",
+    "OPT_IN_KERNELS",
     "Patched",
     "Rule",
     "WrappedModel",
     "check_model",
     "decode_launches",
+    "default_kernels",
     "kernel_names",
     "patch",
     "patched_layers",

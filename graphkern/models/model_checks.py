@@ -69,7 +69,7 @@ def model_dtype(model: nn.Module) -> mx.Dtype:
     return main_float_dtype(array for _, array in leaves) or mx.float32
 
 
-def check_model(model: nn.Module, inputs: Any = None, *, kernels: str | Sequence[str] = "all",
+def check_model(model: nn.Module, inputs: Any = None, *, kernels: str | Sequence[str] = "default",
                 dtypes: Sequence[mx.Dtype] | None = None, seed: int = 0, compiled: bool = True,
                 tolerances: dict[mx.Dtype, tuple[float, float]] | None = None,
                 progress: bool | None = None) -> CheckReport:

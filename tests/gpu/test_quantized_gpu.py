@@ -1,6 +1,7 @@
 """The quantized norm-fed projection kernels on the GPU: against stock MLX (``mx.fast.rms_norm`` and
 ``mx.quantized_matmul``) for every bit width and group size they read, on misaligned weights, and
-inside patched quantized models against the stock ones.
+inside patched quantized models (patched with ``kernels="all"``, the opt-in ``quantized_matvec``
+included) against the stock ones.
 
 Rows one quantization group long are compared with stock's float32 product on the CPU: MLX 0.32.4's CUDA
 ``quantized_matmul`` of several rows of 128 features in groups of 128 is wrong on Hopper (its
@@ -231,7 +232,7 @@ def test_a_patched_quantized_model_decodes_as_stock_on_device(arch: str, bits: i
     """Logits of the prompt and 6 decoding steps within the model tolerance of the dtype; in float32
     also 16 greedy tokens of mlx-lm's generate_step."""
     stock, patched = _model(arch, bits, group_size, dtype), _model(arch, bits, group_size, dtype)
-    patch(patched, route="kernel")  # the prompt's 8 rows through the fused kernels too
+    patch(patched, kernels="all", route="kernel")  # the prompt's 8 rows through the fused kernels too
     calls = spy_on_kernels(monkeypatch, KERNELS)
     _decodes_as_stock(stock, patched, 6, dtype)
     assert set(calls) == DECODING[arch]
@@ -252,7 +253,7 @@ def test_a_patched_quantized_gemma_decodes_as_stock_through_the_geglu_kernel_on_
     the CPU too, the tiny quantized models' logits move past the model tolerance from stock's with
     or without the GeGLU kernels, by up to 0.3 and 0.05.)"""
     stock, patched = _model(arch, 4, 64, dtype), _model(arch, 4, 64, dtype)
-    patch(patched, route="kernel")
+    patch(patched, kernels="all", route="kernel")
     calls = spy_on_kernels(monkeypatch, KERNELS)
     _decodes_as_stock(stock, patched, 6, dtype)
     assert set(calls) == DECODING[arch]
@@ -270,5 +271,5 @@ def test_a_patched_quantized_model_of_real_width_matches_stock_on_device(bits: i
     dims = {"hidden_size": 2048 // narrow, "intermediate_size": 8192 // narrow,
             "num_attention_heads": 32 // narrow, "num_key_value_heads": 8 // narrow, "vocab_size": 1024}
     stock, patched = (_model("llama", bits, 64, mx.float16, **dims) for _ in range(2))
-    patch(patched, route="kernel")
+    patch(patched, kernels="all", route="kernel")
     _decodes_as_stock(stock, patched, 4, mx.float16)
