@@ -35,6 +35,7 @@ import graphkern.kernels as gkk
 from graphkern.compiling.compiled import _CallState, _PassThrough
 from graphkern.launching import backends, mlx_kernels
 from graphkern.tracing.module_hooks import ModuleHooks
+from graphkern.tracing.traceable import Traceable
 
 THREADS = 8
 CALLS = 1_000
@@ -330,7 +331,6 @@ def test_a_trace_inside_a_placeholder_window_runs_on_its_deep_stack_thread() -> 
     """A piece of work holding the placeholder window (a float32 copy of a model's state swapped in
     while it traces, as ``gk.compare`` does) traces on a deep-stack thread while it waits: the
     window follows it there instead of deadlocking."""
-    from graphkern.tracing.traceable import Traceable
     model = Model(5)
     x = mx.ones((1, N))
     mx.eval(model.parameters(), x)
