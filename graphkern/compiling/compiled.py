@@ -506,7 +506,7 @@ class CompiledGraph:
             state = self._state
             # nothing to capture (no module, no closure arrays): MLX need not walk an empty
             # state tree on every call
-            inputs = state.containers if state.roots or state.cells else None
+            inputs = state.containers if state.captured else None
             compiled = self._compiled[key[0]] = mx.compile(self._run_flat, inputs=inputs)
         return _Prepared(key, flat, graph, spec, compiled, self._slots[key])
 
@@ -515,8 +515,7 @@ class CompiledGraph:
         tracers sit in the state's containers (the model's parameters): under
         ``placeholder_window``, as a trace's placeholders are, so no other thread's trace or
         compiled call reads them or restores over them."""
-        state = self._state
-        if not (state.roots or state.cells):
+        if not self._state.captured:
             return compiled(*arrays)
         with placeholder_window:
             return compiled(*arrays)

@@ -410,6 +410,12 @@ class State:
                 self._walk(child, value)
 
     @property
+    def captured(self) -> bool:
+        """Whether there is state to capture (a module, closure arrays): what ``mx.compile`` must
+        take as ``inputs`` and fill with tracers while it traces."""
+        return bool(self.roots or self.cells)
+
+    @property
     def containers(self) -> list[Any]:
         """For ``mx.compile(inputs=...)``: MLX fills these with tracers while it traces."""
         return [*self.roots, self.cell_values]
